@@ -1,0 +1,101 @@
+"""The model every client trains: a frozen backbone plus a method's trainable modules."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+class AdaptedModel(nn.Module):
+    """Backbone (frozen, optional) followed by a trainable head.
+
+    Parameters
+    ----------
+    head : nn.Module
+        Maps pooled features ``[B, D]`` to logits ``[B, C]``.
+    backbone : Backbone or None
+        None when the inputs are cached pooled features.
+    train_backbone : bool
+        Full fine-tuning: the backbone's parameters train (BatchNorm statistics stay frozen).
+    federated : bool
+        False for local-only training: every trainable tensor is personal.
+    personal : tuple of str
+        Name prefixes of trainable tensors that stay on the client.
+    """
+
+    def __init__(
+        self,
+        *,
+        head: nn.Module,
+        backbone: Optional[nn.Module] = None,
+        train_backbone: bool = False,
+        federated: bool = True,
+        personal: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.head = head
+        self.train_backbone = train_backbone
+        self.federated = federated
+        self.personal = personal
+        if backbone is not None:
+            backbone.requires_grad_(train_backbone)
+
+    @property
+    def input_kind(self) -> str:
+        """``images`` when the backbone runs in the model, else ``features``."""
+        return "features" if self.backbone is None else "images"
+
+    def train(self, mode: bool = True) -> "AdaptedModel":
+        super().train(mode)
+        if self.backbone is not None:
+            if not self.train_backbone:
+                self.backbone.eval()
+            else:  # keep pretrained normalisation statistics
+                for m in self.backbone.modules():
+                    if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                        m.eval()
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # images [B,3,H,W] or feats [B,D]
+        if self.backbone is not None:
+            with torch.set_grad_enabled(self.train_backbone and torch.is_grad_enabled()):
+                x = self.backbone(x)
+        return self.head(x)
+
+    # -- what trains, what travels -------------------------------------------------------
+    def trainable_names(self) -> list[str]:
+        return [n for n, p in self.named_parameters() if p.requires_grad]
+
+    def personal_names(self) -> list[str]:
+        names = self.trainable_names()
+        if not self.federated:
+            return names
+        return [n for n in names if n.startswith(self.personal)] if self.personal else []
+
+    def communicated_names(self) -> list[str]:
+        personal = set(self.personal_names())
+        return [n for n in self.trainable_names() if n not in personal]
+
+    def tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Detached CPU copies of the named parameters."""
+        params = dict(self.named_parameters())
+        return {n: params[n].detach().cpu().clone() for n in names}
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy named tensors into parameters; names and shapes must match exactly."""
+        params = dict(self.named_parameters())
+        unknown = sorted(set(tensors) - set(params))
+        if unknown:
+            raise KeyError(f"unknown tensor names: {unknown[:5]}")
+        with torch.no_grad():
+            for n, t in tensors.items():
+                if params[n].shape != t.shape:
+                    raise ValueError(f"{n}: shape {tuple(t.shape)} != {tuple(params[n].shape)}")
+                params[n].copy_(t)
+
+    def count(self, names: list[str]) -> int:
+        params = dict(self.named_parameters())
+        return sum(params[n].numel() for n in names)

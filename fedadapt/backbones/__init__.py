@@ -1,0 +1,51 @@
+"""Frozen backbones behind one interface, built by one factory.
+
+``build_backbone(cfg)`` returns a :class:`Backbone`: an ``nn.Module`` whose ``forward`` maps a
+batch of normalised images ``[B, 3, H, W]`` to pooled features ``[B, D]``, frozen
+(``requires_grad=False``) and in eval mode. Families register themselves with
+:func:`register_family`; weights come from a hub id or a local path, or are random when
+``cfg.weights`` is None (tests, ``fedadapt-inspect``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from fedadapt.backbones.base import Backbone, MissingAssetError
+from fedadapt.config import BackboneConfig, ConfigError
+
+_FAMILIES: dict[str, Callable[[BackboneConfig, bool], Backbone]] = {}
+
+
+def register_family(name: str):
+    """Register ``fn(cfg, load_weights) -> Backbone`` under ``backbone.family=name``."""
+
+    def deco(fn):
+        _FAMILIES[name] = fn
+        return fn
+
+    return deco
+
+
+def build_backbone(cfg: BackboneConfig, *, load_weights: bool = True) -> Backbone:
+    """Build the frozen backbone ``cfg`` describes.
+
+    Parameters
+    ----------
+    cfg : BackboneConfig
+        Family, weights (hub id, local path or None) and architecture overrides.
+    load_weights : bool
+        False builds the architecture with random weights (no download), as
+        ``fedadapt-inspect`` does.
+    """
+    from fedadapt.backbones import clip, cnn, efficientnet, vit  # noqa: F401  (registration)
+
+    if cfg.family not in _FAMILIES:
+        raise ConfigError(
+            f"backbone.family={cfg.family!r} is invalid: one of {sorted(_FAMILIES)}"
+        )
+    backbone = _FAMILIES[cfg.family](cfg, load_weights)
+    return backbone.freeze()
+
+
+__all__ = ["Backbone", "MissingAssetError", "build_backbone", "register_family"]

@@ -1,0 +1,61 @@
+"""The interface every backbone implements."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MissingAssetError(RuntimeError):
+    """Weights or data are not available offline; the message names the fetch command."""
+
+
+def prefetch_hint(what: str, *, backbone: str | None = None, dataset: str | None = None) -> str:
+    args = " ".join(
+        f"{k}={v}" for k, v in (("dataset", dataset), ("backbone", backbone)) if v is not None
+    )
+    return (
+        f"{what} is not available on this machine (offline: HF_HUB_OFFLINE=1 or no network). "
+        f"On a connected machine run `fedadapt-prefetch {args}` to put it into the Hugging Face "
+        f"cache, then copy ~/.cache/huggingface here (or set backbone.weights / dataset.path to "
+        f"a local copy)."
+    )
+
+
+class Backbone(nn.Module):
+    """A frozen feature extractor.
+
+    Attributes
+    ----------
+    embed_dim : int
+        Size D of the pooled feature.
+    num_layers : int
+        Number of blocks (exits) for backbones that expose per-layer tokens, else 1.
+    image_size : int
+        Input resolution the transform resizes to.
+    mean, std : tuple of float
+        Normalisation the backbone was trained with.
+    weights_id : str
+        Identity of the weights (hub id, path or ``random``), part of the feature-cache key.
+    """
+
+    embed_dim: int
+    num_layers: int = 1
+    image_size: int = 224
+    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
+    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    weights_id: str = "random"
+    #: Normalisation layers keep their pretrained statistics when the backbone is fine-tuned.
+    has_batchnorm: bool = False
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:  # [B,3,H,W] -> [B,D]
+        raise NotImplementedError
+
+    def freeze(self) -> "Backbone":
+        """Set ``requires_grad=False`` on every parameter and switch to eval mode."""
+        for p in self.parameters():
+            p.requires_grad_(False)
+        return self.eval()
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

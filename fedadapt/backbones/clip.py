@@ -1,0 +1,68 @@
+"""CLIP through ``open_clip``: image features, class-prompt text features, logit scale.
+
+``backbone.arch.model`` names an open_clip model (``ViT-B-32`` by default) and ``backbone.weights``
+a pretrained tag (``openai``, ``laion2b_s34b_b79k``, ...) or a local checkpoint path; tests pass a
+full small config in ``backbone.arch`` (``embed_dim``, ``vision_cfg``, ``text_cfg``) instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fedadapt.backbones import register_family
+from fedadapt.backbones.base import Backbone, MissingAssetError, prefetch_hint
+from fedadapt.config import BackboneConfig
+
+
+class ClipBackbone(Backbone):
+    """Frozen open_clip model; ``forward`` returns the (unnormalised) image embedding."""
+
+    def __init__(self, *, model: nn.Module, tokenizer, weights_id: str, image_size: int) -> None:
+        super().__init__()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.embed_dim = model.text_projection.shape[1] if isinstance(
+            model.text_projection, torch.Tensor) else model.text_projection.out_features
+        self.image_size = image_size
+        self.weights_id = weights_id
+        from open_clip import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
+
+        self.mean, self.std = tuple(OPENAI_DATASET_MEAN), tuple(OPENAI_DATASET_STD)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:  # [B,3,H,W] -> [B,D]
+        return self.model.encode_image(images)
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> torch.Tensor:  # -> [C, D], L2-normalised
+        device = next(self.model.parameters()).device
+        feats = self.model.encode_text(self.tokenizer(prompts).to(device))
+        return feats / feats.norm(dim=-1, keepdim=True)
+
+    @property
+    def logit_scale(self) -> torch.Tensor:
+        return self.model.logit_scale.exp()
+
+
+@register_family("clip")
+def build_clip(cfg: BackboneConfig, load_weights: bool) -> ClipBackbone:
+    import open_clip
+
+    arch = dict(cfg.arch)
+    name = arch.pop("model", "ViT-B-32")
+    if arch:  # a full config (tiny test models)
+        model = open_clip.CLIP(**arch)
+        tokenizer = open_clip.SimpleTokenizer(context_length=arch["text_cfg"]["context_length"])
+        weights_id = "random"
+    else:
+        pretrained = cfg.weights if load_weights else None
+        try:
+            model = open_clip.create_model(name, pretrained=pretrained, load_weights=bool(pretrained))
+        except (OSError, RuntimeError, ValueError) as err:
+            raise MissingAssetError(
+                prefetch_hint(f"CLIP weights {name}/{cfg.weights}", backbone=cfg.name)
+            ) from err
+        tokenizer = open_clip.get_tokenizer(name)
+        weights_id = f"{name}/{pretrained or 'random'}"
+    return ClipBackbone(model=model, tokenizer=tokenizer, weights_id=weights_id,
+                        image_size=cfg.image_size)

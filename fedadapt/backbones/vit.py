@@ -1,0 +1,141 @@
+"""DeiT / ViT through Hugging Face ``transformers``.
+
+``facebook/deit-small-patch16-224`` is stored as a ``ViTModel`` (no distillation token), so
+``family=vit`` covers DeiT-S/Ti/B; ``family=deit`` loads ``DeiTModel`` checkpoints (the distilled
+variants, which carry an extra token). Besides the pooled feature (the final-norm CLS token) it
+exposes what the Accumulator needs: the CLS token after every block, running only the blocks up
+to an exit, a hook that may replace the CLS token before each block, and parallel adapters
+inserted beside each block's MLP.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from fedadapt.backbones import register_family
+from fedadapt.backbones.base import Backbone, MissingAssetError, prefetch_hint
+from fedadapt.config import BackboneConfig
+
+#: ``hook(layer_index, hidden_states [B, T, D]) -> hidden_states`` called before each block.
+ClsHook = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+class ParallelMLP(nn.Module):
+    """A block's frozen MLP with an adapter beside it: ``mlp(x) + adapter(x)`` (He et al. 2021)."""
+
+    def __init__(self, *, mlp: nn.Module, adapter: nn.Module) -> None:
+        super().__init__()
+        self.mlp = mlp
+        self.adapter = adapter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
+        return self.mlp(x) + self.adapter(x)
+
+
+class ViTBackbone(Backbone):
+    """Frozen ViT/DeiT from transformers with per-layer access.
+
+    Parameters
+    ----------
+    model : transformers.ViTModel or transformers.DeiTModel
+        Built without pooling layer.
+    weights_id : str
+        Hub id, local path or ``random``.
+    """
+
+    def __init__(self, *, model: nn.Module, weights_id: str, image_size: int) -> None:
+        super().__init__()
+        self.model = model
+        cfg = model.config
+        self.embed_dim = cfg.hidden_size
+        self.num_layers = cfg.num_hidden_layers
+        self.image_size = image_size
+        self.weights_id = weights_id
+        self.mean = tuple(getattr(cfg, "image_mean", None) or (0.485, 0.456, 0.406))
+        self.std = tuple(getattr(cfg, "image_std", None) or (0.229, 0.224, 0.225))
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        # transformers >= 5 keeps the blocks in ``model.layers``; 4.x in ``model.encoder.layer``.
+        if "layers" in self.model._modules:
+            return self.model.layers
+        return self.model.encoder.layer
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:  # [B,3,H,W] -> [B,T,D]
+        return self.model.embeddings(images, interpolate_pos_encoding=True)
+
+    def forward_exits(
+        self,
+        images: torch.Tensor,
+        *,
+        last_exit: Optional[int] = None,
+        cls_hook: Optional[ClsHook] = None,
+    ) -> list[torch.Tensor]:
+        """CLS token after each block 0..last_exit (only those blocks run).
+
+        Returns a list of ``[B, D]`` tensors; the last block's token is passed through the final
+        LayerNorm when ``last_exit`` is the backbone's last block (as the pooled feature is).
+        """
+        last = self.num_layers - 1 if last_exit is None else last_exit
+        if not 0 <= last < self.num_layers:
+            raise ValueError(f"last_exit={last} outside 0..{self.num_layers - 1}")
+        h = self.embed(images)
+        tokens = []
+        for i, block in enumerate(self.blocks[: last + 1]):
+            if cls_hook is not None:
+                h = cls_hook(i, h)
+            h = block(h)
+            tokens.append(h[:, 0])
+        return tokens
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:  # [B,3,H,W] -> [B,D]
+        h = self.embed(images)
+        for block in self.blocks:
+            h = block(h)
+        return self.model.layernorm(h)[:, 0]
+
+    def insert_mlp_adapters(self, make_adapter: Callable[[int, int], nn.Module]) -> nn.ModuleList:
+        """Put ``make_adapter(layer_index, dim)`` beside every block's MLP; return the adapters.
+
+        The adapters are trainable (the backbone stays frozen) and are registered on this module,
+        so their parameters are named ``model.layers.<i>.mlp.adapter.*``.
+        """
+        adapters = nn.ModuleList()
+        for i, block in enumerate(self.blocks):
+            adapter = make_adapter(i, self.embed_dim)
+            block.mlp = ParallelMLP(mlp=block.mlp, adapter=adapter)
+            adapters.append(adapter)
+        return adapters
+
+
+def _build(cfg: BackboneConfig, load_weights: bool, distilled: bool) -> ViTBackbone:
+    from transformers import DeiTConfig, DeiTModel, ViTConfig, ViTModel
+
+    config_cls, model_cls = (DeiTConfig, DeiTModel) if distilled else (ViTConfig, ViTModel)
+    if load_weights and cfg.weights:
+        try:
+            model = model_cls.from_pretrained(cfg.weights, add_pooling_layer=False)
+        except (OSError, ValueError) as err:
+            raise MissingAssetError(
+                prefetch_hint(f"Backbone weights {cfg.weights!r}", backbone=cfg.name)
+            ) from err
+        weights_id = cfg.weights
+    else:
+        arch = dict(cfg.arch)
+        arch.setdefault("image_size", cfg.image_size)
+        model = model_cls(config_cls(**arch), add_pooling_layer=False)
+        weights_id = "random"
+    return ViTBackbone(model=model, weights_id=weights_id, image_size=cfg.image_size)
+
+
+@register_family("vit")
+def build_vit(cfg: BackboneConfig, load_weights: bool) -> ViTBackbone:
+    return _build(cfg, load_weights, distilled=False)
+
+
+@register_family("deit")
+def build_deit(cfg: BackboneConfig, load_weights: bool) -> ViTBackbone:
+    return _build(cfg, load_weights, distilled=True)

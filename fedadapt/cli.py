@@ -1,0 +1,112 @@
+"""``fedadapt``: the Hydra main.
+
+``fedadapt`` runs the quickstart experiment; ``fedadapt experiment=NAME key=value ...`` any other;
+``fedadapt -m partition.alpha=0.1,1000`` sweeps. An experiment with ``compare: [...]`` runs each
+listed method on the same data and seed, each into its own run directory under the job's folder,
+and writes a combined ``table.md`` and ``curves.png`` there; naming ``method=`` on the command
+line runs just that method.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+import fedadapt  # noqa: F401  (torchvision shim first)
+from fedadapt.backbones.base import MissingAssetError
+from fedadapt.config import ConfigError, RunConfig, register_configs, validate
+from fedadapt.paths import resource_dir
+
+register_configs()
+
+
+def to_run_config(cfg: DictConfig) -> RunConfig:
+    """Typed, validated :class:`RunConfig` from a composed Hydra config."""
+    return validate(OmegaConf.to_object(cfg))
+
+
+def job_configs(cfg: DictConfig) -> list[tuple[str, RunConfig, str]]:
+    """``(method, RunConfig, resolved yaml)`` for each run of this job, all validated up front."""
+    from hydra import compose
+    from hydra.core.hydra_config import HydraConfig
+
+    overrides = list(HydraConfig.get().overrides.task)
+    explicit_method = any(o.split("=")[0].lstrip("+~") == "method" for o in overrides)
+    names = [] if explicit_method else list(cfg.compare)
+    if not names:
+        run = to_run_config(cfg)
+        return [(run.method.name, run, OmegaConf.to_yaml(cfg, resolve=True))]
+    out = []
+    for name in names:
+        sub = compose(config_name="config", overrides=overrides + [f"method={name}"])
+        out.append((name, to_run_config(sub), OmegaConf.to_yaml(sub, resolve=True)))
+    return out
+
+
+def _remove_if_empty(run_dir: Path, root: Path) -> None:
+    """Remove the folder Hydra made for a job that failed before writing anything."""
+    d = run_dir
+    while d.exists() and d != root and d.is_dir() and not any(d.iterdir()):
+        d.rmdir()
+        d = d.parent
+
+
+def run_job(cfg: DictConfig, run_dir: Path) -> list[dict]:
+    from fedadapt.experiment import prepare_run, run_experiment
+    from fedadapt.results.plots import plot_curves
+    from fedadapt.results.store import atomic_write, read_jsonl
+    from fedadapt.results.tables import summaries_table
+
+    jobs = job_configs(cfg)
+    # Everything that can fail on bad input happens before the first file is written.
+    prepared = {name: prepare_run(run, quiet=i > 0) for i, (name, run, _) in enumerate(jobs)}
+    if len(jobs) == 1:
+        name, run, yaml = jobs[0]
+        return [run_experiment(run, run_dir, config_yaml=yaml, prepared=prepared[name])]
+    summaries = []
+    for name, run, yaml in jobs:
+        summaries.append(run_experiment(run, run_dir / name, config_yaml=yaml,
+                                        prepared=prepared[name]))
+    first = jobs[0][1]
+    title = (f"## {first.experiment}: {first.dataset.name}, {first.backbone.name}, "
+             f"{first.partition.num_clients} clients, {first.partition.kind} "
+             f"alpha={first.partition.alpha}, {first.rounds} rounds, seed {first.seed}")
+    table = summaries_table(summaries, title=title)
+    atomic_write(run_dir / "table.md", lambda fh: fh.write(table))
+    plot_curves({s["method"]: read_jsonl(run_dir / s["method"] / "metrics.jsonl")
+                 for s in summaries}, run_dir / "curves.png", title=first.experiment)
+    print("\n" + table)
+    print(f"Run directory: {run_dir}")
+    return summaries
+
+
+@hydra.main(version_base=None, config_path=str(resource_dir("conf")), config_name="config")
+def _main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    logging.getLogger().setLevel(logging.WARNING)  # Hydra's stdout config says INFO
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        run_job(cfg, run_dir)
+    except (ConfigError, MissingAssetError) as err:
+        print(f"fedadapt: error: {err}", file=sys.stderr)
+        _remove_if_empty(run_dir, Path(cfg.output_dir).resolve().parent)
+        sys.exit(2)
+    except BaseException:
+        # A run that stopped leaves no summary.json, so no result; drop an empty folder.
+        _remove_if_empty(run_dir, Path(cfg.output_dir).resolve().parent)
+        raise
+
+
+def main() -> None:
+    """Console-script entry point."""
+    _main()
+
+
+if __name__ == "__main__":
+    main()
+

@@ -1,0 +1,230 @@
+"""Typed configuration schemas, registered in Hydra's ConfigStore.
+
+Every Hydra group (``dataset/ backbone/ method/ partition/ setting/ experiment/``) is backed by a
+dataclass here, so a misspelt key or a wrong type fails at start-up and names the key. Library
+code receives these dataclasses (never a ``DictConfig``); only :mod:`fedadapt.cli` and the other
+entry points touch Hydra. Checks that a type cannot express (ranges, cross-field rules) live in
+:func:`validate`, which names the offending key with its full path.
+
+Methods register their own schema (see :mod:`fedadapt.adapters`), so ``method.hidden_dim`` is
+a valid key for ``method=mlp_head`` and an error for ``method=linear_head``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the key."""
+
+
+@dataclass
+class DatasetConfig:
+    """Which data set to load (the card in ``datasets/<name>.yaml`` says how)."""
+
+    name: str = MISSING
+    #: Local copy to load instead of the card's hub id: a ``save_to_disk`` folder, an image
+    #: folder (one sub-folder per class) or a folder of IDX files.
+    path: Optional[str] = None
+    #: Fraction held out as the global test set when the source has no test split.
+    test_fraction: float = 0.2
+    #: Use only the first N training samples (after a seeded shuffle); None = all.
+    max_samples: Optional[int] = None
+
+
+@dataclass
+class BackboneConfig:
+    """A frozen feature extractor, built by :func:`fedadapt.backbones.build_backbone`."""
+
+    name: str = MISSING
+    #: Factory key: ``vit``, ``deit``, ``clip``, ``efficientnet_lite``, ``small_cnn``.
+    family: str = MISSING
+    #: Hub id or local path of the weights; None builds the architecture with random weights.
+    weights: Optional[str] = None
+    image_size: int = 224
+    #: Architecture overrides (e.g. a tiny ViT for tests); the family defines the keys.
+    arch: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class MethodConfig:
+    """Base schema of every method; each method subclasses it (see fedadapt.adapters)."""
+
+    name: str = MISSING
+    #: Server-side aggregation: ``fedavg`` or ``fedprox``.
+    strategy: str = "fedavg"
+    proximal_mu: float = 0.0
+    #: Train on cached pooled features (methods that only see the pooled feature).
+    use_cache: bool = True
+
+
+@dataclass
+class PartitionConfig:
+    """How the training split is divided into clients (flwr-datasets partitioners)."""
+
+    #: ``dirichlet`` (over the label), ``iid``, ``natural`` (the card's client key) or ``domain``.
+    kind: str = "dirichlet"
+    num_clients: int = 10
+    alpha: float = 0.5
+    #: Fraction of clients trained per round.
+    fraction_fit: float = 0.5
+    #: Fraction of clients evaluated on their local test split when evaluation runs.
+    fraction_evaluate: float = 1.0
+    #: Dirichlet: minimum samples per client (flwr-datasets retries until it holds).
+    min_partition_size: int = 10
+    #: Per-client split of each partition into train / val / test.
+    val_fraction: float = 0.1
+    test_fraction: float = 0.2
+    #: Domain partition: the domain held out as the unseen client (None = the card's default).
+    holdout: Optional[str] = None
+
+
+@dataclass
+class SettingConfig:
+    """Training/evaluation regime (the Accumulator paper's settings)."""
+
+    name: str = "conventional"
+
+
+@dataclass
+class TrainConfig:
+    """Local training of one client in one round."""
+
+    optimizer: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    batch_size: int = 32
+    local_epochs: int = 1
+    #: Cosine annealing of the learning rate over rounds (the round is the step).
+    cosine: bool = False
+
+
+@dataclass
+class FederationConfig:
+    """How the simulation runs."""
+
+    #: ``simulation`` (Flower's Ray backend via run_simulation).
+    backend: str = "simulation"
+    num_cpus: float = 1.0
+    #: GPUs per client (fractional); None = 1/num_clients-per-GPU when a GPU exists, else 0.
+    num_gpus: Optional[float] = None
+    #: Evaluate every k rounds (and always at the last round).
+    eval_every: int = 1
+    #: Seconds to wait for client replies in a round; None = no limit.
+    round_timeout: Optional[float] = None
+    #: Show Flower's own INFO logs.
+    verbose: bool = False
+
+
+@dataclass
+class RunConfig:
+    """The root of the composed configuration."""
+
+    dataset: DatasetConfig = MISSING
+    backbone: BackboneConfig = MISSING
+    method: MethodConfig = MISSING
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    setting: SettingConfig = field(default_factory=SettingConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    federation: FederationConfig = field(default_factory=FederationConfig)
+    #: Name of the experiment (set by ``conf/experiment/*.yaml``).
+    experiment: str = "custom"
+    #: Methods compared in one job, each in its own run directory; empty = just ``method``.
+    compare: list[str] = field(default_factory=list)
+    seed: int = 0
+    rounds: int = 20
+    #: Root folder for run directories.
+    output_dir: str = "outputs"
+    #: Where prepared data sets and the feature cache live.
+    cache_dir: str = "${oc.env:FEDADAPT_CACHE,${oc.env:HOME}/.cache/fedadapt}"
+
+
+KNOWN_PARTITIONS = ("dirichlet", "iid", "natural", "domain")
+KNOWN_SETTINGS = ("conventional",)
+KNOWN_OPTIMIZERS = ("sgd", "adam", "adamw")
+KNOWN_STRATEGIES = ("fedavg", "fedprox")
+
+
+def _check(ok: bool, key: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: {rule}")
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Check values a type cannot express; raise :class:`ConfigError` naming the key."""
+    p, t, f = cfg.partition, cfg.train, cfg.federation
+    _check(cfg.rounds >= 1, "rounds", cfg.rounds, "must be >= 1")
+    _check(p.kind in KNOWN_PARTITIONS, "partition.kind", p.kind, f"one of {KNOWN_PARTITIONS}")
+    _check(p.num_clients >= 1, "partition.num_clients", p.num_clients, "must be >= 1")
+    _check(
+        math.isfinite(p.alpha) and p.alpha > 0,
+        "partition.alpha",
+        p.alpha,
+        "the Dirichlet concentration must be > 0 (small = non-IID, e.g. 0.1; large = IID, "
+        "e.g. 1000)",
+    )
+    _check(0 < p.fraction_fit <= 1, "partition.fraction_fit", p.fraction_fit, "must be in (0, 1]")
+    _check(
+        0 <= p.fraction_evaluate <= 1,
+        "partition.fraction_evaluate",
+        p.fraction_evaluate,
+        "must be in [0, 1]",
+    )
+    _check(p.min_partition_size >= 1, "partition.min_partition_size", p.min_partition_size,
+           "must be >= 1")
+    for key, val in (("partition.val_fraction", p.val_fraction),
+                     ("partition.test_fraction", p.test_fraction)):
+        _check(0 <= val < 1, key, val, "must be in [0, 1)")
+    _check(p.val_fraction + p.test_fraction < 1, "partition.val_fraction",
+           p.val_fraction, "val_fraction + test_fraction must leave training data (< 1)")
+    _check(0 < cfg.dataset.test_fraction < 1, "dataset.test_fraction",
+           cfg.dataset.test_fraction, "must be in (0, 1)")
+    _check(cfg.dataset.max_samples is None or cfg.dataset.max_samples > 0,
+           "dataset.max_samples", cfg.dataset.max_samples, "must be > 0 or null")
+    _check(cfg.setting.name in KNOWN_SETTINGS, "setting", cfg.setting.name,
+           f"implemented settings are {KNOWN_SETTINGS}")
+    _check(t.optimizer in KNOWN_OPTIMIZERS, "train.optimizer", t.optimizer,
+           f"one of {KNOWN_OPTIMIZERS}")
+    _check(t.lr > 0 and math.isfinite(t.lr), "train.lr", t.lr, "must be > 0")
+    _check(t.batch_size >= 1, "train.batch_size", t.batch_size, "must be >= 1")
+    _check(t.local_epochs >= 1, "train.local_epochs", t.local_epochs, "must be >= 1")
+    _check(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be >= 0")
+    _check(0 <= t.momentum < 1, "train.momentum", t.momentum, "must be in [0, 1)")
+    _check(cfg.method.strategy in KNOWN_STRATEGIES, "method.strategy", cfg.method.strategy,
+           f"one of {KNOWN_STRATEGIES}")
+    _check(cfg.method.proximal_mu >= 0, "method.proximal_mu", cfg.method.proximal_mu,
+           "must be >= 0")
+    _check(f.backend == "simulation", "federation.backend", f.backend,
+           "'simulation' is the in-process launcher; for a SuperLink use `flwr run` "
+           "(see the README)")
+    _check(f.num_cpus > 0, "federation.num_cpus", f.num_cpus, "must be > 0")
+    _check(f.num_gpus is None or f.num_gpus >= 0, "federation.num_gpus", f.num_gpus,
+           "must be >= 0 or null")
+    _check(f.eval_every >= 1, "federation.eval_every", f.eval_every, "must be >= 1")
+    _check(f.round_timeout is None or f.round_timeout > 0, "federation.round_timeout",
+           f.round_timeout, "must be > 0 or null")
+    _check(cfg.backbone.image_size >= 8, "backbone.image_size", cfg.backbone.image_size,
+           "must be >= 8")
+    return cfg
+
+
+def register_configs() -> None:
+    """Register the schemas with Hydra's ConfigStore (called by the entry points)."""
+    from hydra.core.config_store import ConfigStore
+
+    from fedadapt.adapters import METHODS
+
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+    cs.store(group="dataset", name="dataset_schema", node=DatasetConfig)
+    cs.store(group="backbone", name="backbone_schema", node=BackboneConfig)
+    cs.store(group="partition", name="partition_schema", node=PartitionConfig)
+    cs.store(group="setting", name="setting_schema", node=SettingConfig)
+    for name, spec in METHODS.items():
+        cs.store(group="method", name=f"{name}_schema", node=spec.config_cls)

@@ -1,0 +1,43 @@
+"""Dataset cards: ``datasets/<name>.yaml`` read into :class:`DatasetCard`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import yaml
+
+from fedadapt.config import ConfigError
+from fedadapt.paths import resource_dir
+
+
+@dataclass(frozen=True)
+class DatasetCard:
+    name: str
+    source: str
+    hub_id: Optional[str]
+    columns: dict
+    splits: dict
+    num_classes: int
+    client_key: Optional[str] = None
+    domains: Optional[list] = None
+    default_holdout: Optional[str] = None
+    class_names: Optional[list] = None
+    license: str = ""
+    size: str = ""
+    papers: list = field(default_factory=list)
+
+
+def available() -> list[str]:
+    return sorted(p.stem for p in resource_dir("datasets").glob("*.yaml"))
+
+
+def load_card(name: str) -> DatasetCard:
+    path = resource_dir("datasets") / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"dataset={name!r} is invalid: no card datasets/{name}.yaml "
+                          f"(available: {', '.join(available())})")
+    with open(path) as fh:
+        raw = yaml.safe_load(fh)
+    known = set(DatasetCard.__dataclass_fields__)
+    return DatasetCard(**{k: v for k, v in raw.items() if k in known})

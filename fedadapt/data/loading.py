@@ -1,0 +1,232 @@
+"""Load a data set from its card (hub id) or a local path, in fedadapt's standard form.
+
+Every loader returns a ``DatasetDict`` with a ``train`` and a ``test`` split and columns
+``image`` (``datasets.Image``), ``label`` (``ClassLabel``) and, where the card has them, ``client``
+(natural id such as FEMNIST's writer), ``domain`` and extras such as ``coarse_label``. The result
+is saved once under ``<cache_dir>/data/`` and memory-mapped by every process that needs it.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from fedadapt.backbones.base import MissingAssetError, prefetch_hint
+from fedadapt.config import ConfigError, DatasetConfig
+from fedadapt.data.catalogue import DatasetCard, load_card
+
+# Bump when the preparation below changes, so stale prepared copies are not reused.
+_PREP_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PreparedDataset:
+    """A standardised data set on disk. Picklable; cheap to send to Ray workers."""
+
+    name: str
+    path: str  # save_to_disk folder of a DatasetDict(train, test)
+    fingerprint: str
+    num_classes: int
+    class_names: tuple[str, ...]
+    num_train: int
+    num_test: int
+    columns: tuple[str, ...]
+
+    def load(self):
+        """The ``DatasetDict``, memory-mapped from disk (cached per process)."""
+        return _open(self.path)
+
+
+_OPEN: dict[str, object] = {}
+
+
+def _open(path: str):
+    if path not in _OPEN:
+        from datasets import load_from_disk
+
+        _OPEN[path] = load_from_disk(path)
+    return _OPEN[path]
+
+
+# -- sources ----------------------------------------------------------------------------------
+def _image_label_features(num_classes: int, names: Optional[list]):
+    from datasets import ClassLabel, Features, Image
+
+    label = ClassLabel(names=list(names)) if names else ClassLabel(num_classes=num_classes)
+    return Features({"image": Image(), "label": label})
+
+
+def load_sklearn_digits(card: DatasetCard):
+    """scikit-learn's bundled digits as 8x8 grayscale images (values 0..16 scaled to 0..255)."""
+    from datasets import Dataset, DatasetDict
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    images = (bunch.images * (255.0 / 16.0)).round().astype(np.uint8)  # [N, 8, 8]
+    ds = Dataset.from_dict(
+        {"image": list(images), "label": bunch.target.astype(int).tolist()},
+        features=_image_label_features(card.num_classes, [str(i) for i in range(10)]),
+    )
+    return DatasetDict(train=ds)
+
+
+def read_idx(path: str) -> np.ndarray:
+    """Read one IDX file (optionally gzipped): the MNIST family's format."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as fh:
+        data = fh.read()
+    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08:
+        raise ValueError(f"{path} is not an unsigned-byte IDX file")
+    ndim = data[3]
+    dims = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+    body = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
+    if body.size != int(np.prod(dims)):
+        raise ValueError(f"{path} is truncated: {body.size} values for shape {dims}")
+    return body.reshape(dims)
+
+
+def load_idx_folder(folder: str, card: DatasetCard):
+    """``train-images-idx3-ubyte[.gz]`` / ``t10k-...`` pairs in ``folder``."""
+    from datasets import Dataset, DatasetDict
+
+    def find(prefix: str, kind: str) -> Optional[str]:
+        for suffix in ("", ".gz"):
+            p = os.path.join(folder, f"{prefix}-{kind}-idx{3 if kind == 'images' else 1}-ubyte"
+                             f"{suffix}")
+            if os.path.isfile(p):
+                return p
+        return None
+
+    splits = {}
+    for split, prefix in (("train", "train"), ("test", "t10k")):
+        img, lab = find(prefix, "images"), find(prefix, "labels")
+        if img and lab:
+            images, labels = read_idx(img), read_idx(lab)
+            splits[split] = Dataset.from_dict(
+                {"image": list(images), "label": labels.astype(int).tolist()},
+                features=_image_label_features(card.num_classes, card.class_names),
+            )
+    if "train" not in splits:
+        raise MissingAssetError(f"No IDX files (train-images-idx3-ubyte[.gz], "
+                                f"train-labels-idx1-ubyte[.gz]) in {folder}")
+    return DatasetDict(splits)
+
+
+def _load_local(path: str, card: DatasetCard):
+    from datasets import DatasetDict, load_dataset, load_from_disk
+
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ConfigError(f"dataset.path={path!r} is invalid: no such file or folder")
+    if (p / "dataset_dict.json").exists() or (p / "state.json").exists():
+        ds = load_from_disk(str(p))
+        return ds if isinstance(ds, DatasetDict) else DatasetDict(train=ds)
+    if any(p.glob("*idx*-ubyte*")):
+        return load_idx_folder(str(p), card)
+    if p.is_dir():
+        return load_dataset("imagefolder", data_dir=str(p))
+    raise ConfigError(f"dataset.path={path!r}: not a save_to_disk folder, IDX folder or image "
+                      f"folder")
+
+
+def load_source(card: DatasetCard, path: Optional[str] = None):
+    """Raw ``DatasetDict`` from the card's source or a local ``path``."""
+    if path:
+        return _load_local(path, card)
+    if card.source == "sklearn:digits":
+        return load_sklearn_digits(card)
+    if card.source.startswith("idx:") and os.path.isdir(card.source[4:]):
+        return load_idx_folder(card.source[4:], card)
+    if card.hub_id:
+        from datasets import load_dataset
+
+        try:
+            return load_dataset(card.hub_id)
+        except Exception as err:  # offline / not cached: say what and how to get it
+            if isinstance(err, ConfigError):
+                raise
+            raise MissingAssetError(
+                prefetch_hint(f"Data set {card.hub_id!r} (dataset={card.name})",
+                              dataset=card.name)
+                + (f" Offline alternative: {card.source[4:]} via `apt-get install "
+                   f"dataset-fashion-mnist`." if card.source.startswith("idx:") else "")
+            ) from err
+    raise MissingAssetError(
+        f"dataset={card.name} has no downloadable source; build it with the recipe in "
+        f"datasets/{card.name}.md and pass dataset.path=<folder>"
+    )
+
+
+# -- standardisation --------------------------------------------------------------------------
+def standardise(raw, card: DatasetCard, cfg: DatasetConfig, seed: int):
+    """Rename columns to the standard names, ensure ClassLabel, train/test splits."""
+    from datasets import ClassLabel, DatasetDict
+
+    train_name = card.splits.get("train") or "train"
+    if train_name not in raw:
+        raise ConfigError(f"dataset={card.name}: source has no split {train_name!r} "
+                          f"(has {list(raw)})")
+    out = {}
+    for std_split, src_split in (("train", train_name), ("test", card.splits.get("test"))):
+        if src_split is None or src_split not in raw:
+            continue
+        ds = raw[src_split]
+        missing = [src for src in card.columns.values() if src not in ds.column_names]
+        if missing:
+            raise ConfigError(
+                f"dataset={card.name}: column(s) {missing} named in datasets/{card.name}.yaml are "
+                f"missing from the data (columns: {ds.column_names})")
+        renames = {src: std for std, src in card.columns.items() if src != std}
+        ds = ds.select_columns(list(card.columns.values())).rename_columns(renames)
+        if not isinstance(ds.features["label"], ClassLabel):
+            ds = ds.class_encode_column("label")
+        out[std_split] = ds
+    if "test" not in out:
+        parts = out["train"].train_test_split(test_size=cfg.test_fraction, seed=seed,
+                                              stratify_by_column="label")
+        out = {"train": parts["train"], "test": parts["test"]}
+    if cfg.max_samples is not None and cfg.max_samples < len(out["train"]):
+        out["train"] = out["train"].shuffle(seed=seed).select(range(cfg.max_samples))
+    return DatasetDict(out)
+
+
+def prepare_dataset(cfg: DatasetConfig, cache_dir: str, seed: int) -> PreparedDataset:
+    """Load, standardise and save the data set once; later calls reuse the saved copy."""
+    card = load_card(cfg.name)
+    key = hashlib.sha256(json.dumps(
+        {"v": _PREP_VERSION, "card": card.__dict__, "path": cfg.path,
+         "test_fraction": cfg.test_fraction, "max_samples": cfg.max_samples, "seed": seed},
+        sort_keys=True, default=str).encode()).hexdigest()[:16]
+    folder = Path(cache_dir).expanduser() / "data" / f"{card.name}-{key}"
+    meta_path = folder / "fedadapt_meta.json"
+    if not meta_path.is_file():
+        dsd = standardise(load_source(card, cfg.path), card, cfg, seed)
+        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        dsd.save_to_disk(str(tmp))
+        names = dsd["train"].features["label"].names
+        meta = {"fingerprint": f"{card.name}-{key}-{dsd['train']._fingerprint}",
+                "num_classes": len(names), "class_names": names,
+                "num_train": len(dsd["train"]), "num_test": len(dsd["test"]),
+                "columns": dsd["train"].column_names}
+        (tmp / "fedadapt_meta.json").write_text(json.dumps(meta))
+        try:
+            os.replace(tmp, folder)
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+    meta = json.loads(meta_path.read_text())
+    if meta["num_classes"] != card.num_classes and card.source != "local":
+        raise ConfigError(f"dataset={card.name}: the data has {meta['num_classes']} classes, the "
+                          f"card says {card.num_classes}")
+    return PreparedDataset(name=card.name, path=str(folder), fingerprint=meta["fingerprint"],
+                           num_classes=meta["num_classes"],
+                           class_names=tuple(meta["class_names"]), num_train=meta["num_train"],
+                           num_test=meta["num_test"], columns=tuple(meta["columns"]))

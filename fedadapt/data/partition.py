@@ -1,0 +1,149 @@
+"""Split the training set into clients with flwr-datasets partitioners, then each client into
+train / val / test with the seed, and describe the result (ICIIA's Table 3 statistics)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from fedadapt.config import ConfigError, PartitionConfig
+from fedadapt.data.catalogue import DatasetCard
+
+
+@dataclass(frozen=True)
+class ClientSplit:
+    """Indices into the prepared ``train`` split."""
+
+    train: np.ndarray
+    val: np.ndarray
+    test: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.train) + len(self.val) + len(self.test)
+
+
+@dataclass
+class Partition:
+    clients: list[ClientSplit]
+    #: Client names (natural id or domain), "client-<i>" otherwise.
+    names: list[str]
+    #: Domain partition: the held-out domain's samples, never trained on (the unseen client).
+    unseen: Optional[np.ndarray] = None
+    unseen_name: Optional[str] = None
+    stats: dict = field(default_factory=dict)
+
+
+def _partitioner(cfg: PartitionConfig, card: DatasetCard, seed: int):
+    from flwr_datasets.partitioner import (
+        DirichletPartitioner,
+        IidPartitioner,
+        NaturalIdPartitioner,
+    )
+
+    if cfg.kind == "iid":
+        return IidPartitioner(num_partitions=cfg.num_clients)
+    if cfg.kind == "dirichlet":
+        return DirichletPartitioner(
+            num_partitions=cfg.num_clients, partition_by="label", alpha=cfg.alpha,
+            min_partition_size=cfg.min_partition_size, self_balancing=False, shuffle=True,
+            seed=seed)
+    return NaturalIdPartitioner(partition_by="client" if cfg.kind == "natural" else "domain")
+
+
+def split_client(indices: np.ndarray, cfg: PartitionConfig, seed: int, client: int) -> ClientSplit:
+    """Seeded train/val/test split of one client's indices (train keeps at least one sample)."""
+    rng = np.random.default_rng([seed, client])
+    perm = rng.permutation(np.asarray(indices, dtype=np.int64))
+    n = len(perm)
+    n_test = int(round(n * cfg.test_fraction))
+    n_val = int(round(n * cfg.val_fraction))
+    if n - n_test - n_val < 1:
+        n_val = max(0, n - n_test - 1)
+        n_test = min(n_test, n - n_val - 1)
+    return ClientSplit(train=np.sort(perm[n_test + n_val:]), val=np.sort(perm[n_test:n_test + n_val]),
+                       test=np.sort(perm[:n_test]))
+
+
+def partition_dataset(train_ds, cfg: PartitionConfig, card: DatasetCard, seed: int) -> Partition:
+    """Partition ``train_ds`` (standard columns) into clients as ``cfg`` says."""
+    n = len(train_ds)
+    columns = train_ds.column_names
+    if cfg.kind in ("iid", "dirichlet"):
+        if cfg.num_clients > n:
+            raise ConfigError(f"partition.num_clients={cfg.num_clients} is invalid: the training "
+                              f"split of dataset={card.name} has only {n} samples")
+        if cfg.kind == "dirichlet" and cfg.num_clients * cfg.min_partition_size > n:
+            raise ConfigError(
+                f"partition.num_clients={cfg.num_clients} is invalid: with "
+                f"partition.min_partition_size={cfg.min_partition_size} it needs "
+                f"{cfg.num_clients * cfg.min_partition_size} samples, dataset={card.name} has {n}")
+    key = {"natural": "client", "domain": "domain"}.get(cfg.kind)
+    if key is not None and key not in columns:
+        raise ConfigError(f"partition={cfg.kind} is invalid for dataset={card.name}: it has no "
+                          f"'{key}' column (the card maps none)")
+    light = train_ds.select_columns([c for c in ("label", key) if c]).add_column(
+        "__idx__", np.arange(n))
+    partitioner = _partitioner(cfg, card, seed)
+    partitioner.dataset = light
+    try:
+        parts = [partitioner.load_partition(i) for i in range(partitioner.num_partitions)]
+    except ValueError as err:
+        raise ConfigError(
+            f"partition.alpha={cfg.alpha} with partition.num_clients={cfg.num_clients}: "
+            f"flwr-datasets could not give every client partition.min_partition_size="
+            f"{cfg.min_partition_size} samples ({err}); lower min_partition_size or num_clients"
+        ) from err
+    if key is None:
+        names = [f"client-{i}" for i in range(len(parts))]
+    else:
+        names = [str(p[key][0]) if len(p) else f"empty-{i}" for i, p in enumerate(parts)]
+    indices = [np.asarray(p["__idx__"], dtype=np.int64) for p in parts]
+
+    unseen = unseen_name = None
+    if cfg.kind == "domain":
+        holdout = cfg.holdout or card.default_holdout
+        if holdout is not None:
+            if holdout not in names:
+                raise ConfigError(f"partition.holdout={holdout!r} is invalid: domains are {names}")
+            j = names.index(holdout)
+            unseen, unseen_name = indices.pop(j), names.pop(j)
+    elif cfg.kind == "natural" and cfg.num_clients < len(indices):
+        keep = np.sort(np.random.default_rng(seed).choice(len(indices), cfg.num_clients,
+                                                          replace=False))
+        indices, names = [indices[k] for k in keep], [names[k] for k in keep]
+
+    clients = [split_client(idx, cfg, seed, i) for i, idx in enumerate(indices)]
+    part = Partition(clients=clients, names=names, unseen=unseen, unseen_name=unseen_name)
+    part.stats = partition_stats(part, np.asarray(light["label"]))
+    return part
+
+
+def partition_stats(part: Partition, labels: np.ndarray) -> dict:
+    """Samples per client and classes per client (mean and std, as ICIIA's Table 3)."""
+    sizes = np.array([len(c) for c in part.clients])
+    classes = np.array([len(np.unique(labels[np.concatenate([c.train, c.val, c.test])]))
+                        for c in part.clients])
+    stats = {
+        "num_clients": len(part.clients),
+        "samples_per_client": {"mean": float(sizes.mean()), "std": float(sizes.std()),
+                               "min": int(sizes.min()), "max": int(sizes.max())},
+        "classes_per_client": {"mean": float(classes.mean()), "std": float(classes.std()),
+                               "min": int(classes.min()), "max": int(classes.max())},
+        "train_samples": int(sum(len(c.train) for c in part.clients)),
+        "per_client": [{"name": nm, "samples": int(s), "classes": int(k)}
+                       for nm, s, k in zip(part.names, sizes, classes)],
+    }
+    if part.unseen is not None:
+        stats["unseen"] = {"name": part.unseen_name, "samples": int(len(part.unseen))}
+    return stats
+
+
+def format_stats(stats: dict) -> str:
+    s, c = stats["samples_per_client"], stats["classes_per_client"]
+    line = (f"{stats['num_clients']} clients | samples/client {s['mean']:.1f} ± {s['std']:.1f} "
+            f"(min {s['min']}, max {s['max']}) | classes/client {c['mean']:.2f} ± {c['std']:.2f}")
+    if "unseen" in stats:
+        line += f" | unseen: {stats['unseen']['name']} ({stats['unseen']['samples']} samples)"
+    return line

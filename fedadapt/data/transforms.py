@@ -1,0 +1,35 @@
+"""Image transforms, described by a small picklable spec (part of the feature-cache key)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TransformSpec:
+    """Resize to ``image_size`` square, RGB, to tensor, normalise with the backbone's stats."""
+
+    image_size: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+    @classmethod
+    def for_backbone(cls, backbone) -> "TransformSpec":
+        return cls(int(backbone.image_size), tuple(map(float, backbone.mean)),
+                   tuple(map(float, backbone.std)))
+
+    def build(self):
+        import torchvision.transforms as T
+
+        return T.Compose([
+            T.Lambda(lambda im: im.convert("RGB")),
+            T.Resize((self.image_size, self.image_size)),
+            T.ToTensor(),
+            T.Normalize(self.mean, self.std),
+        ])
+
+    def apply(self, images) -> torch.Tensor:  # list of PIL -> [B, 3, S, S]
+        tf = self.build()
+        return torch.stack([tf(im) for im in images])

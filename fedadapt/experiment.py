@@ -1,0 +1,195 @@
+"""One run: prepare data and features, federate, write the run directory.
+
+:func:`prepare_run` does everything before Flower starts (and fails fast on bad input, before
+anything is written); :func:`run_experiment` launches the simulation and writes the results.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from fedadapt.adapters import AdaptedModel
+from fedadapt.config import RunConfig
+from fedadapt.data.partition import Partition
+from fedadapt.federation.training import RunSpec
+
+
+@dataclass
+class PreparedRun:
+    spec: RunSpec
+    partition: Partition
+    model: AdaptedModel  # server-side copy with the seeded initial weights
+    counts: dict
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
+    """Load and partition the data, build the backbone and (if used) the feature cache."""
+    import datasets
+
+    from fedadapt.backbones import build_backbone
+    from fedadapt.data.cache import cached_features
+    from fedadapt.data.catalogue import load_card
+    from fedadapt.data.loading import prepare_dataset
+    from fedadapt.data.partition import format_stats, partition_dataset
+    from fedadapt.data.sources import DataSource
+    from fedadapt.data.transforms import TransformSpec
+    from fedadapt.federation.training import build_run_model, device
+
+    datasets.disable_progress_bars()
+    card = load_card(cfg.dataset.name)
+    prepared = prepare_dataset(cfg.dataset, cfg.cache_dir, cfg.seed)
+    partition = partition_dataset(prepared.load()["train"], cfg.partition, card, cfg.seed)
+    if not quiet:
+        log(f"[data] {card.name}: {prepared.num_train} train / {prepared.num_test} test samples, "
+            f"{prepared.num_classes} classes | {format_stats(partition.stats)}")
+    backbone = build_backbone(cfg.backbone)
+    transform = TransformSpec.for_backbone(backbone)
+    features = cfg.method.use_cache
+
+    def source(split: str) -> DataSource:
+        if features:
+            path = cached_features(backbone, prepared, split, transform, cfg.cache_dir,
+                                   device=device())
+            return DataSource(prepared, split, features_path=path)
+        return DataSource(prepared, split, transform=transform)
+
+    spec = RunSpec(run_id=uuid.uuid4().hex, method=cfg.method, backbone=cfg.backbone,
+                   train=cfg.train, seed=cfg.seed, rounds=cfg.rounds,
+                   num_classes=prepared.num_classes, embed_dim=backbone.embed_dim,
+                   train_source=source("train"), test_source=source("test"),
+                   clients=partition.clients)
+    model = build_run_model(spec, backbone)
+    counts = {
+        "backbone_params": backbone.num_params(),
+        "trainable_params": model.count(model.trainable_names()),
+        "communicated_params": model.count(model.communicated_names()),
+    }
+    return PreparedRun(spec=spec, partition=partition, model=model, counts=counts)
+
+
+def _progress(label: str, total: int):
+    def on_round(state) -> None:
+        row = state.history[-1]
+        done = state.server_round
+        per_round = row["wall_s"] / done
+        acc = ""
+        if row["global_acc"] is not None:
+            acc += f" | global {100 * row['global_acc']:.1f}%"
+        if row["client_acc"] is not None:
+            acc += f" | client-mean {100 * row['client_acc']:.1f}%"
+        loss = f"{row['train_loss']:.3f}" if row["train_loss"] is not None else "—"
+        log(f"[{label}] round {done}/{total} | loss {loss}{acc} | "
+            f"up {row['bytes_up'] / 1e3:.1f} kB down {row['bytes_down'] / 1e3:.1f} kB | "
+            f"{row['round_s']:.2f} s | ~{per_round * (total - done):.0f} s left")
+
+    return on_round
+
+
+def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
+                   prepared: Optional[PreparedRun] = None, label: Optional[str] = None) -> dict:
+    """Federate ``cfg`` and write its run directory; return the summary."""
+    from flwr.app import ArrayRecord
+
+    from fedadapt.clients.app import make_client_app
+    from fedadapt.federation.launch import run_simulation
+    from fedadapt.federation.server import ServerPlan
+    from fedadapt.federation.training import device, evaluate, lr_at
+    from fedadapt.results.plots import plot_curves
+    from fedadapt.results.store import (
+        METRICS,
+        SUMMARY,
+        append_jsonl,
+        atomic_write,
+        git_commit,
+        versions,
+        write_json,
+    )
+    from fedadapt.results.tables import summaries_table
+    from fedadapt.strategies.fedavg import build_strategy
+
+    label = label or cfg.method.name
+    t0 = time.time()
+    prep = prepared or prepare_run(cfg)
+    spec, model = prep.spec, prep.model
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(run_dir / "config.yaml", lambda fh: fh.write(config_yaml))
+    write_json(run_dir / "partition.json", prep.partition.stats)
+    metrics_path = run_dir / METRICS
+    metrics_path.unlink(missing_ok=True)
+
+    def global_eval(arrays: ArrayRecord) -> dict:
+        model.load_tensors(dict(arrays.to_torch_state_dict()))
+        loss, acc, _ = evaluate(model, spec.test_source)
+        return {"global_acc": acc, "global_loss": loss}
+
+    progress = _progress(label, cfg.rounds)
+
+    def on_round(state) -> None:
+        append_jsonl(metrics_path, state.history[-1])
+        progress(state)
+
+    p = cfg.partition
+    plan = ServerPlan(
+        num_clients=spec.num_clients,
+        make_strategy=lambda: build_strategy(
+            cfg.method.strategy, federated=model.federated, num_clients=spec.num_clients,
+            fraction_train=p.fraction_fit, fraction_evaluate=p.fraction_evaluate,
+            seed=cfg.seed, proximal_mu=cfg.method.proximal_mu),
+        initial_arrays=ArrayRecord(model.tensors(model.communicated_names())),
+        num_rounds=cfg.rounds,
+        lr_at=lambda r: lr_at(cfg.train, r, cfg.rounds),
+        eval_every=cfg.federation.eval_every,
+        global_eval=global_eval if model.federated else None,
+        counts={k: prep.counts[k] for k in ("trainable_params", "communicated_params")},
+        timeout=cfg.federation.round_timeout,
+        on_round=on_round,
+    )
+    state = run_simulation(plan, make_client_app(lambda context: spec), cfg.federation)
+
+    history = state.history
+    evals = [r for r in history if r["global_acc"] is not None or r["client_acc"] is not None]
+
+    def best(key):
+        vals = [r[key] for r in evals if r[key] is not None]
+        return max(vals) if vals else None
+
+    final = evals[-1] if evals else history[-1]
+    summary = {
+        "method": label,
+        "experiment": cfg.experiment,
+        "dataset": cfg.dataset.name,
+        "backbone": cfg.backbone.name,
+        "partition": {"kind": p.kind, "num_clients": spec.num_clients, "alpha": p.alpha,
+                      "fraction_fit": p.fraction_fit},
+        "seed": cfg.seed,
+        "rounds": cfg.rounds,
+        "final": {k: final.get(k) for k in ("round", "global_acc", "client_acc",
+                                            "client_acc_weighted", "train_loss")},
+        "best": {"global_acc": best("global_acc"), "client_acc": best("client_acc")},
+        "params": prep.counts,
+        "total_bytes": state.cum_bytes,
+        "bytes_up": sum(r["bytes_up"] for r in history),
+        "bytes_down": sum(r["bytes_down"] for r in history),
+        "wall_s": time.time() - t0,
+        "seconds_per_round": sum(r["round_s"] for r in history) / len(history),
+        "partition_stats": {k: prep.partition.stats[k] for k in
+                            ("num_clients", "samples_per_client", "classes_per_client")},
+        "versions": versions(),
+        "git_commit": git_commit(),
+        "device": device(),
+    }
+    table = summaries_table([summary], title=f"## {cfg.experiment}: {label} on {cfg.dataset.name}")
+    atomic_write(run_dir / "table.md", lambda fh: fh.write(table))
+    plot_curves({label: history}, run_dir / "curves.png",
+                title=f"{label} | {cfg.dataset.name} | alpha {p.alpha}")
+    write_json(run_dir / SUMMARY, summary)  # last: marks the run directory complete
+    return summary

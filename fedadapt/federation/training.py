@@ -1,0 +1,161 @@
+"""The one client training loop and the one evaluation loop, shared by every method.
+
+Methods differ only in their model's forward (and, later, a registered loss); nothing here
+branches on a method name. Randomness (shuffling, dropout) is drawn from generators seeded by
+``(seed, round, client)``, so a run is reproducible and independent of which Ray worker (or
+which order) executes a client.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fedadapt.adapters import AdaptedModel, build_model
+from fedadapt.config import BackboneConfig, MethodConfig, TrainConfig
+from fedadapt.data.partition import ClientSplit
+from fedadapt.data.sources import DataSource
+
+
+@dataclass(frozen=True)
+class BackboneInfo:
+    """What a method needs of a backbone it does not run (training from cached features)."""
+
+    embed_dim: int
+
+
+@dataclass
+class RunSpec:
+    """Everything a client (or the server's evaluation) needs; picklable for Ray workers."""
+
+    run_id: str
+    method: MethodConfig
+    backbone: BackboneConfig
+    train: TrainConfig
+    seed: int
+    rounds: int
+    num_classes: int
+    embed_dim: int
+    train_source: DataSource
+    test_source: DataSource
+    clients: list[ClientSplit] = field(default_factory=list)
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.clients)
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (run seed, round, client, ...)."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1, np.uint64)[0]
+               >> np.uint64(1))
+
+
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_run_model(spec: RunSpec, backbone=None) -> AdaptedModel:
+    """The method's model with its seeded initial weights (identical in every process)."""
+    needs_backbone = spec.train_source.kind == "images"
+    if needs_backbone and backbone is None:
+        from fedadapt.backbones import build_backbone
+
+        backbone = build_backbone(spec.backbone)
+    torch.manual_seed(derive_seed(spec.seed, 0x1417))
+    model = build_model(spec.method, backbone if needs_backbone else BackboneInfo(spec.embed_dim),
+                        spec.num_classes, with_backbone=needs_backbone)
+    return model.to(device())
+
+
+_MODELS: dict[str, AdaptedModel] = {}
+
+
+def cached_model(spec: RunSpec) -> AdaptedModel:
+    """One model per process and run; every call overwrites all trainable tensors before use."""
+    if spec.run_id not in _MODELS:
+        _MODELS.clear()
+        _MODELS[spec.run_id] = build_run_model(spec)
+    return _MODELS[spec.run_id]
+
+
+def lr_at(train: TrainConfig, server_round: int, rounds: int) -> float:
+    """Learning rate of a round: constant, or cosine-annealed over the rounds."""
+    if not train.cosine:
+        return train.lr
+    return 0.5 * train.lr * (1 + math.cos(math.pi * (server_round - 1) / max(rounds, 1)))
+
+
+def make_optimizer(params, train: TrainConfig, lr: float) -> torch.optim.Optimizer:
+    if train.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=train.momentum,
+                               weight_decay=train.weight_decay)
+    cls = torch.optim.Adam if train.optimizer == "adam" else torch.optim.AdamW
+    return cls(params, lr=lr, weight_decay=train.weight_decay)
+
+
+def train_local(
+    model: AdaptedModel,
+    source: DataSource,
+    indices: np.ndarray,
+    train: TrainConfig,
+    *,
+    lr: float,
+    seed: int,
+    proximal_mu: float = 0.0,
+) -> tuple[float, int]:
+    """Train ``model`` in place on ``source[indices]``; return (mean loss, samples seen).
+
+    With ``proximal_mu > 0`` adds FedProx's ``mu/2 * ||w - w_global||^2`` over the trainable
+    tensors, ``w_global`` being their values on entry.
+    """
+    dev = next(model.parameters()).device
+    params = [p for p in model.parameters() if p.requires_grad]
+    anchor = [p.detach().clone() for p in params] if proximal_mu > 0 else None
+    opt = make_optimizer(params, train, lr)
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)  # dropout / drop-connect
+    model.train()
+    total, seen = 0.0, 0
+    indices = np.asarray(indices)
+    for _ in range(train.local_epochs):
+        order = indices[torch.randperm(len(indices), generator=gen).numpy()]
+        for start in range(0, len(order), train.batch_size):
+            x, y = source.get(order[start:start + train.batch_size])
+            x, y = x.to(dev), y.to(dev)
+            loss = F.cross_entropy(model(x), y)
+            if anchor is not None:
+                loss = loss + 0.5 * proximal_mu * sum(
+                    (p - a).pow(2).sum() for p, a in zip(params, anchor))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            total += float(loss.detach()) * len(y)
+            seen += len(y)
+    return total / max(seen, 1), seen
+
+
+@torch.no_grad()
+def evaluate(model: AdaptedModel, source: DataSource, indices: Optional[np.ndarray] = None,
+             batch_size: int = 256) -> tuple[float, float, int]:
+    """(mean loss, accuracy, n) of ``model`` on ``source[indices]`` (all samples if None)."""
+    if indices is None:
+        indices = np.arange(len(source.labels()))
+    dev = next(model.parameters()).device
+    model.eval()
+    loss_sum, correct, n = 0.0, 0, 0
+    for start in range(0, len(indices), batch_size):
+        x, y = source.get(indices[start:start + batch_size])
+        logits = model(x.to(dev))
+        y = y.to(dev)
+        loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
+        correct += int((logits.argmax(1) == y).sum())
+        n += len(y)
+    if n == 0:
+        return float("nan"), float("nan"), 0
+    return loss_sum / n, correct / n, n

@@ -1,0 +1,90 @@
+"""Run directories: atomic file writes, per-round metrics, the summary.
+
+A run directory holds ``config.yaml`` (resolved), ``partition.json``, ``metrics.jsonl`` (one line
+per round, appended and fsynced as rounds finish), and at the end ``table.md``, ``curves.png``
+and ``summary.json``. Each final file is written to a temporary name, fsynced and renamed, and
+``summary.json`` is written last: a run directory without it holds no result (the run stopped).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+SUMMARY = "summary.json"
+METRICS = "metrics.jsonl"
+
+
+def atomic_write(path: str | Path, write: Callable[[Any], None], mode: str = "w") -> None:
+    """Write via ``write(fileobj)`` to a temporary file in the same folder, fsync, rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, mode) as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _clean(obj):
+    """JSON-safe: NaN/inf become null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def write_json(path: str | Path, obj) -> None:
+    atomic_write(path, lambda fh: json.dump(_clean(obj), fh, indent=2, sort_keys=False))
+
+
+def append_jsonl(path: str | Path, row: dict) -> None:
+    with open(path, "a") as fh:
+        fh.write(json.dumps(_clean(row)) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version(), "platform": platform.platform()}
+    for pkg in ("fedadapt", "torch", "torchvision", "flwr", "ray", "flwr-datasets", "datasets",
+                "transformers", "open_clip_torch", "timm", "hydra-core", "numpy"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def git_commit() -> str | None:
+    """The commit of the fedadapt checkout (with ``+dirty`` when it has changes)."""
+    repo = Path(__file__).resolve().parents[2]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True,
+                             text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=repo, capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (sha + ("+dirty" if dirty else "")) or None
