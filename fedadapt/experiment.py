@@ -11,7 +11,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from fedadapt.adapters import AdaptedModel
 from fedadapt.config import RunConfig
@@ -95,8 +95,14 @@ def _progress(label: str, total: int):
 
 
 def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
-                   prepared: Optional[PreparedRun] = None, label: Optional[str] = None) -> dict:
-    """Federate ``cfg`` and write its run directory; return the summary."""
+                   prepared: Optional[PreparedRun] = None, label: Optional[str] = None,
+                   execute: Optional[Callable] = None) -> dict:
+    """Federate ``cfg`` and write its run directory; return the summary.
+
+    ``execute(plan, client_app) -> ServerState`` runs the federation; the default is Flower's
+    simulation engine (:func:`fedadapt.federation.launch.run_simulation`). The deployment
+    engine passes one that executes the plan on its own grid.
+    """
     from flwr.app import ArrayRecord
 
     from fedadapt.clients.app import make_client_app
@@ -153,7 +159,10 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
         timeout=cfg.federation.round_timeout,
         on_round=on_round,
     )
-    state = run_simulation(plan, make_client_app(lambda context: spec), cfg.federation)
+    if execute is None:
+        def execute(plan, client_app):
+            return run_simulation(plan, client_app, cfg.federation)
+    state = execute(plan, make_client_app(lambda context: spec))
 
     history = state.history
     evals = [r for r in history if r["global_acc"] is not None or r["client_acc"] is not None]

@@ -138,21 +138,25 @@ class ServerPlan:
     error: Optional[BaseException] = None
 
 
+def execute_plan(grid: Grid, plan: ServerPlan) -> ServerState:
+    """Run ``plan`` on ``grid``: handshake, then the rounds. Used by every launcher."""
+    strategy = plan.make_strategy()
+    strategy.set_nodes(handshake(grid, plan.num_clients))
+    state = ServerState(strategy=strategy, arrays=plan.initial_arrays, num_rounds=plan.num_rounds)
+    return run_rounds(grid, state, lr_at=plan.lr_at, eval_every=plan.eval_every,
+                      global_eval=plan.global_eval, counts=plan.counts, timeout=plan.timeout,
+                      on_round=plan.on_round)
+
+
 def make_server_app(plan: ServerPlan) -> ServerApp:
+    """A ServerApp that executes ``plan`` and stores its result (or error) on it."""
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context) -> None:
         try:
-            strategy = plan.make_strategy()
-            strategy.set_nodes(handshake(grid, plan.num_clients))
-            state = ServerState(strategy=strategy, arrays=plan.initial_arrays,
-                                num_rounds=plan.num_rounds)
-            plan.result = run_rounds(grid, state, lr_at=plan.lr_at, eval_every=plan.eval_every,
-                                     global_eval=plan.global_eval, counts=plan.counts,
-                                     timeout=plan.timeout, on_round=plan.on_round)
+            plan.result = execute_plan(grid, plan)
         except BaseException as err:  # handed back to the launcher, which re-raises
             plan.error = err
 
     return app
-
