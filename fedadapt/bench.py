@@ -1,0 +1,125 @@
+"""``fedadapt-bench``: seconds per round of a fixed configuration, medians over repeats.
+
+Three ways to run the same federated training (same data, partition, seeded client sampling,
+local training code and FedAvg weighting):
+
+* ``flower+cache``: Flower simulation (Ray backend), the head trains on cached features;
+* ``flower-nocache``: Flower simulation, every batch goes through the frozen backbone;
+* ``plain+cache``: a plain in-process PyTorch loop over the same clients, no Flower, no Ray.
+
+``flower+cache / plain+cache`` is the framework's overhead per round. Round 1 (Ray actors
+starting, workers importing torch) is reported separately as start-up. Results go to
+``outputs/bench/bench-<time>.json`` and a Markdown table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+BASE = ["experiment=quickstart", "method=linear_head", "federation.eval_every=1000"]
+
+
+def plain_loop(prep, cfg) -> list[float]:
+    """FedAvg over the same clients in one process: seconds per round."""
+    from fedadapt.federation.training import derive_seed, evaluate, lr_at, train_local
+
+    spec, model = prep.spec, prep.model
+    names = model.communicated_names()
+    global_t = model.tensors(names)
+    rng = random.Random(cfg.seed)
+    n = spec.num_clients
+    k = max(int(n * cfg.partition.fraction_fit), 1)
+    times = []
+    for rnd in range(1, cfg.rounds + 1):
+        t0 = time.perf_counter()
+        results = []
+        for cid in sorted(rng.sample(range(n), k)):
+            model.load_tensors(global_t)
+            train_local(model, spec.train_source, spec.clients[cid].train, spec.train,
+                        lr=lr_at(spec.train, rnd, cfg.rounds), seed=derive_seed(cfg.seed, rnd, cid))
+            results.append((model.tensors(names), len(spec.clients[cid].train)))
+        total = sum(w for _, w in results)
+        global_t = {nm: sum(t[nm] * (w / total) for t, w in results) for nm in names}
+        if rnd == cfg.rounds:
+            model.load_tensors(global_t)
+            evaluate(model, spec.test_source)
+            for c in spec.clients:
+                evaluate(model, spec.train_source, c.test)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def flower_run(cfg, tmp: Path) -> list[float]:
+    from fedadapt.experiment import run_experiment
+
+    summary_dir = tmp / f"run-{time.time_ns()}"
+    run_experiment(cfg, summary_dir, config_yaml="bench\n")
+    from fedadapt.results.store import read_jsonl
+
+    return [r["round_s"] for r in read_jsonl(summary_dir / "metrics.jsonl")]
+
+
+def main(argv: list[str] | None = None) -> None:
+    from fedadapt.cli import to_run_config
+    from fedadapt.entry import compose_config
+    from fedadapt.experiment import prepare_run
+
+    parser = argparse.ArgumentParser(prog="fedadapt-bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--out", default="outputs/bench")
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides")
+    args = parser.parse_args(argv)
+    overrides = BASE + [f"rounds={args.rounds}", *args.overrides]
+    variants = {
+        "flower+cache": overrides,
+        "flower-nocache": overrides + ["method.use_cache=false"],
+        "plain+cache": overrides,
+    }
+    tmp = Path(args.out) / "runs"
+    results = {}
+    for name, ov in variants.items():
+        cfg = to_run_config(compose_config(ov))
+        per_round, startup = [], []
+        for rep in range(args.repeats):
+            print(f"[bench] {name}: repeat {rep + 1}/{args.repeats}", flush=True)
+            times = plain_loop(prepare_run(cfg, quiet=True), cfg) if name.startswith("plain") \
+                else flower_run(cfg, tmp)
+            startup.append(times[0])
+            per_round.extend(times[1:])
+        results[name] = {"median_s_per_round": statistics.median(per_round),
+                         "median_round1_s": statistics.median(startup),
+                         "rounds_measured": len(per_round)}
+    flower, plain = results["flower+cache"], results["plain+cache"]
+    meta = {"machine": f"{platform.node()} | {platform.processor() or platform.machine()} | "
+                       f"{torch.get_num_threads()} torch threads | "
+                       f"{'cuda' if torch.cuda.is_available() else 'cpu'}",
+            "config": overrides, "repeats": args.repeats,
+            "overhead_ratio": flower["median_s_per_round"] / plain["median_s_per_round"],
+            "cache_speedup": results["flower-nocache"]["median_s_per_round"]
+            / flower["median_s_per_round"], "results": results}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from fedadapt.results.store import write_json
+
+    write_json(out / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json", meta)
+    print("\n| variant | median s/round (rounds 2..R) | median round 1 s |\n|---|---|---|")
+    for name, r in results.items():
+        print(f"| {name} | {r['median_s_per_round']:.3f} | {r['median_round1_s']:.2f} |")
+    print(f"\nFlower overhead (flower+cache / plain+cache): {meta['overhead_ratio']:.1f}x; "
+          f"feature cache speed-up (nocache / cache): {meta['cache_speedup']:.1f}x")
+    print(f"machine: {meta['machine']}")
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=3)
+    main()

@@ -1,0 +1,80 @@
+"""``fedadapt-inspect method=... backbone=... dataset=...``: parameter and FLOP counts as JSON.
+
+Built from the architecture alone: random weights, no download, no data (the number of classes
+comes from the dataset card). Counts are exact integers from the built modules.
+
+* ``backbone_params``: the frozen backbone as the method receives it (adapters excluded).
+* ``trainable_params``: parameters with ``requires_grad`` (for ``finetune``: backbone + head).
+* ``communicated_params``: scalars each client sends per round (= receives); personal tensors
+  and local-only models send nothing.
+* ``per_exit`` (backbones with exits): for each exit l, the backbone's cumulative parameters
+  (embeddings + blocks 0..l) and the FLOPs of running them on one image at ``image_size``,
+  counted by ``torch.utils.flop_counter`` (2 FLOPs per multiply-accumulate; matmuls,
+  convolutions and attention; elementwise ops not counted).
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+
+def per_exit_counts(backbone) -> list[dict]:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    blocks = backbone.blocks
+    base = backbone.num_params() - sum(p.numel() for b in blocks for p in b.parameters())
+    final_norm = sum(p.numel() for p in backbone.model.layernorm.parameters())
+    base -= final_norm  # the final LayerNorm belongs to the last exit only
+    x = torch.zeros(1, 3, backbone.image_size, backbone.image_size)
+    out, cumulative = [], base
+    for i, block in enumerate(blocks):
+        cumulative += sum(p.numel() for p in block.parameters())
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            backbone.forward_exits(x, last_exit=i)
+        out.append({"exit": i, "params": cumulative + (final_norm if i == len(blocks) - 1 else 0),
+                    "flops": int(counter.get_total_flops())})
+    return out
+
+
+def inspect_run(run) -> dict:
+    """Counts for a :class:`~fedadapt.config.RunConfig` (random weights, no data)."""
+    from fedadapt.adapters import build_model
+    from fedadapt.backbones import build_backbone
+    from fedadapt.data.catalogue import load_card
+
+    card = load_card(run.dataset.name)
+    backbone = build_backbone(run.backbone, load_weights=False)
+    backbone_params = backbone.num_params()
+    per_exit = per_exit_counts(backbone) if hasattr(backbone, "forward_exits") else None
+    model = build_model(run.method, backbone, card.num_classes, with_backbone=True)
+    result = {
+        "method": run.method.name,
+        "backbone": run.backbone.name,
+        "dataset": run.dataset.name,
+        "num_classes": card.num_classes,
+        "embed_dim": backbone.embed_dim,
+        "backbone_params": backbone_params,
+        "trainable_params": model.count(model.trainable_names()),
+        "communicated_params": model.count(model.communicated_names()),
+        "personal_params": model.count(model.personal_names()),
+    }
+    if per_exit is not None:
+        result["per_exit"] = per_exit
+    return result
+
+
+def _main(argv: list[str]) -> int:
+    from fedadapt.cli import to_run_config
+    from fedadapt.entry import compose_config
+
+    run = to_run_config(compose_config(argv))
+    print(json.dumps(inspect_run(run), indent=2))
+    return 0
+
+
+def main() -> None:
+    from fedadapt.entry import run_cli
+
+    run_cli(_main)

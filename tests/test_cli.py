@@ -1,0 +1,88 @@
+"""The console scripts: config errors name the key and leave nothing behind; a -m sweep writes
+one run directory per value; fedadapt-report aggregates them; fedadapt-inspect counts."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+TINY = ["backbone=small_cnn", "backbone.image_size=16", "dataset.max_samples=300",
+        "partition.num_clients=3", "rounds=2", "federation.eval_every=1"]
+
+
+def run(args, tmp_path, cache_dir, timeout=300):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "FEDADAPT_CACHE": cache_dir}
+    return subprocess.run([sys.executable, "-m", "fedadapt.cli", *args,
+                           f"output_dir={tmp_path}/out"],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("partition.alpha=0", "partition.alpha=0.0 is invalid"),
+    ("rounds=-1", "rounds=-1 is invalid"),
+    ("partition.num_clients=100000", "partition.num_clients=100000 is invalid"),
+    ("dataset=no_such_dataset", "dataset/no_such_dataset"),
+    ("method.hiden_dim=3", "hiden_dim"),
+    ("partition.fraction_fit=1.5", "partition.fraction_fit"),
+    ("train.lr=fast", "train.lr"),
+])
+def test_bad_input_fails_fast_naming_the_key(override, needle, tmp_path, cache_dir):
+    out = run([override], tmp_path, cache_dir, timeout=60)
+    assert out.returncode != 0
+    assert needle in out.stderr + out.stdout
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*"))
+
+
+def test_sweep_writes_one_run_dir_per_value_and_report_aggregates(tmp_path, cache_dir):
+    out = run(["-m", "method=linear_head", "partition.alpha=0.1,1000", *TINY], tmp_path,
+              cache_dir)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summaries = sorted((tmp_path / "out").rglob("summary.json"))
+    assert len(summaries) == 2
+    alphas = sorted(json.loads(p.read_text())["partition"]["alpha"] for p in summaries)
+    assert alphas == [0.1, 1000.0]
+    rep = subprocess.run([sys.executable, "-m", "fedadapt.results.report", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=60)
+    assert rep.returncode == 0, rep.stderr
+    rows = list(csv.DictReader(open(tmp_path / "out" / "report.csv")))
+    assert sorted(float(r["partition.alpha"]) for r in rows) == [0.1, 1000.0]
+    assert all(r["seeds"] == "1" and 0 <= float(r["final global acc mean"]) <= 100 for r in rows)
+
+
+def test_compare_runs_each_method_into_its_own_dir(tmp_path, cache_dir):
+    out = run(["compare=[linear_head,local_only]", *TINY], tmp_path, cache_dir)
+    assert out.returncode == 0, out.stderr[-3000:]
+    job = next((tmp_path / "out").glob("quickstart/*"))
+    assert (job / "table.md").is_file() and (job / "curves.png").is_file()
+    for m in ("linear_head", "local_only"):
+        assert (job / m / "summary.json").is_file()
+    table = (job / "table.md").read_text()
+    assert "| linear_head |" in table and "| local_only |" in table
+
+
+def test_report_needs_complete_runs(tmp_path):
+    (tmp_path / "stopped").mkdir()
+    (tmp_path / "stopped" / "metrics.jsonl").write_text("{}\n")
+    rep = subprocess.run([sys.executable, "-m", "fedadapt.results.report", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert rep.returncode == 2 and "no complete run" in rep.stderr
+
+
+def test_inspect_counts_from_architecture_alone():
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", "from fedadapt.inspect import main; main()",
+                          "method=linear_head", "backbone=deit_small", "dataset=cifar100"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    info = json.loads(out.stdout)
+    assert info["backbone_params"] == 21_665_664  # DeiT-S without head (REFERENCE.md)
+    assert info["trainable_params"] == info["communicated_params"] == 384 * 100 + 100
+    exits = info["per_exit"]
+    assert [e["exit"] for e in exits] == list(range(12))
+    assert exits[-1]["params"] == 21_665_664
+    assert exits[1]["params"] - exits[0]["params"] == 1_774_464  # one DeiT-S block
+    assert all(a["flops"] < b["flops"] for a, b in zip(exits, exits[1:]))

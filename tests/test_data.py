@@ -1,0 +1,121 @@
+"""Loading from local paths, IDX files, partitioners, per-client splits and statistics."""
+
+import gzip
+
+import numpy as np
+import pytest
+
+from datasets import ClassLabel, Dataset, DatasetDict, Features, Image, Value
+from fedadapt.config import ConfigError, DatasetConfig, PartitionConfig
+from fedadapt.data.catalogue import DatasetCard, available, load_card
+from fedadapt.data.loading import load_idx_folder, prepare_dataset, read_idx, standardise
+from fedadapt.data.partition import partition_dataset
+
+
+def labelled(n: int, num_classes: int = 10, extra: dict | None = None) -> Dataset:
+    rng = np.random.default_rng(0)
+    cols = {"image": [rng.integers(0, 255, (8, 8), dtype=np.uint8) for _ in range(n)],
+            "label": (np.arange(n) % num_classes).tolist()}
+    feats = {"image": Image(), "label": ClassLabel(num_classes=num_classes)}
+    for name, values in (extra or {}).items():
+        cols[name] = values
+        feats[name] = Value("string")
+    return Dataset.from_dict(cols, features=Features(feats))
+
+
+CARD = load_card("digits")
+
+
+def test_catalogue_has_the_cards():
+    assert {"cifar100", "femnist", "pacs", "office_home", "inaturalist", "fashion_mnist",
+            "digits"} <= set(available())
+    with pytest.raises(ConfigError, match="dataset='nope'"):
+        load_card("nope")
+
+
+@pytest.mark.parametrize("num_clients", [3, 7])
+@pytest.mark.parametrize("kind", ["iid", "dirichlet"])
+def test_requested_number_of_clients(kind, num_clients):
+    part = partition_dataset(labelled(300), PartitionConfig(kind=kind, num_clients=num_clients,
+                                                            min_partition_size=5), CARD, seed=0)
+    assert len(part.clients) == num_clients
+    all_idx = np.concatenate([np.concatenate([c.train, c.val, c.test]) for c in part.clients])
+    assert len(all_idx) == len(np.unique(all_idx)) == 300  # disjoint and complete
+
+
+def test_smaller_alpha_gives_fewer_classes_per_client():
+    ds = labelled(1000)
+    classes = {a: partition_dataset(ds, PartitionConfig(alpha=a, num_clients=10), CARD, seed=1)
+               .stats["classes_per_client"]["mean"] for a in (0.05, 1000.0)}
+    assert classes[0.05] < classes[1000.0]
+    assert classes[1000.0] == 10
+
+
+def test_client_split_is_seeded_and_disjoint():
+    cfg = PartitionConfig(kind="iid", num_clients=4, val_fraction=0.1, test_fraction=0.2)
+    a = partition_dataset(labelled(200), cfg, CARD, seed=3)
+    b = partition_dataset(labelled(200), cfg, CARD, seed=3)
+    c = partition_dataset(labelled(200), cfg, CARD, seed=4)
+    for x, y in zip(a.clients, b.clients):
+        assert np.array_equal(x.train, y.train) and np.array_equal(x.test, y.test)
+    assert any(not np.array_equal(x.test, y.test) for x, y in zip(a.clients, c.clients))
+    for cl in a.clients:
+        assert len(cl.test) == 10 and len(cl.val) == 5 and len(cl.train) == 35
+        assert not set(cl.train) & set(cl.test)
+
+
+def test_natural_and_domain_partitions():
+    writers = [f"w{i % 5}" for i in range(100)]
+    domains = [["art", "photo", "sketch"][i % 3] for i in range(90)]
+    natural = partition_dataset(labelled(100, extra={"client": writers}),
+                                PartitionConfig(kind="natural"), CARD, seed=0)
+    assert sorted(natural.names) == [f"w{i}" for i in range(5)]
+    card = DatasetCard(name="toy", source="local", hub_id=None, columns={}, splits={},
+                       num_classes=10, default_holdout="sketch")
+    dom = partition_dataset(labelled(90, extra={"domain": domains}),
+                            PartitionConfig(kind="domain"), card, seed=0)
+    assert sorted(dom.names) == ["art", "photo"] and dom.unseen_name == "sketch"
+    seen = np.concatenate([np.concatenate([c.train, c.val, c.test]) for c in dom.clients])
+    assert not set(seen) & set(dom.unseen)  # the held-out domain is never a training client
+    assert dom.stats["unseen"] == {"name": "sketch", "samples": 30}
+
+
+def test_bad_partitions_name_the_setting():
+    with pytest.raises(ConfigError, match="partition.num_clients=5000"):
+        partition_dataset(labelled(100), PartitionConfig(num_clients=5000), CARD, seed=0)
+    with pytest.raises(ConfigError, match="partition=natural"):
+        partition_dataset(labelled(100), PartitionConfig(kind="natural"), CARD, seed=0)
+
+
+def write_idx(path, array: np.ndarray):
+    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(d.to_bytes(4, "big") for d in array.shape)
+    with gzip.open(path, "wb") as fh:
+        fh.write(header + array.astype(np.uint8).tobytes())
+
+
+def test_idx_folder(tmp_path):
+    images = np.arange(5 * 4 * 4).reshape(5, 4, 4) % 255
+    write_idx(tmp_path / "train-images-idx3-ubyte.gz", images)
+    write_idx(tmp_path / "train-labels-idx1-ubyte.gz", np.array([0, 1, 2, 1, 0]))
+    np.testing.assert_array_equal(read_idx(str(tmp_path / "train-images-idx3-ubyte.gz")), images)
+    dsd = load_idx_folder(str(tmp_path), load_card("fashion_mnist"))
+    assert len(dsd["train"]) == 5 and dsd["train"][1]["label"] == 1
+    (tmp_path / "bad-idx1-ubyte").write_bytes(b"\x00\x00\x08\x01\x00\x00\x00\x09abc")
+    with pytest.raises(ValueError, match="truncated"):
+        read_idx(str(tmp_path / "bad-idx1-ubyte"))
+
+
+def test_local_save_to_disk_path_and_missing_column(tmp_path, cache_dir):
+    DatasetDict(train=labelled(50)).save_to_disk(str(tmp_path / "local"))
+    prepared = prepare_dataset(DatasetConfig(name="digits", path=str(tmp_path / "local")),
+                               cache_dir, seed=0)
+    assert prepared.num_train + prepared.num_test == 50 and prepared.num_classes == 10
+    no_label = DatasetDict(train=labelled(20).remove_columns("label"))
+    with pytest.raises(ConfigError, match="column"):
+        standardise(no_label, CARD, DatasetConfig(name="digits"), seed=0)
+
+
+def test_digits_ship_with_scikit_learn(cache_dir):
+    prepared = prepare_dataset(DatasetConfig(name="digits"), cache_dir, seed=0)
+    assert prepared.num_train == 1437 and prepared.num_test == 360
+    assert prepared.load()["train"][0]["image"].size == (8, 8)
