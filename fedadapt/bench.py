@@ -15,7 +15,6 @@ starting, workers importing torch) is reported separately as start-up. Results g
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import statistics

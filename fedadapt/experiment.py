@@ -34,7 +34,6 @@ def log(msg: str) -> None:
 def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
     """Load and partition the data, build the backbone and (if used) the feature cache."""
     import datasets
-
     from fedadapt.backbones import build_backbone
     from fedadapt.data.cache import cached_features
     from fedadapt.data.catalogue import load_card

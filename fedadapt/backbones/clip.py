@@ -57,7 +57,8 @@ def build_clip(cfg: BackboneConfig, load_weights: bool) -> ClipBackbone:
     else:
         pretrained = cfg.weights if load_weights else None
         try:
-            model = open_clip.create_model(name, pretrained=pretrained, load_weights=bool(pretrained))
+            model = open_clip.create_model(name, pretrained=pretrained,
+                                           load_weights=bool(pretrained))
         except (OSError, RuntimeError, ValueError) as err:
             raise MissingAssetError(
                 prefetch_hint(f"CLIP weights {name}/{cfg.weights}", backbone=cfg.name)

@@ -66,8 +66,9 @@ def _image_label_features(num_classes: int, names: Optional[list]):
 
 def load_sklearn_digits(card: DatasetCard):
     """scikit-learn's bundled digits as 8x8 grayscale images (values 0..16 scaled to 0..255)."""
-    from datasets import Dataset, DatasetDict
     from sklearn.datasets import load_digits
+
+    from datasets import Dataset, DatasetDict
 
     bunch = load_digits()
     images = (bunch.images * (255.0 / 16.0)).round().astype(np.uint8)  # [N, 8, 8]

@@ -62,8 +62,8 @@ def split_client(indices: np.ndarray, cfg: PartitionConfig, seed: int, client: i
     if n - n_test - n_val < 1:
         n_val = max(0, n - n_test - 1)
         n_test = min(n_test, n - n_val - 1)
-    return ClientSplit(train=np.sort(perm[n_test + n_val:]), val=np.sort(perm[n_test:n_test + n_val]),
-                       test=np.sort(perm[:n_test]))
+    return ClientSplit(train=np.sort(perm[n_test + n_val:]),
+                       val=np.sort(perm[n_test:n_test + n_val]), test=np.sort(perm[:n_test]))
 
 
 def partition_dataset(train_ds, cfg: PartitionConfig, card: DatasetCard, seed: int) -> Partition:
