@@ -23,7 +23,7 @@ APP=$WORK/app/fedadapt
 OUT=$WORK/outputs
 CONN=local-deployment
 OVR="experiment=quickstart method=linear_head rounds=2 partition.num_clients=$N"
-OVR="$OVR partition.fraction_fit=1.0 output_dir=$OUT ${OVERRIDES:-}"
+OVR="$OVR partition.fraction_fit=1.0 output_dir=$OUT${OVERRIDES:+ $OVERRIDES}"
 
 export FLWR_HOME=$WORK/flwr HF_HUB_OFFLINE=1 FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1
 # shellcheck disable=SC1091

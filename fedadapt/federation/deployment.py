@@ -43,15 +43,10 @@ def hydra_overrides(context: Context) -> list[str]:
 
 
 def compose_config(overrides: list[str]) -> DictConfig:
-    """Compose ``conf/config.yaml`` with ``overrides``, as the ``fedadapt`` command does."""
-    from hydra import compose, initialize_config_dir
+    """Compose the config as the ``fedadapt`` command does (quickstart unless overridden)."""
+    from fedadapt.entry import compose_config as compose
 
-    from fedadapt.config import register_configs
-    from fedadapt.paths import resource_dir
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(resource_dir("conf")), version_base=None):
-        return compose(config_name="config", overrides=overrides)
+    return compose(overrides, default_experiment="quickstart")
 
 
 @lru_cache(maxsize=2)
