@@ -57,6 +57,12 @@ class SeededSampling:
 
     def set_nodes(self, node_of_partition: dict[int, int]) -> None:
         self.node_of = dict(sorted(node_of_partition.items()))
+        self.partition_of = {node: pid for pid, node in self.node_of.items()}
+
+    def in_partition_order(self, replies: Iterable[Message]) -> list[Message]:
+        """Replies sorted by partition id. ``send_and_receive`` returns them in arrival order,
+        and floating-point sums depend on order: sorting makes aggregation reproducible."""
+        return sorted(replies, key=lambda m: self.partition_of.get(m.metadata.src_node_id, -1))
 
     def sample(self, fraction: float, minimum: int) -> list[int]:
         """Node ids of ``max(int(N * fraction), minimum)`` clients drawn without replacement."""

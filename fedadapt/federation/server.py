@@ -84,7 +84,7 @@ def run_rounds(
         t0 = time.time()
         config = ConfigRecord({"lr": lr_at(rnd)})
         train_msgs = list(strategy.configure_train(rnd, state.arrays, config, grid))
-        replies = list(grid.send_and_receive(train_msgs, timeout=timeout))
+        replies = strategy.in_partition_order(grid.send_and_receive(train_msgs, timeout=timeout))
         failed = [m for m in replies if m.has_error()]
         if failed:
             raise RuntimeError(f"round {rnd}: {len(failed)} client(s) failed: "
@@ -102,7 +102,8 @@ def run_rounds(
                 row.update(global_eval(state.arrays))
             eval_msgs = list(strategy.configure_evaluate(rnd, state.arrays, ConfigRecord(), grid))
             if eval_msgs:
-                eval_replies = list(grid.send_and_receive(eval_msgs, timeout=timeout))
+                eval_replies = strategy.in_partition_order(
+                    grid.send_and_receive(eval_msgs, timeout=timeout))
                 bytes_down += _bytes(eval_msgs)
                 metrics = strategy.aggregate_evaluate(rnd, eval_replies)
                 if metrics is not None and "accuracy" in metrics:
