@@ -26,10 +26,21 @@ def prefetch(run) -> list[str]:
 
 
 def _main(argv: list[str]) -> int:
+    from fedadapt.backbones.base import MissingAssetError
     from fedadapt.cli import to_run_config
     from fedadapt.entry import compose_config
 
-    for line in prefetch(to_run_config(compose_config(argv))):
+    run = to_run_config(compose_config(argv))
+    try:
+        lines = prefetch(run)
+    except MissingAssetError:
+        raise
+    except Exception as err:  # a download failed: say so plainly, without a deep traceback
+        raise MissingAssetError(
+            f"could not download what dataset={run.dataset.name} backbone={run.backbone.name} "
+            f"need ({type(err).__name__}: {err}). fedadapt-prefetch needs a network connection "
+            f"to the Hugging Face hub; HF_HUB_OFFLINE must not be set.") from err
+    for line in lines:
         print("fetched", line)
     return 0
 

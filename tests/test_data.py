@@ -119,3 +119,13 @@ def test_digits_ship_with_scikit_learn(cache_dir):
     prepared = prepare_dataset(DatasetConfig(name="digits"), cache_dir, seed=0)
     assert prepared.num_train == 1437 and prepared.num_test == 360
     assert prepared.load()["train"][0]["image"].size == (8, 8)
+
+
+def test_missing_hub_data_names_the_prefetch_command(cache_dir):
+    """Offline, a hub data set that is not cached fails with what is missing and the command."""
+    from fedadapt.backbones.base import MissingAssetError
+
+    with pytest.raises(MissingAssetError, match="fedadapt-prefetch dataset=cifar100"):
+        prepare_dataset(DatasetConfig(name="cifar100"), cache_dir, seed=0)
+    with pytest.raises(MissingAssetError, match="recipe"):
+        prepare_dataset(DatasetConfig(name="inaturalist"), cache_dir, seed=0)

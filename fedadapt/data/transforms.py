@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -31,5 +32,10 @@ class TransformSpec:
         ])
 
     def apply(self, images) -> torch.Tensor:  # list of PIL -> [B, 3, S, S]
-        tf = self.build()
+        tf = _built(self)
         return torch.stack([tf(im) for im in images])
+
+
+@lru_cache(maxsize=8)
+def _built(spec: TransformSpec):
+    return spec.build()

@@ -15,17 +15,20 @@ def plot_curves(runs: dict[str, list[dict]], path: str | Path, title: str = "") 
     from fedadapt.results.store import atomic_write
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for label, rows in runs.items():
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (label, rows) in enumerate(runs.items()):
+        color = colors[i % len(colors)]
         for key, style in (("global_acc", "-"), ("client_acc", ":")):
             pts = [(r["round"], r["cum_bytes"], r[key]) for r in rows if r.get(key) is not None]
             if not pts:
                 continue
             name = f"{label} ({'global' if key == 'global_acc' else 'client-mean'})"
-            axes[0].plot([p[0] for p in pts], [100 * p[2] for p in pts], style, label=name)
+            axes[0].plot([p[0] for p in pts], [100 * p[2] for p in pts], style, color=color,
+                         label=name, marker=".")
             sent = [p for p in pts if p[1] > 0]  # local-only runs send nothing
             if sent:
                 axes[1].plot([p[1] / 1e6 for p in sent], [100 * p[2] for p in sent], style,
-                             label=name)
+                             color=color, marker=".", label=name)
     axes[0].set_xlabel("round")
     axes[1].set_xlabel("cumulative bytes sent up + down (MB)")
     axes[1].set_xscale("log")

@@ -1,0 +1,190 @@
+"""Checkpoints: everything a run needs to continue, written atomically and verified on load.
+
+Server side, ``<run_dir>/checkpoints/round-<r>/`` holds
+
+* ``arrays.safetensors``: the global communicated tensors;
+* ``state.json``: the round, the metrics so far, the cumulative bytes, the strategy's state
+  (the seeded client-sampling RNG, plus whatever a strategy adds, e.g. server momentum) and the
+  checksum of the run's ``config.yaml``;
+* ``manifest.json``: the SHA-256 of the two files above, written last.
+
+The folder is written under a temporary name, fsynced and renamed; then ``checkpoints/LATEST``
+is replaced atomically to point at it, and only then are older checkpoints removed: a kill at
+any moment leaves the previous complete checkpoint in place.
+
+Client side, each client's personal tensors (a local-only head, later client tokens) are saved by
+the client itself, in ``<run_dir>/clients/<partition-id>/round-<r>.safetensors``, with the
+SHA-256 of the tensor data in the file's metadata; on resume a client loads its newest file not
+after the checkpoint's round. Nothing is unpickled: tensors are safetensors, the rest JSON.
+
+Randomness needs no saved state beyond the sampling RNG: training seeds are derived from
+``(seed, round, client)`` and initial weights from ``seed``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+CHECKPOINTS = "checkpoints"
+LATEST = "LATEST"
+ARRAYS = "arrays.safetensors"
+STATE = "state.json"
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file is missing, truncated or tampered with; the message names it."""
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(run_dir: Path, *, server_round: int, arrays: dict[str, torch.Tensor],
+                    state: dict, config_sha: str) -> Path:
+    """Write the checkpoint of ``server_round``; return its folder."""
+    from safetensors.torch import save
+
+    root = Path(run_dir) / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"round-{server_round:06d}"
+    tmp = root / f".round-{server_round:06d}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    tensors = {k: v.detach().cpu().contiguous() for k, v in arrays.items()}
+    _fsync_write(tmp / ARRAYS, save(tensors))
+    body = {"round": server_round, "config_sha256": config_sha, **state}
+    _fsync_write(tmp / STATE, json.dumps(body).encode())
+    manifest = {"round": server_round,
+                "files": {name: sha256_file(tmp / name) for name in (ARRAYS, STATE)}}
+    _fsync_write(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+    _fsync_dir(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    latest_tmp = root / f".{LATEST}.tmp{os.getpid()}"
+    _fsync_write(latest_tmp, final.name.encode())
+    os.replace(latest_tmp, root / LATEST)
+    _fsync_dir(root)
+    for old in root.iterdir():  # the new checkpoint is complete: drop the older ones
+        if old.is_dir() and old.name.startswith("round-") and old.name != final.name:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Optional[Path]:
+    """The folder ``LATEST`` points at, or None when the run has no checkpoint yet."""
+    pointer = Path(run_dir) / CHECKPOINTS / LATEST
+    if not pointer.is_file():
+        return None
+    folder = pointer.parent / pointer.read_text().strip()
+    if not folder.is_dir():
+        raise CheckpointError(f"{pointer} points at {folder.name}, which does not exist")
+    return folder
+
+
+def load_checkpoint(folder: Path, *, config_sha: Optional[str] = None
+                    ) -> tuple[dict[str, torch.Tensor], dict]:
+    """Verify every file against the manifest, then load ``(arrays, state)``."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    manifest_path = folder / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"checkpoint manifest {manifest_path} is missing or unreadable "
+                              f"({err}); the checkpoint is incomplete") from err
+    for name, digest in files.items():
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint file {path} is missing")
+        if sha256_file(path) != digest:
+            raise CheckpointError(f"checkpoint file {path} fails its checksum (truncated or "
+                                  f"modified); refusing to resume from it")
+    state = json.loads((folder / STATE).read_text())
+    if config_sha is not None and state.get("config_sha256") != config_sha:
+        raise CheckpointError(f"checkpoint {folder} belongs to a different config.yaml than the "
+                              f"run directory's; refusing to resume")
+    try:
+        arrays = load((folder / ARRAYS).read_bytes())
+    except SafetensorError as err:
+        raise CheckpointError(f"checkpoint file {folder / ARRAYS} is not valid safetensors "
+                              f"({err})") from err
+    return arrays, state
+
+
+# -- client-side personal state ---------------------------------------------------------------
+def _tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(name.encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def save_client_state(folder: Path, server_round: int, tensors: dict[str, torch.Tensor]) -> None:
+    """A client's personal tensors after ``server_round`` (atomic, checksummed)."""
+    from safetensors.torch import save
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    data = save(tensors, metadata={"round": str(server_round),
+                                   "sha256": _tensor_digest(tensors)})
+    tmp = folder / f".round-{server_round:06d}.tmp{os.getpid()}"
+    _fsync_write(tmp, data)
+    os.replace(tmp, folder / f"round-{server_round:06d}.safetensors")
+
+
+def load_client_state(folder: Path, up_to_round: int) -> Optional[dict[str, torch.Tensor]]:
+    """The client's newest personal tensors saved at a round <= ``up_to_round``, verified."""
+    from safetensors import SafetensorError, safe_open
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    rounds = sorted((int(m.group(1)), p) for p in folder.iterdir()
+                    if (m := re.fullmatch(r"round-(\d+)\.safetensors", p.name)))
+    rounds = [(r, p) for r, p in rounds if r <= up_to_round]
+    if not rounds:
+        return None
+    path = rounds[-1][1]
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = fh.metadata() or {}
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"client state {path} is unreadable ({err})") from err
+    if meta.get("sha256") != _tensor_digest(tensors):
+        raise CheckpointError(f"client state {path} fails its checksum (modified); refusing it")
+    return tensors

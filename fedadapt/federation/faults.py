@@ -1,0 +1,134 @@
+"""Failing clients: screening replies on the server, and seeded fault injection on the client.
+
+A reply is dropped from the round's aggregation when the client raised (an error reply), did not
+answer within ``federation.round_timeout``, or sent tensors that are not exactly the expected
+ones: other names, other shapes, or NaN/Inf values. The round goes on with the rest while at least
+``federation.min_reply_fraction`` of the sampled clients gave usable replies; below that the run
+stops with a message saying why.
+
+Fault injection (``faults.fraction``, ``faults.kinds``) makes a seeded random subset of the
+clients misbehave in each round, to exercise all of this.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+
+FAULT_KINDS = ("raise", "nan", "wrong_keys", "wrong_shape", "timeout")
+
+
+class RoundFailed(RuntimeError):
+    """Too few usable replies in a round; the run cannot go on."""
+
+
+@dataclass
+class Screened:
+    """The usable replies of a round and what happened to the others."""
+
+    good: list = field(default_factory=list)
+    #: ``(partition id or node id, kind, detail)`` of every dropped client.
+    dropped: list[tuple[int, str, str]] = field(default_factory=list)
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for _, kind, _ in self.dropped:
+            out[kind] = out.get(kind, 0) + 1
+        return out
+
+
+def screen_replies(sent: list, replies: list, expected: dict[str, tuple] | None,
+                   partition_of: dict[int, int]) -> Screened:
+    """Split ``replies`` into usable ones and dropped ones.
+
+    ``expected`` maps tensor names to shapes for training replies (None for evaluation
+    replies, which carry no tensors).
+    """
+    out = Screened()
+    answered = set()
+    for msg in replies:
+        node = msg.metadata.src_node_id
+        answered.add(node)
+        who = partition_of.get(node, node)
+        if msg.has_error():
+            out.dropped.append((who, "error", str(msg.error.reason)[:200]))
+            continue
+        if expected is not None:
+            problem = _check_arrays(msg, expected)
+            if problem is not None:
+                out.dropped.append((who, *problem))
+                continue
+        out.good.append(msg)
+    for msg in sent:
+        node = msg.metadata.dst_node_id
+        if node not in answered:
+            out.dropped.append((partition_of.get(node, node), "timeout", "no reply in time"))
+    return out
+
+
+def _check_arrays(msg, expected: dict[str, tuple]) -> tuple[str, str] | None:
+    records = msg.content.array_records
+    if "arrays" not in records:
+        return "wrong_keys", "no 'arrays' record"
+    arrays = records["arrays"]
+    names = set(arrays.keys())
+    if names != set(expected):
+        extra, missing = sorted(names - set(expected)), sorted(set(expected) - names)
+        return "wrong_keys", f"unexpected {extra[:3]}, missing {missing[:3]}"
+    for name, arr in arrays.items():
+        if tuple(arr.shape) != tuple(expected[name]):
+            return "wrong_shape", f"{name}: {tuple(arr.shape)} != {tuple(expected[name])}"
+    for name, arr in arrays.items():
+        values = arr.numpy()
+        if np.issubdtype(values.dtype, np.floating) and not np.isfinite(values).all():
+            return "nonfinite", f"{name} has NaN/Inf"
+    metrics = msg.content.metric_records
+    if not metrics or "num-examples" not in next(iter(metrics.values())):
+        return "wrong_keys", "no num-examples metric"
+    return None
+
+
+def require_enough(screened: Screened, sampled: int, min_fraction: float, server_round: int,
+                   what: str = "training") -> None:
+    """Stop the run when fewer than ``ceil(min_fraction * sampled)`` replies are usable."""
+    need = max(1, math.ceil(min_fraction * sampled)) if sampled else 0
+    if len(screened.good) < need:
+        detail = "; ".join(f"client {who}: {kind} ({msg})" for who, kind, msg in
+                           screened.dropped[:5])
+        raise RoundFailed(
+            f"round {server_round}: only {len(screened.good)} of {sampled} sampled clients gave "
+            f"usable {what} replies, fewer than federation.min_reply_fraction={min_fraction} "
+            f"requires ({need}); {detail}")
+
+
+def injected_fault(seed: int, server_round: int, client: int, fraction: float,
+                   kinds: list[str]) -> str | None:
+    """The fault this client injects in this round (seeded), or None."""
+    if fraction <= 0 or not kinds:
+        return None
+    rng = random.Random(f"fault-{seed}-{server_round}-{client}")
+    if rng.random() >= fraction:
+        return None
+    return rng.choice(list(kinds))
+
+
+def corrupt(tensors: dict, kind: str) -> dict:
+    """Apply a tensor-level fault (``nan``, ``wrong_keys``, ``wrong_shape``) to a reply."""
+    import torch
+
+    if not tensors:
+        return tensors
+    name = sorted(tensors)[0]
+    out = dict(tensors)
+    if kind == "nan":
+        t = out[name].clone()
+        t.view(-1)[0] = float("nan")
+        out[name] = t
+    elif kind == "wrong_keys":
+        out[name + ".bogus"] = out.pop(name)
+    elif kind == "wrong_shape":
+        out[name] = torch.cat([out[name].reshape(-1), torch.zeros(1)])
+    return out

@@ -1,0 +1,81 @@
+"""Checkpoint files: round trip, atomic replacement, and refusal of truncated/tampered files."""
+
+import json
+
+import pytest
+import torch
+
+from fedadapt.federation.checkpoint import (
+    ARRAYS,
+    CHECKPOINTS,
+    LATEST,
+    STATE,
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    load_client_state,
+    save_checkpoint,
+    save_client_state,
+)
+
+
+def save(tmp_path, rnd, value=1.0):
+    return save_checkpoint(tmp_path, server_round=rnd,
+                           arrays={"head.weight": torch.full((2, 3), value)},
+                           state={"history": [{"round": rnd}], "strategy": {"rng": [1, 2]}},
+                           config_sha="abc")
+
+
+def test_round_trip_and_latest(tmp_path):
+    assert latest_checkpoint(tmp_path) is None
+    save(tmp_path, 2, 1.0)
+    folder = save(tmp_path, 4, 2.0)
+    assert latest_checkpoint(tmp_path) == folder
+    assert [p.name for p in (tmp_path / CHECKPOINTS).iterdir() if p.is_dir()] == [folder.name]
+    arrays, state = load_checkpoint(folder, config_sha="abc")
+    torch.testing.assert_close(arrays["head.weight"], torch.full((2, 3), 2.0))
+    assert state["round"] == 4 and state["strategy"] == {"rng": [1, 2]}
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "state", "manifest"])
+def test_damaged_checkpoint_is_refused_naming_the_file(tmp_path, damage):
+    folder = save(tmp_path, 3)
+    target = {"truncate": ARRAYS, "flip": ARRAYS, "state": STATE, "manifest": "manifest.json"}[
+        damage]
+    path = folder / target
+    data = path.read_bytes()
+    if damage == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":
+        path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    elif damage == "state":
+        path.write_text(json.dumps({**json.loads(data), "round": 99}))
+    else:
+        path.unlink()
+    with pytest.raises(CheckpointError, match=target.replace(".", r"\.")):
+        load_checkpoint(folder)
+
+
+def test_checkpoint_of_another_config_is_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="different config"):
+        load_checkpoint(save(tmp_path, 1), config_sha="other")
+
+
+def test_dangling_latest_pointer(tmp_path):
+    save(tmp_path, 1)
+    (tmp_path / CHECKPOINTS / LATEST).write_text("round-000007")
+    with pytest.raises(CheckpointError, match="round-000007"):
+        latest_checkpoint(tmp_path)
+
+
+def test_client_state_newest_not_after_round(tmp_path):
+    for rnd in (1, 3, 5):
+        save_client_state(tmp_path, rnd, {"head.bias": torch.full((2,), float(rnd))})
+    assert load_client_state(tmp_path, 0) is None
+    torch.testing.assert_close(load_client_state(tmp_path, 4)["head.bias"], torch.full((2,), 3.))
+    torch.testing.assert_close(load_client_state(tmp_path, 9)["head.bias"], torch.full((2,), 5.))
+    path = tmp_path / "round-000005.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(CheckpointError, match="round-000005"):
+        load_client_state(tmp_path, 9)
