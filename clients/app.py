@@ -2,16 +2,25 @@
 
 What crosses the wire is named: the reply's ``ArrayRecord`` holds only the communicated
 trainable tensors, by name; personal tensors (a client token, a local-only head, ...) live in
-``context.state`` under ``personal`` and never appear in a reply.
+``context.state`` under ``personal`` and never appear in a reply. When the run has a state
+folder, the client also saves them there after each round (its own disk), so a resumed run
+picks them up; see :mod:`fedadapt.federation.checkpoint`.
+
+With ``faults.fraction > 0`` a seeded subset of clients misbehaves each round (raises, sends
+NaN, wrong names or shapes, or answers too late) to exercise the server's screening.
 """
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
 from typing import Callable
 
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedadapt.federation.checkpoint import load_client_state, save_client_state
+from fedadapt.federation.faults import corrupt, injected_fault
 from fedadapt.federation.training import (
     RunSpec,
     cached_model,
@@ -27,9 +36,14 @@ def partition_id(context: Context) -> int:
     return int(context.node_config["partition-id"])
 
 
+def _state_dir(spec: RunSpec, cid: int):
+    return Path(spec.state_dir) / str(cid) if spec.state_dir else None
+
+
 def load_client_model(spec: RunSpec, msg: Message, context: Context):
     """The process's model with this client's tensors: communicated from the message, personal
-    from ``context.state`` (or the seeded initial values the first time)."""
+    from ``context.state``; on a first visit from the client's saved state of a resumed run
+    (rounds up to ``resume-round``), else the seeded initial values."""
     model = cached_model(spec)
     arrays = msg.content.array_records.get("arrays")
     expected = set(model.communicated_names())
@@ -39,8 +53,13 @@ def load_client_model(spec: RunSpec, msg: Message, context: Context):
                          f"{sorted(expected)[:4]}...")
     personal_names = model.personal_names()
     if personal_names:
+        config = msg.content.config_records.get("config")
+        resume_round = int(config.get("resume-round", 0)) if config is not None else 0
+        folder = _state_dir(spec, partition_id(context))
         if PERSONAL_KEY in context.state.array_records:
             personal = dict(context.state.array_records[PERSONAL_KEY].to_torch_state_dict())
+        elif folder is not None and (saved := load_client_state(folder, resume_round)):
+            personal = saved
         else:  # first visit: the run's seeded initial values
             from fedadapt.federation.training import build_run_model
 
@@ -50,13 +69,31 @@ def load_client_model(spec: RunSpec, msg: Message, context: Context):
     return model
 
 
+def warm_up_optimizer(train) -> None:
+    """One step of the configured optimizer on a throwaway tensor: the first step in a process
+    pulls in torch's lazy imports (seconds), which must not count against a round timeout."""
+    import torch
+
+    from fedadapt.federation.training import make_optimizer
+
+    p = torch.zeros(1, requires_grad=True)
+    opt = make_optimizer([p], train, lr=0.1)
+    p.sum().backward()
+    opt.step()
+
+
 def make_client_app(get_spec: Callable[[Context], RunSpec]) -> ClientApp:
     """Build the ClientApp; ``get_spec(context)`` returns the run's :class:`RunSpec`."""
     app = ClientApp()
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:
-        """Handshake: tell the server which partition this node holds."""
+        """Handshake: tell the server which partition this node holds, after warming up (build
+        the model, open the data), so that round timeouts measure rounds, not start-up."""
+        spec = get_spec(context)
+        cached_model(spec)
+        spec.train_source.labels()
+        warm_up_optimizer(spec.train)
         return Message(RecordDict({"metrics": MetricRecord(
             {"partition-id": partition_id(context)})}), reply_to=msg)
 
@@ -66,6 +103,10 @@ def make_client_app(get_spec: Callable[[Context], RunSpec]) -> ClientApp:
         cid = partition_id(context)
         config = msg.content.config_records["config"]
         rnd = int(config["server-round"])
+        fault = injected_fault(spec.seed, rnd, cid, spec.faults.fraction, spec.faults.kinds)
+        if fault == "raise":
+            raise RuntimeError(f"injected fault (faults.fraction={spec.faults.fraction}): "
+                               f"client {cid} raises in round {rnd}")
         model = load_client_model(spec, msg, context)
         loss, seen = train_local(
             model, spec.train_source, spec.clients[cid].train, spec.train,
@@ -73,9 +114,17 @@ def make_client_app(get_spec: Callable[[Context], RunSpec]) -> ClientApp:
             proximal_mu=float(config.get("proximal-mu", 0.0)))
         personal = model.personal_names()
         if personal:
-            context.state[PERSONAL_KEY] = ArrayRecord(model.tensors(personal))
+            tensors = model.tensors(personal)
+            context.state[PERSONAL_KEY] = ArrayRecord(tensors)
+            if (folder := _state_dir(spec, cid)) is not None:
+                save_client_state(folder, rnd, tensors)
+        sent = model.tensors(model.communicated_names())
+        if fault in ("nan", "wrong_keys", "wrong_shape"):
+            sent = corrupt(sent, fault)
+        elif fault == "timeout":
+            time.sleep(spec.faults.delay_s or float(config.get("round-timeout", 0)) + 2.0)
         content = RecordDict({
-            "arrays": ArrayRecord(model.tensors(model.communicated_names())),
+            "arrays": ArrayRecord(sent),
             "metrics": MetricRecord({"num-examples": len(spec.clients[cid].train),
                                      "train_loss": loss}),
         })

@@ -1,7 +1,9 @@
 """``fedadapt``: the Hydra main.
 
 ``fedadapt`` runs the quickstart experiment; ``fedadapt experiment=NAME key=value ...`` any other;
-``fedadapt -m partition.alpha=0.1,1000`` sweeps. An experiment with ``compare: [...]`` runs each
+``fedadapt -m partition.alpha=0.1,1000`` sweeps; ``fedadapt resume=DIR`` continues a job that
+stopped (methods with a ``summary.json`` are kept, the others continue from their last
+checkpoint). An experiment with ``compare: [...]`` runs each
 listed method on the same data and seed, each into its own run directory under the job's folder,
 and writes a combined ``table.md`` and ``curves.png`` there; naming ``method=`` on the command
 line runs just that method.
@@ -9,6 +11,7 @@ line runs just that method.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -29,12 +32,10 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     return validate(OmegaConf.to_object(cfg))
 
 
-def job_configs(cfg: DictConfig) -> list[tuple[str, RunConfig, str]]:
+def job_configs(cfg: DictConfig, overrides: list[str]) -> list[tuple[str, RunConfig, str]]:
     """``(method, RunConfig, resolved yaml)`` for each run of this job, all validated up front."""
     from hydra import compose
-    from hydra.core.hydra_config import HydraConfig
 
-    overrides = list(HydraConfig.get().overrides.task)
     explicit_method = any(o.split("=")[0].lstrip("+~") == "method" for o in overrides)
     names = [] if explicit_method else list(cfg.compare)
     if not names:
@@ -55,29 +56,56 @@ def _remove_if_empty(run_dir: Path, root: Path) -> None:
         d = d.parent
 
 
-def run_job(cfg: DictConfig, run_dir: Path) -> list[dict]:
+JOB = "job.json"
+
+
+def resume_target(path: str) -> tuple[Path, list[str]]:
+    """The job folder to resume and the overrides it was started with.
+
+    ``path`` is a job folder (it has ``job.json``) or one method's run directory inside it.
+    """
+    p = Path(path).expanduser().resolve()
+    for job_dir in (p, p.parent):
+        if (job_dir / JOB).is_file():
+            return job_dir, list(json.loads((job_dir / JOB).read_text())["overrides"])
+    raise ConfigError(f"resume={path!r} is invalid: neither it nor its parent holds {JOB} "
+                      f"(a folder written by `fedadapt`)")
+
+
+def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
+            resume: bool = False) -> list[dict]:
     from fedadapt.experiment import prepare_run, run_experiment
     from fedadapt.results.plots import plot_curves
-    from fedadapt.results.store import atomic_write, read_jsonl
+    from fedadapt.results.store import SUMMARY, atomic_write, read_jsonl, write_json
     from fedadapt.results.tables import summaries_table
 
-    jobs = job_configs(cfg)
+    jobs = job_configs(cfg, overrides)
+    compare = len(jobs) > 1
+    dirs = {name: run_dir / name if compare else run_dir for name, _, _ in jobs}
+    done = {name: json.loads((d / SUMMARY).read_text()) for name, d in dirs.items()
+            if resume and (d / SUMMARY).is_file()}
     # Everything that can fail on bad input happens before the first file is written.
-    prepared = {name: prepare_run(run, quiet=i > 0) for i, (name, run, _) in enumerate(jobs)}
-    if len(jobs) == 1:
-        name, run, yaml = jobs[0]
-        return [run_experiment(run, run_dir, config_yaml=yaml, prepared=prepared[name])]
+    prepared = {name: prepare_run(run, quiet=i > 0) for i, (name, run, _) in enumerate(jobs)
+                if name not in done}
+    if not resume:
+        write_json(run_dir / JOB, {"overrides": overrides, "argv": sys.argv})
     summaries = []
     for name, run, yaml in jobs:
-        summaries.append(run_experiment(run, run_dir / name, config_yaml=yaml,
-                                        prepared=prepared[name]))
+        if name in done:
+            print(f"[{name}] complete already ({dirs[name] / SUMMARY})", file=sys.stderr)
+            summaries.append(done[name])
+            continue
+        summaries.append(run_experiment(run, dirs[name], config_yaml=yaml,
+                                        prepared=prepared[name], resume=resume))
+    if not compare:
+        return summaries
     first = jobs[0][1]
     title = (f"## {first.experiment}: {first.dataset.name}, {first.backbone.name}, "
              f"{first.partition.num_clients} clients, {first.partition.kind} "
              f"alpha={first.partition.alpha}, {first.rounds} rounds, seed {first.seed}")
     table = summaries_table(summaries, title=title)
     atomic_write(run_dir / "table.md", lambda fh: fh.write(table))
-    plot_curves({s["method"]: read_jsonl(run_dir / s["method"] / "metrics.jsonl")
+    plot_curves({s["method"]: read_jsonl(dirs[s["method"]] / "metrics.jsonl")
                  for s in summaries}, run_dir / "curves.png", title=first.experiment)
     print("\n" + table)
     print(f"Run directory: {run_dir}")
@@ -90,8 +118,20 @@ def _main(cfg: DictConfig) -> None:
 
     logging.getLogger().setLevel(logging.WARNING)  # Hydra's stdout config says INFO
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    overrides = list(HydraConfig.get().overrides.task)
     try:
-        run_job(cfg, run_dir)
+        if cfg.resume:
+            from hydra import compose
+
+            if any(o.split("=")[0] != "resume" for o in overrides):
+                raise ConfigError("resume=DIR takes no other overrides: the run continues with "
+                                  "the config it was started with")
+            _remove_if_empty(run_dir, Path(cfg.output_dir).resolve().parent)
+            job_dir, overrides = resume_target(cfg.resume)
+            cfg = compose(config_name="config", overrides=overrides)
+            run_job(cfg, job_dir, overrides, resume=True)
+        else:
+            run_job(cfg, run_dir, overrides)
     except (ConfigError, MissingAssetError) as err:
         print(f"fedadapt: error: {err}", file=sys.stderr)
         _remove_if_empty(run_dir, Path(cfg.output_dir).resolve().parent)

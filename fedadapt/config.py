@@ -116,10 +116,27 @@ class FederationConfig:
     num_gpus: Optional[float] = None
     #: Evaluate every k rounds (and always at the last round).
     eval_every: int = 1
-    #: Seconds to wait for client replies in a round; None = no limit.
+    #: Seconds to wait for client replies in a round; None = no limit. Late clients are dropped
+    #: from the round.
     round_timeout: Optional[float] = None
+    #: The run stops when fewer than this fraction of a round's sampled clients reply usably.
+    min_reply_fraction: float = 0.5
+    #: Write a checkpoint every k rounds (and always after the last); 0 = only after the last.
+    checkpoint_every: int = 5
     #: Show Flower's own INFO logs.
     verbose: bool = False
+
+
+@dataclass
+class FaultConfig:
+    """Fault injection: a seeded random ``fraction`` of the clients misbehave in each round."""
+
+    fraction: float = 0.0
+    #: Any of ``raise``, ``nan``, ``wrong_keys``, ``wrong_shape``, ``timeout``.
+    kinds: list[str] = field(default_factory=lambda: ["raise", "nan", "wrong_keys",
+                                                      "wrong_shape"])
+    #: How long a ``timeout`` client sleeps before replying (default: round_timeout + 2 s).
+    delay_s: Optional[float] = None
 
 
 @dataclass
@@ -133,6 +150,9 @@ class RunConfig:
     setting: SettingConfig = field(default_factory=SettingConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     federation: FederationConfig = field(default_factory=FederationConfig)
+    faults: FaultConfig = field(default_factory=FaultConfig)
+    #: Continue the run (or compare job) in this directory from its last checkpoint.
+    resume: Optional[str] = None
     #: Name of the experiment (set by ``conf/experiment/*.yaml``).
     experiment: str = "custom"
     #: Methods compared in one job, each in its own run directory; empty = just ``method``.
@@ -209,6 +229,19 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(f.eval_every >= 1, "federation.eval_every", f.eval_every, "must be >= 1")
     _check(f.round_timeout is None or f.round_timeout > 0, "federation.round_timeout",
            f.round_timeout, "must be > 0 or null")
+    _check(0 < f.min_reply_fraction <= 1, "federation.min_reply_fraction",
+           f.min_reply_fraction, "must be in (0, 1]")
+    _check(f.checkpoint_every >= 0, "federation.checkpoint_every", f.checkpoint_every,
+           "must be >= 0")
+    from fedadapt.federation.faults import FAULT_KINDS
+
+    fl = cfg.faults
+    _check(0 <= fl.fraction < 1, "faults.fraction", fl.fraction, "must be in [0, 1)")
+    _check(set(fl.kinds) <= set(FAULT_KINDS), "faults.kinds", list(fl.kinds),
+           f"each one of {FAULT_KINDS}")
+    _check(not (fl.fraction > 0 and "timeout" in fl.kinds and f.round_timeout is None),
+           "faults.kinds", list(fl.kinds),
+           "a 'timeout' fault needs federation.round_timeout to be set")
     _check(cfg.backbone.image_size >= 8, "backbone.image_size", cfg.backbone.image_size,
            "must be >= 8")
     return cfg

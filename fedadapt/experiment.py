@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from fedadapt.adapters import AdaptedModel
-from fedadapt.config import RunConfig
+from fedadapt.config import ConfigError, RunConfig
 from fedadapt.data.partition import Partition
 from fedadapt.federation.training import RunSpec
 
@@ -65,7 +65,7 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
                    train=cfg.train, seed=cfg.seed, rounds=cfg.rounds,
                    num_classes=prepared.num_classes, embed_dim=backbone.embed_dim,
                    train_source=source("train"), test_source=source("test"),
-                   clients=partition.clients)
+                   clients=partition.clients, faults=cfg.faults)
     model = build_run_model(spec, backbone)
     counts = {
         "backbone_params": backbone.num_params(),
@@ -93,18 +93,41 @@ def _progress(label: str, total: int):
     return on_round
 
 
+def _resume_point(run_dir: Path, config_yaml: str) -> Optional[tuple[dict, dict]]:
+    """``(arrays, state)`` of the run directory's last checkpoint, or None if it has none.
+
+    Refuses when the run directory's ``config.yaml`` is not the config being resumed.
+    """
+    import hashlib
+
+    from fedadapt.federation.checkpoint import latest_checkpoint, load_checkpoint
+
+    saved = run_dir / "config.yaml"
+    if saved.is_file() and saved.read_text() != config_yaml:
+        raise ConfigError(f"resume: {saved} differs from the config composed now (were conf/ "
+                          f"files edited since the run started?); refusing to mix them")
+    folder = latest_checkpoint(run_dir)
+    if folder is None:
+        return None
+    return load_checkpoint(folder, config_sha=hashlib.sha256(config_yaml.encode()).hexdigest())
+
+
 def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
                    prepared: Optional[PreparedRun] = None, label: Optional[str] = None,
-                   execute: Optional[Callable] = None) -> dict:
+                   execute: Optional[Callable] = None, resume: bool = False) -> dict:
     """Federate ``cfg`` and write its run directory; return the summary.
 
     ``execute(plan, client_app) -> ServerState`` runs the federation; the default is Flower's
     simulation engine (:func:`fedadapt.federation.launch.run_simulation`). The deployment
-    engine passes one that executes the plan on its own grid.
+    engine passes one that executes the plan on its own grid. With ``resume``, the run continues
+    from the run directory's last checkpoint (or starts over when it has none).
     """
+    import hashlib
+
     from flwr.app import ArrayRecord
 
     from fedadapt.clients.app import make_client_app
+    from fedadapt.federation.checkpoint import save_checkpoint
     from fedadapt.federation.launch import run_simulation
     from fedadapt.federation.server import ServerPlan
     from fedadapt.federation.training import device, evaluate, lr_at
@@ -117,6 +140,7 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
         git_commit,
         versions,
         write_json,
+        write_jsonl,
     )
     from fedadapt.results.tables import summaries_table
     from fedadapt.strategies.fedavg import build_strategy
@@ -125,11 +149,22 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
     t0 = time.time()
     prep = prepared or prepare_run(cfg)
     spec, model = prep.spec, prep.model
+    point = _resume_point(run_dir, config_yaml) if resume else None
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(run_dir / "config.yaml", lambda fh: fh.write(config_yaml))
     write_json(run_dir / "partition.json", prep.partition.stats)
+    spec.state_dir = str(run_dir / "clients")
     metrics_path = run_dir / METRICS
-    metrics_path.unlink(missing_ok=True)
+    config_sha = hashlib.sha256(config_yaml.encode()).hexdigest()
+    if point is None:
+        initial = model.tensors(model.communicated_names())
+        metrics_path.unlink(missing_ok=True)
+        resume_state = None
+    else:  # metrics.jsonl as it was at the checkpoint; rounds after it run again
+        initial, resume_state = point
+        write_jsonl(metrics_path, resume_state["history"])
+        log(f"[{label}] resuming after round {resume_state['round']} from "
+            f"{run_dir / 'checkpoints'}")
 
     def global_eval(arrays: ArrayRecord) -> dict:
         model.load_tensors(dict(arrays.to_torch_state_dict()))
@@ -138,9 +173,19 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
 
     progress = _progress(label, cfg.rounds)
 
+    every = cfg.federation.checkpoint_every
+
     def on_round(state) -> None:
         append_jsonl(metrics_path, state.history[-1])
         progress(state)
+        rnd = state.server_round
+        if (every and rnd % every == 0) or rnd == state.num_rounds:
+            save_checkpoint(run_dir, server_round=rnd,
+                            arrays=dict(state.arrays.to_torch_state_dict()),
+                            state={"history": state.history, "cum_bytes": state.cum_bytes,
+                                   "strategy": state.strategy.state_dict(),
+                                   "wall_s": state.history[-1]["wall_s"]},
+                            config_sha=config_sha)
 
     p = cfg.partition
     plan = ServerPlan(
@@ -149,14 +194,16 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
             cfg.method.strategy, federated=model.federated, num_clients=spec.num_clients,
             fraction_train=p.fraction_fit, fraction_evaluate=p.fraction_evaluate,
             seed=cfg.seed, proximal_mu=cfg.method.proximal_mu),
-        initial_arrays=ArrayRecord(model.tensors(model.communicated_names())),
+        initial_arrays=ArrayRecord(initial),
         num_rounds=cfg.rounds,
         lr_at=lambda r: lr_at(cfg.train, r, cfg.rounds),
         eval_every=cfg.federation.eval_every,
         global_eval=global_eval if model.federated else None,
         counts={k: prep.counts[k] for k in ("trainable_params", "communicated_params")},
         timeout=cfg.federation.round_timeout,
+        min_reply_fraction=cfg.federation.min_reply_fraction,
         on_round=on_round,
+        resume=resume_state,
     )
     if execute is None:
         def execute(plan, client_app):
@@ -185,6 +232,8 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
         "best": {"global_acc": best("global_acc"), "client_acc": best("client_acc")},
         "params": prep.counts,
         "total_bytes": state.cum_bytes,
+        "client_failures": sum(r.get("clients_failed", 0) for r in history),
+        "resumed_after_round": resume_state["round"] if resume_state else None,
         "bytes_up": sum(r["bytes_up"] for r in history),
         "bytes_down": sum(r["bytes_down"] for r in history),
         "wall_s": time.time() - t0,

@@ -59,6 +59,15 @@ class SeededSampling:
         self.node_of = dict(sorted(node_of_partition.items()))
         self.partition_of = {node: pid for pid, node in self.node_of.items()}
 
+    def state_dict(self) -> dict:
+        """What a checkpoint must save to continue sampling exactly (JSON-able)."""
+        version, internal, gauss = self.rng.getstate()
+        return {"rng": [version, list(internal), gauss]}
+
+    def load_state_dict(self, state: dict) -> None:
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+
     def in_partition_order(self, replies: Iterable[Message]) -> list[Message]:
         """Replies sorted by partition id. ``send_and_receive`` returns them in arrival order,
         and floating-point sums depend on order: sorting makes aggregation reproducible."""

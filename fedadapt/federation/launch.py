@@ -27,7 +27,9 @@ def run_simulation(plan: ServerPlan, client_app, fed: FederationConfig) -> Serve
     from flwr.simulation import run_simulation as flwr_run_simulation
 
     level = logging.INFO if fed.verbose else logging.WARNING
-    logging.getLogger("flwr").setLevel(level)
+    flwr_logger = logging.getLogger("flwr")
+    flwr_logger.setLevel(level)
+    flwr_logger.propagate = False  # it has its own handler; Hydra's root handler would repeat it
     backend_config = {
         "client_resources": client_resources(fed),
         "init_args": {"logging_level": level, "log_to_driver": True,

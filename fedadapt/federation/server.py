@@ -5,16 +5,24 @@ aggregate_train`` and, every ``eval_every`` rounds, a server-side evaluation of 
 plus a federated evaluation on the clients' local test splits. After each round it calls
 ``on_round(state)`` with a :class:`ServerState` that holds everything the run has (arrays,
 strategy, round, history): the hook where progress, metrics and checkpoints go.
+
+Replies are screened before aggregation (:mod:`fedadapt.federation.faults`): a client that
+raised, timed out or sent other names, shapes or non-finite values is dropped from the round
+with a warning and counted in the round's metrics.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from logging import WARNING
 from typing import Callable, Optional
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
+
+from fedadapt.federation.faults import Screened, require_enough, screen_replies
 
 
 @dataclass
@@ -67,62 +75,9 @@ def handshake(grid: Grid, n: int) -> dict[int, int]:
     return mapping
 
 
-def run_rounds(
-    grid: Grid,
-    state: ServerState,
-    *,
-    lr_at: Callable[[int], float],
-    eval_every: int,
-    global_eval: Optional[Callable[[ArrayRecord], dict]],
-    counts: dict,
-    timeout: Optional[float] = None,
-    on_round: Optional[Callable[[ServerState], None]] = None,
-) -> ServerState:
-    """Run rounds ``state.server_round + 1 .. state.num_rounds``."""
-    strategy = state.strategy
-    for rnd in range(state.server_round + 1, state.num_rounds + 1):
-        t0 = time.time()
-        config = ConfigRecord({"lr": lr_at(rnd)})
-        train_msgs = list(strategy.configure_train(rnd, state.arrays, config, grid))
-        replies = strategy.in_partition_order(grid.send_and_receive(train_msgs, timeout=timeout))
-        failed = [m for m in replies if m.has_error()]
-        if failed:
-            raise RuntimeError(f"round {rnd}: {len(failed)} client(s) failed: "
-                               f"{failed[0].error.reason}")
-        new_arrays, train_metrics = strategy.aggregate_train(rnd, replies)
-        if new_arrays is not None:
-            state.arrays = new_arrays
-        bytes_down, bytes_up = _bytes(train_msgs), _bytes(replies)
-        row = {"round": rnd, "lr": lr_at(rnd), "clients_trained": len(replies),
-               "train_loss": float(train_metrics["train_loss"]) if train_metrics else None,
-               "global_acc": None, "global_loss": None, "client_acc": None,
-               "client_acc_weighted": None}
-        if rnd % eval_every == 0 or rnd == state.num_rounds:
-            if global_eval is not None:
-                row.update(global_eval(state.arrays))
-            eval_msgs = list(strategy.configure_evaluate(rnd, state.arrays, ConfigRecord(), grid))
-            if eval_msgs:
-                eval_replies = strategy.in_partition_order(
-                    grid.send_and_receive(eval_msgs, timeout=timeout))
-                bytes_down += _bytes(eval_msgs)
-                metrics = strategy.aggregate_evaluate(rnd, eval_replies)
-                if metrics is not None and "accuracy" in metrics:
-                    row["client_acc"] = float(metrics["accuracy_client_mean"])
-                    row["client_acc_weighted"] = float(metrics["accuracy"])
-        state.cum_bytes += bytes_up + bytes_down
-        row.update({"bytes_up": bytes_up, "bytes_down": bytes_down,
-                    "cum_bytes": state.cum_bytes, **counts,
-                    "round_s": time.time() - t0, "wall_s": time.time() - state.started})
-        state.server_round = rnd
-        state.history.append(row)
-        if on_round is not None:
-            on_round(state)
-    return state
-
-
 @dataclass
 class ServerPlan:
-    """How the ServerApp sets up a run; built by :mod:`fedadapt.experiment`."""
+    """How the ServerApp runs; built by :mod:`fedadapt.experiment`."""
 
     num_clients: int
     make_strategy: Callable[[], object]
@@ -133,10 +88,77 @@ class ServerPlan:
     global_eval: Optional[Callable[[ArrayRecord], dict]]
     counts: dict
     timeout: Optional[float] = None
+    min_reply_fraction: float = 0.5
     on_round: Optional[Callable[[ServerState], None]] = None
+    #: A checkpoint to continue from: ``{"round", "history", "cum_bytes", "strategy", "wall_s"}``
+    #: (``initial_arrays`` then holds the checkpoint's arrays).
+    resume: Optional[dict] = None
     #: Filled by the ServerApp: the final state, or the exception that stopped it.
     result: Optional[ServerState] = None
     error: Optional[BaseException] = None
+
+    @property
+    def resume_round(self) -> int:
+        return int(self.resume["round"]) if self.resume else 0
+
+
+def _warn_dropped(server_round: int, what: str, screened: Screened, sampled: int) -> None:
+    if screened.dropped:
+        detail = "; ".join(f"client {who}: {kind} ({msg})" for who, kind, msg in
+                           screened.dropped[:6])
+        log(WARNING, "round %d: dropped %d of %d %s replies: %s", server_round,
+            len(screened.dropped), sampled, what, detail)
+
+
+def run_rounds(grid: Grid, state: ServerState, plan: ServerPlan) -> ServerState:
+    """Run rounds ``state.server_round + 1 .. state.num_rounds``."""
+    strategy = state.strategy
+    expected = {name: tuple(arr.shape) for name, arr in state.arrays.items()}
+    for rnd in range(state.server_round + 1, state.num_rounds + 1):
+        t0 = time.time()
+        config = ConfigRecord({"lr": plan.lr_at(rnd), "resume-round": plan.resume_round,
+                               "round-timeout": float(plan.timeout or 0.0)})
+        train_msgs = list(strategy.configure_train(rnd, state.arrays, config, grid))
+        replies = strategy.in_partition_order(
+            grid.send_and_receive(train_msgs, timeout=plan.timeout))
+        screened = screen_replies(train_msgs, replies, expected, strategy.partition_of)
+        _warn_dropped(rnd, "training", screened, len(train_msgs))
+        require_enough(screened, len(train_msgs), plan.min_reply_fraction, rnd)
+        new_arrays, train_metrics = strategy.aggregate_train(rnd, screened.good)
+        if new_arrays is not None:
+            state.arrays = new_arrays
+        bytes_down, bytes_up = _bytes(train_msgs), _bytes(screened.good)
+        row = {"round": rnd, "lr": plan.lr_at(rnd), "clients_sampled": len(train_msgs),
+               "clients_trained": len(screened.good), "clients_failed": len(screened.dropped),
+               "failures": screened.counts(),
+               "train_loss": float(train_metrics["train_loss"]) if train_metrics else None,
+               "global_acc": None, "global_loss": None, "client_acc": None,
+               "client_acc_weighted": None, "clients_evaluated": None}
+        if rnd % plan.eval_every == 0 or rnd == state.num_rounds:
+            if plan.global_eval is not None:
+                row.update(plan.global_eval(state.arrays))
+            eval_msgs = list(strategy.configure_evaluate(rnd, state.arrays, ConfigRecord(config),
+                                                         grid))
+            if eval_msgs:
+                eval_replies = strategy.in_partition_order(
+                    grid.send_and_receive(eval_msgs, timeout=plan.timeout))
+                checked = screen_replies(eval_msgs, eval_replies, None, strategy.partition_of)
+                _warn_dropped(rnd, "evaluation", checked, len(eval_msgs))
+                bytes_down += _bytes(eval_msgs)
+                row["clients_evaluated"] = len(checked.good)
+                metrics = strategy.aggregate_evaluate(rnd, checked.good)
+                if metrics is not None and "accuracy" in metrics:
+                    row["client_acc"] = float(metrics["accuracy_client_mean"])
+                    row["client_acc_weighted"] = float(metrics["accuracy"])
+        state.cum_bytes += bytes_up + bytes_down
+        row.update({"bytes_up": bytes_up, "bytes_down": bytes_down,
+                    "cum_bytes": state.cum_bytes, **plan.counts,
+                    "round_s": time.time() - t0, "wall_s": time.time() - state.started})
+        state.server_round = rnd
+        state.history.append(row)
+        if plan.on_round is not None:
+            plan.on_round(state)
+    return state
 
 
 def execute_plan(grid: Grid, plan: ServerPlan) -> ServerState:
@@ -144,9 +166,13 @@ def execute_plan(grid: Grid, plan: ServerPlan) -> ServerState:
     strategy = plan.make_strategy()
     strategy.set_nodes(handshake(grid, plan.num_clients))
     state = ServerState(strategy=strategy, arrays=plan.initial_arrays, num_rounds=plan.num_rounds)
-    return run_rounds(grid, state, lr_at=plan.lr_at, eval_every=plan.eval_every,
-                      global_eval=plan.global_eval, counts=plan.counts, timeout=plan.timeout,
-                      on_round=plan.on_round)
+    if plan.resume:
+        strategy.load_state_dict(plan.resume["strategy"])
+        state.server_round = plan.resume_round
+        state.history = list(plan.resume["history"])
+        state.cum_bytes = int(plan.resume["cum_bytes"])
+        state.started -= float(plan.resume.get("wall_s", 0.0))
+    return run_rounds(grid, state, plan)
 
 
 def make_server_app(plan: ServerPlan) -> ServerApp:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from fedadapt.adapters import AdaptedModel, build_model
-from fedadapt.config import BackboneConfig, MethodConfig, TrainConfig
+from fedadapt.config import BackboneConfig, FaultConfig, MethodConfig, TrainConfig
 from fedadapt.data.partition import ClientSplit
 from fedadapt.data.sources import DataSource
 
@@ -44,6 +44,9 @@ class RunSpec:
     train_source: DataSource
     test_source: DataSource
     clients: list[ClientSplit] = field(default_factory=list)
+    faults: FaultConfig = field(default_factory=FaultConfig)
+    #: Where each client saves its personal tensors (``<state_dir>/<partition-id>/``).
+    state_dir: Optional[str] = None
 
     @property
     def num_clients(self) -> int:

@@ -59,6 +59,11 @@ def append_jsonl(path: str | Path, row: dict) -> None:
         os.fsync(fh.fileno())
 
 
+def write_jsonl(path: str | Path, rows: list[dict]) -> None:
+    """Replace a JSON-lines file atomically (same formatting as :func:`append_jsonl`)."""
+    atomic_write(path, lambda fh: fh.writelines(json.dumps(_clean(r)) + "\n" for r in rows))
+
+
 def read_jsonl(path: str | Path) -> list[dict]:
     with open(path) as fh:
         return [json.loads(line) for line in fh if line.strip()]

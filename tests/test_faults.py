@@ -1,0 +1,125 @@
+"""Failing clients: every fault kind is dropped from aggregation and counted; too few usable
+replies stop the run; a run with 20% injected faults completes close to the fault-free run."""
+
+import numpy as np
+import pytest
+from conftest import tiny_run
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    Error,
+    Message,
+    MessageType,
+    Metadata,
+    MetricRecord,
+    RecordDict,
+)
+
+from fedadapt.adapters.heads import LinearHeadConfig
+from fedadapt.config import ConfigError, FaultConfig, FederationConfig, PartitionConfig, validate
+from fedadapt.experiment import run_experiment
+from fedadapt.federation.faults import (
+    RoundFailed,
+    corrupt,
+    injected_fault,
+    require_enough,
+    screen_replies,
+)
+from fedadapt.results.store import read_jsonl
+
+EXPECTED = {"head.weight": (2, 3), "head.bias": (2,)}
+
+
+def sent(node: int) -> Message:
+    return Message(RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN)
+
+
+def reply(node: int, arrays=None, error=None) -> Message:
+    """A reply as the server receives it from ``node``."""
+    meta = Metadata(run_id=1, message_id="", src_node_id=node, dst_node_id=0,
+                    reply_to_message_id="m", group_id="", created_at=0.0, ttl=60.0,
+                    message_type=MessageType.TRAIN)
+    if error is not None:
+        return Message(error=Error(code=0, reason=error), metadata=meta)
+    arrays = arrays if arrays is not None else good()
+    return Message(content=RecordDict({
+        "arrays": ArrayRecord(array_dict={k: Array.from_numpy_ndarray(v)
+                                          for k, v in arrays.items()}),
+        "metrics": MetricRecord({"num-examples": 5})}), metadata=meta)
+
+
+def good():
+    return {k: np.ones(s, np.float32) for k, s in EXPECTED.items()}
+
+
+@pytest.mark.parametrize("kind,make", [
+    ("error", lambda: reply(2, error="ValueError: boom")),
+    ("nonfinite", lambda: reply(2, {**good(), "head.bias": np.array([1.0, np.nan], np.float32)})),
+    ("wrong_keys", lambda: reply(2, {"head.weight": np.ones((2, 3), np.float32)})),
+    ("wrong_shape", lambda: reply(2, {**good(), "head.weight": np.ones((3, 3), np.float32)})),
+    ("timeout", None),
+])
+def test_each_fault_kind_is_dropped_and_counted(kind, make, flower_task):
+    replies = [reply(1)] + ([make()] if make else [])
+    out = screen_replies([sent(1), sent(2)], replies, EXPECTED, {1: 0, 2: 7})
+    assert [m.metadata.src_node_id for m in out.good] == [1]
+    assert out.counts() == {kind: 1}
+    assert out.dropped[0][0] == 7  # reported by partition id
+
+
+def test_too_few_usable_replies_stop_the_run(flower_task):
+    out = screen_replies([sent(i) for i in range(4)], [reply(0), reply(1, error="x")],
+                         EXPECTED, {})
+    require_enough(out, 4, 0.25, server_round=3)  # 1 of 4 usable: enough for 0.25
+    with pytest.raises(RoundFailed, match="federation.min_reply_fraction=0.5"):
+        require_enough(out, 4, 0.5, server_round=3)
+
+
+def test_injection_is_seeded_with_the_requested_rate():
+    kinds = ["raise", "nan"]
+    draws = [injected_fault(0, r, c, 0.2, kinds) for r in range(50) for c in range(20)]
+    assert draws == [injected_fault(0, r, c, 0.2, kinds) for r in range(50) for c in range(20)]
+    rate = sum(d is not None for d in draws) / len(draws)
+    assert 0.17 < rate < 0.23 and {d for d in draws if d} == set(kinds)
+    assert injected_fault(0, 1, 1, 0.0, kinds) is None
+
+
+def test_corrupt_changes_what_it_says():
+    import torch
+
+    t = {"a": torch.ones(2), "b": torch.ones(1)}
+    assert torch.isnan(corrupt(t, "nan")["a"]).any()
+    assert "a" not in corrupt(t, "wrong_keys")
+    assert corrupt(t, "wrong_shape")["a"].shape == (3,)
+
+
+def test_fault_config_is_validated(cache_dir):
+    cfg = tiny_run(cache_dir, LinearHeadConfig())
+    cfg.faults = FaultConfig(fraction=0.2, kinds=["timeout"])
+    with pytest.raises(ConfigError, match="round_timeout"):
+        validate(cfg)
+    cfg.faults = FaultConfig(fraction=0.2, kinds=["melt"])
+    with pytest.raises(ConfigError, match="faults.kinds"):
+        validate(cfg)
+
+
+def test_run_with_20_percent_faulty_clients_completes(cache_dir, tmp_path):
+    def run(faults: FaultConfig, name: str):
+        cfg = tiny_run(cache_dir, LinearHeadConfig(), rounds=4, faults=faults,
+                       federation=FederationConfig(round_timeout=5.0, min_reply_fraction=0.5))
+        cfg.dataset.max_samples = 600
+        cfg.partition = PartitionConfig(kind="iid", num_clients=10, fraction_fit=1.0)
+        summary = run_experiment(cfg, tmp_path / name, config_yaml=f"{name}\n")
+        return summary, read_jsonl(tmp_path / name / "metrics.jsonl")
+
+    kinds = ["raise", "nan", "wrong_keys", "wrong_shape", "timeout"]
+    faulty, rows = run(FaultConfig(fraction=0.2, kinds=kinds, delay_s=6.0), "faulty")
+    clean, clean_rows = run(FaultConfig(), "clean")
+    expected = [[injected_fault(0, r, c, 0.2, kinds) for c in range(10)] for r in range(1, 5)]
+    for row, faults in zip(rows, expected):
+        n = sum(f is not None for f in faults)
+        assert row["clients_failed"] == n and row["clients_trained"] == 10 - n
+        assert sum(row["failures"].values()) == n
+    assert sum(r["clients_failed"] for r in rows) == faulty["client_failures"] > 0
+    assert all(r["clients_failed"] == 0 for r in clean_rows)
+    assert abs(faulty["final"]["global_acc"] - clean["final"]["global_acc"]) < 0.1
