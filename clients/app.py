@@ -26,6 +26,7 @@ from fedadapt.federation.training import (
     cached_model,
     derive_seed,
     evaluate,
+    initial_personal,
     train_local,
 )
 
@@ -61,10 +62,11 @@ def load_client_model(spec: RunSpec, msg: Message, context: Context):
         elif folder is not None and (saved := load_client_state(folder, resume_round)):
             personal = saved
         else:  # first visit: the run's seeded initial values
-            from fedadapt.federation.training import build_run_model
-
-            personal = build_run_model(spec).tensors(personal_names)
+            personal = initial_personal(spec)
         received.update(personal)
+    if set(received) != set(model.trainable_names()):  # nothing left from the previous client
+        missing = sorted(set(model.trainable_names()) - set(received))
+        raise ValueError(f"client {partition_id(context)}: no values for {missing[:4]}")
     model.load_tensors(received)
     return model
 
@@ -117,7 +119,7 @@ def make_client_app(get_spec: Callable[[Context], RunSpec]) -> ClientApp:
             tensors = model.tensors(personal)
             context.state[PERSONAL_KEY] = ArrayRecord(tensors)
             if (folder := _state_dir(spec, cid)) is not None:
-                save_client_state(folder, rnd, tensors)
+                save_client_state(folder, rnd, tensors, int(config.get("checkpoint-round", 0)))
         sent = model.tensors(model.communicated_names())
         if fault in ("nan", "wrong_keys", "wrong_shape"):
             sent = corrupt(sent, fault)
@@ -136,9 +138,8 @@ def make_client_app(get_spec: Callable[[Context], RunSpec]) -> ClientApp:
         cid = partition_id(context)
         model = load_client_model(spec, msg, context)
         loss, acc, n = evaluate(model, spec.train_source, spec.clients[cid].test)
-        metrics = {"num-examples": n}
-        if n:
-            metrics.update({"accuracy": acc, "loss": loss})
+        # The same keys from every client (Flower checks that); NaN when there is no test data.
+        metrics = {"num-examples": n, "accuracy": acc, "loss": loss}
         return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
 
     return app

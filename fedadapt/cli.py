@@ -20,8 +20,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import fedadapt  # noqa: F401  (torchvision shim first)
-from fedadapt.backbones.base import MissingAssetError
-from fedadapt.config import ConfigError, RunConfig, register_configs, validate
+from fedadapt.config import ConfigError, FedadaptError, RunConfig, register_configs, validate
 from fedadapt.paths import resource_dir
 
 register_configs()
@@ -132,7 +131,7 @@ def _main(cfg: DictConfig) -> None:
             run_job(cfg, job_dir, overrides, resume=True)
         else:
             run_job(cfg, run_dir, overrides)
-    except (ConfigError, MissingAssetError) as err:
+    except FedadaptError as err:
         print(f"fedadapt: error: {err}", file=sys.stderr)
         _remove_if_empty(run_dir, Path(cfg.output_dir).resolve().parent)
         sys.exit(2)

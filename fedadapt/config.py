@@ -19,7 +19,11 @@ from typing import Any, Optional
 from omegaconf import MISSING
 
 
-class ConfigError(ValueError):
+class FedadaptError(Exception):
+    """An expected failure with a message for the user (the CLI prints it as one line)."""
+
+
+class ConfigError(FedadaptError, ValueError):
     """A configuration value is invalid; the message names the key."""
 
 
@@ -112,7 +116,7 @@ class FederationConfig:
     #: ``simulation`` (Flower's Ray backend via run_simulation).
     backend: str = "simulation"
     num_cpus: float = 1.0
-    #: GPUs per client (fractional); None = 1/num_clients-per-GPU when a GPU exists, else 0.
+    #: GPUs per client (fractional); None = 0.25 when a GPU exists (4 clients share it), else 0.
     num_gpus: Optional[float] = None
     #: Evaluate every k rounds (and always at the last round).
     eval_every: int = 1

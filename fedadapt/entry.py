@@ -31,11 +31,10 @@ def run_cli(fn: Callable[[list[str]], int], argv: list[str] | None = None) -> No
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from fedadapt.backbones.base import MissingAssetError
-    from fedadapt.config import ConfigError
+    from fedadapt.config import FedadaptError
 
     try:
         sys.exit(fn(sys.argv[1:] if argv is None else argv))
-    except (ConfigError, MissingAssetError, HydraException, OmegaConfBaseException) as err:
+    except (FedadaptError, HydraException, OmegaConfBaseException) as err:
         print(f"{sys.argv[0].rsplit('/', 1)[-1]}: error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -93,23 +93,26 @@ def _progress(label: str, total: int):
     return on_round
 
 
-def _resume_point(run_dir: Path, config_yaml: str) -> Optional[tuple[dict, dict]]:
+def _resume_point(run_dir: Path, config_yaml: str, config_sha: str
+                  ) -> Optional[tuple[dict, dict]]:
     """``(arrays, state)`` of the run directory's last checkpoint, or None if it has none.
 
     Refuses when the run directory's ``config.yaml`` is not the config being resumed.
     """
-    import hashlib
-
     from fedadapt.federation.checkpoint import latest_checkpoint, load_checkpoint
 
     saved = run_dir / "config.yaml"
     if saved.is_file() and saved.read_text() != config_yaml:
-        raise ConfigError(f"resume: {saved} differs from the config composed now (were conf/ "
-                          f"files edited since the run started?); refusing to mix them")
+        old, new = saved.read_text().splitlines(), config_yaml.splitlines()
+        diff = next((f"{a!r} became {b!r}" for a, b in zip(old, new) if a != b),
+                    "their lengths differ")
+        raise ConfigError(f"resume: {saved} differs from the config composed now ({diff}: conf/ "
+                          f"files edited, or FEDADAPT_CACHE / HOME changed?); refusing to mix "
+                          f"them")
     folder = latest_checkpoint(run_dir)
     if folder is None:
         return None
-    return load_checkpoint(folder, config_sha=hashlib.sha256(config_yaml.encode()).hexdigest())
+    return load_checkpoint(folder, config_sha=config_sha)
 
 
 def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
@@ -149,13 +152,13 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
     t0 = time.time()
     prep = prepared or prepare_run(cfg)
     spec, model = prep.spec, prep.model
-    point = _resume_point(run_dir, config_yaml) if resume else None
+    config_sha = hashlib.sha256(config_yaml.encode()).hexdigest()
+    point = _resume_point(run_dir, config_yaml, config_sha) if resume else None
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(run_dir / "config.yaml", lambda fh: fh.write(config_yaml))
     write_json(run_dir / "partition.json", prep.partition.stats)
     spec.state_dir = str(run_dir / "clients")
     metrics_path = run_dir / METRICS
-    config_sha = hashlib.sha256(config_yaml.encode()).hexdigest()
     if point is None:
         initial = model.tensors(model.communicated_names())
         metrics_path.unlink(missing_ok=True)
@@ -186,6 +189,7 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
                                    "strategy": state.strategy.state_dict(),
                                    "wall_s": state.history[-1]["wall_s"]},
                             config_sha=config_sha)
+            state.checkpoint_round = rnd
 
     p = cfg.partition
     plan = ServerPlan(
@@ -236,7 +240,8 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
         "resumed_after_round": resume_state["round"] if resume_state else None,
         "bytes_up": sum(r["bytes_up"] for r in history),
         "bytes_down": sum(r["bytes_down"] for r in history),
-        "wall_s": time.time() - t0,
+        # this process's time, plus the interrupted process's rounds when resumed
+        "wall_s": time.time() - t0 + (resume_state or {}).get("wall_s", 0.0),
         "seconds_per_round": sum(r["round_s"] for r in history) / len(history),
         "partition_stats": {k: prep.partition.stats[k] for k in
                             ("num_clients", "samples_per_client", "classes_per_client")},

@@ -16,6 +16,7 @@ What is averaged is whatever the clients send: only the communicated trainable t
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterable
 from typing import Optional
@@ -38,8 +39,9 @@ def aggregate_client_metrics(replies: list[RecordDict], weight_key: str) -> Metr
     weights = [float(m[weight_key]) for m in rows]
     out: dict[str, float] = {weight_key: float(sum(weights)), "num-clients": float(len(rows))}
     keys = sorted({k for m in rows for k in m.keys()} - {weight_key})
-    for key in keys:
-        vals = [(float(m[key]), w) for m, w in zip(rows, weights) if key in m]
+    for key in keys:  # non-finite values (a client without test data) are left out
+        vals = [(float(m[key]), w) for m, w in zip(rows, weights)
+                if key in m and math.isfinite(float(m[key]))]
         if not vals:
             continue
         total_w = sum(w for _, w in vals)
@@ -52,7 +54,10 @@ class SeededSampling:
     """Mixin: sample partition ids with a seeded RNG; map them to node ids from a handshake."""
 
     def init_sampling(self, seed: int) -> None:
-        self.rng = random.Random(seed)
+        # Separate streams: how often or how many clients are evaluated never changes which
+        # clients train.
+        self.rng = random.Random(f"train-{seed}")
+        self.eval_rng = random.Random(f"evaluate-{seed}")
         self.node_of: dict[int, int] = {}
 
     def set_nodes(self, node_of_partition: dict[int, int]) -> None:
@@ -61,23 +66,28 @@ class SeededSampling:
 
     def state_dict(self) -> dict:
         """What a checkpoint must save to continue sampling exactly (JSON-able)."""
-        version, internal, gauss = self.rng.getstate()
-        return {"rng": [version, list(internal), gauss]}
+        def dump(rng):
+            version, internal, gauss = rng.getstate()
+            return [version, list(internal), gauss]
+
+        return {"rng": dump(self.rng), "eval_rng": dump(self.eval_rng)}
 
     def load_state_dict(self, state: dict) -> None:
-        version, internal, gauss = state["rng"]
-        self.rng.setstate((version, tuple(internal), gauss))
+        for key, rng in (("rng", self.rng), ("eval_rng", self.eval_rng)):
+            version, internal, gauss = state[key]
+            rng.setstate((version, tuple(internal), gauss))
 
     def in_partition_order(self, replies: Iterable[Message]) -> list[Message]:
         """Replies sorted by partition id. ``send_and_receive`` returns them in arrival order,
         and floating-point sums depend on order: sorting makes aggregation reproducible."""
         return sorted(replies, key=lambda m: self.partition_of.get(m.metadata.src_node_id, -1))
 
-    def sample(self, fraction: float, minimum: int) -> list[int]:
+    def sample(self, fraction: float, minimum: int, rng: random.Random | None = None
+               ) -> list[int]:
         """Node ids of ``max(int(N * fraction), minimum)`` clients drawn without replacement."""
         pids = list(self.node_of)
         k = min(len(pids), max(int(len(pids) * fraction), minimum))
-        return [self.node_of[p] for p in sorted(self.rng.sample(pids, k))]
+        return [self.node_of[p] for p in sorted((rng or self.rng).sample(pids, k))]
 
     def round_config(self, server_round: int, config: ConfigRecord) -> ConfigRecord:
         config["server-round"] = server_round
@@ -96,7 +106,7 @@ class SeededSampling:
                            grid: Grid) -> Iterable[Message]:
         if self.fraction_evaluate == 0.0:
             return []
-        nodes = self.sample(self.fraction_evaluate, self.min_evaluate_nodes)
+        nodes = self.sample(self.fraction_evaluate, self.min_evaluate_nodes, self.eval_rng)
         record = RecordDict({self.arrayrecord_key: arrays,
                              self.configrecord_key: self.round_config(server_round, config)})
         return self._construct_messages(record, nodes, MessageType.EVALUATE)
@@ -143,8 +153,9 @@ class LocalOnly(AdapterFedAvg):
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
-        valid = [m.content for m in replies if not m.has_error()]
-        return None, (self.train_metrics_aggr_fn(valid, self.weighted_by_key) if valid else None)
+        contents = [m.content for m in replies]  # already screened by the round loop
+        return None, (self.train_metrics_aggr_fn(contents, self.weighted_by_key)
+                      if contents else None)
 
 
 def build_strategy(name: str, *, federated: bool, num_clients: int, fraction_train: float,

@@ -85,3 +85,11 @@ def test_bad_family_and_missing_weights(tmp_path):
     bad.write_bytes(b"not a checkpoint")
     with pytest.raises(MissingAssetError, match="not a valid"):
         build_backbone(BackboneConfig(name="e", family="efficientnet_lite", weights=str(bad)))
+
+
+def test_random_weights_are_the_same_in_every_build():
+    a, b = build_backbone(TINY_VIT), build_backbone(TINY_VIT)
+    for (na, pa), (nb, pb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert na == nb and torch.equal(pa, pb)
+    x = torch.randn(1, 3, 32, 32)
+    torch.testing.assert_close(a(x), b(x))

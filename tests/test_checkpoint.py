@@ -79,3 +79,28 @@ def test_client_state_newest_not_after_round(tmp_path):
     path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
     with pytest.raises(CheckpointError, match="round-000005"):
         load_client_state(tmp_path, 9)
+
+
+def test_client_files_are_pruned_behind_the_checkpoint(tmp_path):
+    for rnd in range(1, 7):
+        save_client_state(tmp_path, rnd, {"t": torch.zeros(1)}, checkpoint_round=4)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    # the newest file not after the checkpoint (round 4) and everything after it
+    assert names == ["round-000004.safetensors", "round-000005.safetensors",
+                     "round-000006.safetensors"]
+
+
+def test_stale_temporary_folders_are_removed(tmp_path):
+    stale = tmp_path / CHECKPOINTS / ".round-000002.tmp999999"
+    stale.mkdir(parents=True)
+    save(tmp_path, 3)
+    assert not stale.exists()
+
+
+def test_manifest_must_cover_both_files(tmp_path):
+    folder = save(tmp_path, 1)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    del manifest["files"][STATE]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="manifest"):
+        load_checkpoint(folder)

@@ -129,3 +129,11 @@ def test_missing_hub_data_names_the_prefetch_command(cache_dir):
         prepare_dataset(DatasetConfig(name="cifar100"), cache_dir, seed=0)
     with pytest.raises(MissingAssetError, match="recipe"):
         prepare_dataset(DatasetConfig(name="inaturalist"), cache_dir, seed=0)
+
+
+def test_iid_is_shuffled_and_seeded():
+    ds = labelled(200).sort("label")  # stored in class order
+    a = partition_dataset(ds, PartitionConfig(kind="iid", num_clients=4), CARD, seed=0)
+    b = partition_dataset(ds, PartitionConfig(kind="iid", num_clients=4), CARD, seed=1)
+    assert a.stats["classes_per_client"]["min"] == 10  # not one class block per client
+    assert any(not np.array_equal(x.train, y.train) for x, y in zip(a.clients, b.clients))

@@ -77,3 +77,4 @@ def test_tampered_checkpoint_is_refused(tmp_path, cache_dir):
     assert out.wait(timeout=120) != 0
     err = out.stderr.read()
     assert "arrays.safetensors" in err and "checksum" in err
+    assert "Traceback" not in err  # one clear line, not a stack

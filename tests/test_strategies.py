@@ -85,3 +85,32 @@ def test_local_only_aggregates_nothing(flower_task):
 def test_min_nodes_match_intended_sample():
     s = AdapterFedAvg(num_clients=10, fraction_train=0.3, fraction_evaluate=1.0, seed=0)
     assert s.min_available_nodes == 10 and s.min_train_nodes == 3 and s.min_evaluate_nodes == 10
+
+
+def test_client_without_test_data_is_left_out_of_means():
+    rows = [RecordDict({"m": MetricRecord({"num-examples": 10, "accuracy": 0.8})}),
+            RecordDict({"m": MetricRecord({"num-examples": 0, "accuracy": float("nan")})})]
+    m = aggregate_client_metrics(rows, "num-examples")
+    assert m["accuracy_client_mean"] == pytest.approx(0.8) and m["accuracy"] == pytest.approx(0.8)
+
+
+def test_evaluation_does_not_change_which_clients_train(flower_task):
+    arrays = ArrayRecord(array_dict={"w": Array.from_numpy_ndarray(np.zeros(2, np.float32))})
+    plain, evaluated = strategy(), strategy()
+    for rnd in range(1, 6):
+        a = [m.metadata.dst_node_id for m in plain.configure_train(rnd, arrays, ConfigRecord(),
+                                                                    None)]
+        evaluated.configure_evaluate(rnd, arrays, ConfigRecord(), None)
+        b = [m.metadata.dst_node_id for m in evaluated.configure_train(rnd, arrays,
+                                                                        ConfigRecord(), None)]
+        assert a == b
+
+
+def test_sampling_state_round_trips():
+    s = strategy()
+    s.sample(0.5, 2)
+    saved = s.state_dict()
+    expected = [s.sample(0.5, 2) for _ in range(3)]
+    t = strategy()
+    t.load_state_dict(saved)
+    assert [t.sample(0.5, 2) for _ in range(3)] == expected

@@ -44,7 +44,13 @@ def build_backbone(cfg: BackboneConfig, *, load_weights: bool = True) -> Backbon
         raise ConfigError(
             f"backbone.family={cfg.family!r} is invalid: one of {sorted(_FAMILIES)}"
         )
-    backbone = _FAMILIES[cfg.family](cfg, load_weights)
+    import torch
+
+    # Random weights (tests, inspect, weights=null) must be the same in every process: the
+    # server's evaluation and every Ray worker build their own copy.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(cfg.arch.get("init_seed", 0)))
+        backbone = _FAMILIES[cfg.family](cfg, load_weights)
     return backbone.freeze()
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fedadapt.config import FedadaptError
 
-class MissingAssetError(RuntimeError):
+
+class MissingAssetError(FedadaptError, RuntimeError):
     """Weights or data are not available offline; the message names the fetch command."""
 
 

@@ -50,6 +50,7 @@ def build_clip(cfg: BackboneConfig, load_weights: bool) -> ClipBackbone:
 
     arch = dict(cfg.arch)
     name = arch.pop("model", "ViT-B-32")
+    arch.pop("init_seed", None)  # used by build_backbone
     if arch:  # a full config (tiny test models)
         model = open_clip.CLIP(**arch)
         tokenizer = open_clip.SimpleTokenizer(context_length=arch["text_cfg"]["context_length"])

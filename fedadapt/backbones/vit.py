@@ -125,6 +125,7 @@ def _build(cfg: BackboneConfig, load_weights: bool, distilled: bool) -> ViTBackb
         weights_id = cfg.weights
     else:
         arch = dict(cfg.arch)
+        arch.pop("init_seed", None)  # used by build_backbone
         arch.setdefault("image_size", cfg.image_size)
         model = model_cls(config_cls(**arch), add_pooling_layer=False)
         weights_id = "random"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 
 from fedadapt.data.loading import PreparedDataset
 from fedadapt.data.transforms import TransformSpec
+from fedadapt.results.store import atomic_write
 
 
 def backbone_fingerprint(backbone) -> str:
@@ -71,10 +71,5 @@ def cached_features(backbone, prepared: PreparedDataset, split: str, transform: 
     ds = prepared.load()[split]
     feats = extract_features(backbone, lambda a, b: ds[a:b]["image"], len(ds), transform,
                              device=device, label=f"{prepared.name}/{split}")
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        np.save(fh, feats)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, lambda fh: np.save(fh, feats), mode="wb")
     return str(path)

@@ -85,6 +85,8 @@ def partition_dataset(train_ds, cfg: PartitionConfig, card: DatasetCard, seed: i
                           f"'{key}' column (the card maps none)")
     light = train_ds.select_columns([c for c in ("label", key) if c]).add_column(
         "__idx__", np.arange(n))
+    if cfg.kind == "iid":  # IidPartitioner shards contiguously: shuffle first, with the seed
+        light = light.shuffle(seed=seed)
     partitioner = _partitioner(cfg, card, seed)
     partitioner.dataset = light
     try:

@@ -33,6 +33,9 @@ from typing import Optional
 
 import torch
 
+from fedadapt.config import FedadaptError
+from fedadapt.results.store import atomic_write
+
 CHECKPOINTS = "checkpoints"
 LATEST = "LATEST"
 ARRAYS = "arrays.safetensors"
@@ -40,7 +43,7 @@ STATE = "state.json"
 MANIFEST = "manifest.json"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(FedadaptError, RuntimeError):
     """A checkpoint file is missing, truncated or tampered with; the message names it."""
 
 
@@ -74,9 +77,10 @@ def save_checkpoint(run_dir: Path, *, server_round: int, arrays: dict[str, torch
 
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".round-*.tmp*"):  # left by a process killed mid-write
+        shutil.rmtree(stale, ignore_errors=True)
     final = root / f"round-{server_round:06d}"
     tmp = root / f".round-{server_round:06d}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     tensors = {k: v.detach().cpu().contiguous() for k, v in arrays.items()}
     _fsync_write(tmp / ARRAYS, save(tensors))
@@ -88,9 +92,7 @@ def save_checkpoint(run_dir: Path, *, server_round: int, arrays: dict[str, torch
     _fsync_dir(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    latest_tmp = root / f".{LATEST}.tmp{os.getpid()}"
-    _fsync_write(latest_tmp, final.name.encode())
-    os.replace(latest_tmp, root / LATEST)
+    atomic_write(root / LATEST, lambda fh: fh.write(final.name))
     _fsync_dir(root)
     for old in root.iterdir():  # the new checkpoint is complete: drop the older ones
         if old.is_dir() and old.name.startswith("round-") and old.name != final.name:
@@ -119,6 +121,8 @@ def load_checkpoint(folder: Path, *, config_sha: Optional[str] = None
     try:
         manifest = json.loads(manifest_path.read_text())
         files = manifest["files"]
+        if set(files) != {ARRAYS, STATE}:
+            raise ValueError(f"it lists {sorted(files)}, not {sorted([ARRAYS, STATE])}")
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"checkpoint manifest {manifest_path} is missing or unreadable "
                               f"({err}); the checkpoint is incomplete") from err
@@ -152,8 +156,18 @@ def _tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def save_client_state(folder: Path, server_round: int, tensors: dict[str, torch.Tensor]) -> None:
-    """A client's personal tensors after ``server_round`` (atomic, checksummed)."""
+def _client_files(folder: Path) -> list[tuple[int, Path]]:
+    return sorted((int(m.group(1)), p) for p in folder.iterdir()
+                  if (m := re.fullmatch(r"round-(\d+)\.safetensors", p.name)))
+
+
+def save_client_state(folder: Path, server_round: int, tensors: dict[str, torch.Tensor],
+                      checkpoint_round: int = 0) -> None:
+    """A client's personal tensors after ``server_round`` (atomic, checksummed).
+
+    Files a resume can no longer need are removed: all but the newest one not after
+    ``checkpoint_round`` (the server's last complete checkpoint), and everything after it stays.
+    """
     from safetensors.torch import save
 
     folder = Path(folder)
@@ -161,9 +175,11 @@ def save_client_state(folder: Path, server_round: int, tensors: dict[str, torch.
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     data = save(tensors, metadata={"round": str(server_round),
                                    "sha256": _tensor_digest(tensors)})
-    tmp = folder / f".round-{server_round:06d}.tmp{os.getpid()}"
-    _fsync_write(tmp, data)
-    os.replace(tmp, folder / f"round-{server_round:06d}.safetensors")
+    atomic_write(folder / f"round-{server_round:06d}.safetensors", lambda fh: fh.write(data),
+                 mode="wb")
+    kept = [(r, p) for r, p in _client_files(folder) if r <= checkpoint_round]
+    for _, old in kept[:-1]:
+        old.unlink(missing_ok=True)
 
 
 def load_client_state(folder: Path, up_to_round: int) -> Optional[dict[str, torch.Tensor]]:
@@ -173,9 +189,7 @@ def load_client_state(folder: Path, up_to_round: int) -> Optional[dict[str, torc
     folder = Path(folder)
     if not folder.is_dir():
         return None
-    rounds = sorted((int(m.group(1)), p) for p in folder.iterdir()
-                    if (m := re.fullmatch(r"round-(\d+)\.safetensors", p.name)))
-    rounds = [(r, p) for r, p in rounds if r <= up_to_round]
+    rounds = [(r, p) for r, p in _client_files(folder) if r <= up_to_round]
     if not rounds:
         return None
     path = rounds[-1][1]

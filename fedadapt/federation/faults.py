@@ -18,10 +18,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fedadapt.config import FedadaptError
+
 FAULT_KINDS = ("raise", "nan", "wrong_keys", "wrong_shape", "timeout")
 
 
-class RoundFailed(RuntimeError):
+class RoundFailed(FedadaptError, RuntimeError):
     """Too few usable replies in a round; the run cannot go on."""
 
 
@@ -32,6 +34,10 @@ class Screened:
     good: list = field(default_factory=list)
     #: ``(partition id or node id, kind, detail)`` of every dropped client.
     dropped: list[tuple[int, str, str]] = field(default_factory=list)
+
+    def describe(self, limit: int = 6) -> str:
+        return "; ".join(f"client {who}: {kind} ({msg})" for who, kind, msg in
+                         self.dropped[:limit])
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -91,17 +97,15 @@ def _check_arrays(msg, expected: dict[str, tuple]) -> tuple[str, str] | None:
     return None
 
 
-def require_enough(screened: Screened, sampled: int, min_fraction: float, server_round: int,
-                   what: str = "training") -> None:
+def require_enough(screened: Screened, sampled: int, min_fraction: float,
+                   server_round: int) -> None:
     """Stop the run when fewer than ``ceil(min_fraction * sampled)`` replies are usable."""
     need = max(1, math.ceil(min_fraction * sampled)) if sampled else 0
     if len(screened.good) < need:
-        detail = "; ".join(f"client {who}: {kind} ({msg})" for who, kind, msg in
-                           screened.dropped[:5])
         raise RoundFailed(
             f"round {server_round}: only {len(screened.good)} of {sampled} sampled clients gave "
-            f"usable {what} replies, fewer than federation.min_reply_fraction={min_fraction} "
-            f"requires ({need}); {detail}")
+            f"usable training replies, fewer than federation.min_reply_fraction={min_fraction} "
+            f"requires ({need}); {screened.describe(5)}")
 
 
 def injected_fault(seed: int, server_round: int, client: int, fraction: float,

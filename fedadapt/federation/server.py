@@ -35,6 +35,8 @@ class ServerState:
     server_round: int = 0
     history: list[dict] = field(default_factory=list)
     cum_bytes: int = 0
+    #: Round of the last complete checkpoint (clients may prune their state files up to it).
+    checkpoint_round: int = 0
     started: float = field(default_factory=time.time)
 
 
@@ -104,10 +106,8 @@ class ServerPlan:
 
 def _warn_dropped(server_round: int, what: str, screened: Screened, sampled: int) -> None:
     if screened.dropped:
-        detail = "; ".join(f"client {who}: {kind} ({msg})" for who, kind, msg in
-                           screened.dropped[:6])
         log(WARNING, "round %d: dropped %d of %d %s replies: %s", server_round,
-            len(screened.dropped), sampled, what, detail)
+            len(screened.dropped), sampled, what, screened.describe())
 
 
 def run_rounds(grid: Grid, state: ServerState, plan: ServerPlan) -> ServerState:
@@ -117,6 +117,7 @@ def run_rounds(grid: Grid, state: ServerState, plan: ServerPlan) -> ServerState:
     for rnd in range(state.server_round + 1, state.num_rounds + 1):
         t0 = time.time()
         config = ConfigRecord({"lr": plan.lr_at(rnd), "resume-round": plan.resume_round,
+                               "checkpoint-round": state.checkpoint_round,
                                "round-timeout": float(plan.timeout or 0.0)})
         train_msgs = list(strategy.configure_train(rnd, state.arrays, config, grid))
         replies = strategy.in_partition_order(
@@ -127,7 +128,7 @@ def run_rounds(grid: Grid, state: ServerState, plan: ServerPlan) -> ServerState:
         new_arrays, train_metrics = strategy.aggregate_train(rnd, screened.good)
         if new_arrays is not None:
             state.arrays = new_arrays
-        bytes_down, bytes_up = _bytes(train_msgs), _bytes(screened.good)
+        bytes_down, bytes_up = _bytes(train_msgs), _bytes(replies)  # dropped ones were sent too
         row = {"round": rnd, "lr": plan.lr_at(rnd), "clients_sampled": len(train_msgs),
                "clients_trained": len(screened.good), "clients_failed": len(screened.dropped),
                "failures": screened.counts(),
@@ -168,7 +169,7 @@ def execute_plan(grid: Grid, plan: ServerPlan) -> ServerState:
     state = ServerState(strategy=strategy, arrays=plan.initial_arrays, num_rounds=plan.num_rounds)
     if plan.resume:
         strategy.load_state_dict(plan.resume["strategy"])
-        state.server_round = plan.resume_round
+        state.server_round = state.checkpoint_round = plan.resume_round
         state.history = list(plan.resume["history"])
         state.cum_bytes = int(plan.resume["cum_bytes"])
         state.started -= float(plan.resume.get("wall_s", 0.0))

@@ -76,14 +76,24 @@ def build_run_model(spec: RunSpec, backbone=None) -> AdaptedModel:
     return model.to(device())
 
 
-_MODELS: dict[str, AdaptedModel] = {}
+_MODELS: dict[str, tuple[AdaptedModel, dict]] = {}
 
 
 def cached_model(spec: RunSpec) -> AdaptedModel:
     """One model per process and run; every call overwrites all trainable tensors before use."""
+    return _cached(spec)[0]
+
+
+def initial_personal(spec: RunSpec) -> dict[str, torch.Tensor]:
+    """The seeded initial values of the personal tensors (a client's state on its first visit)."""
+    return _cached(spec)[1]
+
+
+def _cached(spec: RunSpec) -> tuple[AdaptedModel, dict]:
     if spec.run_id not in _MODELS:
         _MODELS.clear()
-        _MODELS[spec.run_id] = build_run_model(spec)
+        model = build_run_model(spec)
+        _MODELS[spec.run_id] = (model, model.tensors(model.personal_names()))
     return _MODELS[spec.run_id]
 
 
