@@ -38,8 +38,11 @@ def per_exit_counts(backbone) -> list[dict]:
     return out
 
 
-def inspect_run(run) -> dict:
-    """Counts for a :class:`~fedadapt.config.RunConfig` (random weights, no data)."""
+def inspect_run(run, *, flops: bool = True) -> dict:
+    """Counts for a :class:`~fedadapt.config.RunConfig` (random weights, no data).
+
+    ``flops=False`` skips the per-exit FLOP count (one forward per exit).
+    """
     from fedadapt.adapters import build_model
     from fedadapt.backbones import build_backbone
     from fedadapt.data.catalogue import load_card
@@ -47,7 +50,8 @@ def inspect_run(run) -> dict:
     card = load_card(run.dataset.name)
     backbone = build_backbone(run.backbone, load_weights=False)
     backbone_params = backbone.num_params()
-    per_exit = per_exit_counts(backbone) if hasattr(backbone, "forward_exits") else None
+    per_exit = (per_exit_counts(backbone) if flops and hasattr(backbone, "forward_exits")
+                else None)
     model = build_model(run.method, backbone, card.num_classes, with_backbone=True)
     result = {
         "method": run.method.name,

@@ -50,6 +50,6 @@ def build_model(cfg: MethodConfig, backbone, num_classes: int, *, with_backbone:
     return METHODS[cfg.name].build(cfg, backbone, num_classes, with_backbone)
 
 
-from fedadapt.adapters import heads  # noqa: E402,F401  (registers the methods)
+from fedadapt.adapters import exits, heads  # noqa: E402,F401  (registers the methods)
 
 __all__ = ["AdaptedModel", "METHODS", "MethodSpec", "build_model", "register_method"]

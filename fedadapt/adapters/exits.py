@@ -1,0 +1,260 @@
+"""Early-exit methods on a frozen ViT/DeiT: layer-wise heads and the Accumulator.
+
+Paper: "Accumulator: anytime and multi-tier federated adaptation of frozen transformers"
+(``shared/papers/accumulator-anytime-fl.txt``, Sec. 4.2). Module sizes follow
+``docs/accumulator-sizing.md``, which reproduces the paper's Table 5 counts on CIFAR-100.
+
+Token indexing (0-based blocks): ``c_0`` is the CLS token of the embedding output and ``c_{k+1}``
+the CLS token a block ``k`` outputs. Exit ``e`` sits after block ``e`` (the paper's exits 1..12,
+numbered 0..11 as in its Sec. 5 and Table 7).
+
+* **Layer-wise linear / MLP** (``lw_linear``, ``lw_mlp``): one head per exit on ``c_{e+1}``.
+* **Accumulator** (``accumulator``): before block ``k`` a small transformer reads
+  ``[client token, c_0 + p'_0, ..., c_k + p'_k]`` (``p'``: learnable layer embeddings); its output
+  at position ``k + 1`` replaces the CLS token that enters block ``k`` (token replace, Eq. 7),
+  and exit ``k - 1`` predicts with one MLP head shared by all exits from ``h_0 + c_k`` (residual,
+  Eq. 8).
+  The same call serves both, so the Accumulator runs once per block.
+* Parallel adapters (He et al. 2021) beside every block's MLP combine with all of them
+  (``method.parallel_adapter=true``).
+
+This module covers the conventional setting (train and evaluate the last exit); the anytime,
+multi-tier and personalization settings build on :meth:`ExitModel.exit_logits`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+from fedadapt.adapters import register_method
+from fedadapt.adapters.model import AdaptedModel
+from fedadapt.config import ConfigError, MethodConfig
+
+
+@dataclass
+class ExitMethodConfig(MethodConfig):
+    """Shared by the early-exit methods (images in: the backbone's hooks need the pixels)."""
+
+    use_cache: bool = False
+    parallel_adapter: bool = False
+    adapter_bottleneck: int = 64
+    #: Train (and federate) the whole backbone too: with ``lw_mlp`` this is the paper's
+    #: "Fine-tuning" baseline (DeiT-S + layer-wise MLP heads, Table 5: 30.62M).
+    train_backbone: bool = False
+
+
+@dataclass
+class LwLinearConfig(ExitMethodConfig):
+    name: str = "lw_linear"
+
+
+@dataclass
+class LwMlpConfig(ExitMethodConfig):
+    """Per exit: ``LN(D) -> Linear(D, H) -> GELU -> Dropout -> Linear(H, C)``."""
+
+    name: str = "lw_mlp"
+    hidden_dim: int = 1536
+    dropout: float = 0.1
+    head_norm: bool = True
+
+
+@dataclass
+class AccumulatorConfig(ExitMethodConfig):
+    """The Accumulator and its shared head; the switches are Table 5 (right)'s ablations."""
+
+    name: str = "accumulator"
+    depth: int = 1
+    mlp_ratio: float = 4.0
+    dropout: float = 0.0
+    #: ``mlp``: ``LN -> Linear(D, 4D) -> GELU -> Linear(4D, D) -> GELU -> Linear(D, C)``;
+    #: ``linear``: ``Linear(D, C)``.
+    head: str = "mlp"
+    head_hidden: list[int] = field(default_factory=lambda: [1536, 384])
+    token_replace: bool = True
+    residual: bool = True
+
+
+class ParallelAdapter(nn.Module):
+    """``Linear(D, r) -> ReLU -> Linear(r, D)``, added beside a frozen MLP (He et al. 2021).
+
+    The up-projection starts at zero, so the adapted backbone starts as the pretrained one.
+    """
+
+    def __init__(self, *, dim: int, bottleneck: int) -> None:
+        super().__init__()
+        self.down = nn.Linear(dim, bottleneck)
+        self.up = nn.Linear(bottleneck, dim)
+        nn.init.zeros_(self.up.weight)
+        nn.init.zeros_(self.up.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
+        return self.up(torch.relu(self.down(x)))
+
+
+def mlp(dim: int, hidden: list[int], num_classes: int, *, norm: bool, dropout: float = 0.0
+        ) -> nn.Sequential:
+    """``[LN(D)] -> (Linear -> GELU -> Dropout) per hidden width -> Linear(., C)``."""
+    layers: list[nn.Module] = [nn.LayerNorm(dim)] if norm else []
+    width = dim
+    for h in hidden:
+        layers += [nn.Linear(width, h), nn.GELU(), nn.Dropout(dropout)]
+        width = h
+    layers.append(nn.Linear(width, num_classes))
+    return nn.Sequential(*layers)
+
+
+class LayerwiseHeads(nn.Module):
+    """One head per exit on that exit's CLS token."""
+
+    def __init__(self, heads: list[nn.Module]) -> None:
+        super().__init__()
+        self.heads = nn.ModuleList(heads)
+
+    def run(self, backbone, images: torch.Tensor, last_exit: int) -> list[torch.Tensor]:
+        tokens = backbone.forward_exits(images, last_exit=last_exit)  # [B, D] per exit
+        return [head(t) for head, t in zip(self.heads, tokens)]
+
+
+class Accumulator(nn.Module):
+    """A small transformer over the CLS-token history, with a client token and a shared head.
+
+    Parameters
+    ----------
+    dim, num_heads : int
+        Width and heads of the backbone (the Accumulator works in its token space).
+    num_layers : int
+        Backbone blocks; there are ``num_layers + 1`` layer embeddings (``c_0 .. c_L``).
+    """
+
+    def __init__(self, *, dim: int, num_heads: int, num_layers: int, depth: int,
+                 mlp_ratio: float, dropout: float, head: nn.Module, token_replace: bool,
+                 residual: bool) -> None:
+        super().__init__()
+        self.client_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.layer_embed = nn.Parameter(torch.zeros(1, num_layers + 1, dim))
+        nn.init.trunc_normal_(self.client_token, std=0.02)
+        nn.init.trunc_normal_(self.layer_embed, std=0.02)
+        block = nn.TransformerEncoderLayer(
+            d_model=dim, nhead=num_heads, dim_feedforward=int(dim * mlp_ratio),
+            dropout=dropout, activation="gelu", batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(block, num_layers=depth, enable_nested_tensor=False)
+        self.head = head
+        self.token_replace = token_replace
+        self.residual = residual
+
+    def accumulate(self, history: list[torch.Tensor]) -> torch.Tensor:
+        """``[client, c_0 + p'_0, ..., c_k + p'_k]`` -> ``[B, k + 2, D]``."""
+        cls = torch.stack(history, dim=1)  # [B, k+1, D]
+        seq = torch.cat([self.client_token.expand(cls.shape[0], -1, -1),
+                         cls + self.layer_embed[:, : cls.shape[1]]], dim=1)
+        return self.blocks(seq)
+
+    def predict(self, h: torch.Tensor, cls: torch.Tensor) -> torch.Tensor:
+        return self.head(h[:, 0] + cls if self.residual else h[:, 0])
+
+    def run(self, backbone, images: torch.Tensor, last_exit: int) -> list[torch.Tensor]:
+        history: list[torch.Tensor] = []
+        logits: list[torch.Tensor] = []
+
+        def hook(k: int, hidden: torch.Tensor) -> torch.Tensor:  # before block k
+            history.append(hidden[:, 0])  # c_k, as block k-1 produced it
+            h = self.accumulate(history)
+            if k > 0:
+                logits.append(self.predict(h, history[-1]))  # exit k-1
+            if self.token_replace:
+                hidden = torch.cat([h[:, k + 1: k + 2], hidden[:, 1:]], dim=1)
+            return hidden
+
+        tokens = backbone.forward_exits(images, last_exit=last_exit, cls_hook=hook)
+        history.append(tokens[-1])  # the last exit's own token
+        logits.append(self.predict(self.accumulate(history), history[-1]))
+        return logits
+
+
+class ExitModel(AdaptedModel):
+    """A frozen ViT with exit heads; ``forward`` returns the logits of ``self.exit``.
+
+    In the conventional setting ``exit`` is the last block. ``exit_logits(x, last_exit)``
+    returns every exit's logits up to ``last_exit``, running only the blocks it needs.
+    """
+
+    def __init__(self, *, backbone, heads: nn.Module, parallel_adapter: bool,
+                 adapter_bottleneck: int, train_backbone: bool = False) -> None:
+        super().__init__(head=heads, backbone=backbone, train_backbone=train_backbone)
+        if parallel_adapter:  # trainable, added after the backbone was frozen
+            backbone.insert_mlp_adapters(
+                lambda i, d: ParallelAdapter(dim=d, bottleneck=adapter_bottleneck))
+        self.exit = backbone.num_layers - 1
+
+    def exit_logits(self, images: torch.Tensor, last_exit: Optional[int] = None
+                    ) -> list[torch.Tensor]:
+        last = self.exit if last_exit is None else last_exit
+        return self.head.run(self.backbone, images, last)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:  # [B,3,H,W] -> [B, C]
+        return self.exit_logits(images)[-1]
+
+    def train(self, mode: bool = True) -> "ExitModel":
+        nn.Module.train(self, mode)
+        if not self.train_backbone:
+            self.backbone.eval()  # frozen: no dropout in the backbone; adapters have none
+        return self
+
+
+def _needs_exits(backbone, name: str) -> None:
+    if not hasattr(backbone, "forward_exits"):
+        raise ConfigError(f"method={name} needs a backbone with exits (backbone.family=vit or "
+                          f"deit), not {type(backbone).__name__}")
+
+
+def _check_dropout(dropout: float) -> None:
+    if not 0 <= dropout < 1:
+        raise ConfigError(f"method.dropout={dropout} is invalid: must be in [0, 1)")
+
+
+def _exit_model(cfg, backbone, heads: nn.Module) -> ExitModel:
+    if cfg.adapter_bottleneck < 1:
+        raise ConfigError(f"method.adapter_bottleneck={cfg.adapter_bottleneck} is invalid: "
+                          f"must be >= 1")
+    return ExitModel(backbone=backbone, heads=heads, parallel_adapter=cfg.parallel_adapter,
+                     adapter_bottleneck=cfg.adapter_bottleneck, train_backbone=cfg.train_backbone)
+
+
+@register_method("lw_linear", LwLinearConfig)
+def build_lw_linear(cfg, backbone, num_classes, with_backbone):
+    _needs_exits(backbone, cfg.name)
+    heads = [nn.Linear(backbone.embed_dim, num_classes) for _ in range(backbone.num_layers)]
+    return _exit_model(cfg, backbone, LayerwiseHeads(heads))
+
+
+@register_method("lw_mlp", LwMlpConfig)
+def build_lw_mlp(cfg, backbone, num_classes, with_backbone):
+    _needs_exits(backbone, cfg.name)
+    _check_dropout(cfg.dropout)
+    heads = [mlp(backbone.embed_dim, [cfg.hidden_dim], num_classes, norm=cfg.head_norm,
+                 dropout=cfg.dropout) for _ in range(backbone.num_layers)]
+    return _exit_model(cfg, backbone, LayerwiseHeads(heads))
+
+
+@register_method("accumulator", AccumulatorConfig)
+def build_accumulator(cfg, backbone, num_classes, with_backbone):
+    _needs_exits(backbone, cfg.name)
+    _check_dropout(cfg.dropout)
+    if cfg.depth < 1:
+        raise ConfigError(f"method.depth={cfg.depth} is invalid: must be >= 1")
+    dim = backbone.embed_dim
+    if cfg.head == "mlp":
+        head = mlp(dim, list(cfg.head_hidden), num_classes, norm=True, dropout=cfg.dropout)
+    elif cfg.head == "linear":
+        head = nn.Linear(dim, num_classes)
+    else:
+        raise ConfigError(f"method.head={cfg.head!r} is invalid: 'mlp' or 'linear'")
+    acc = Accumulator(dim=dim, num_heads=backbone.model.config.num_attention_heads,
+                      num_layers=backbone.num_layers, depth=cfg.depth,
+                      mlp_ratio=cfg.mlp_ratio, dropout=cfg.dropout, head=head,
+                      token_replace=cfg.token_replace, residual=cfg.residual)
+    return _exit_model(cfg, backbone, acc)

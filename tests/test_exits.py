@@ -1,0 +1,114 @@
+"""Early-exit methods (Accumulator paper): counts from the architecture, and the mechanism on a
+tiny random ViT: exits, token replacement, residual, parallel adapters, what trains."""
+
+import pytest
+import torch
+from conftest import tiny_run
+
+from fedadapt.adapters import build_model
+from fedadapt.adapters.exits import AccumulatorConfig, LwLinearConfig, LwMlpConfig
+from fedadapt.backbones import build_backbone
+from fedadapt.cli import to_run_config
+from fedadapt.config import BackboneConfig, ConfigError
+from fedadapt.entry import compose_config
+from fedadapt.experiment import run_experiment
+from fedadapt.inspect import inspect_run
+from fedadapt.results.store import read_jsonl
+
+TINY_VIT = BackboneConfig(name="tiny_vit", family="vit", image_size=32, arch=dict(
+    patch_size=8, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+    intermediate_size=64))
+
+
+@pytest.mark.parametrize("method,cifar,femnist", [
+    # docs/accumulator-sizing.md; paper Table 5: 0.46M/0.28M, 8.95M/8.77M, 3.17M/2.99M
+    ("lw_linear", 462_000, 286_440),
+    ("lw_mlp", 8_949_936, 8_249_064),
+    ("accumulator", 3_000_676, 2_986_046),
+])
+def test_deit_small_counts(method, cifar, femnist):
+    for dataset, expected in (("cifar100", cifar), ("femnist", femnist)):
+        for pa, extra in (("false", 0), ("true", 595_200)):  # Table 5: adapters 0.60M
+            run = to_run_config(compose_config([f"method={method}", "backbone=deit_small",
+                                                f"dataset={dataset}",
+                                                f"method.parallel_adapter={pa}"]))
+            info = inspect_run(run, flops=False)
+            assert info["backbone_params"] == 21_665_664
+            assert info["trainable_params"] == info["communicated_params"] == expected + extra
+
+
+def test_full_finetuning_count():
+    """Table 5: full fine-tuning = DeiT-S without head + the layer-wise MLP heads, 30.62M."""
+    run = to_run_config(compose_config(["method=lw_mlp", "method.train_backbone=true",
+                                        "backbone=deit_small", "dataset=cifar100"]))
+    info = inspect_run(run, flops=False)
+    assert info["trainable_params"] == info["communicated_params"] == 21_665_664 + 8_949_936
+
+
+def model(cfg, num_classes=5):
+    torch.manual_seed(0)
+    return build_model(cfg, build_backbone(TINY_VIT), num_classes, with_backbone=True)
+
+
+def test_exits_and_compute_saving():
+    m = model(AccumulatorConfig(head_hidden=[16]))
+    x = torch.randn(2, 3, 32, 32)
+    assert [t.shape for t in m.exit_logits(x)] == [(2, 5)] * 3
+    assert len(m.exit_logits(x, last_exit=0)) == 1  # only block 0 ran
+    torch.testing.assert_close(m(x), m.exit_logits(x)[-1])
+    calls = []
+    hook = m.backbone.blocks[2].register_forward_hook(lambda *a: calls.append(1))
+    m.exit_logits(x, last_exit=1)
+    hook.remove()
+    assert not calls  # block 2 never computed for exit 1
+
+
+def test_token_replace_and_residual_change_the_output():
+    x = torch.randn(2, 3, 32, 32)
+    base = model(AccumulatorConfig(head_hidden=[16])).eval()
+    no_replace = model(AccumulatorConfig(head_hidden=[16], token_replace=False)).eval()
+    no_residual = model(AccumulatorConfig(head_hidden=[16], residual=False)).eval()
+    with torch.no_grad():
+        a, b, c = base.exit_logits(x), no_replace.exit_logits(x), no_residual.exit_logits(x)
+    # the token entering every block, block 0 included, is the Accumulator's: all exits change
+    assert all(not torch.allclose(p, q) for p, q in zip(a, b))
+    assert not torch.allclose(a[-1], c[-1])
+
+
+def test_only_the_method_trains():
+    m = model(AccumulatorConfig(head_hidden=[16], parallel_adapter=True, adapter_bottleneck=4))
+    names = m.trainable_names()
+    assert any(n.startswith("head.client_token") for n in names)
+    assert any(".mlp.adapter." in n for n in names)
+    assert all(n.startswith("head.") or ".mlp.adapter." in n for n in names)
+    loss = m(torch.randn(2, 3, 32, 32)).sum()
+    loss.backward()
+    frozen = [p for n, p in m.named_parameters() if n not in set(names)]
+    assert frozen and all(p.grad is None for p in frozen)
+    assert m.head.layer_embed.grad is not None and m.head.client_token.grad is not None
+
+
+def test_zero_adapters_leave_the_backbone_unchanged():
+    x = torch.randn(2, 3, 32, 32)
+    plain = model(LwLinearConfig()).eval()
+    adapted = model(LwLinearConfig(parallel_adapter=True, adapter_bottleneck=4)).eval()
+    with torch.no_grad():
+        for a, b in zip(plain.exit_logits(x), adapted.exit_logits(x)):
+            torch.testing.assert_close(a, b)  # up-projections start at zero
+
+
+def test_exit_methods_need_a_vit():
+    with pytest.raises(ConfigError, match="needs a backbone with exits"):
+        build_model(LwMlpConfig(), build_backbone(BackboneConfig(
+            name="s", family="small_cnn", image_size=16)), 5, with_backbone=True)
+
+
+def test_accumulator_federates_end_to_end(cache_dir, tmp_path):
+    cfg = tiny_run(cache_dir, AccumulatorConfig(head_hidden=[16], parallel_adapter=True,
+                                                adapter_bottleneck=4))
+    cfg.backbone = TINY_VIT
+    summary = run_experiment(cfg, tmp_path / "acc", config_yaml="acc\n")
+    rows = read_jsonl(tmp_path / "acc" / "metrics.jsonl")
+    assert [r["clients_trained"] for r in rows] == [3, 3]
+    assert summary["params"]["communicated_params"] == summary["params"]["trainable_params"]
+    assert 0 <= summary["final"]["global_acc"] <= 1
