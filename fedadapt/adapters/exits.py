@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from fedadapt.adapters import register_method
+from fedadapt.adapters.heads import check_dropout
 from fedadapt.adapters.model import AdaptedModel
 from fedadapt.config import ConfigError, MethodConfig
 
@@ -211,11 +212,6 @@ def _needs_exits(backbone, name: str) -> None:
                           f"deit), not {type(backbone).__name__}")
 
 
-def _check_dropout(dropout: float) -> None:
-    if not 0 <= dropout < 1:
-        raise ConfigError(f"method.dropout={dropout} is invalid: must be in [0, 1)")
-
-
 def _exit_model(cfg, backbone, heads: nn.Module) -> ExitModel:
     if cfg.adapter_bottleneck < 1:
         raise ConfigError(f"method.adapter_bottleneck={cfg.adapter_bottleneck} is invalid: "
@@ -234,7 +230,7 @@ def build_lw_linear(cfg, backbone, num_classes, with_backbone):
 @register_method("lw_mlp", LwMlpConfig)
 def build_lw_mlp(cfg, backbone, num_classes, with_backbone):
     _needs_exits(backbone, cfg.name)
-    _check_dropout(cfg.dropout)
+    check_dropout(cfg.dropout)
     heads = [mlp(backbone.embed_dim, [cfg.hidden_dim], num_classes, norm=cfg.head_norm,
                  dropout=cfg.dropout) for _ in range(backbone.num_layers)]
     return _exit_model(cfg, backbone, LayerwiseHeads(heads))
@@ -243,7 +239,7 @@ def build_lw_mlp(cfg, backbone, num_classes, with_backbone):
 @register_method("accumulator", AccumulatorConfig)
 def build_accumulator(cfg, backbone, num_classes, with_backbone):
     _needs_exits(backbone, cfg.name)
-    _check_dropout(cfg.dropout)
+    check_dropout(cfg.dropout)
     if cfg.depth < 1:
         raise ConfigError(f"method.depth={cfg.depth} is invalid: must be >= 1")
     dim = backbone.embed_dim

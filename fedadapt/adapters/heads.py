@@ -44,11 +44,15 @@ class LocalOnlyConfig(MethodConfig):
     dropout: float = 0.0
 
 
+def check_dropout(dropout: float) -> None:
+    if not 0 <= dropout < 1:
+        raise ConfigError(f"method.dropout={dropout} is invalid: must be in [0, 1)")
+
+
 def make_head(kind: str, dim: int, num_classes: int, hidden_dim: int = 256,
               dropout: float = 0.0) -> nn.Module:
     """``linear``: ``Linear(D, C)``; ``mlp``: ``Linear(D,H) -> GELU -> Dropout -> Linear(H,C)``."""
-    if not 0 <= dropout < 1:
-        raise ConfigError(f"method.dropout={dropout} is invalid: must be in [0, 1)")
+    check_dropout(dropout)
     if kind == "linear":
         return nn.Linear(dim, num_classes)
     if kind == "mlp":
