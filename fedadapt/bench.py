@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import random
 import statistics
 import time
 from pathlib import Path
@@ -28,20 +27,27 @@ BASE = ["experiment=quickstart", "method=linear_head", "federation.eval_every=10
 
 
 def plain_loop(prep, cfg) -> list[float]:
-    """FedAvg over the same clients in one process: seconds per round."""
+    """FedAvg over the same clients in one process: seconds per round.
+
+    Clients are drawn by the strategy's own seeded sampler (node id = partition id here), so
+    both variants train exactly the same clients each round.
+    """
     from fedadapt.federation.training import derive_seed, evaluate, lr_at, train_local
+    from fedadapt.strategies.fedavg import build_strategy
 
     spec, model = prep.spec, prep.model
     names = model.communicated_names()
     global_t = model.tensors(names)
-    rng = random.Random(cfg.seed)
     n = spec.num_clients
-    k = max(int(n * cfg.partition.fraction_fit), 1)
+    sampler = build_strategy(cfg.method.strategy, federated=True, num_clients=n,
+                             fraction_train=cfg.partition.fraction_fit,
+                             fraction_evaluate=cfg.partition.fraction_evaluate, seed=cfg.seed)
+    sampler.set_nodes({pid: pid for pid in range(n)})
     times = []
     for rnd in range(1, cfg.rounds + 1):
         t0 = time.perf_counter()
         results = []
-        for cid in sorted(rng.sample(range(n), k)):
+        for cid in sampler.sample(sampler.fraction_train, sampler.min_train_nodes):
             model.load_tensors(global_t)
             train_local(model, spec.train_source, spec.clients[cid].train, spec.train,
                         lr=lr_at(spec.train, rnd, cfg.rounds), seed=derive_seed(cfg.seed, rnd, cid))

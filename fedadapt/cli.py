@@ -117,6 +117,7 @@ def _main(cfg: DictConfig) -> None:
 
     logging.getLogger().setLevel(logging.WARNING)  # Hydra's stdout config says INFO
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    root = Path(cfg.output_dir).resolve().parent  # before resume swaps cfg for the job's config
     overrides = list(HydraConfig.get().overrides.task)
     try:
         if cfg.resume:
@@ -125,7 +126,7 @@ def _main(cfg: DictConfig) -> None:
             if any(o.split("=")[0] != "resume" for o in overrides):
                 raise ConfigError("resume=DIR takes no other overrides: the run continues with "
                                   "the config it was started with")
-            _remove_if_empty(run_dir, Path(cfg.output_dir).resolve().parent)
+            _remove_if_empty(run_dir, root)
             job_dir, overrides = resume_target(cfg.resume)
             cfg = compose(config_name="config", overrides=overrides)
             run_job(cfg, job_dir, overrides, resume=True)
@@ -133,11 +134,11 @@ def _main(cfg: DictConfig) -> None:
             run_job(cfg, run_dir, overrides)
     except FedadaptError as err:
         print(f"fedadapt: error: {err}", file=sys.stderr)
-        _remove_if_empty(run_dir, Path(cfg.output_dir).resolve().parent)
+        _remove_if_empty(run_dir, root)
         sys.exit(2)
     except BaseException:
         # A run that stopped leaves no summary.json, so no result; drop an empty folder.
-        _remove_if_empty(run_dir, Path(cfg.output_dir).resolve().parent)
+        _remove_if_empty(run_dir, root)
         raise
 
 

@@ -102,8 +102,9 @@ def _resume_point(run_dir: Path, config_yaml: str, config_sha: str
     from fedadapt.federation.checkpoint import latest_checkpoint, load_checkpoint
 
     saved = run_dir / "config.yaml"
-    if saved.is_file() and saved.read_text() != config_yaml:
-        old, new = saved.read_text().splitlines(), config_yaml.splitlines()
+    old_yaml = saved.read_text() if saved.is_file() else config_yaml
+    if old_yaml != config_yaml:
+        old, new = old_yaml.splitlines(), config_yaml.splitlines()
         diff = next((f"{a!r} became {b!r}" for a, b in zip(old, new) if a != b),
                     "their lengths differ")
         raise ConfigError(f"resume: {saved} differs from the config composed now ({diff}: conf/ "
