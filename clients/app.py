@@ -26,9 +26,11 @@ from fedadapt.federation.training import (
     cached_model,
     derive_seed,
     evaluate,
+    evaluate_exits,
     initial_personal,
     train_local,
 )
+from fedadapt.settings import only_training, part_names, step_exits
 
 PERSONAL_KEY = "personal"
 
@@ -104,6 +106,8 @@ def make_client_app(get_spec: Callable[[Context], RunSpec]) -> ClientApp:
         spec = get_spec(context)
         cid = partition_id(context)
         config = msg.content.config_records["config"]
+        if config.get("phase") == "personalize":
+            return personalize(spec, cid, msg, context)
         rnd = int(config["server-round"])
         fault = injected_fault(spec.seed, rnd, cid, spec.faults.fraction, spec.faults.kinds)
         if fault == "raise":
@@ -113,7 +117,7 @@ def make_client_app(get_spec: Callable[[Context], RunSpec]) -> ClientApp:
         loss, seen = train_local(
             model, spec.train_source, spec.clients[cid].train, spec.train,
             lr=float(config["lr"]), seed=derive_seed(spec.seed, rnd, cid),
-            proximal_mu=float(config.get("proximal-mu", 0.0)))
+            proximal_mu=float(config.get("proximal-mu", 0.0)), exits=client_step_exits(spec, cid))
         personal = model.personal_names()
         if personal:
             tensors = model.tensors(personal)
@@ -137,9 +141,56 @@ def make_client_app(get_spec: Callable[[Context], RunSpec]) -> ClientApp:
         spec = get_spec(context)
         cid = partition_id(context)
         model = load_client_model(spec, msg, context)
-        loss, acc, n = evaluate(model, spec.train_source, spec.clients[cid].test)
+        exits = client_step_exits(spec, cid)
+        if exits is None:
+            loss, acc, n = evaluate(model, spec.train_source, spec.clients[cid].test)
+        else:  # mean over the client's exits (anytime: all; multi-tier: its tier)
+            losses, accs, n = evaluate_exits(model, spec.train_source, exits,
+                                             spec.clients[cid].test)
+            loss, acc = sum(losses) / len(losses), sum(accs) / len(accs)
         # The same keys from every client (Flower checks that); NaN when there is no test data.
         metrics = {"num-examples": n, "accuracy": acc, "loss": loss}
+        if spec.client_exits:
+            metrics["tier"] = spec.client_exits[cid]
         return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
 
     return app
+
+
+def client_step_exits(spec: RunSpec, cid: int):
+    exit_of = spec.client_exits[cid] if spec.client_exits else 0
+    return step_exits(spec.setting, exit_of, spec.num_exits)
+
+
+def personalize(spec: RunSpec, cid: int, msg: Message, context: Context) -> Message:
+    """The personalization step: from the global model, fine-tune ``setting.personalize`` for
+    ``setting.epochs`` epochs on this client's corrupted training split at its tier's exit;
+    accuracy on its corrupted test split before and after. The personalized tensors stay here
+    (``<state_dir>/<client>/personalized/``); the reply carries metrics only."""
+    from dataclasses import replace
+
+    st = spec.setting
+    model = load_client_model(spec, msg, context)
+    kind, severity = spec.client_corruptions[cid]
+    source = spec.train_source.corrupted(kind, severity, derive_seed(spec.seed, 0xC0, cid))
+    split, tier = spec.clients[cid], spec.client_exits[cid]
+    _, before, _ = evaluate_exits(model, source, [tier], split.test)
+    names = part_names(model, st.personalize)
+    # The process's model is shared by the clients it runs: frozen tensors this step changes
+    # (setting.personalize=full) are put back afterwards.
+    frozen = model.tensors(sorted(set(names) - set(model.trainable_names())))
+    train = replace(spec.train, local_epochs=st.epochs, lr=st.lr or spec.train.lr)
+    with only_training(model, names):
+        loss, _ = train_local(model, source, split.train, train, lr=train.lr,
+                              seed=derive_seed(spec.seed, 0xC1, cid), exits=[tier])
+    tensors = model.tensors(names)
+    _, after, n = evaluate_exits(model, source, [tier], split.test)
+    model.load_tensors(frozen)
+    if (folder := _state_dir(spec, cid)) is not None:
+        save_client_state(folder / "personalized", int(msg.content.config_records["config"]
+                                                        ["server-round"]), tensors)
+    metrics = {"num-examples": n, "tier": tier, "severity": severity,
+               "acc_before": before[0], "acc_after": after[0],
+               "train_loss": loss, "personalized_params": sum(t.numel() for t in
+                                                               tensors.values())}
+    return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)

@@ -76,7 +76,7 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
     from fedadapt.experiment import prepare_run, run_experiment
     from fedadapt.results.plots import plot_curves
     from fedadapt.results.store import SUMMARY, atomic_write, read_jsonl, write_json
-    from fedadapt.results.tables import summaries_table
+    from fedadapt.results.tables import run_tables
 
     jobs = job_configs(cfg, overrides)
     compare = len(jobs) > 1
@@ -94,18 +94,22 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
             print(f"[{name}] complete already ({dirs[name] / SUMMARY})", file=sys.stderr)
             summaries.append(done[name])
             continue
-        summaries.append(run_experiment(run, dirs[name], config_yaml=yaml,
+        summaries.append(run_experiment(run, dirs[name], config_yaml=yaml, label=name,
                                         prepared=prepared[name], resume=resume))
     if not compare:
+        print("\n" + (run_dir / "table.md").read_text())
+        print(f"Run directory: {run_dir}")
         return summaries
     first = jobs[0][1]
     title = (f"## {first.experiment}: {first.dataset.name}, {first.backbone.name}, "
              f"{first.partition.num_clients} clients, {first.partition.kind} "
              f"alpha={first.partition.alpha}, {first.rounds} rounds, seed {first.seed}")
-    table = summaries_table(summaries, title=title)
+    table = run_tables(summaries, title=title)
     atomic_write(run_dir / "table.md", lambda fh: fh.write(table))
-    plot_curves({s["method"]: read_jsonl(dirs[s["method"]] / "metrics.jsonl")
-                 for s in summaries}, run_dir / "curves.png", title=first.experiment)
+    curves = {s["method"]: read_jsonl(path) for s in summaries
+              if (path := dirs[s["method"]] / "metrics.jsonl").is_file()}
+    if any(curves.values()):
+        plot_curves(curves, run_dir / "curves.png", title=first.experiment)
     print("\n" + table)
     print(f"Run directory: {run_dir}")
     return summaries

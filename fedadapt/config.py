@@ -90,9 +90,38 @@ class PartitionConfig:
 
 @dataclass
 class SettingConfig:
-    """Training/evaluation regime (the Accumulator paper's settings)."""
+    """Training/evaluation regime (the Accumulator paper's settings, Sec. 5.1).
+
+    * ``conventional``: train and evaluate the last exit only.
+    * ``anytime``: an exit drawn uniformly per training iteration; evaluated at every exit.
+    * ``multi_tier``: each client has a fixed exit (its tier), tiers balanced across clients;
+      a client runs only the blocks up to its exit.
+    * ``personalization``: multi-tier FL on clean data, then every client fine-tunes the part
+      ``personalize`` of the model for ``epochs`` epochs on its own corrupted data (at its
+      tier's exit) and keeps it; accuracy on its corrupted test split before and after.
+    """
 
     name: str = "conventional"
+    #: multi_tier / personalization: the exits (0-based blocks) the tiers use, assigned to the
+    #: clients in a balanced, seeded way; None = every exit of the backbone.
+    tiers: Optional[list[int]] = None
+    #: personalization: ``trainable`` (everything the method trains), ``full`` (also the
+    #: backbone), ``adapters`` (the parallel adapters only), ``accumulator`` (the Accumulator
+    #: and its head) or ``client_token``.
+    personalize: str = "trainable"
+    #: personalization: local epochs on the corrupted data (paper: 10).
+    epochs: int = 10
+    #: personalization: learning rate (None = train.lr).
+    lr: Optional[float] = None
+    #: personalization: corruption kinds assigned to clients (CIFAR-100-C style), with their
+    #: severities (0 = clean); each client gets one (kind, severity), seeded and balanced.
+    corruptions: list[str] = field(default_factory=lambda: [
+        "gaussian_noise", "shot_noise", "impulse_noise", "gaussian_blur", "contrast",
+        "brightness", "pixelate"])
+    severities: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4, 5])
+    #: personalization: start from this run directory's last checkpoint (a multi-tier run of
+    #: the same method) instead of running the FL rounds first.
+    init_from: Optional[str] = None
 
 
 @dataclass
@@ -170,7 +199,8 @@ class RunConfig:
 
 
 KNOWN_PARTITIONS = ("dirichlet", "iid", "natural", "domain")
-KNOWN_SETTINGS = ("conventional",)
+KNOWN_SETTINGS = ("conventional", "anytime", "multi_tier", "personalization")
+PERSONALIZE_PARTS = ("trainable", "full", "adapters", "accumulator", "client_token")
 KNOWN_OPTIMIZERS = ("sgd", "adam", "adamw")
 KNOWN_STRATEGIES = ("fedavg", "fedprox")
 
@@ -211,8 +241,18 @@ def validate(cfg: RunConfig) -> RunConfig:
            cfg.dataset.test_fraction, "must be in (0, 1)")
     _check(cfg.dataset.max_samples is None or cfg.dataset.max_samples > 0,
            "dataset.max_samples", cfg.dataset.max_samples, "must be > 0 or null")
-    _check(cfg.setting.name in KNOWN_SETTINGS, "setting", cfg.setting.name,
-           f"implemented settings are {KNOWN_SETTINGS}")
+    st = cfg.setting
+    _check(st.name in KNOWN_SETTINGS, "setting", st.name, f"one of {KNOWN_SETTINGS}")
+    _check(st.tiers is None or (len(st.tiers) > 0 and min(st.tiers) >= 0), "setting.tiers",
+           st.tiers, "a non-empty list of exits >= 0, or null for every exit")
+    _check(st.personalize in PERSONALIZE_PARTS, "setting.personalize", st.personalize,
+           f"one of {PERSONALIZE_PARTS}")
+    _check(st.epochs >= 1, "setting.epochs", st.epochs, "must be >= 1")
+    _check(st.lr is None or (st.lr > 0 and math.isfinite(st.lr)), "setting.lr", st.lr,
+           "must be > 0 or null")
+    _check(len(st.corruptions) > 0, "setting.corruptions", st.corruptions, "must not be empty")
+    _check(len(st.severities) > 0 and all(0 <= s <= 5 for s in st.severities),
+           "setting.severities", st.severities, "a non-empty list of severities in 0..5")
     _check(t.optimizer in KNOWN_OPTIMIZERS, "train.optimizer", t.optimizer,
            f"one of {KNOWN_OPTIMIZERS}")
     _check(t.lr > 0 and math.isfinite(t.lr), "train.lr", t.lr, "must be > 0")

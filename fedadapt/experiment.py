@@ -65,14 +65,62 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
                    train=cfg.train, seed=cfg.seed, rounds=cfg.rounds,
                    num_classes=prepared.num_classes, embed_dim=backbone.embed_dim,
                    train_source=source("train"), test_source=source("test"),
-                   clients=partition.clients, faults=cfg.faults)
+                   clients=partition.clients, faults=cfg.faults, setting=cfg.setting)
     model = build_run_model(spec, backbone)
+    _apply_setting(cfg, spec, model)
     counts = {
         "backbone_params": backbone.num_params(),
         "trainable_params": model.count(model.trainable_names()),
         "communicated_params": model.count(model.communicated_names()),
     }
     return PreparedRun(spec=spec, partition=partition, model=model, counts=counts)
+
+
+def _apply_setting(cfg: RunConfig, spec: RunSpec, model: AdaptedModel) -> None:
+    """Fill the spec's exits, tiers and corruptions for the setting; fail on a mismatch."""
+    from fedadapt.settings import assign_client_corruptions, client_exits, part_names, uses_exits
+
+    st = cfg.setting
+    if not uses_exits(st):
+        return
+    if not hasattr(model, "exit_logits"):
+        raise ConfigError(f"setting={st.name} needs a method with early exits (lw_linear, "
+                          f"lw_mlp, accumulator) on a ViT backbone, not method={cfg.method.name} "
+                          f"on backbone={cfg.backbone.name}")
+    spec.num_exits = model.num_exits
+    spec.client_exits = client_exits(st, spec.num_clients, spec.num_exits, cfg.seed)
+    if st.name == "personalization":
+        part_names(model, st.personalize)  # fails early for a part the method lacks
+        if spec.train_source.kind != "images":
+            raise ConfigError("setting=personalization corrupts images: it needs "
+                              "method.use_cache=false")
+        spec.client_corruptions = assign_client_corruptions(st, spec.num_clients, cfg.seed)
+
+
+def _init_from(run_dir: str, model: AdaptedModel) -> dict:
+    """The communicated tensors of ``run_dir``'s last checkpoint, checked against ``model``."""
+    from fedadapt.federation.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+
+    folder = latest_checkpoint(Path(run_dir)) if Path(run_dir).is_dir() else None
+    if folder is None:
+        raise ConfigError(f"setting.init_from={run_dir!r} is invalid: no run directory with a "
+                          f"checkpoint there (point it at a finished multi_tier run)")
+    arrays, _ = load_checkpoint(folder)
+    expected = {n: tuple(t.shape) for n, t in model.tensors(model.communicated_names()).items()}
+    got = {n: tuple(t.shape) for n, t in arrays.items()}
+    if got != expected:
+        diff = sorted(set(got) ^ set(expected))[:3] or [n for n in got if got[n] != expected[n]][:3]
+        raise CheckpointError(f"setting.init_from={run_dir!r}: its checkpoint holds another "
+                              f"model's tensors (e.g. {diff}); use a run of the same method, "
+                              f"backbone and dataset")
+    return arrays
+
+
+def _tier_counts(exits: list[int]) -> Optional[dict[str, int]]:
+    """``{exit: clients}`` of a multi-tier run (None when every client uses the last exit)."""
+    if not exits:
+        return None
+    return {str(e): exits.count(e) for e in sorted(set(exits))}
 
 
 def _progress(label: str, total: int):
@@ -134,7 +182,7 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
     from fedadapt.federation.checkpoint import save_checkpoint
     from fedadapt.federation.launch import run_simulation
     from fedadapt.federation.server import ServerPlan
-    from fedadapt.federation.training import device, evaluate, lr_at
+    from fedadapt.federation.training import device, evaluate, evaluate_exits, lr_at
     from fedadapt.results.plots import plot_curves
     from fedadapt.results.store import (
         METRICS,
@@ -146,7 +194,7 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
         write_json,
         write_jsonl,
     )
-    from fedadapt.results.tables import summaries_table
+    from fedadapt.results.tables import run_tables
     from fedadapt.strategies.fedavg import build_strategy
 
     label = label or cfg.method.name
@@ -155,25 +203,35 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
     spec, model = prep.spec, prep.model
     config_sha = hashlib.sha256(config_yaml.encode()).hexdigest()
     point = _resume_point(run_dir, config_yaml, config_sha) if resume else None
+    # personalization of a finished run's model: no FL rounds (checked before writing anything)
+    start = _init_from(cfg.setting.init_from, model) if cfg.setting.init_from else None
+    num_rounds = 0 if start is not None else cfg.rounds
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(run_dir / "config.yaml", lambda fh: fh.write(config_yaml))
     write_json(run_dir / "partition.json", prep.partition.stats)
     spec.state_dir = str(run_dir / "clients")
     metrics_path = run_dir / METRICS
-    if point is None:
-        initial = model.tensors(model.communicated_names())
-        metrics_path.unlink(missing_ok=True)
-        resume_state = None
-    else:  # metrics.jsonl as it was at the checkpoint; rounds after it run again
+    resume_state = None
+    if point is not None:  # metrics.jsonl as it was at the checkpoint; rounds after it rerun
         initial, resume_state = point
         write_jsonl(metrics_path, resume_state["history"])
         log(f"[{label}] resuming after round {resume_state['round']} from "
             f"{run_dir / 'checkpoints'}")
+    else:
+        initial = start if start is not None else model.tensors(model.communicated_names())
+        metrics_path.unlink(missing_ok=True)
+    if start is not None:
+        log(f"[{label}] personalizing the final model of {cfg.setting.init_from}")
 
     def global_eval(arrays: ArrayRecord) -> dict:
         model.load_tensors(dict(arrays.to_torch_state_dict()))
-        loss, acc, _ = evaluate(model, spec.test_source)
-        return {"global_acc": acc, "global_loss": loss}
+        if not spec.num_exits:
+            loss, acc, _ = evaluate(model, spec.test_source)
+            return {"global_acc": acc, "global_loss": loss}
+        # every exit in one pass; the headline is their mean (the paper's "mean performance")
+        losses, accs, _ = evaluate_exits(model, spec.test_source, list(range(spec.num_exits)))
+        return {"global_acc": sum(accs) / len(accs), "global_loss": sum(losses) / len(losses),
+                "global_acc_last": accs[-1], "exit_acc": accs}
 
     progress = _progress(label, cfg.rounds)
 
@@ -200,7 +258,8 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
             fraction_train=p.fraction_fit, fraction_evaluate=p.fraction_evaluate,
             seed=cfg.seed, proximal_mu=cfg.method.proximal_mu),
         initial_arrays=ArrayRecord(initial),
-        num_rounds=cfg.rounds,
+        num_rounds=num_rounds,
+        personalize=cfg.setting.name == "personalization",
         lr_at=lambda r: lr_at(cfg.train, r, cfg.rounds),
         eval_every=cfg.federation.eval_every,
         global_eval=global_eval if model.federated else None,
@@ -222,7 +281,16 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
         vals = [r[key] for r in evals if r[key] is not None]
         return max(vals) if vals else None
 
-    final = evals[-1] if evals else history[-1]
+    final = evals[-1] if evals else (history[-1] if history else {})
+    personalization = None
+    if state.personalized:
+        from fedadapt.settings import summarize_personalization
+
+        rows = [{**r, "corruption": spec.client_corruptions[r["client"]][0]}
+                for r in state.personalized]
+        write_json(run_dir / "personalization.json", rows)
+        personalization = {"part": cfg.setting.personalize, "epochs": cfg.setting.epochs,
+                           **summarize_personalization(rows)}
     summary = {
         "method": label,
         "experiment": cfg.experiment,
@@ -231,9 +299,13 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
         "partition": {"kind": p.kind, "num_clients": spec.num_clients, "alpha": p.alpha,
                       "fraction_fit": p.fraction_fit},
         "seed": cfg.seed,
-        "rounds": cfg.rounds,
+        "rounds": num_rounds,
+        "setting": cfg.setting.name,
         "final": {k: final.get(k) for k in ("round", "global_acc", "client_acc",
-                                            "client_acc_weighted", "train_loss")},
+                                            "client_acc_weighted", "train_loss",
+                                            "global_acc_last", "exit_acc", "tier_acc")},
+        "tiers": _tier_counts(spec.client_exits),
+        "personalization": personalization,
         "best": {"global_acc": best("global_acc"), "client_acc": best("client_acc")},
         "params": prep.counts,
         "total_bytes": state.cum_bytes,
@@ -243,16 +315,18 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
         "bytes_down": sum(r["bytes_down"] for r in history),
         # this process's time, plus the interrupted process's rounds when resumed
         "wall_s": time.time() - t0 + (resume_state or {}).get("wall_s", 0.0),
-        "seconds_per_round": sum(r["round_s"] for r in history) / len(history),
+        "seconds_per_round": (sum(r["round_s"] for r in history) / len(history)
+                              if history else None),
         "partition_stats": {k: prep.partition.stats[k] for k in
                             ("num_clients", "samples_per_client", "classes_per_client")},
         "versions": versions(),
         "git_commit": git_commit(),
         "device": device(),
     }
-    table = summaries_table([summary], title=f"## {cfg.experiment}: {label} on {cfg.dataset.name}")
+    table = run_tables([summary], title=f"## {cfg.experiment}: {label} on {cfg.dataset.name}")
     atomic_write(run_dir / "table.md", lambda fh: fh.write(table))
-    plot_curves({label: history}, run_dir / "curves.png",
-                title=f"{label} | {cfg.dataset.name} | alpha {p.alpha}")
+    if history:
+        plot_curves({label: history}, run_dir / "curves.png",
+                    title=f"{label} | {cfg.dataset.name} | alpha {p.alpha}")
     write_json(run_dir / SUMMARY, summary)  # last: marks the run directory complete
     return summary

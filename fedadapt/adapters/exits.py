@@ -18,13 +18,14 @@ numbered 0..11 as in its Sec. 5 and Table 7).
 * Parallel adapters (He et al. 2021) beside every block's MLP combine with all of them
   (``method.parallel_adapter=true``).
 
-This module covers the conventional setting (train and evaluate the last exit); the anytime,
-multi-tier and personalization settings build on :meth:`ExitModel.exit_logits`.
+The settings (conventional, anytime, multi-tier, personalization; :mod:`fedadapt.settings`)
+choose which exit a training step uses and which exits are evaluated, through
+:meth:`ExitModel.exit_logits`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -58,7 +59,8 @@ class LwMlpConfig(ExitMethodConfig):
     """Per exit: ``LN(D) -> Linear(D, H) -> GELU -> Dropout -> Linear(H, C)``."""
 
     name: str = "lw_mlp"
-    hidden_dim: int = 1536
+    #: Hidden width; None = 4 x the backbone's width (1536 on DeiT-S).
+    hidden_dim: Optional[int] = None
     dropout: float = 0.1
     head_norm: bool = True
 
@@ -74,7 +76,8 @@ class AccumulatorConfig(ExitMethodConfig):
     #: ``mlp``: ``LN -> Linear(D, 4D) -> GELU -> Linear(4D, D) -> GELU -> Linear(D, C)``;
     #: ``linear``: ``Linear(D, C)``.
     head: str = "mlp"
-    head_hidden: list[int] = field(default_factory=lambda: [1536, 384])
+    #: Hidden widths of the MLP head; None = ``[4 D, D]`` (``[1536, 384]`` on DeiT-S).
+    head_hidden: Optional[list[int]] = None
     token_replace: bool = True
     residual: bool = True
 
@@ -115,8 +118,11 @@ class LayerwiseHeads(nn.Module):
         super().__init__()
         self.heads = nn.ModuleList(heads)
 
-    def run(self, backbone, images: torch.Tensor, last_exit: int) -> list[torch.Tensor]:
+    def run(self, backbone, images: torch.Tensor, last_exit: int, all_exits: bool = True
+            ) -> list[torch.Tensor]:
         tokens = backbone.forward_exits(images, last_exit=last_exit)  # [B, D] per exit
+        if not all_exits:
+            return [self.heads[last_exit](tokens[-1])]
         return [head(t) for head, t in zip(self.heads, tokens)]
 
 
@@ -157,14 +163,15 @@ class Accumulator(nn.Module):
     def predict(self, h: torch.Tensor, cls: torch.Tensor) -> torch.Tensor:
         return self.head(h[:, 0] + cls if self.residual else h[:, 0])
 
-    def run(self, backbone, images: torch.Tensor, last_exit: int) -> list[torch.Tensor]:
+    def run(self, backbone, images: torch.Tensor, last_exit: int, all_exits: bool = True
+            ) -> list[torch.Tensor]:
         history: list[torch.Tensor] = []
         logits: list[torch.Tensor] = []
 
         def hook(k: int, hidden: torch.Tensor) -> torch.Tensor:  # before block k
             history.append(hidden[:, 0])  # c_k, as block k-1 produced it
             h = self.accumulate(history)
-            if k > 0:
+            if k > 0 and all_exits:
                 logits.append(self.predict(h, history[-1]))  # exit k-1
             if self.token_replace:
                 hidden = torch.cat([h[:, k + 1: k + 2], hidden[:, 1:]], dim=1)
@@ -191,13 +198,19 @@ class ExitModel(AdaptedModel):
                 lambda i, d: ParallelAdapter(dim=d, bottleneck=adapter_bottleneck))
         self.exit = backbone.num_layers - 1
 
-    def exit_logits(self, images: torch.Tensor, last_exit: Optional[int] = None
-                    ) -> list[torch.Tensor]:
+    @property
+    def num_exits(self) -> int:
+        return self.backbone.num_layers
+
+    def exit_logits(self, images: torch.Tensor, last_exit: Optional[int] = None,
+                    all_exits: bool = True) -> list[torch.Tensor]:
+        """Logits of exits ``0..last_exit`` (``all_exits``) or of ``last_exit`` alone; either
+        way only blocks ``0..last_exit`` run."""
         last = self.exit if last_exit is None else last_exit
-        return self.head.run(self.backbone, images, last)
+        return self.head.run(self.backbone, images, last, all_exits)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:  # [B,3,H,W] -> [B, C]
-        return self.exit_logits(images)[-1]
+        return self.exit_logits(images, all_exits=False)[-1]
 
     def train(self, mode: bool = True) -> "ExitModel":
         nn.Module.train(self, mode)
@@ -231,7 +244,8 @@ def build_lw_linear(cfg, backbone, num_classes, with_backbone):
 def build_lw_mlp(cfg, backbone, num_classes, with_backbone):
     _needs_exits(backbone, cfg.name)
     check_dropout(cfg.dropout)
-    heads = [mlp(backbone.embed_dim, [cfg.hidden_dim], num_classes, norm=cfg.head_norm,
+    hidden = cfg.hidden_dim or 4 * backbone.embed_dim
+    heads = [mlp(backbone.embed_dim, [hidden], num_classes, norm=cfg.head_norm,
                  dropout=cfg.dropout) for _ in range(backbone.num_layers)]
     return _exit_model(cfg, backbone, LayerwiseHeads(heads))
 
@@ -244,7 +258,8 @@ def build_accumulator(cfg, backbone, num_classes, with_backbone):
         raise ConfigError(f"method.depth={cfg.depth} is invalid: must be >= 1")
     dim = backbone.embed_dim
     if cfg.head == "mlp":
-        head = mlp(dim, list(cfg.head_hidden), num_classes, norm=True, dropout=cfg.dropout)
+        hidden = list(cfg.head_hidden) if cfg.head_hidden is not None else [4 * dim, dim]
+        head = mlp(dim, hidden, num_classes, norm=True, dropout=cfg.dropout)
     elif cfg.head == "linear":
         head = nn.Linear(dim, num_classes)
     else:

@@ -76,8 +76,9 @@ class ViTBackbone(Backbone):
     ) -> list[torch.Tensor]:
         """CLS token after each block 0..last_exit (only those blocks run).
 
-        Returns a list of ``[B, D]`` tensors; the last block's token is passed through the final
-        LayerNorm when ``last_exit`` is the backbone's last block (as the pooled feature is).
+        Returns a list of ``[B, D]`` tensors: the residual stream's CLS token as each block
+        outputs it. No exit applies the final LayerNorm (all exits are treated alike; the heads
+        normalise where the method says so).
         """
         last = self.num_layers - 1 if last_exit is None else last_exit
         if not 0 <= last < self.num_layers:

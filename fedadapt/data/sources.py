@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
@@ -23,6 +23,17 @@ class DataSource:
     split: str
     features_path: Optional[str] = None
     transform: Optional[TransformSpec] = None
+    #: A corruption applied to every image (``fedadapt.data.corruptions``), its severity and
+    #: the seed of its randomness (each image draws from its own seeded generator).
+    corruption: Optional[str] = None
+    severity: int = 0
+    corruption_seed: int = 0
+
+    def corrupted(self, kind: str, severity: int, seed: int) -> "DataSource":
+        """The same split with ``kind`` at ``severity`` applied to each image."""
+        if self.kind != "images":
+            raise ValueError("corruptions apply to images, not to cached features")
+        return replace(self, corruption=kind, severity=int(severity), corruption_seed=int(seed))
 
     @property
     def kind(self) -> str:
@@ -39,7 +50,15 @@ class DataSource:
             return torch.from_numpy(np.ascontiguousarray(feats[idx], dtype=np.float32)), y
         ds = self.prepared.load()[self.split]
         images = ds.select(idx.tolist())["image"] if len(idx) else []
-        return self.transform.apply(images), y
+        if not self.corruption or self.severity == 0:
+            return self.transform.apply(images), y
+        from fedadapt.data.corruptions import corrupt, image_seed
+
+        def edit(i: int, x: torch.Tensor) -> torch.Tensor:
+            gen = torch.Generator().manual_seed(image_seed(self.corruption_seed, int(idx[i])))
+            return corrupt(x, self.corruption, self.severity, gen)
+
+        return self.transform.apply(images, edit), y
 
 
 _CACHE: dict[tuple, object] = {}

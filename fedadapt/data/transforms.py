@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Callable, Optional
 
 import torch
 
@@ -22,18 +23,27 @@ class TransformSpec:
                    tuple(map(float, backbone.std)))
 
     def build(self):
+        """``(to_tensor, normalize)``: PIL -> ``[3, S, S]`` in [0, 1], then the backbone's
+        normalisation (corruptions apply in between, on the [0, 1] image)."""
         import torchvision.transforms as T
 
-        return T.Compose([
+        to_tensor = T.Compose([
             T.Lambda(lambda im: im.convert("RGB")),
             T.Resize((self.image_size, self.image_size)),
             T.ToTensor(),
-            T.Normalize(self.mean, self.std),
         ])
+        return to_tensor, T.Normalize(self.mean, self.std)
 
-    def apply(self, images) -> torch.Tensor:  # list of PIL -> [B, 3, S, S]
-        tf = _built(self)
-        return torch.stack([tf(im) for im in images])
+    def apply(self, images, edit: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None
+              ) -> torch.Tensor:
+        """PIL images -> ``[B, 3, S, S]``; ``edit(i, image)`` changes image ``i`` in [0, 1]
+        space before normalisation (e.g. a corruption)."""
+        to_tensor, normalize = _built(self)
+        out = []
+        for i, im in enumerate(images):
+            x = to_tensor(im)
+            out.append(normalize(edit(i, x) if edit is not None else x))
+        return torch.stack(out)
 
 
 @lru_cache(maxsize=8)

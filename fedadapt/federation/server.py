@@ -23,6 +23,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from fedadapt.federation.faults import Screened, require_enough, screen_replies
+from fedadapt.settings import per_tier_accuracy
 
 
 @dataclass
@@ -37,6 +38,8 @@ class ServerState:
     cum_bytes: int = 0
     #: Round of the last complete checkpoint (clients may prune their state files up to it).
     checkpoint_round: int = 0
+    #: One row per client after the personalization step (empty without one).
+    personalized: list[dict] = field(default_factory=list)
     started: float = field(default_factory=time.time)
 
 
@@ -92,6 +95,9 @@ class ServerPlan:
     timeout: Optional[float] = None
     min_reply_fraction: float = 0.5
     on_round: Optional[Callable[[ServerState], None]] = None
+    #: After the rounds, send the final model to every client for local personalization
+    #: (``setting=personalization``); the replies' metrics land in ``ServerState.personalized``.
+    personalize: bool = False
     #: A checkpoint to continue from: ``{"round", "history", "cum_bytes", "strategy", "wall_s"}``
     #: (``initial_arrays`` then holds the checkpoint's arrays).
     resume: Optional[dict] = None
@@ -151,6 +157,10 @@ def run_rounds(grid: Grid, state: ServerState, plan: ServerPlan) -> ServerState:
                 if metrics is not None and "accuracy" in metrics:
                     row["client_acc"] = float(metrics["accuracy_client_mean"])
                     row["client_acc_weighted"] = float(metrics["accuracy"])
+                tiers = [(m["tier"], m["accuracy"]) for m in _metrics(checked.good)
+                         if "tier" in m]
+                if tiers:
+                    row["tier_acc"] = per_tier_accuracy(tiers)
         state.cum_bytes += bytes_up + bytes_down
         row.update({"bytes_up": bytes_up, "bytes_down": bytes_down,
                     "cum_bytes": state.cum_bytes, **plan.counts,
@@ -160,6 +170,30 @@ def run_rounds(grid: Grid, state: ServerState, plan: ServerPlan) -> ServerState:
         if plan.on_round is not None:
             plan.on_round(state)
     return state
+
+
+def _metrics(replies) -> list[dict]:
+    return [dict(m.content.metric_records["metrics"]) for m in replies]
+
+
+def personalize_clients(grid: Grid, state: ServerState, plan: ServerPlan) -> list[dict]:
+    """Every client personalizes the final model on its own data and keeps what it trained;
+    the replies carry metrics only. Returns one row per client that answered."""
+    strategy = state.strategy
+    config = ConfigRecord({"phase": "personalize", "server-round": state.num_rounds + 1,
+                           "resume-round": plan.resume_round})
+    msgs = [Message(RecordDict({"arrays": state.arrays, "config": ConfigRecord(config)}),
+                    dst_node_id=nid, message_type=MessageType.TRAIN)
+            for nid in strategy.node_of.values()]
+    replies = strategy.in_partition_order(grid.send_and_receive(msgs, timeout=plan.timeout))
+    checked = screen_replies(msgs, replies, None, strategy.partition_of)
+    _warn_dropped(state.num_rounds + 1, "personalization", checked, len(msgs))
+    state.cum_bytes += _bytes(msgs) + _bytes(replies)
+    rows = []
+    for reply, m in zip(checked.good, _metrics(checked.good)):
+        rows.append({"client": strategy.partition_of[reply.metadata.src_node_id],
+                     **{k: (int(v) if k in ("tier", "severity") else v) for k, v in m.items()}})
+    return rows
 
 
 def execute_plan(grid: Grid, plan: ServerPlan) -> ServerState:
@@ -173,7 +207,10 @@ def execute_plan(grid: Grid, plan: ServerPlan) -> ServerState:
         state.history = list(plan.resume["history"])
         state.cum_bytes = int(plan.resume["cum_bytes"])
         state.started -= float(plan.resume.get("wall_s", 0.0))
-    return run_rounds(grid, state, plan)
+    state = run_rounds(grid, state, plan)
+    if plan.personalize:
+        state.personalized = personalize_clients(grid, state, plan)
+    return state
 
 
 def make_server_app(plan: ServerPlan) -> ServerApp:

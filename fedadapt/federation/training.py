@@ -17,7 +17,13 @@ import torch
 import torch.nn.functional as F
 
 from fedadapt.adapters import AdaptedModel, build_model
-from fedadapt.config import BackboneConfig, FaultConfig, MethodConfig, TrainConfig
+from fedadapt.config import (
+    BackboneConfig,
+    FaultConfig,
+    MethodConfig,
+    SettingConfig,
+    TrainConfig,
+)
 from fedadapt.data.partition import ClientSplit
 from fedadapt.data.sources import DataSource
 
@@ -47,6 +53,12 @@ class RunSpec:
     faults: FaultConfig = field(default_factory=FaultConfig)
     #: Where each client saves its personal tensors (``<state_dir>/<partition-id>/``).
     state_dir: Optional[str] = None
+    setting: SettingConfig = field(default_factory=SettingConfig)
+    #: Exits of the backbone (0 for methods without exits) and each client's exit (its tier).
+    num_exits: int = 0
+    client_exits: list[int] = field(default_factory=list)
+    #: personalization: each client's ``(corruption, severity)``.
+    client_corruptions: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def num_clients(self) -> int:
@@ -121,17 +133,21 @@ def train_local(
     lr: float,
     seed: int,
     proximal_mu: float = 0.0,
+    exits: Optional[list[int]] = None,
 ) -> tuple[float, int]:
     """Train ``model`` in place on ``source[indices]``; return (mean loss, samples seen).
 
     With ``proximal_mu > 0`` adds FedProx's ``mu/2 * ||w - w_global||^2`` over the trainable
-    tensors, ``w_global`` being their values on entry.
+    tensors, ``w_global`` being their values on entry. With ``exits`` (an early-exit model),
+    each step draws one exit uniformly from them (seeded) and trains that exit's logits,
+    running only the blocks up to it.
     """
     dev = next(model.parameters()).device
     params = [p for p in model.parameters() if p.requires_grad]
     anchor = [p.detach().clone() for p in params] if proximal_mu > 0 else None
     opt = make_optimizer(params, train, lr)
     gen = torch.Generator().manual_seed(seed)
+    exit_gen = torch.Generator().manual_seed(derive_seed(seed, 0xE817))
     torch.manual_seed(seed)  # dropout / drop-connect
     model.train()
     total, seen = 0.0, 0
@@ -141,7 +157,12 @@ def train_local(
         for start in range(0, len(order), train.batch_size):
             x, y = source.get(order[start:start + train.batch_size])
             x, y = x.to(dev), y.to(dev)
-            loss = F.cross_entropy(model(x), y)
+            if exits is None:
+                logits = model(x)
+            else:
+                e = exits[int(torch.randint(len(exits), (1,), generator=exit_gen))]
+                logits = model.exit_logits(x, last_exit=e, all_exits=False)[-1]
+            loss = F.cross_entropy(logits, y)
             if anchor is not None:
                 loss = loss + 0.5 * proximal_mu * sum(
                     (p - a).pow(2).sum() for p, a in zip(params, anchor))
@@ -172,3 +193,29 @@ def evaluate(model: AdaptedModel, source: DataSource, indices: Optional[np.ndarr
     if n == 0:
         return float("nan"), float("nan"), 0
     return loss_sum / n, correct / n, n
+
+
+@torch.no_grad()
+def evaluate_exits(model, source: DataSource, exits: list[int],
+                   indices: Optional[np.ndarray] = None, batch_size: int = 256
+                   ) -> tuple[list[float], list[float], int]:
+    """Per-exit (losses, accuracies, n) of an early-exit model: one pass up to ``max(exits)``
+    serves every exit."""
+    if indices is None:
+        indices = np.arange(len(source.labels()))
+    dev = next(model.parameters()).device
+    model.eval()
+    last = max(exits)
+    loss_sum, correct, n = np.zeros(len(exits)), np.zeros(len(exits)), 0
+    for start in range(0, len(indices), batch_size):
+        x, y = source.get(indices[start:start + batch_size])
+        all_logits = model.exit_logits(x.to(dev), last_exit=last)
+        y = y.to(dev)
+        for j, e in enumerate(exits):
+            loss_sum[j] += float(F.cross_entropy(all_logits[e], y, reduction="sum"))
+            correct[j] += int((all_logits[e].argmax(1) == y).sum())
+        n += len(y)
+    if n == 0:
+        nan = [float("nan")] * len(exits)
+        return nan, nan, 0
+    return list(map(float, loss_sum / n)), list(map(float, correct / n)), n
