@@ -7,6 +7,9 @@ local training code and FedAvg weighting):
 * ``flower-nocache``: Flower simulation, every batch goes through the frozen backbone;
 * ``plain+cache``: a plain in-process PyTorch loop over the same clients, no Flower, no Ray.
 
+``--exits 3,11`` instead times a multi-tier run whose clients all sit at one exit, per exit:
+compute saved by an early tier shows as fewer seconds per round.
+
 ``flower+cache / plain+cache`` is the framework's overhead per round. Round 1 (Ray actors
 starting, workers importing torch) is reported separately as start-up. Results go to
 ``outputs/bench/bench-<time>.json`` and a Markdown table on stdout.
@@ -24,6 +27,12 @@ import numpy as np
 import torch
 
 BASE = ["experiment=quickstart", "method=linear_head", "federation.eval_every=1000"]
+#: ``--exits``: the Accumulator + PA in multi-tier FL on digits through the 12-block small ViT
+#: (weights do not change the time; random ones need no pretraining), every client at one exit.
+EXITS_BASE = ["experiment=custom", "dataset=digits", "backbone=small_vit", "method=accumulator_pa",
+              "setting=multi_tier", "partition=iid", "partition.num_clients=4",
+              "partition.fraction_fit=1.0", "federation.eval_every=1000", "train.batch_size=10",
+              "train.lr=0.005"]
 
 
 def plain_loop(prep, cfg) -> list[float]:
@@ -82,14 +91,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--out", default="outputs/bench")
+    parser.add_argument("--exits", help="multi-tier mode, e.g. 3,11: the same run with every "
+                                            "client at one exit, per exit (compute saved?)")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides")
     args = parser.parse_args(argv)
-    overrides = BASE + [f"rounds={args.rounds}", *args.overrides]
-    variants = {
-        "flower+cache": overrides,
-        "flower-nocache": overrides + ["method.use_cache=false"],
-        "plain+cache": overrides,
-    }
+    if args.exits:
+        overrides = EXITS_BASE + [f"rounds={args.rounds}", *args.overrides]
+        exits = [int(e) for e in args.exits.split(",")]
+        variants = {f"multi-tier, exit {e}": overrides + [f"setting.tiers=[{e}]"]
+                    for e in exits}
+    else:
+        overrides = BASE + [f"rounds={args.rounds}", *args.overrides]
+        variants = {
+            "flower+cache": overrides,
+            "flower-nocache": overrides + ["method.use_cache=false"],
+            "plain+cache": overrides,
+        }
     tmp = Path(args.out) / "runs"
     results = {}
     for name, ov in variants.items():
@@ -104,14 +121,15 @@ def main(argv: list[str] | None = None) -> None:
         results[name] = {"median_s_per_round": statistics.median(per_round),
                          "median_round1_s": statistics.median(startup),
                          "rounds_measured": len(per_round)}
-    flower, plain = results["flower+cache"], results["plain+cache"]
     meta = {"machine": f"{platform.node()} | {platform.processor() or platform.machine()} | "
                        f"{torch.get_num_threads()} torch threads | "
                        f"{'cuda' if torch.cuda.is_available() else 'cpu'}",
-            "config": overrides, "repeats": args.repeats,
-            "overhead_ratio": flower["median_s_per_round"] / plain["median_s_per_round"],
-            "cache_speedup": results["flower-nocache"]["median_s_per_round"]
-            / flower["median_s_per_round"], "results": results}
+            "config": overrides, "repeats": args.repeats, "results": results}
+    if not args.exits:
+        flower, plain = results["flower+cache"], results["plain+cache"]
+        meta["overhead_ratio"] = flower["median_s_per_round"] / plain["median_s_per_round"]
+        meta["cache_speedup"] = (results["flower-nocache"]["median_s_per_round"]
+                                 / flower["median_s_per_round"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from fedadapt.results.store import write_json
@@ -120,8 +138,13 @@ def main(argv: list[str] | None = None) -> None:
     print("\n| variant | median s/round (rounds 2..R) | median round 1 s |\n|---|---|---|")
     for name, r in results.items():
         print(f"| {name} | {r['median_s_per_round']:.3f} | {r['median_round1_s']:.2f} |")
-    print(f"\nFlower overhead (flower+cache / plain+cache): {meta['overhead_ratio']:.1f}x; "
-          f"feature cache speed-up (nocache / cache): {meta['cache_speedup']:.1f}x")
+    if args.exits:
+        first, last = (results[f"multi-tier, exit {e}"]["median_s_per_round"]
+                       for e in (exits[0], exits[-1]))
+        print(f"\nexit {exits[0]} / exit {exits[-1]} seconds per round: {first / last:.2f}")
+    else:
+        print(f"\nFlower overhead (flower+cache / plain+cache): {meta['overhead_ratio']:.1f}x; "
+              f"feature cache speed-up (nocache / cache): {meta['cache_speedup']:.1f}x")
     print(f"machine: {meta['machine']}")
 
 

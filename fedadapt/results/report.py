@@ -117,10 +117,123 @@ def render(varying: list[str], rows: list[dict]) -> tuple[str, str]:
     return markdown(header, md_rows), buf.getvalue()
 
 
+# -- the papers' layouts: one row per method (run label), one column per data setting --------
+
+def _label(run: dict) -> str:
+    return str(run["summary"]["method"])
+
+
+def _columns(runs: list[dict]) -> tuple[list[str], dict[str, list[dict]]]:
+    """Column keys (config keys that vary, other than the method's) and the runs per column."""
+    keys = sorted({k for r in runs for k in r["config"]})
+    varying = [k for k in keys if not k.startswith("method.")
+               and len({repr(r["config"].get(k)) for r in runs}) > 1]
+    cols: dict[str, list[dict]] = {}
+    for r in runs:
+        name = ", ".join(f"{k}={r['config'].get(k)}" for k in varying) or "all"
+        cols.setdefault(name, []).append(r)
+    return varying, cols
+
+
+def _mean_std(vals: list[float]) -> str:
+    if not vals:
+        return "—"
+    std = statistics.pstdev(vals) if len(vals) > 1 else 0.0
+    return f"{statistics.fmean(vals):.2f} ± {std:.2f}"
+
+
+def _pivot(runs: list[dict], cell) -> str:
+    _, cols = _columns(runs)
+    labels = list(dict.fromkeys(_label(r) for r in runs))
+    body = []
+    for label in labels:
+        body.append([label] + [cell([r for r in members if _label(r) == label])
+                               for members in cols.values()])
+    return markdown(["method", *cols], body)
+
+
+def paper_table(runs: list[dict]) -> str:
+    """Tables 1-3 and 5 of the Accumulator paper: final global accuracy (the mean over exits in
+    the anytime / multi-tier settings), mean ± std over seeds."""
+    def cell(rs):
+        return _mean_std([100 * r["summary"]["final"]["global_acc"] for r in rs
+                          if r["summary"]["final"].get("global_acc") is not None])
+    return _pivot(runs, cell)
+
+
+def personalization_table(runs: list[dict]) -> str:
+    """Table 4: accuracy on the clients' corrupted test data after personalization (gain)."""
+    runs = [r for r in runs if r["summary"].get("personalization")]
+    relabeled = [{**r, "summary": {**r["summary"], "method": f"{_label(r)} "
+                                   f"[{r['summary']['personalization']['part']}]"}}
+                 for r in runs]
+
+    def cell(rs):
+        ps = [r["summary"]["personalization"] for r in rs
+              if r["summary"]["personalization"]["after"] is not None]
+        if not ps:
+            return "—"
+        gain = statistics.fmean(100 * p["gain"] for p in ps)
+        return f"{_mean_std([100 * p['after'] for p in ps])} ({gain:+.2f})"
+    return _pivot(relabeled, cell)
+
+
+def rounds_to(history: list[dict], target: float) -> tuple[int, int] | None:
+    """(round, cumulative bytes) of the first evaluation at or above ``target``."""
+    for row in history:
+        if row.get("global_acc") is not None and row["global_acc"] >= target:
+            return int(row["round"]), int(row["cum_bytes"])
+    return None
+
+
+def communication_table(runs: list[dict], target_method: str) -> str:
+    """Table 6: rounds x communicated parameters (M) to reach the best accuracy of
+    ``target_method`` (per column, the mean over its seeds of their best global accuracy),
+    and the bytes actually transmitted until then (mean over seeds)."""
+    from fedadapt.results.store import read_jsonl
+
+    _, cols = _columns(runs)
+    out = []
+    for col, members in cols.items():
+        ref = [r["summary"]["best"]["global_acc"] for r in members
+               if _label(r) == target_method and r["summary"]["best"]["global_acc"] is not None]
+        if not ref:
+            out.append(f"{col}: no complete {target_method} run, no target\n")
+            continue
+        target = statistics.fmean(ref)
+        body = []
+        for label in dict.fromkeys(_label(r) for r in members):
+            rs = [r for r in members if _label(r) == label]
+            params = rs[0]["summary"]["params"]["communicated_params"] / 1e6
+            hits = [rounds_to(read_jsonl(Path(r["dir"]) / "metrics.jsonl"), target) for r in rs]
+            reached = [h for h in hits if h is not None]
+            if len(reached) < len(hits):
+                cell = f"not reached in {len(hits) - len(reached)} of {len(hits)} seeds"
+                body.append([label, cell, "—", "—"])
+                continue
+            rounds = statistics.fmean(h[0] for h in reached)
+            sent = statistics.fmean(h[1] for h in reached)
+            body.append([label, f"{rounds:.0f} x {params:.2f}M", f"{rounds * params:.2f}M",
+                         fmt_bytes(sent)])
+        out.append(f"{col}: target {100 * target:.2f}% (best of {target_method})\n\n"
+                   + markdown(["method", "rounds x params", "parameters sent",
+                               "bytes transmitted (measured)"], body))
+    return "\n".join(out)
+
+
+LAYOUTS = ("runs", "paper", "personalization", "communication")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="fedadapt-report", description=__doc__.split("\n")[0])
     parser.add_argument("dirs", nargs="+", help="run directories or folders containing them")
     parser.add_argument("--out", help="folder for report.md and report.csv (default: first dir)")
+    parser.add_argument("--layout", choices=LAYOUTS, default="runs",
+                        help="runs: one row per config group (default); paper: methods x data "
+                             "settings (Accumulator Tables 1-3, 5); personalization: Table 4; "
+                             "communication: Table 6")
+    parser.add_argument("--target-method", default="lw_linear",
+                        help="communication layout: whose best accuracy is the target")
     args = parser.parse_args(argv)
     missing = [d for d in args.dirs if not Path(d).is_dir()]
     if missing:
@@ -130,9 +243,18 @@ def main(argv: list[str] | None = None) -> None:
         print(f"fedadapt-report: error: no complete run (summary.json) under {args.dirs}",
               file=sys.stderr)
         sys.exit(2)
+    out = Path(args.out or args.dirs[0])
+    if args.layout != "runs":
+        md = {"paper": paper_table, "personalization": personalization_table,
+              "communication": lambda rs: communication_table(rs, args.target_method)
+              }[args.layout](runs)
+        title = f"# fedadapt report ({args.layout}): {len(runs)} runs, mean ± std over seeds\n\n"
+        atomic_write(out / f"report-{args.layout}.md", lambda fh: fh.write(title + md))
+        print(title + md)
+        print(f"Wrote {out / f'report-{args.layout}.md'}")
+        return
     varying, rows = aggregate(runs)
     md, csv_text = render(varying, rows)
-    out = Path(args.out or args.dirs[0])
     title = f"# fedadapt report: {len(runs)} runs in {len(rows)} groups (mean ± std over seeds)\n\n"
     atomic_write(out / "report.md", lambda fh: fh.write(title + md))
     atomic_write(out / "report.csv", lambda fh: fh.write(csv_text))
