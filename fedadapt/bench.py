@@ -30,7 +30,7 @@ BASE = ["experiment=quickstart", "method=linear_head", "federation.eval_every=10
 #: ``--exits``: the Accumulator + PA in multi-tier FL on digits through the 12-block small ViT
 #: (weights do not change the time; random ones need no pretraining), every client at one exit.
 EXITS_BASE = ["experiment=custom", "dataset=digits", "backbone=small_vit", "method=accumulator_pa",
-              "setting=multi_tier", "partition=iid", "partition.num_clients=4",
+              "setting=multitier", "partition=iid", "partition.num_clients=4",
               "partition.fraction_fit=1.0", "federation.eval_every=1000", "train.batch_size=10",
               "train.lr=0.005"]
 

@@ -94,7 +94,7 @@ class SettingConfig:
 
     * ``conventional``: train and evaluate the last exit only.
     * ``anytime``: an exit drawn uniformly per training iteration; evaluated at every exit.
-    * ``multi_tier``: each client has a fixed exit (its tier), tiers balanced across clients;
+    * ``multitier``: each client has a fixed exit (its tier), tiers balanced across clients;
       a client runs only the blocks up to its exit.
     * ``personalization``: multi-tier FL on clean data, then every client fine-tunes the part
       ``personalize`` of the model for ``epochs`` epochs on its own corrupted data (at its
@@ -102,7 +102,7 @@ class SettingConfig:
     """
 
     name: str = "conventional"
-    #: multi_tier / personalization: the exits (0-based blocks) the tiers use, assigned to the
+    #: multitier / personalization: the exits (0-based blocks) the tiers use, assigned to the
     #: clients in a balanced, seeded way; None = every exit of the backbone.
     tiers: Optional[list[int]] = None
     #: personalization: ``trainable`` (everything the method trains), ``full`` (also the
@@ -199,7 +199,7 @@ class RunConfig:
 
 
 KNOWN_PARTITIONS = ("dirichlet", "iid", "natural", "domain")
-KNOWN_SETTINGS = ("conventional", "anytime", "multi_tier", "personalization")
+KNOWN_SETTINGS = ("conventional", "anytime", "multitier", "personalization")
 PERSONALIZE_PARTS = ("trainable", "full", "adapters", "accumulator", "client_token")
 KNOWN_OPTIMIZERS = ("sgd", "adam", "adamw")
 KNOWN_STRATEGIES = ("fedavg", "fedprox")

@@ -104,7 +104,7 @@ def _init_from(run_dir: str, model: AdaptedModel) -> dict:
     folder = latest_checkpoint(Path(run_dir)) if Path(run_dir).is_dir() else None
     if folder is None:
         raise ConfigError(f"setting.init_from={run_dir!r} is invalid: no run directory with a "
-                          f"checkpoint there (point it at a finished multi_tier run)")
+                          f"checkpoint there (point it at a finished multitier run)")
     arrays, _ = load_checkpoint(folder)
     expected = {n: tuple(t.shape) for n, t in model.tensors(model.communicated_names()).items()}
     got = {n: tuple(t.shape) for n, t in arrays.items()}

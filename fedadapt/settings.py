@@ -22,7 +22,7 @@ import numpy as np
 
 from fedadapt.config import ConfigError, SettingConfig
 
-EXIT_SETTINGS = ("anytime", "multi_tier", "personalization")
+EXIT_SETTINGS = ("anytime", "multitier", "personalization")
 
 
 def uses_exits(setting: SettingConfig) -> bool:
@@ -41,7 +41,7 @@ def assign_tiers(num_clients: int, tiers: list[int], seed: int) -> list[int]:
 def client_exits(setting: SettingConfig, num_clients: int, num_exits: int, seed: int
                  ) -> list[int]:
     """Each client's exit: its tier (multi-tier, personalization) or the last exit."""
-    if setting.name not in ("multi_tier", "personalization"):
+    if setting.name not in ("multitier", "personalization"):
         return [num_exits - 1] * num_clients
     tiers = list(range(num_exits)) if setting.tiers is None else list(setting.tiers)
     bad = [t for t in tiers if not 0 <= t < num_exits]

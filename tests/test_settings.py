@@ -33,11 +33,11 @@ def test_tiers_are_balanced_seeded_and_checked():
     tiers = assign_tiers(10, [0, 5, 11], seed=3)
     assert sorted(np.bincount(tiers, minlength=12)[[0, 5, 11]]) == [3, 3, 4]
     assert tiers == assign_tiers(10, [0, 5, 11], seed=3) != assign_tiers(10, [0, 5, 11], seed=4)
-    every = client_exits(SettingConfig(name="multi_tier"), 24, 12, seed=0)
+    every = client_exits(SettingConfig(name="multitier"), 24, 12, seed=0)
     assert np.bincount(every).tolist() == [2] * 12
     assert client_exits(SettingConfig(name="anytime"), 4, 12, seed=0) == [11] * 4
     with pytest.raises(ConfigError, match="setting.tiers"):
-        client_exits(SettingConfig(name="multi_tier", tiers=[3, 12]), 4, 12, seed=0)
+        client_exits(SettingConfig(name="multitier", tiers=[3, 12]), 4, 12, seed=0)
 
 
 def _heads_changed(before, model):
@@ -46,7 +46,7 @@ def _heads_changed(before, model):
 
 
 def test_a_tier_trains_only_its_exit_and_anytime_trains_several(cache_dir):
-    prep = prepare_run(vit_run(cache_dir, LwLinearConfig(), SettingConfig(name="multi_tier")),
+    prep = prepare_run(vit_run(cache_dir, LwLinearConfig(), SettingConfig(name="multitier")),
                        quiet=True)
     model, spec = prep.model, prep.spec
     idx = spec.clients[0].train
@@ -77,7 +77,7 @@ def test_personalization_parts(cache_dir):
     prep = prepare_run(vit_run(cache_dir, AccumulatorConfig(head_hidden=[16],
                                                             parallel_adapter=True,
                                                             adapter_bottleneck=4),
-                               SettingConfig(name="multi_tier")), quiet=True)
+                               SettingConfig(name="multitier")), quiet=True)
     model = prep.model
     assert part_names(model, "client_token") == ["head.client_token"]
     assert all(".adapter." in n for n in part_names(model, "adapters"))
@@ -90,7 +90,7 @@ def test_personalization_parts(cache_dir):
         assert [n for n, p in model.named_parameters() if p.requires_grad] == [
             "head.client_token"]
     assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
-    lw = prepare_run(vit_run(cache_dir, LwLinearConfig(), SettingConfig(name="multi_tier")),
+    lw = prepare_run(vit_run(cache_dir, LwLinearConfig(), SettingConfig(name="multitier")),
                      quiet=True).model
     with pytest.raises(ConfigError, match="setting.personalize='client_token'"):
         part_names(lw, "client_token")
@@ -127,7 +127,7 @@ def test_personalization_reply_carries_no_tensors(cache_dir, flower_task, tmp_pa
 
 
 def test_corrupted_source_is_deterministic_and_changes_images(cache_dir):
-    prep = prepare_run(vit_run(cache_dir, LwLinearConfig(), SettingConfig(name="multi_tier")),
+    prep = prepare_run(vit_run(cache_dir, LwLinearConfig(), SettingConfig(name="multitier")),
                        quiet=True)
     src = prep.spec.train_source
     idx = np.arange(6)
@@ -139,9 +139,9 @@ def test_corrupted_source_is_deterministic_and_changes_images(cache_dir):
     assert torch.equal(src.corrupted("contrast", 0, seed=7).get(idx)[0], clean)
 
 
-def test_multi_tier_and_personalization_runs_end_to_end(cache_dir, tmp_path):
+def test_multitier_and_personalization_runs_end_to_end(cache_dir, tmp_path):
     cfg = vit_run(cache_dir, AccumulatorConfig(head_hidden=[16]),
-                  SettingConfig(name="multi_tier", tiers=[0, 2]))
+                  SettingConfig(name="multitier", tiers=[0, 2]))
     summary = run_experiment(cfg, tmp_path / "mt", config_yaml="mt\n")
     final = summary["final"]
     assert len(final["exit_acc"]) == 3

@@ -1,0 +1,71 @@
+"""fedadapt-report's paper layouts on hand-made run directories (the table logic, not results)."""
+
+import json
+
+import yaml
+
+from fedadapt.results.report import (
+    communication_table,
+    find_runs,
+    paper_table,
+    personalization_table,
+    rounds_to,
+)
+
+
+def make_run(root, name, *, label, alpha, seed, accs, params=1_000_000, part=None):
+    d = root / name
+    d.mkdir(parents=True)
+    cfg = {"method": {"name": label}, "partition": {"alpha": alpha}, "seed": seed}
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    history = [{"round": r + 1, "global_acc": a, "cum_bytes": 100 * (r + 1)}
+               for r, a in enumerate(accs)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+    summary = {"method": label, "final": {"global_acc": accs[-1]},
+               "best": {"global_acc": max(accs)},
+               "params": {"trainable_params": params, "communicated_params": params},
+               "personalization": None if part is None else {
+                   "part": part, "before": 0.2, "after": accs[-1], "gain": accs[-1] - 0.2}}
+    (d / "summary.json").write_text(json.dumps(summary))
+
+
+def test_rounds_to_target():
+    hist = [{"round": 1, "global_acc": None, "cum_bytes": 5},
+            {"round": 2, "global_acc": 0.4, "cum_bytes": 10},
+            {"round": 3, "global_acc": 0.6, "cum_bytes": 15}]
+    assert rounds_to(hist, 0.5) == (3, 15)
+    assert rounds_to(hist, 0.4) == (2, 10)
+    assert rounds_to(hist, 0.7) is None
+
+
+def test_paper_and_communication_layouts(tmp_path):
+    make_run(tmp_path, "a", label="lw_linear", alpha=0.1, seed=0, accs=[0.2, 0.5, 0.4],
+             params=460_000)
+    make_run(tmp_path, "b", label="lw_linear", alpha=0.1, seed=1, accs=[0.3, 0.3, 0.3],
+             params=460_000)
+    make_run(tmp_path, "c", label="accumulator", alpha=0.1, seed=0, accs=[0.45, 0.6, 0.7],
+             params=3_000_000)
+    make_run(tmp_path, "d", label="accumulator", alpha=1000, seed=0, accs=[0.8, 0.9, 0.9])
+    runs = find_runs([str(tmp_path)])
+    table = paper_table(runs)
+    lines = table.splitlines()
+    assert "partition.alpha=0.1" in lines[0] and "partition.alpha=1000" in lines[0]
+    assert "| lw_linear | 35.00 ± 5.00 | — |" in table  # final acc, mean ± std over 2 seeds
+    assert "| accumulator | 70.00 ± 0.00 | 90.00 ± 0.00 |" in table
+    comm = communication_table(runs, "lw_linear")
+    # target = mean of lw_linear's best (0.5, 0.3) = 0.4; the accumulator reaches it in round 1
+    assert "target 40.00%" in comm
+    assert "| accumulator | 1 x 3.00M | 3.00M | 100 B |" in comm
+    # seed 1 of lw_linear (best 0.3) never reaches the seed mean: said, not averaged away
+    assert "| lw_linear | not reached in 1 of 2 seeds | — | — |" in comm
+    assert "no complete lw_linear run" in comm  # the alpha=1000 column has no target
+
+
+def test_personalization_layout(tmp_path):
+    make_run(tmp_path, "a", label="accumulator_pa", alpha=0.1, seed=0, accs=[0.5],
+             part="client_token")
+    make_run(tmp_path, "b", label="accumulator_pa", alpha=0.1, seed=0, accs=[0.4],
+             part="adapters")
+    table = personalization_table(find_runs([str(tmp_path)]))
+    assert "| accumulator_pa [client_token] | 50.00 ± 0.00 (+30.00) |" in table
+    assert "| accumulator_pa [adapters] | 40.00 ± 0.00 (+20.00) |" in table
