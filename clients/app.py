@@ -115,7 +115,8 @@ def make_client_app(get_spec: Callable[[Context], RunSpec]) -> ClientApp:
                                f"client {cid} raises in round {rnd}")
         model = load_client_model(spec, msg, context)
         loss, seen = train_local(
-            model, spec.train_source, spec.clients[cid].train, spec.train,
+            model, training_source(spec, spec.train_source, derive_seed(spec.seed, rnd, cid, 7)),
+            spec.clients[cid].train, spec.train,
             lr=float(config["lr"]), seed=derive_seed(spec.seed, rnd, cid),
             proximal_mu=float(config.get("proximal-mu", 0.0)), exits=client_step_exits(spec, cid))
         personal = model.personal_names()
@@ -157,6 +158,13 @@ def make_client_app(get_spec: Callable[[Context], RunSpec]) -> ClientApp:
     return app
 
 
+def training_source(spec: RunSpec, source, seed: int):
+    """``source`` with the training augmentation (``train.crop_scale``), if any."""
+    if spec.train.crop_scale is None:
+        return source
+    return source.augmented(spec.train.crop_scale, seed)
+
+
 def client_step_exits(spec: RunSpec, cid: int):
     exit_of = spec.client_exits[cid] if spec.client_exits else 0
     return step_exits(spec.setting, exit_of, spec.num_exits)
@@ -181,7 +189,8 @@ def personalize(spec: RunSpec, cid: int, msg: Message, context: Context) -> Mess
     frozen = model.tensors(sorted(set(names) - set(model.trainable_names())))
     train = replace(spec.train, local_epochs=st.epochs, lr=st.lr or spec.train.lr)
     with only_training(model, names):
-        loss, _ = train_local(model, source, split.train, train, lr=train.lr,
+        augmented = training_source(spec, source, derive_seed(spec.seed, 0xC2, cid))
+        loss, _ = train_local(model, augmented, split.train, train, lr=train.lr,
                               seed=derive_seed(spec.seed, 0xC1, cid), exits=[tier])
     tensors = model.tensors(names)
     _, after, n = evaluate_exits(model, source, [tier], split.test)

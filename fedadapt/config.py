@@ -136,6 +136,9 @@ class TrainConfig:
     local_epochs: int = 1
     #: Cosine annealing of the learning rate over rounds (the round is the step).
     cosine: bool = False
+    #: RandomResizedCrop area scale ``[min, max]`` for training images (the Accumulator paper:
+    #: ``[0.05, 1.0]``); null = no augmentation. Needs image inputs (not cached features).
+    crop_scale: Optional[list[float]] = None
 
 
 @dataclass
@@ -260,6 +263,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(t.local_epochs >= 1, "train.local_epochs", t.local_epochs, "must be >= 1")
     _check(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be >= 0")
     _check(0 <= t.momentum < 1, "train.momentum", t.momentum, "must be in [0, 1)")
+    _check(t.crop_scale is None or (len(t.crop_scale) == 2
+                                    and 0 < t.crop_scale[0] <= t.crop_scale[1] <= 1),
+           "train.crop_scale", t.crop_scale, "[min, max] with 0 < min <= max <= 1, or null")
     _check(cfg.method.strategy in KNOWN_STRATEGIES, "method.strategy", cfg.method.strategy,
            f"one of {KNOWN_STRATEGIES}")
     _check(cfg.method.proximal_mu >= 0, "method.proximal_mu", cfg.method.proximal_mu,

@@ -80,6 +80,9 @@ def _apply_setting(cfg: RunConfig, spec: RunSpec, model: AdaptedModel) -> None:
     """Fill the spec's exits, tiers and corruptions for the setting; fail on a mismatch."""
     from fedadapt.settings import assign_client_corruptions, client_exits, part_names, uses_exits
 
+    if cfg.train.crop_scale is not None and spec.train_source.kind != "images":
+        raise ConfigError("train.crop_scale augments images: it needs method.use_cache=false "
+                          "(cached features cannot be cropped)")
     st = cfg.setting
     if not uses_exits(st):
         return

@@ -139,9 +139,26 @@ def test_corrupted_source_is_deterministic_and_changes_images(cache_dir):
     assert torch.equal(src.corrupted("contrast", 0, seed=7).get(idx)[0], clean)
 
 
+def test_random_resized_crop_is_seeded_and_validated(cache_dir):
+    prep = prepare_run(vit_run(cache_dir, LwLinearConfig(), SettingConfig(name="multitier")),
+                       quiet=True)
+    src = prep.spec.train_source
+    idx = np.arange(6)
+    clean, _ = src.get(idx)
+    a, _ = src.augmented([0.05, 1.0], seed=1).get(idx)
+    assert a.shape == clean.shape and not torch.equal(a, clean)
+    assert torch.equal(a, src.augmented([0.05, 1.0], seed=1).get(idx)[0])
+    assert not torch.equal(a, src.augmented([0.05, 1.0], seed=2).get(idx)[0])
+    cfg = vit_run(cache_dir, LwLinearConfig(), SettingConfig())
+    cfg.train.crop_scale = [0.5, 0.2]
+    with pytest.raises(ConfigError, match="train.crop_scale"):
+        validate(cfg)
+
+
 def test_multitier_and_personalization_runs_end_to_end(cache_dir, tmp_path):
     cfg = vit_run(cache_dir, AccumulatorConfig(head_hidden=[16]),
                   SettingConfig(name="multitier", tiers=[0, 2]))
+    cfg.train.crop_scale = [0.05, 1.0]  # the paper's training augmentation, on the clients
     summary = run_experiment(cfg, tmp_path / "mt", config_yaml="mt\n")
     final = summary["final"]
     assert len(final["exit_acc"]) == 3

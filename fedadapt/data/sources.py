@@ -28,6 +28,16 @@ class DataSource:
     corruption: Optional[str] = None
     severity: int = 0
     corruption_seed: int = 0
+    #: Training augmentation: ``RandomResizedCrop`` with this area scale range (e.g. the
+    #: Accumulator paper's ``(0.05, 1.0)``), drawn per image from ``crop_seed``; None = none.
+    crop_scale: Optional[tuple[float, float]] = None
+    crop_seed: int = 0
+
+    def augmented(self, scale, seed: int) -> "DataSource":
+        """The same split with a seeded ``RandomResizedCrop(scale)`` on each image."""
+        if self.kind != "images":
+            raise ValueError("augmentation applies to images, not to cached features")
+        return replace(self, crop_scale=(float(scale[0]), float(scale[1])), crop_seed=int(seed))
 
     def corrupted(self, kind: str, severity: int, seed: int) -> "DataSource":
         """The same split with ``kind`` at ``severity`` applied to each image."""
@@ -50,16 +60,45 @@ class DataSource:
             return torch.from_numpy(np.ascontiguousarray(feats[idx], dtype=np.float32)), y
         ds = self.prepared.load()[self.split]
         images = ds.select(idx.tolist())["image"] if len(idx) else []
-        if not self.corruption or self.severity == 0:
+        corrupt_on = bool(self.corruption) and self.severity > 0
+        if not corrupt_on and self.crop_scale is None:
             return self.transform.apply(images), y
         from fedadapt.data.corruptions import corrupt, image_seed
 
         def edit(i: int, x: torch.Tensor) -> torch.Tensor:
-            gen = torch.Generator().manual_seed(image_seed(self.corruption_seed, int(idx[i])))
-            return corrupt(x, self.corruption, self.severity, gen)
+            if corrupt_on:  # the client's data as it is ...
+                gen = torch.Generator().manual_seed(image_seed(self.corruption_seed, int(idx[i])))
+                x = corrupt(x, self.corruption, self.severity, gen)
+            if self.crop_scale is not None:  # ... then training's augmentation
+                gen = torch.Generator().manual_seed(image_seed(self.crop_seed, int(idx[i])))
+                x = random_resized_crop(x, self.crop_scale, gen)
+            return x
 
         return self.transform.apply(images, edit), y
 
+
+def random_resized_crop(x: torch.Tensor, scale: tuple[float, float], gen: torch.Generator
+                        ) -> torch.Tensor:
+    """torchvision's ``RandomResizedCrop(size, scale, ratio=(3/4, 4/3))`` on ``[3, H, W]``, with
+    its parameters drawn from ``gen`` (torchvision's own draw uses the global RNG)."""
+    import math
+
+    from torchvision.transforms import functional as TF
+
+    _, height, width = x.shape
+    area = height * width
+    log_ratio = (math.log(3 / 4), math.log(4 / 3))
+    for _ in range(10):  # torchvision's rejection sampling, then its centre-crop fallback
+        target = area * (scale[0] + (scale[1] - scale[0]) * float(torch.rand(1, generator=gen)))
+        ratio = math.exp(log_ratio[0] + (log_ratio[1] - log_ratio[0])
+                         * float(torch.rand(1, generator=gen)))
+        w = int(round(math.sqrt(target * ratio)))
+        h = int(round(math.sqrt(target / ratio)))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(torch.randint(0, height - h + 1, (1,), generator=gen))
+            left = int(torch.randint(0, width - w + 1, (1,), generator=gen))
+            return TF.resized_crop(x, top, left, h, w, [height, width], antialias=True)
+    return x
 
 _CACHE: dict[tuple, object] = {}
 
