@@ -123,10 +123,12 @@ def _label(run: dict) -> str:
     return str(run["summary"]["method"])
 
 
-def _columns(runs: list[dict]) -> tuple[list[str], dict[str, list[dict]]]:
-    """Column keys (config keys that vary, other than the method's) and the runs per column."""
+def _columns(runs: list[dict], exclude: tuple[str, ...] = ()
+             ) -> tuple[list[str], dict[str, list[dict]]]:
+    """Column keys (config keys that vary, other than the method's and ``exclude``, which the
+    row labels carry) and the runs per column."""
     keys = sorted({k for r in runs for k in r["config"]})
-    varying = [k for k in keys if not k.startswith("method.")
+    varying = [k for k in keys if not k.startswith("method.") and k not in exclude
                and len({repr(r["config"].get(k)) for r in runs}) > 1]
     cols: dict[str, list[dict]] = {}
     for r in runs:
@@ -142,8 +144,8 @@ def _mean_std(vals: list[float]) -> str:
     return f"{statistics.fmean(vals):.2f} ± {std:.2f}"
 
 
-def _pivot(runs: list[dict], cell) -> str:
-    _, cols = _columns(runs)
+def _pivot(runs: list[dict], cell, exclude: tuple[str, ...] = ()) -> str:
+    _, cols = _columns(runs, exclude)
     labels = list(dict.fromkeys(_label(r) for r in runs))
     body = []
     for label in labels:
@@ -175,7 +177,7 @@ def personalization_table(runs: list[dict]) -> str:
             return "—"
         gain = statistics.fmean(100 * p["gain"] for p in ps)
         return f"{_mean_std([100 * p['after'] for p in ps])} ({gain:+.2f})"
-    return _pivot(relabeled, cell)
+    return _pivot(relabeled, cell, exclude=("setting.personalize", "setting.init_from"))
 
 
 def rounds_to(history: list[dict], target: float) -> tuple[int, int] | None:
