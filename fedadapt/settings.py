@@ -40,9 +40,9 @@ def assign_tiers(num_clients: int, tiers: list[int], seed: int) -> list[int]:
 
 def client_exits(setting: SettingConfig, num_clients: int, num_exits: int, seed: int
                  ) -> list[int]:
-    """Each client's exit: its tier (multi-tier, personalization) or the last exit."""
+    """Each client's exit, its tier (multitier, personalization); [] when clients have none."""
     if setting.name not in ("multitier", "personalization"):
-        return [num_exits - 1] * num_clients
+        return []
     tiers = list(range(num_exits)) if setting.tiers is None else list(setting.tiers)
     bad = [t for t in tiers if not 0 <= t < num_exits]
     if bad:

@@ -35,7 +35,7 @@ def test_tiers_are_balanced_seeded_and_checked():
     assert tiers == assign_tiers(10, [0, 5, 11], seed=3) != assign_tiers(10, [0, 5, 11], seed=4)
     every = client_exits(SettingConfig(name="multitier"), 24, 12, seed=0)
     assert np.bincount(every).tolist() == [2] * 12
-    assert client_exits(SettingConfig(name="anytime"), 4, 12, seed=0) == [11] * 4
+    assert client_exits(SettingConfig(name="anytime"), 4, 12, seed=0) == []  # no tiers
     with pytest.raises(ConfigError, match="setting.tiers"):
         client_exits(SettingConfig(name="multitier", tiers=[3, 12]), 4, 12, seed=0)
 
