@@ -75,6 +75,26 @@ def test_token_replace_and_residual_change_the_output():
     assert not torch.allclose(a[-1], c[-1])
 
 
+def test_an_identity_accumulator_replaces_each_token_by_itself():
+    """Eq. 7 wiring: with its residual branches and layer embeddings at zero the Accumulator
+    returns its input, so token replace must reproduce the no-replace model exactly."""
+    x = torch.randn(2, 3, 32, 32)
+    models = [model(AccumulatorConfig(head_hidden=[16], token_replace=r)).eval()
+              for r in (True, False)]
+    for m in models:
+        acc = m.head
+        with torch.no_grad():
+            acc.layer_embed.zero_()
+            for layer in acc.blocks.layers:
+                for lin in (layer.self_attn.out_proj, layer.linear2):
+                    lin.weight.zero_()
+                    lin.bias.zero_()
+    models[1].load_state_dict(models[0].state_dict())
+    with torch.no_grad():
+        for a, b in zip(models[0].exit_logits(x), models[1].exit_logits(x)):
+            torch.testing.assert_close(a, b)
+
+
 def test_only_the_method_trains():
     m = model(AccumulatorConfig(head_hidden=[16], parallel_adapter=True, adapter_bottleneck=4))
     names = m.trainable_names()
