@@ -29,6 +29,12 @@ def vit_run(cache_dir, method, setting: SettingConfig, **kw):
     return validate(cfg)
 
 
+def lw_multitier(cache_dir):
+    """Layer-wise linear heads on the tiny ViT, multi-tier, prepared (no federation)."""
+    return prepare_run(vit_run(cache_dir, LwLinearConfig(), SettingConfig(name="multitier")),
+                       quiet=True)
+
+
 def test_tiers_are_balanced_seeded_and_checked():
     tiers = assign_tiers(10, [0, 5, 11], seed=3)
     assert sorted(np.bincount(tiers, minlength=12)[[0, 5, 11]]) == [3, 3, 4]
@@ -46,8 +52,7 @@ def _heads_changed(before, model):
 
 
 def test_a_tier_trains_only_its_exit_and_anytime_trains_several(cache_dir):
-    prep = prepare_run(vit_run(cache_dir, LwLinearConfig(), SettingConfig(name="multitier")),
-                       quiet=True)
+    prep = lw_multitier(cache_dir)
     model, spec = prep.model, prep.spec
     idx = spec.clients[0].train
     start = model.tensors(model.trainable_names())
@@ -90,8 +95,7 @@ def test_personalization_parts(cache_dir):
         assert [n for n, p in model.named_parameters() if p.requires_grad] == [
             "head.client_token"]
     assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
-    lw = prepare_run(vit_run(cache_dir, LwLinearConfig(), SettingConfig(name="multitier")),
-                     quiet=True).model
+    lw = lw_multitier(cache_dir).model
     with pytest.raises(ConfigError, match="setting.personalize='client_token'"):
         part_names(lw, "client_token")
 
@@ -127,8 +131,7 @@ def test_personalization_reply_carries_no_tensors(cache_dir, flower_task, tmp_pa
 
 
 def test_corrupted_source_is_deterministic_and_changes_images(cache_dir):
-    prep = prepare_run(vit_run(cache_dir, LwLinearConfig(), SettingConfig(name="multitier")),
-                       quiet=True)
+    prep = lw_multitier(cache_dir)
     src = prep.spec.train_source
     idx = np.arange(6)
     clean, _ = src.get(idx)
@@ -140,8 +143,7 @@ def test_corrupted_source_is_deterministic_and_changes_images(cache_dir):
 
 
 def test_random_resized_crop_is_seeded_and_validated(cache_dir):
-    prep = prepare_run(vit_run(cache_dir, LwLinearConfig(), SettingConfig(name="multitier")),
-                       quiet=True)
+    prep = lw_multitier(cache_dir)
     src = prep.spec.train_source
     idx = np.arange(6)
     clean, _ = src.get(idx)

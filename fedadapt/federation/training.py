@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -175,47 +175,51 @@ def train_local(
 
 
 @torch.no_grad()
-def evaluate(model: AdaptedModel, source: DataSource, indices: Optional[np.ndarray] = None,
-             batch_size: int = 256) -> tuple[float, float, int]:
-    """(mean loss, accuracy, n) of ``model`` on ``source[indices]`` (all samples if None)."""
+def _evaluate_logits(model, source: DataSource, indices: Optional[np.ndarray], batch_size: int,
+                     forward: Callable[[torch.Tensor], list[torch.Tensor]]
+                     ) -> tuple[list[float], list[float], int]:
+    """The one evaluation loop: per output of ``forward(x)``, (mean losses, accuracies, n);
+    NaN when there are no samples."""
     if indices is None:
         indices = np.arange(len(source.labels()))
     dev = next(model.parameters()).device
     model.eval()
-    loss_sum, correct, n = 0.0, 0, 0
+    loss_sum, correct, n = None, None, 0
     for start in range(0, len(indices), batch_size):
         x, y = source.get(indices[start:start + batch_size])
-        logits = model(x.to(dev))
+        outputs = forward(x.to(dev))
         y = y.to(dev)
-        loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
-        correct += int((logits.argmax(1) == y).sum())
+        if loss_sum is None:
+            loss_sum, correct = np.zeros(len(outputs)), np.zeros(len(outputs))
+        for j, logits in enumerate(outputs):
+            loss_sum[j] += float(F.cross_entropy(logits, y, reduction="sum"))
+            correct[j] += int((logits.argmax(1) == y).sum())
         n += len(y)
     if n == 0:
-        return float("nan"), float("nan"), 0
-    return loss_sum / n, correct / n, n
+        return [float("nan")], [float("nan")], 0
+    return list(map(float, loss_sum / n)), list(map(float, correct / n)), n
 
 
-@torch.no_grad()
+def evaluate(model: AdaptedModel, source: DataSource, indices: Optional[np.ndarray] = None,
+             batch_size: int = 256) -> tuple[float, float, int]:
+    """(mean loss, accuracy, n) of ``model`` on ``source[indices]`` (all samples if None)."""
+    losses, accs, n = _evaluate_logits(model, source, indices, batch_size,
+                                       lambda x: [model(x)])
+    return losses[0], accs[0], n
+
+
 def evaluate_exits(model, source: DataSource, exits: list[int],
                    indices: Optional[np.ndarray] = None, batch_size: int = 256
                    ) -> tuple[list[float], list[float], int]:
     """Per-exit (losses, accuracies, n) of an early-exit model: one pass up to ``max(exits)``
     serves every exit."""
-    if indices is None:
-        indices = np.arange(len(source.labels()))
-    dev = next(model.parameters()).device
-    model.eval()
     last = max(exits)
-    loss_sum, correct, n = np.zeros(len(exits)), np.zeros(len(exits)), 0
-    for start in range(0, len(indices), batch_size):
-        x, y = source.get(indices[start:start + batch_size])
-        all_logits = model.exit_logits(x.to(dev), last_exit=last)
-        y = y.to(dev)
-        for j, e in enumerate(exits):
-            loss_sum[j] += float(F.cross_entropy(all_logits[e], y, reduction="sum"))
-            correct[j] += int((all_logits[e].argmax(1) == y).sum())
-        n += len(y)
+
+    def forward(x: torch.Tensor) -> list[torch.Tensor]:
+        all_logits = model.exit_logits(x, last_exit=last)
+        return [all_logits[e] for e in exits]
+
+    losses, accs, n = _evaluate_logits(model, source, indices, batch_size, forward)
     if n == 0:
-        nan = [float("nan")] * len(exits)
-        return nan, nan, 0
-    return list(map(float, loss_sum / n)), list(map(float, correct / n)), n
+        return [float("nan")] * len(exits), [float("nan")] * len(exits), 0
+    return losses, accs, n

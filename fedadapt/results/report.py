@@ -61,13 +61,18 @@ def _get(summary: dict, path: tuple):
     return summary
 
 
+def varying_keys(runs: list[dict]) -> list[str]:
+    """Config keys on which the runs disagree, sorted. A key varies when the runs that have it
+    disagree (method-specific keys are absent in other methods' configs, which alone does not
+    make them vary)."""
+    keys = sorted({k for r in runs for k in r["config"]})
+    return [k for k in keys
+            if len({repr(r["config"][k]) for r in runs if k in r["config"]}) > 1]
+
+
 def aggregate(runs: list[dict]) -> tuple[list[str], list[dict]]:
     """Group runs by the config keys that vary (except seed); mean and std of each metric."""
-    keys = sorted({k for r in runs for k in r["config"]})
-    # A key varies when the runs that have it disagree (method-specific keys are absent in
-    # other methods' configs, which alone does not make them vary).
-    varying = [k for k in keys
-               if len({repr(r["config"][k]) for r in runs if k in r["config"]}) > 1]
+    varying = varying_keys(runs)
     if "method.name" not in varying:
         varying = ["method.name", *varying]
     groups: dict[tuple, list[dict]] = {}
@@ -127,9 +132,7 @@ def _columns(runs: list[dict], exclude: tuple[str, ...] = ()
              ) -> tuple[list[str], dict[str, list[dict]]]:
     """Column keys (config keys that vary, other than the method's and ``exclude``, which the
     row labels carry) and the runs per column."""
-    keys = sorted({k for r in runs for k in r["config"]})
-    varying = [k for k in keys if not k.startswith("method.") and k not in exclude
-               and len({repr(r["config"].get(k)) for r in runs}) > 1]
+    varying = [k for k in varying_keys(runs) if not k.startswith("method.") and k not in exclude]
     cols: dict[str, list[dict]] = {}
     for r in runs:
         name = ", ".join(f"{k}={r['config'].get(k)}" for k in varying) or "all"
