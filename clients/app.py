@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from fedadapt.strategies.fedavg import UNIFORM_KEY
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
@@ -133,7 +134,7 @@ def make_client_app(get_spec: Callable[[Context], RunSpec]) -> ClientApp:
         content = RecordDict({
             "arrays": ArrayRecord(sent),
             "metrics": MetricRecord({"num-examples": len(spec.clients[cid].train),
-                                     "train_loss": loss}),
+                                     UNIFORM_KEY: 1.0, "train_loss": loss}),
         })
         return Message(content, reply_to=msg)
 
@@ -143,19 +144,27 @@ def make_client_app(get_spec: Callable[[Context], RunSpec]) -> ClientApp:
         cid = partition_id(context)
         model = load_client_model(spec, msg, context)
         exits = client_step_exits(spec, cid)
-        if exits is None:
-            loss, acc, n = evaluate(model, spec.train_source, spec.clients[cid].test)
-        else:  # mean over the client's exits (anytime: all; multi-tier: its tier)
-            losses, accs, n = evaluate_exits(model, spec.train_source, exits,
-                                             spec.clients[cid].test)
-            loss, acc = sum(losses) / len(losses), sum(accs) / len(accs)
+        loss, acc, n = local_accuracy(model, spec, cid, spec.clients[cid].test, exits)
         # The same keys from every client (Flower checks that); NaN when there is no test data.
         metrics = {"num-examples": n, "accuracy": acc, "loss": loss}
+        if spec.evaluate_val:  # model selection by validation accuracy (federation.select)
+            metrics["val_accuracy"] = local_accuracy(model, spec, cid, spec.clients[cid].val,
+                                                     exits)[1]
         if spec.client_exits:
             metrics["tier"] = spec.client_exits[cid]
         return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
 
     return app
+
+
+def local_accuracy(model, spec: RunSpec, cid: int, indices, exits, source=None):
+    """(loss, accuracy, n) of the client's model on ``indices`` of its data; with ``exits``
+    the mean over them (anytime: all; multi-tier: its tier)."""
+    source = spec.train_source if source is None else source
+    if exits is None:
+        return evaluate(model, source, indices)
+    losses, accs, n = evaluate_exits(model, source, exits, indices)
+    return sum(losses) / len(losses), sum(accs) / len(accs), n
 
 
 def training_source(spec: RunSpec, source, seed: int):
@@ -172,17 +181,22 @@ def client_step_exits(spec: RunSpec, cid: int):
 
 def personalize(spec: RunSpec, cid: int, msg: Message, context: Context) -> Message:
     """The personalization step: from the global model, fine-tune ``setting.personalize`` for
-    ``setting.epochs`` epochs on this client's corrupted training split at its tier's exit;
-    accuracy on its corrupted test split before and after. The personalized tensors stay here
-    (``<state_dir>/<client>/personalized/``); the reply carries metrics only."""
+    ``setting.epochs`` epochs on this client's (corrupted, if it has a corruption) training split
+    at its tier's exit (if the model has exits); accuracy on its test split before and after.
+    The personalized tensors stay here (``<state_dir>/<client>/personalized/``); the reply
+    carries metrics only."""
     from dataclasses import replace
 
     st = spec.setting
     model = load_client_model(spec, msg, context)
-    kind, severity = spec.client_corruptions[cid]
-    source = spec.train_source.corrupted(kind, severity, derive_seed(spec.seed, 0xC0, cid))
-    split, tier = spec.clients[cid], spec.client_exits[cid]
-    _, before, _ = evaluate_exits(model, source, [tier], split.test)
+    kind, severity = spec.client_corruptions[cid] if spec.client_corruptions else ("none", 0)
+    source = spec.train_source
+    if severity > 0:
+        source = source.corrupted(kind, severity, derive_seed(spec.seed, 0xC0, cid))
+    split = spec.clients[cid]
+    tier = spec.client_exits[cid] if spec.client_exits else None  # None: a model without exits
+    exits = None if tier is None else [tier]
+    _, before, _ = local_accuracy(model, spec, cid, split.test, exits, source)
     names = part_names(model, st.personalize)
     # The process's model is shared by the clients it runs: frozen tensors this step changes
     # (setting.personalize=full) are put back afterwards.
@@ -191,14 +205,14 @@ def personalize(spec: RunSpec, cid: int, msg: Message, context: Context) -> Mess
     with only_training(model, names):
         augmented = training_source(spec, source, derive_seed(spec.seed, 0xC2, cid))
         loss, _ = train_local(model, augmented, split.train, train, lr=train.lr,
-                              seed=derive_seed(spec.seed, 0xC1, cid), exits=[tier])
+                              seed=derive_seed(spec.seed, 0xC1, cid), exits=exits)
     tensors = model.tensors(names)
-    _, after, n = evaluate_exits(model, source, [tier], split.test)
+    _, after, n = local_accuracy(model, spec, cid, split.test, exits, source)
     model.load_tensors(frozen)
     if (folder := _state_dir(spec, cid)) is not None:
         save_client_state(folder / "personalized", int(msg.content.config_records["config"]
                                                         ["server-round"]), tensors)
-    metrics = {"num-examples": n, "tier": tier, "severity": severity,
+    metrics = {"num-examples": n, "tier": -1 if tier is None else tier, "severity": severity,
                "acc_before": before[0], "acc_after": after[0],
                "train_loss": loss, "personalized_params": sum(t.numel() for t in
                                                                tensors.values())}

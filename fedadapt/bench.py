@@ -10,6 +10,10 @@ local training code and FedAvg weighting):
 ``--exits 3,11`` instead times a multi-tier run whose clients all sit at one exit, per exit:
 compute saved by an early tier shows as fewer seconds per round.
 
+``--methods fedclip,fedavg_clip`` times whole methods against each other on the same data and
+clients (default base: ``experiment=fedclip_cost``), and the one-off preparation of each from an
+empty cache (FedCLIP's image features are extracted once, there).
+
 ``flower+cache / plain+cache`` is the framework's overhead per round. Round 1 (Ray actors
 starting, workers importing torch) is reported separately as start-up. Results go to
 ``outputs/bench/bench-<time>.json`` and a Markdown table on stdout.
@@ -93,9 +97,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="outputs/bench")
     parser.add_argument("--exits", help="multi-tier mode, e.g. 3,11: the same run with every "
                                             "client at one exit, per exit (compute saved?)")
+    parser.add_argument("--methods", help="methods mode, e.g. fedclip,fedavg_clip: seconds per "
+                                              "round of each (base: experiment=fedclip_cost)")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides")
     args = parser.parse_args(argv)
-    if args.exits:
+    prepare_s = {}
+    if args.methods:
+        overrides = ["experiment=fedclip_cost", f"rounds={args.rounds}", *args.overrides]
+        methods = args.methods.split(",")
+        variants = {m: overrides + [f"method={m}"] for m in methods}
+    elif args.exits:
         overrides = EXITS_BASE + [f"rounds={args.rounds}", *args.overrides]
         exits = [int(e) for e in args.exits.split(",")]
         variants = {f"multi-tier, exit {e}": overrides + [f"setting.tiers=[{e}]"]
@@ -111,6 +122,16 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     for name, ov in variants.items():
         cfg = to_run_config(compose_config(ov))
+        if args.methods:  # one-off cost: data, backbone and (cached methods) feature extraction
+            import dataclasses
+            import tempfile
+
+            with tempfile.TemporaryDirectory() as fresh:
+                t0 = time.perf_counter()
+                prepare_run(dataclasses.replace(cfg, cache_dir=fresh), quiet=True)
+                prepare_s[name] = time.perf_counter() - t0
+            results_note = f" (prepare from an empty cache: {prepare_s[name]:.1f} s)"
+            print(f"[bench] {name}{results_note}", flush=True)
         per_round, startup = [], []
         for rep in range(args.repeats):
             print(f"[bench] {name}: repeat {rep + 1}/{args.repeats}", flush=True)
@@ -120,12 +141,17 @@ def main(argv: list[str] | None = None) -> None:
             per_round.extend(times[1:])
         results[name] = {"median_s_per_round": statistics.median(per_round),
                          "median_round1_s": statistics.median(startup),
-                         "rounds_measured": len(per_round)}
+                         "rounds_measured": len(per_round),
+                         **({"prepare_empty_cache_s": prepare_s[name]} if name in prepare_s
+                            else {})}
     meta = {"machine": f"{platform.node()} | {platform.processor() or platform.machine()} | "
                        f"{torch.get_num_threads()} torch threads | "
                        f"{'cuda' if torch.cuda.is_available() else 'cpu'}",
             "config": overrides, "repeats": args.repeats, "results": results}
-    if not args.exits:
+    if args.methods:
+        base = results[methods[-1]]["median_s_per_round"]
+        meta["ratio_to_last"] = {m: results[m]["median_s_per_round"] / base for m in methods}
+    elif not args.exits:
         flower, plain = results["flower+cache"], results["plain+cache"]
         meta["overhead_ratio"] = flower["median_s_per_round"] / plain["median_s_per_round"]
         meta["cache_speedup"] = (results["flower-nocache"]["median_s_per_round"]
@@ -138,7 +164,12 @@ def main(argv: list[str] | None = None) -> None:
     print("\n| variant | median s/round (rounds 2..R) | median round 1 s |\n|---|---|---|")
     for name, r in results.items():
         print(f"| {name} | {r['median_s_per_round']:.3f} | {r['median_round1_s']:.2f} |")
-    if args.exits:
+    if args.methods:
+        for m in methods:
+            print(f"{m}: prepare from an empty cache {prepare_s[m]:.1f} s; seconds per round "
+                  f"{results[m]['median_s_per_round']:.3f} = {meta['ratio_to_last'][m]:.4f} x "
+                  f"{methods[-1]} ({1 / meta['ratio_to_last'][m]:.0f}x faster)")
+    elif args.exits:
         first, last = (results[f"multi-tier, exit {e}"]["median_s_per_round"]
                        for e in (exits[0], exits[-1]))
         print(f"\nexit {exits[0]} / exit {exits[-1]} seconds per round: {first / last:.2f}")

@@ -6,7 +6,8 @@ stopped (methods with a ``summary.json`` are kept, the others continue from thei
 checkpoint). An experiment with ``compare: [...]`` runs each
 listed method on the same data and seed, each into its own run directory under the job's folder,
 and writes a combined ``table.md`` and ``curves.png`` there; naming ``method=`` on the command
-line runs just that method.
+line runs just that method. A ``compare`` entry ``method@backbone`` runs that row on another
+backbone (FedCLIP's AlexNet baselines beside the CLIP rows).
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ def job_configs(cfg: DictConfig, overrides: list[str]) -> list[tuple[str, RunCon
         run = to_run_config(cfg)
         return [(run.method.name, run, OmegaConf.to_yaml(cfg, resolve=True))]
     out = []
-    for name in names:
-        sub = compose(config_name="config", overrides=overrides + [f"method={name}"])
+    for entry in names:  # "method" or "method@backbone" (a row on another backbone)
+        name, _, backbone = entry.partition("@")
+        extra = [f"method={name}"] + ([f"backbone={backbone}"] if backbone else [])
+        sub = compose(config_name="config", overrides=overrides + extra)
         out.append((name, to_run_config(sub), OmegaConf.to_yaml(sub, resolve=True)))
     return out
 

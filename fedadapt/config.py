@@ -35,7 +35,8 @@ class DatasetConfig:
     #: Local copy to load instead of the card's hub id: a ``save_to_disk`` folder, an image
     #: folder (one sub-folder per class) or a folder of IDX files.
     path: Optional[str] = None
-    #: Fraction held out as the global test set when the source has no test split.
+    #: Fraction held out as the global test set when the source has no test split; 0 = none
+    #: (domain data sets, whose unseen client is the held-out domain).
     test_fraction: float = 0.2
     #: Use only the first N training samples (after a seeded shuffle); None = all.
     max_samples: Optional[int] = None
@@ -63,6 +64,9 @@ class MethodConfig:
     #: Server-side aggregation: ``fedavg`` or ``fedprox``.
     strategy: str = "fedavg"
     proximal_mu: float = 0.0
+    #: How the server weights the clients' tensors: ``examples`` (FedAvg: by training samples)
+    #: or ``uniform`` (every client alike, as FedCLIP's authors average the adapter).
+    weighting: str = "examples"
     #: Train on cached pooled features (methods that only see the pooled feature).
     use_cache: bool = True
 
@@ -132,6 +136,9 @@ class TrainConfig:
     lr: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 0.0
+    #: Adam / AdamW moments' decay rates and epsilon (FedCLIP: (0.9, 0.98) and 1e-6).
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
     batch_size: int = 32
     local_epochs: int = 1
     #: Cosine annealing of the learning rate over rounds (the round is the step).
@@ -161,6 +168,10 @@ class FederationConfig:
     checkpoint_every: int = 5
     #: Show Flower's own INFO logs.
     verbose: bool = False
+    #: Which evaluated round the summary reports: ``last``, or ``best_val`` (the round with the
+    #: best mean validation accuracy of the clients, as FedCLIP's authors select; clients then
+    #: also evaluate their validation split).
+    select: str = "last"
 
 
 @dataclass
@@ -206,6 +217,8 @@ KNOWN_SETTINGS = ("conventional", "anytime", "multitier", "personalization")
 PERSONALIZE_PARTS = ("trainable", "full", "adapters", "accumulator", "client_token")
 KNOWN_OPTIMIZERS = ("sgd", "adam", "adamw")
 KNOWN_STRATEGIES = ("fedavg", "fedprox")
+KNOWN_WEIGHTINGS = ("examples", "uniform")
+KNOWN_SELECTIONS = ("last", "best_val")
 
 
 def _check(ok: bool, key: str, value: Any, rule: str) -> None:
@@ -240,8 +253,8 @@ def validate(cfg: RunConfig) -> RunConfig:
         _check(0 <= val < 1, key, val, "must be in [0, 1)")
     _check(p.val_fraction + p.test_fraction < 1, "partition.val_fraction",
            p.val_fraction, "val_fraction + test_fraction must leave training data (< 1)")
-    _check(0 < cfg.dataset.test_fraction < 1, "dataset.test_fraction",
-           cfg.dataset.test_fraction, "must be in (0, 1)")
+    _check(0 <= cfg.dataset.test_fraction < 1, "dataset.test_fraction",
+           cfg.dataset.test_fraction, "must be in [0, 1)")
     _check(cfg.dataset.max_samples is None or cfg.dataset.max_samples > 0,
            "dataset.max_samples", cfg.dataset.max_samples, "must be > 0 or null")
     st = cfg.setting
@@ -263,11 +276,18 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(t.local_epochs >= 1, "train.local_epochs", t.local_epochs, "must be >= 1")
     _check(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be >= 0")
     _check(0 <= t.momentum < 1, "train.momentum", t.momentum, "must be in [0, 1)")
+    _check(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", list(t.betas),
+           "[beta1, beta2], each in [0, 1)")
+    _check(t.eps > 0, "train.eps", t.eps, "must be > 0")
     _check(t.crop_scale is None or (len(t.crop_scale) == 2
                                     and 0 < t.crop_scale[0] <= t.crop_scale[1] <= 1),
            "train.crop_scale", t.crop_scale, "[min, max] with 0 < min <= max <= 1, or null")
     _check(cfg.method.strategy in KNOWN_STRATEGIES, "method.strategy", cfg.method.strategy,
            f"one of {KNOWN_STRATEGIES}")
+    _check(cfg.method.weighting in KNOWN_WEIGHTINGS, "method.weighting", cfg.method.weighting,
+           f"one of {KNOWN_WEIGHTINGS}")
+    _check(f.select in KNOWN_SELECTIONS, "federation.select", f.select,
+           f"one of {KNOWN_SELECTIONS}")
     _check(cfg.method.proximal_mu >= 0, "method.proximal_mu", cfg.method.proximal_mu,
            "must be >= 0")
     _check(f.backend == "simulation", "federation.backend", f.backend,

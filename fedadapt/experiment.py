@@ -34,7 +34,9 @@ def log(msg: str) -> None:
 def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
     """Load and partition the data, build the backbone and (if used) the feature cache."""
     import datasets
+    from fedadapt.adapters import method_spec
     from fedadapt.backbones import build_backbone
+    from fedadapt.backbones.clip import class_text as clip_class_text
     from fedadapt.data.cache import cached_features
     from fedadapt.data.catalogue import load_card
     from fedadapt.data.loading import prepare_dataset
@@ -51,6 +53,9 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
         log(f"[data] {card.name}: {prepared.num_train} train / {prepared.num_test} test samples, "
             f"{prepared.num_classes} classes | {format_stats(partition.stats)}")
     backbone = build_backbone(cfg.backbone)
+    class_text = None
+    if method_spec(cfg.method).uses_text:  # the class prompts through the frozen text tower
+        class_text = clip_class_text(backbone, prepared.class_names, cfg.method.prompt)
     transform = TransformSpec.for_backbone(backbone)
     features = cfg.method.use_cache
 
@@ -65,7 +70,8 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
                    train=cfg.train, seed=cfg.seed, rounds=cfg.rounds,
                    num_classes=prepared.num_classes, embed_dim=backbone.embed_dim,
                    train_source=source("train"), test_source=source("test"),
-                   clients=partition.clients, faults=cfg.faults, setting=cfg.setting)
+                   clients=partition.clients, faults=cfg.faults, setting=cfg.setting,
+                   class_text=class_text, evaluate_val=cfg.federation.select == "best_val")
     model = build_run_model(spec, backbone)
     _apply_setting(cfg, spec, model)
     counts = {
@@ -85,6 +91,16 @@ def _apply_setting(cfg: RunConfig, spec: RunSpec, model: AdaptedModel) -> None:
                           "(cached features cannot be cropped)")
     st = cfg.setting
     if not uses_exits(st):
+        return
+    if not hasattr(model, "exit_logits") and st.name == "personalization":
+        # a model without exits: FL, then local fine-tuning at its own output
+        part_names(model, st.personalize)
+        if any(sev > 0 for sev in st.severities):
+            if spec.train_source.kind != "images":
+                raise ConfigError("setting=personalization with corruptions (setting.severities "
+                                  "> 0) needs method.use_cache=false; setting.severities=[0] "
+                                  "fine-tunes on the clients' clean data")
+            spec.client_corruptions = assign_client_corruptions(st, spec.num_clients, cfg.seed)
         return
     if not hasattr(model, "exit_logits"):
         raise ConfigError(f"setting={st.name} needs a method with early exits (lw_linear, "
@@ -117,6 +133,38 @@ def _init_from(run_dir: str, model: AdaptedModel) -> dict:
                               f"model's tensors (e.g. {diff}); use a run of the same method, "
                               f"backbone and dataset")
     return arrays
+
+
+def select_round(evals: list[dict], how: str) -> Optional[dict]:
+    """The evaluated round the summary reports: the last, or the one with the best mean
+    validation accuracy of the clients (ties: the earliest)."""
+    if not evals:
+        return None
+    if how == "best_val":
+        scored = [r for r in evals if r.get("val_acc") is not None]
+        if scored:
+            return max(scored, key=lambda r: r["val_acc"])
+    return evals[-1]
+
+
+def domain_summary(row: Optional[dict], partition: Partition) -> Optional[dict]:
+    """FedCLIP's three numbers at the reported round of a domain partition: generalization
+    (the held-out domain), personalization (each participating domain's test split) and
+    overall (the mean over all four)."""
+    if row is None or partition.unseen is None or row.get("unseen_acc") is None:
+        return None
+    accs = row.get("client_accs") or {}
+    pers = {name: accs.get(str(i)) for i, name in enumerate(partition.names)}
+    known = [v for v in pers.values() if v is not None]
+    return {
+        "holdout": partition.unseen_name,
+        "clients": list(partition.names),
+        "selected_round": row["round"],
+        "generalization": row["unseen_acc"],
+        "personalization": pers,
+        "personalization_mean": sum(known) / len(known) if known else None,
+        "overall": (row["unseen_acc"] + sum(known)) / (1 + len(known)),
+    }
 
 
 def _tier_counts(exits: list[int]) -> Optional[dict[str, int]]:
@@ -226,11 +274,18 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
     if start is not None:
         log(f"[{label}] personalizing the final model of {cfg.setting.init_from}")
 
+    unseen = prep.partition.unseen
+
     def global_eval(arrays: ArrayRecord) -> dict:
         model.load_tensors(dict(arrays.to_torch_state_dict()))
+        out = {}
+        if unseen is not None:  # generalization: the held-out domain, never trained on
+            out["unseen_acc"] = evaluate(model, spec.train_source, unseen)[1]
+        if len(spec.test_source.labels()) == 0:  # no global test split (dataset.test_fraction=0)
+            return out
         if not spec.num_exits:
             loss, acc, _ = evaluate(model, spec.test_source)
-            return {"global_acc": acc, "global_loss": loss}
+            return {**out, "global_acc": acc, "global_loss": loss}
         # every exit in one pass; the headline is their mean (the paper's "mean performance")
         losses, accs, _ = evaluate_exits(model, spec.test_source, list(range(spec.num_exits)))
         return {"global_acc": sum(accs) / len(accs), "global_loss": sum(losses) / len(losses),
@@ -259,7 +314,8 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
         make_strategy=lambda: build_strategy(
             cfg.method.strategy, federated=model.federated, num_clients=spec.num_clients,
             fraction_train=p.fraction_fit, fraction_evaluate=p.fraction_evaluate,
-            seed=cfg.seed, proximal_mu=cfg.method.proximal_mu),
+            seed=cfg.seed, proximal_mu=cfg.method.proximal_mu,
+            weighting=cfg.method.weighting),
         initial_arrays=ArrayRecord(initial),
         num_rounds=num_rounds,
         personalize=cfg.setting.name == "personalization",
@@ -285,6 +341,7 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
         return max(vals) if vals else None
 
     final = evals[-1] if evals else (history[-1] if history else {})
+    selected = select_round(evals, cfg.federation.select)
     personalization = None
     if state.personalized:
         from fedadapt.settings import summarize_personalization
@@ -307,6 +364,10 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
         "final": {k: final.get(k) for k in ("round", "global_acc", "client_acc",
                                             "client_acc_weighted", "train_loss",
                                             "global_acc_last", "exit_acc", "tier_acc")},
+        "selection": cfg.federation.select,
+        "selected": ({k: selected.get(k) for k in ("round", "val_acc", "global_acc", "client_acc",
+                                                   "unseen_acc")} if selected else None),
+        "domains": domain_summary(selected, prep.partition),
         "tiers": _tier_counts(spec.client_exits),
         "personalization": personalization,
         "best": {"global_acc": best("global_acc"), "client_acc": best("client_acc")},

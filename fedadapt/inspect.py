@@ -43,8 +43,9 @@ def inspect_run(run, *, flops: bool = True) -> dict:
 
     ``flops=False`` skips the per-exit FLOP count (one forward per exit).
     """
-    from fedadapt.adapters import build_model
+    from fedadapt.adapters import build_model, method_spec
     from fedadapt.backbones import build_backbone
+    from fedadapt.backbones.clip import class_text as clip_class_text
     from fedadapt.data.catalogue import load_card
 
     card = load_card(run.dataset.name)
@@ -52,7 +53,12 @@ def inspect_run(run, *, flops: bool = True) -> dict:
     backbone_params = backbone.num_params()
     per_exit = (per_exit_counts(backbone) if flops and hasattr(backbone, "forward_exits")
                 else None)
-    model = build_model(run.method, backbone, card.num_classes, with_backbone=True)
+    class_text = None
+    if method_spec(run.method).uses_text:
+        names = card.class_names or [str(i) for i in range(card.num_classes)]
+        class_text = clip_class_text(backbone, names, run.method.prompt)
+    model = build_model(run.method, backbone, card.num_classes, with_backbone=True,
+                        class_text=class_text)
     result = {
         "method": run.method.name,
         "backbone": run.backbone.name,

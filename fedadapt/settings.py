@@ -8,7 +8,9 @@ personalization step (Sec. 5.1 and Appendix A of ``accumulator-anytime-fl.txt``)
   in training and evaluation (compute saved, not masked). Tiers are balanced: a seeded
   permutation of the clients takes the tiers in turn.
 * **personalization**: multi-tier FL, then each client fine-tunes one part of the model for
-  ``setting.epochs`` epochs on its own corrupted data at its tier's exit and keeps it.
+  ``setting.epochs`` epochs on its own corrupted data at its tier's exit and keeps it. For a
+  model without exits (FedCLIP's "local fine-tuning after FL"), the same step runs on the
+  model's own output, and with ``setting.severities=[0]`` on clean data.
 
 Only :mod:`fedadapt.federation.training`'s loops run models; this module says which exits.
 """
@@ -124,10 +126,10 @@ def summarize_personalization(rows: list[dict]) -> dict:
         after = float(np.mean([r["acc_after"] for r in ok]))
         return {"clients": len(ok), "before": before, "after": after, "gain": after - before}
 
+    tiers = sorted({r["tier"] for r in rows} - {-1})  # -1: a model without exits
     return {
         **block(rows),
-        "per_tier": {str(t): block([r for r in rows if r["tier"] == t])
-                     for t in sorted({r["tier"] for r in rows})},
+        "per_tier": {str(t): block([r for r in rows if r["tier"] == t]) for t in tiers},
         "per_severity": {str(s): block([r for r in rows if r["severity"] == s])
                          for s in sorted({r["severity"] for r in rows})},
     }

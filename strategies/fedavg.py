@@ -93,6 +93,13 @@ class SeededSampling:
         config["server-round"] = server_round
         return config
 
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]
+                           ) -> Optional[MetricRecord]:
+        """Example-weighted and client means of the (already screened) evaluation replies,
+        whatever weighting the training average uses."""
+        contents = [m.content for m in replies if not m.has_error()]
+        return self.evaluate_metrics_aggr_fn(contents, "num-examples") if contents else None
+
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         if self.fraction_train == 0.0:
@@ -112,9 +119,15 @@ class SeededSampling:
         return self._construct_messages(record, nodes, MessageType.EVALUATE)
 
 
-def _kwargs(num_clients: int, fraction_train: float, fraction_evaluate: float) -> dict:
+#: Train replies carry this metric (1 per client) for ``method.weighting=uniform``.
+UNIFORM_KEY = "unit-weight"
+
+
+def _kwargs(num_clients: int, fraction_train: float, fraction_evaluate: float,
+            weighting: str = "examples") -> dict:
     """Minimum node counts so that round 1 samples the intended number of clients."""
     return dict(
+        weighted_by_key=UNIFORM_KEY if weighting == "uniform" else "num-examples",
         fraction_train=fraction_train,
         fraction_evaluate=fraction_evaluate,
         min_train_nodes=max(1, int(num_clients * fraction_train)),
@@ -129,8 +142,9 @@ class AdapterFedAvg(SeededSampling, FedAvg):
     """FedAvg over the communicated tensors, with seeded per-round client sampling."""
 
     def __init__(self, *, num_clients: int, fraction_train: float, fraction_evaluate: float,
-                 seed: int) -> None:
-        FedAvg.__init__(self, **_kwargs(num_clients, fraction_train, fraction_evaluate))
+                 seed: int, weighting: str = "examples") -> None:
+        FedAvg.__init__(self, **_kwargs(num_clients, fraction_train, fraction_evaluate,
+                                        weighting))
         self.init_sampling(seed)
 
 
@@ -138,9 +152,9 @@ class AdapterFedProx(SeededSampling, FedProx):
     """FedProx: FedAvg plus ``proximal-mu`` in every train config (clients add the term)."""
 
     def __init__(self, *, num_clients: int, fraction_train: float, fraction_evaluate: float,
-                 seed: int, proximal_mu: float) -> None:
+                 seed: int, proximal_mu: float, weighting: str = "examples") -> None:
         FedProx.__init__(self, proximal_mu=proximal_mu,
-                         **_kwargs(num_clients, fraction_train, fraction_evaluate))
+                         **_kwargs(num_clients, fraction_train, fraction_evaluate, weighting))
         self.init_sampling(seed)
 
     def round_config(self, server_round: int, config: ConfigRecord) -> ConfigRecord:
@@ -159,10 +173,12 @@ class LocalOnly(AdapterFedAvg):
 
 
 def build_strategy(name: str, *, federated: bool, num_clients: int, fraction_train: float,
-                   fraction_evaluate: float, seed: int, proximal_mu: float = 0.0):
-    """The strategy a method asks for (``method.strategy``), or LocalOnly when not federated."""
+                   fraction_evaluate: float, seed: int, proximal_mu: float = 0.0,
+                   weighting: str = "examples"):
+    """The strategy a method asks for (``method.strategy``, ``method.weighting``), or LocalOnly
+    when not federated."""
     common = dict(num_clients=num_clients, fraction_train=fraction_train,
-                  fraction_evaluate=fraction_evaluate, seed=seed)
+                  fraction_evaluate=fraction_evaluate, seed=seed, weighting=weighting)
     if not federated:
         return LocalOnly(**common)
     if name == "fedprox":

@@ -19,37 +19,49 @@ from fedadapt.config import ConfigError, MethodConfig
 class MethodSpec:
     name: str
     config_cls: type
-    #: ``build(cfg, backbone, num_classes, with_backbone) -> AdaptedModel``
+    #: ``build(cfg, backbone, num_classes, with_backbone[, class_text]) -> AdaptedModel``
     build: Callable[..., AdaptedModel]
+    #: The builder also receives the class prompts' text features (``class_text=``; CLIP).
+    uses_text: bool = False
 
 
 METHODS: dict[str, MethodSpec] = {}
 
 
-def register_method(name: str, config_cls: type):
+def register_method(name: str, config_cls: type, *, uses_text: bool = False):
     """Decorator registering a builder under ``method=name`` with schema ``config_cls``."""
 
     def deco(fn):
-        METHODS[name] = MethodSpec(name=name, config_cls=config_cls, build=fn)
+        METHODS[name] = MethodSpec(name=name, config_cls=config_cls, build=fn,
+                                   uses_text=uses_text)
         return fn
 
     return deco
 
 
-def build_model(cfg: MethodConfig, backbone, num_classes: int, *, with_backbone: bool | None = None
-                ) -> AdaptedModel:
+def method_spec(cfg: MethodConfig) -> MethodSpec:
+    if cfg.name not in METHODS:
+        raise ConfigError(f"method={cfg.name!r} is invalid: one of {sorted(METHODS)}")
+    return METHODS[cfg.name]
+
+
+def build_model(cfg: MethodConfig, backbone, num_classes: int, *, with_backbone: bool | None = None,
+                class_text=None) -> AdaptedModel:
     """Build ``cfg.name``'s model on ``backbone``.
 
     ``with_backbone=False`` leaves the backbone out of the module (training from cached
     features needs only its ``embed_dim``); the default follows ``cfg.use_cache``.
+    ``class_text`` (:class:`~fedadapt.backbones.clip.ClassText`) goes to methods registered
+    with ``uses_text``.
     """
-    if cfg.name not in METHODS:
-        raise ConfigError(f"method={cfg.name!r} is invalid: one of {sorted(METHODS)}")
+    spec = method_spec(cfg)
     if with_backbone is None:
         with_backbone = not cfg.use_cache
-    return METHODS[cfg.name].build(cfg, backbone, num_classes, with_backbone)
+    extra = {"class_text": class_text} if spec.uses_text else {}
+    return spec.build(cfg, backbone, num_classes, with_backbone, **extra)
 
 
-from fedadapt.adapters import exits, heads  # noqa: E402,F401  (registers the methods)
+from fedadapt.adapters import exits, fedclip, heads  # noqa: E402,F401  (registers the methods)
 
-__all__ = ["AdaptedModel", "METHODS", "MethodSpec", "build_model", "register_method"]
+__all__ = ["AdaptedModel", "METHODS", "MethodSpec", "build_model", "method_spec",
+           "register_method"]

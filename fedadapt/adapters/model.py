@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -64,6 +65,10 @@ class AdaptedModel(nn.Module):
             with torch.set_grad_enabled(self.train_backbone and torch.is_grad_enabled()):
                 x = self.backbone(x)
         return self.head(x)
+
+    def training_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The loss one training step minimises (cross-entropy unless a method says otherwise)."""
+        return F.cross_entropy(self(x), y)
 
     # -- what trains, what travels -------------------------------------------------------
     def trainable_names(self) -> list[str]:

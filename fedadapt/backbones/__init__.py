@@ -38,7 +38,7 @@ def build_backbone(cfg: BackboneConfig, *, load_weights: bool = True) -> Backbon
         False builds the architecture with random weights (no download), as
         ``fedadapt-inspect`` does.
     """
-    from fedadapt.backbones import clip, cnn, efficientnet, vit  # noqa: F401  (registration)
+    from fedadapt.backbones import alexnet, clip, cnn, efficientnet, vit  # noqa: F401
 
     if cfg.family not in _FAMILIES:
         raise ConfigError(

@@ -7,12 +7,15 @@ full small config in ``backbone.arch`` (``embed_dim``, ``vision_cfg``, ``text_cf
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 from torch import nn
 
 from fedadapt.backbones import register_family
 from fedadapt.backbones.base import Backbone, MissingAssetError, prefetch_hint
-from fedadapt.config import BackboneConfig
+from fedadapt.config import BackboneConfig, ConfigError
 
 
 class ClipBackbone(Backbone):
@@ -33,10 +36,13 @@ class ClipBackbone(Backbone):
     def forward(self, images: torch.Tensor) -> torch.Tensor:  # [B,3,H,W] -> [B,D]
         return self.model.encode_image(images)
 
+    def tokenize(self, prompts: list[str]) -> torch.Tensor:  # -> [C, context_length]
+        return self.tokenizer(prompts)
+
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> torch.Tensor:  # -> [C, D], L2-normalised
         device = next(self.model.parameters()).device
-        feats = self.model.encode_text(self.tokenizer(prompts).to(device))
+        feats = self.model.encode_text(self.tokenize(prompts).to(device))
         return feats / feats.norm(dim=-1, keepdim=True)
 
     @property
@@ -68,3 +74,28 @@ def build_clip(cfg: BackboneConfig, load_weights: bool) -> ClipBackbone:
         weights_id = f"{name}/{pretrained or 'random'}"
     return ClipBackbone(model=model, tokenizer=tokenizer, weights_id=weights_id,
                         image_size=cfg.image_size)
+
+
+@dataclass(frozen=True)
+class ClassText:
+    """The class prompts and their features from the frozen text tower, computed once per run
+    (picklable: Ray workers receive it with the run's spec and never run the text tower)."""
+
+    prompts: tuple[str, ...]
+    #: ``[C, D]``, L2-normalised, on the CPU.
+    features: torch.Tensor
+    #: CLIP's ``exp(logit_scale)`` (100 for OpenAI's weights).
+    logit_scale: float
+
+
+def class_text(backbone, class_names, template: str) -> Optional[ClassText]:
+    """``template.format(name)`` for every class through ``backbone``'s text tower; None when the
+    backbone has no text tower (any non-CLIP backbone). Underscores in names become spaces."""
+    if not isinstance(backbone, ClipBackbone):
+        return None
+    if "{}" not in template:
+        raise ConfigError(f"method.prompt={template!r} is invalid: it needs a '{{}}' where the "
+                          f"class name goes (e.g. 'a picture of a {{}}')")
+    prompts = tuple(template.format(str(c).replace("_", " ")) for c in class_names)
+    return ClassText(prompts=prompts, features=backbone.encode_prompts(list(prompts)).cpu(),
+                     logit_scale=float(backbone.logit_scale))

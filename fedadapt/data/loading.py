@@ -4,6 +4,10 @@ Every loader returns a ``DatasetDict`` with a ``train`` and a ``test`` split and
 ``image`` (``datasets.Image``), ``label`` (``ClassLabel``) and, where the card has them, ``client``
 (natural id such as FEMNIST's writer), ``domain`` and extras such as ``coarse_label``. The result
 is saved once under ``<cache_dir>/data/`` and memory-mapped by every process that needs it.
+
+Local copies (``dataset.path``): a ``save_to_disk`` folder, IDX files, ``<root>/<domain>/<class>/``
+image folders (for cards with domains) or an image folder. ``derived:`` cards are drawn from
+Fashion-MNIST or scikit-learn's digits by :mod:`fedadapt.data.domains`.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,21 +99,23 @@ def read_idx(path: str) -> np.ndarray:
     return body.reshape(dims)
 
 
+def _find_idx(folder: str, prefix: str, kind: str) -> Optional[str]:
+    """``<prefix>-images-idx3-ubyte`` or ``<prefix>-labels-idx1-ubyte`` (optionally .gz)."""
+    for suffix in ("", ".gz"):
+        p = os.path.join(folder, f"{prefix}-{kind}-idx{3 if kind == 'images' else 1}-ubyte"
+                         f"{suffix}")
+        if os.path.isfile(p):
+            return p
+    return None
+
+
 def load_idx_folder(folder: str, card: DatasetCard):
     """``train-images-idx3-ubyte[.gz]`` / ``t10k-...`` pairs in ``folder``."""
     from datasets import Dataset, DatasetDict
 
-    def find(prefix: str, kind: str) -> Optional[str]:
-        for suffix in ("", ".gz"):
-            p = os.path.join(folder, f"{prefix}-{kind}-idx{3 if kind == 'images' else 1}-ubyte"
-                             f"{suffix}")
-            if os.path.isfile(p):
-                return p
-        return None
-
     splits = {}
     for split, prefix in (("train", "train"), ("test", "t10k")):
-        img, lab = find(prefix, "images"), find(prefix, "labels")
+        img, lab = _find_idx(folder, prefix, "images"), _find_idx(folder, prefix, "labels")
         if img and lab:
             images, labels = read_idx(img), read_idx(lab)
             splits[split] = Dataset.from_dict(
@@ -121,17 +128,91 @@ def load_idx_folder(folder: str, card: DatasetCard):
     return DatasetDict(splits)
 
 
+# -- <root>/<domain>/<class>/<image> folders (PACS, VLCS, Office-Home as DomainBed lays them out)
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+
+
+def _subdirs(folder: Path) -> list[Path]:
+    return sorted(d for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
+
+
+def _norm_name(name: str) -> str:
+    """Case-insensitive, with ``_``, ``-`` and spaces alike: ``Real_World`` ~ ``real world``."""
+    return re.sub(r"[\s_\-]+", " ", name).strip().lower()
+
+
+def is_domain_folder(path: str) -> bool:
+    """True when ``path``'s sub-folders are domains whose own sub-folders are class folders."""
+    domains = _subdirs(Path(path).expanduser())
+    return bool(domains) and all(_subdirs(d) for d in domains)
+
+
+def load_domain_folders(path: str, card: DatasetCard):
+    """``<path>/<domain>/<class>/<image files>`` as ``DatasetDict(train=...)``.
+
+    Columns ``image`` (file paths; ``save_to_disk`` embeds the bytes), ``label`` (``ClassLabel``
+    in the card's ``class_names`` order, else the sorted class folder names) and ``domain`` (the
+    folder name, spelled as in the card's ``domains`` when it matches one). Each file is opened
+    with PIL to check that it is an image.
+    """
+    from PIL import Image as PILImage
+
+    from datasets import ClassLabel, Dataset, DatasetDict, Features, Image, Value
+
+    root = Path(path).expanduser()
+    domain_dirs = _subdirs(root)
+    if card.class_names:
+        names = list(card.class_names)
+    else:
+        names = sorted({c.name for d in domain_dirs for c in _subdirs(d)})
+    index = {_norm_name(n): i for i, n in enumerate(names)}
+    domain_spelling = {_norm_name(d): d for d in (card.domains or [])}
+
+    cols: dict = {"image": [], "label": [], "domain": []}
+    for ddir in domain_dirs:
+        domain = domain_spelling.get(_norm_name(ddir.name), ddir.name)
+        for cdir in _subdirs(ddir):
+            label = index.get(_norm_name(cdir.name))
+            if label is None:
+                raise ConfigError(
+                    f"dataset.path={path!r}: class folder {cdir.name!r} in {ddir} is not one of "
+                    f"dataset={card.name}'s classes ({', '.join(names)})")
+            for f in sorted(cdir.rglob("*")):
+                if not (f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES):
+                    continue
+                try:
+                    with PILImage.open(f) as im:
+                        im.verify()
+                except (OSError, SyntaxError, ValueError) as err:  # PIL's "broken file"
+                    raise ConfigError(f"dataset.path={path!r}: {f} is not a readable image "
+                                      f"({err})") from err
+                cols["image"].append(str(f))
+                cols["label"].append(label)
+                cols["domain"].append(domain)
+    if not cols["image"]:
+        raise ConfigError(f"dataset.path={path!r}: no image files ({', '.join(IMAGE_SUFFIXES)}) "
+                          f"under {root}/<domain>/<class>/")
+    features = Features({"image": Image(), "label": ClassLabel(names=names),
+                         "domain": Value("string")})
+    return DatasetDict(train=Dataset.from_dict(cols, features=features))
+
+
 def _load_local(path: str, card: DatasetCard):
     from datasets import DatasetDict, load_dataset, load_from_disk
 
     p = Path(path).expanduser()
     if not p.exists():
-        raise ConfigError(f"dataset.path={path!r} is invalid: no such file or folder")
+        recipe = (f" (build it with the recipe in datasets/{card.name}.md)"
+                  if card.source == "local" else "")
+        raise ConfigError(f"dataset.path={path!r} is invalid: no such file or folder{recipe}")
     if (p / "dataset_dict.json").exists() or (p / "state.json").exists():
         ds = load_from_disk(str(p))
         return ds if isinstance(ds, DatasetDict) else DatasetDict(train=ds)
     if any(p.glob("*idx*-ubyte*")):
         return load_idx_folder(str(p), card)
+    has_domains = bool(card.domains) or card.client_key == "domain"
+    if p.is_dir() and has_domains and is_domain_folder(str(p)):
+        return load_domain_folders(str(p), card)
     if p.is_dir():
         return load_dataset("imagefolder", data_dir=str(p))
     raise ConfigError(f"dataset.path={path!r}: not a save_to_disk folder, IDX folder or image "
@@ -146,6 +227,8 @@ def load_source(card: DatasetCard, path: Optional[str] = None):
         return load_sklearn_digits(card)
     if card.source.startswith("idx:") and os.path.isdir(card.source[4:]):
         return load_idx_folder(card.source[4:], card)
+    if card.source.startswith("derived:"):
+        return load_derived_domains(card)
     if card.hub_id:
         from datasets import load_dataset
 
@@ -166,6 +249,71 @@ def load_source(card: DatasetCard, path: Optional[str] = None):
     )
 
 
+# -- derived domain data sets (offline evidence) --------------------------------------------
+#: Images per domain of ``fmnist_domains`` (four domains: 6,000 of Fashion-MNIST's training images).
+FMNIST_PER_DOMAIN = 1500
+
+
+def fashion_mnist_train() -> tuple[np.ndarray, np.ndarray]:
+    """Fashion-MNIST's 60,000 training images ``[N, 28, 28]`` uint8 and labels.
+
+    From the IDX files of the ``fashion_mnist`` card's ``idx:`` folder (Debian's
+    ``dataset-fashion-mnist``), else from a cached hub copy.
+    """
+    card = load_card("fashion_mnist")
+    folder = card.source[4:] if card.source.startswith("idx:") else ""
+    img = _find_idx(folder, "train", "images") if folder else None
+    lab = _find_idx(folder, "train", "labels") if folder else None
+    if img and lab:
+        return read_idx(img), read_idx(lab)
+    try:
+        from datasets import load_dataset
+
+        train = load_dataset(card.hub_id, split="train")
+    except Exception as err:  # offline / not cached
+        raise MissingAssetError(
+            f"Fashion-MNIST is not available on this machine: no IDX files in {folder or '?'} "
+            f"(install them with `apt-get install dataset-fashion-mnist`) and no cached hub copy "
+            f"{card.hub_id} (on a connected machine run `python -c \"import datasets; "
+            f"datasets.load_dataset('{card.hub_id}')\"` and copy ~/.cache/huggingface here)."
+        ) from err
+    images = np.stack([np.asarray(im.convert("L"), dtype=np.uint8) for im in train["image"]])
+    return images, np.asarray(train["label"])
+
+
+def load_derived_domains(card: DatasetCard, per_domain: Optional[int] = None):
+    """``derived:fashion_mnist_domains`` / ``derived:digits_domains`` as ``DatasetDict(train)``.
+
+    Four disjoint random subsets (seed 0) drawn as the domains of
+    :data:`fedadapt.data.domains.DOMAIN_KINDS`; columns ``image``, ``label``, ``domain`` and
+    ``source_index`` (row in the source training set).
+    """
+    from datasets import ClassLabel, Dataset, DatasetDict, Features, Image, Value
+    from fedadapt.data.domains import DOMAIN_KINDS, make_domains
+
+    kind = card.source[len("derived:"):]
+    if kind == "fashion_mnist_domains":
+        images, labels = fashion_mnist_train()
+        per_domain = per_domain or FMNIST_PER_DOMAIN
+    elif kind == "digits_domains":
+        from sklearn.datasets import load_digits
+
+        bunch = load_digits()
+        images = (bunch.images * (255.0 / 16.0)).round().astype(np.uint8)
+        labels = bunch.target
+        per_domain = per_domain or len(images)  # as many as fit: 1,797 // 4 = 449 each
+    else:
+        raise ConfigError(f"dataset={card.name}: unknown source {card.source!r} (known: "
+                          f"derived:fashion_mnist_domains, derived:digits_domains)")
+    kinds = tuple(card.domains or DOMAIN_KINDS)
+    cols = make_domains(images, labels, per_domain, seed=0, kinds=kinds)
+    label = (ClassLabel(names=list(card.class_names)) if card.class_names
+             else ClassLabel(num_classes=card.num_classes))
+    features = Features({"image": Image(), "label": label, "domain": Value("string"),
+                         "source_index": Value("int64")})
+    return DatasetDict(train=Dataset.from_dict(cols, features=features))
+
+
 # -- standardisation --------------------------------------------------------------------------
 def standardise(raw, card: DatasetCard, cfg: DatasetConfig, seed: int):
     """Rename columns to the standard names, ensure ClassLabel, train/test splits."""
@@ -180,17 +328,22 @@ def standardise(raw, card: DatasetCard, cfg: DatasetConfig, seed: int):
         if src_split is None or src_split not in raw:
             continue
         ds = raw[src_split]
-        missing = [src for src in card.columns.values() if src not in ds.column_names]
+        # A local copy built by fedadapt's loaders (domain folders) already has standard names.
+        columns = {std: src if src in ds.column_names or std not in ds.column_names else std
+                   for std, src in card.columns.items()}
+        missing = [src for src in columns.values() if src not in ds.column_names]
         if missing:
             raise ConfigError(
                 f"dataset={card.name}: column(s) {missing} named in datasets/{card.name}.yaml are "
                 f"missing from the data (columns: {ds.column_names})")
-        renames = {src: std for std, src in card.columns.items() if src != std}
-        ds = ds.select_columns(list(card.columns.values())).rename_columns(renames)
+        renames = {src: std for std, src in columns.items() if src != std}
+        ds = ds.select_columns(list(columns.values())).rename_columns(renames)
         if not isinstance(ds.features["label"], ClassLabel):
             ds = ds.class_encode_column("label")
         out[std_split] = ds
-    if "test" not in out:
+    if "test" not in out and cfg.test_fraction == 0:  # no global test set: an empty split
+        out["test"] = out["train"].select([])
+    elif "test" not in out:
         parts = out["train"].train_test_split(test_size=cfg.test_fraction, seed=seed,
                                               stratify_by_column="label")
         out = {"train": parts["train"], "test": parts["test"]}
@@ -212,7 +365,9 @@ def prepare_dataset(cfg: DatasetConfig, cache_dir: str, seed: int) -> PreparedDa
         dsd = standardise(load_source(card, cfg.path), card, cfg, seed)
         tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        dsd.save_to_disk(str(tmp))
+        # An empty split (dataset.test_fraction=0) needs num_shards: datasets' size estimate
+        # divides by its length.
+        dsd.save_to_disk(str(tmp), num_shards={k: 1 for k, d in dsd.items() if len(d) == 0})
         names = dsd["train"].features["label"].names
         meta = {"fingerprint": f"{card.name}-{key}-{dsd['train']._fingerprint}",
                 "num_classes": len(names), "class_names": names,

@@ -157,8 +157,13 @@ def run_rounds(grid: Grid, state: ServerState, plan: ServerPlan) -> ServerState:
                 if metrics is not None and "accuracy" in metrics:
                     row["client_acc"] = float(metrics["accuracy_client_mean"])
                     row["client_acc_weighted"] = float(metrics["accuracy"])
-                tiers = [(m["tier"], m["accuracy"]) for m in _metrics(checked.good)
-                         if "tier" in m]
+                if metrics is not None and "val_accuracy_client_mean" in metrics:
+                    row["val_acc"] = float(metrics["val_accuracy_client_mean"])
+                client_metrics = _metrics(checked.good)
+                row["client_accs"] = {  # by partition id
+                    str(strategy.partition_of[m.metadata.src_node_id]): float(cm["accuracy"])
+                    for m, cm in zip(checked.good, client_metrics)}
+                tiers = [(m["tier"], m["accuracy"]) for m in client_metrics if "tier" in m]
                 if tiers:
                     row["tier_acc"] = per_tier_accuracy(tiers)
         state.cum_bytes += bytes_up + bytes_down

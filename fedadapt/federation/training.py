@@ -59,6 +59,10 @@ class RunSpec:
     client_exits: list[int] = field(default_factory=list)
     #: personalization: each client's ``(corruption, severity)``.
     client_corruptions: list[tuple[str, int]] = field(default_factory=list)
+    #: Class prompts and their text features (methods registered with ``uses_text``).
+    class_text: Optional[object] = None
+    #: Clients also report their validation accuracy (model selection by validation).
+    evaluate_val: bool = False
 
     @property
     def num_clients(self) -> int:
@@ -84,7 +88,8 @@ def build_run_model(spec: RunSpec, backbone=None) -> AdaptedModel:
         backbone = build_backbone(spec.backbone)
     torch.manual_seed(derive_seed(spec.seed, 0x1417))
     model = build_model(spec.method, backbone if needs_backbone else BackboneInfo(spec.embed_dim),
-                        spec.num_classes, with_backbone=needs_backbone)
+                        spec.num_classes, with_backbone=needs_backbone,
+                        class_text=spec.class_text)
     return model.to(device())
 
 
@@ -121,7 +126,8 @@ def make_optimizer(params, train: TrainConfig, lr: float) -> torch.optim.Optimiz
         return torch.optim.SGD(params, lr=lr, momentum=train.momentum,
                                weight_decay=train.weight_decay)
     cls = torch.optim.Adam if train.optimizer == "adam" else torch.optim.AdamW
-    return cls(params, lr=lr, weight_decay=train.weight_decay)
+    return cls(params, lr=lr, betas=tuple(train.betas), eps=train.eps,
+               weight_decay=train.weight_decay)
 
 
 def train_local(
@@ -158,11 +164,10 @@ def train_local(
             x, y = source.get(order[start:start + train.batch_size])
             x, y = x.to(dev), y.to(dev)
             if exits is None:
-                logits = model(x)
+                loss = model.training_loss(x, y)
             else:
                 e = exits[int(torch.randint(len(exits), (1,), generator=exit_gen))]
-                logits = model.exit_logits(x, last_exit=e, all_exits=False)[-1]
-            loss = F.cross_entropy(logits, y)
+                loss = F.cross_entropy(model.exit_logits(x, last_exit=e, all_exits=False)[-1], y)
             if anchor is not None:
                 loss = loss + 0.5 * proximal_mu * sum(
                     (p - a).pow(2).sum() for p, a in zip(params, anchor))

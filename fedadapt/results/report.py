@@ -18,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from fedadapt.results.domain_tables import domain_tables
 from fedadapt.results.store import SUMMARY, atomic_write
 from fedadapt.results.tables import fmt_bytes, fmt_count, markdown
 
@@ -226,7 +227,7 @@ def communication_table(runs: list[dict], target_method: str) -> str:
     return "\n".join(out)
 
 
-LAYOUTS = ("runs", "paper", "personalization", "communication")
+LAYOUTS = ("runs", "paper", "personalization", "communication", "domains")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -236,7 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layout", choices=LAYOUTS, default="runs",
                         help="runs: one row per config group (default); paper: methods x data "
                              "settings (Accumulator Tables 1-3, 5); personalization: Table 4; "
-                             "communication: Table 6")
+                             "communication: Table 6; domains: FedCLIP's leave-one-domain-out "
+                             "Tables 1-4 (generalization, personalization, overall)")
     parser.add_argument("--target-method", default="lw_linear",
                         help="communication layout: whose best accuracy is the target")
     args = parser.parse_args(argv)
@@ -251,7 +253,8 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out or args.dirs[0])
     if args.layout != "runs":
         md = {"paper": paper_table, "personalization": personalization_table,
-              "communication": lambda rs: communication_table(rs, args.target_method)
+              "communication": lambda rs: communication_table(rs, args.target_method),
+              "domains": lambda rs: domain_tables([r["summary"] for r in rs]),
               }[args.layout](runs)
         title = f"# fedadapt report ({args.layout}): {len(runs)} runs, mean ± std over seeds\n\n"
         atomic_write(out / f"report-{args.layout}.md", lambda fh: fh.write(title + md))

@@ -1,0 +1,218 @@
+"""FedCLIP: AttAI's shape, count and attention; the losses against hand-computed values; what a
+client sends; the baselines' trainable parts; leave-one-domain-out."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_run
+from fedadapt.clients.app import make_client_app
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+
+from fedadapt.adapters import build_model
+from fedadapt.adapters.fedclip import AttAI, FedClipConfig, PromptHead, contrastive_loss
+from fedadapt.backbones import build_backbone
+from fedadapt.backbones.clip import class_text
+from fedadapt.config import BackboneConfig, ConfigError, DatasetConfig, validate
+from fedadapt.experiment import prepare_run
+
+TINY_CLIP = BackboneConfig(name="tiny_clip", family="clip", image_size=32, arch=dict(
+    embed_dim=16, vision_cfg=dict(image_size=32, layers=1, width=32, patch_size=8, head_width=16),
+    text_cfg=dict(context_length=16, vocab_size=49408, width=32, heads=2, layers=1)))
+
+
+@pytest.mark.parametrize("dim", [16, 512])
+def test_attai_shape_and_parameter_count(dim):
+    att = AttAI(dim)
+    assert sum(p.numel() for p in att.parameters()) == 2 * (dim * dim + dim)
+    assert att(torch.randn(3, dim)).shape == (3, dim)
+
+
+def test_attai_on_vit_b32_has_525312_parameters_from_the_architecture():
+    """The acceptance command's count: ViT-B/32 with random weights (no download)."""
+    from fedadapt.cli import to_run_config
+    from fedadapt.entry import compose_config
+    from fedadapt.inspect import inspect_run
+
+    run = to_run_config(compose_config(["method=fedclip", "backbone=clip_vit_b32",
+                                        "dataset=pacs"]))
+    counts = inspect_run(run)
+    assert counts["embed_dim"] == 512
+    assert counts["trainable_params"] == counts["communicated_params"] == 525_312
+
+
+def test_attention_sums_to_one_over_features():
+    att = AttAI(16)
+    a = att.attention(torch.randn(5, 16) * 10)
+    assert (a >= 0).all()
+    torch.testing.assert_close(a.sum(-1), torch.ones(5))
+
+
+def _head(text, scale, **kw):
+    return PromptHead(text.shape[1], text.shape[0], image_adapter=False, text_adapter=False,
+                      text_features=text, logit_scale=scale, **kw)
+
+
+def test_losses_match_hand_computed_values():
+    # two unit image features, two classes' unit text features, scale 2
+    image = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    text = torch.tensor([[1.0, 0.0], [0.6, 0.8]])
+    y = torch.tensor([0, 1])
+    head = _head(text, 2.0)
+    # cosine logits s * I T^T = 2 * [[1, 0.6], [0, 0.8]]
+    logits = head(image)
+    torch.testing.assert_close(logits, torch.tensor([[2.0, 1.2], [0.0, 1.6]]))
+    ce = 0.5 * (-(2.0 - math.log(math.exp(2.0) + math.exp(1.2)))
+                - (1.6 - math.log(math.exp(0.0) + math.exp(1.6))))
+    assert float(head.loss(image, y, "ce")) == pytest.approx(ce, abs=1e-6)
+    # contrastive: rows = image->text (here T[y] = T, so the same matrix), columns = text->image
+    # image->text: row 0 target 0 [2, 1.2]; row 1 target 1 [0, 1.6]
+    # text->image: column 0 target 0 [2, 0]; column 1 target 1 [1.2, 1.6]
+    i2t = ce
+    t2i = 0.5 * (-(2.0 - math.log(math.exp(2.0) + math.exp(0.0)))
+                 - (1.6 - math.log(math.exp(1.2) + math.exp(1.6))))
+    assert float(head.loss(image, y, "contrastive")) == pytest.approx(0.5 * (i2t + t2i), abs=1e-6)
+    # a batch whose two samples share a class: the text side is T[y], repeated
+    y_same = torch.tensor([1, 1])
+    direct = contrastive_loss(image, text[y_same], torch.tensor(2.0))
+    assert float(head.loss(image, y_same, "contrastive")) == pytest.approx(float(direct))
+
+
+def test_feature_is_scaled_by_attention_then_normalised():
+    text = F.normalize(torch.randn(3, 8), dim=-1)
+    head = PromptHead(8, 3, image_adapter=True, text_adapter=False, text_features=text,
+                      logit_scale=5.0)
+    f = torch.randn(4, 8)
+    expected = F.normalize(head.image_adapter.attention(f) * f, dim=-1)
+    torch.testing.assert_close(head.image_features(f), expected)
+    torch.testing.assert_close(head(f), 5.0 * expected @ text.t())
+
+
+def test_methods_train_what_the_paper_says():
+    backbone = build_backbone(TINY_CLIP)
+    ct = class_text(backbone, ["dog", "elephant", "giraffe"], "a picture of a {}")
+    assert ct.prompts[0] == "a picture of a dog" and ct.features.shape == (3, 16)
+
+    def trainable(**kw):
+        cfg = FedClipConfig(**kw)
+        return build_model(cfg, backbone, 3, class_text=ct).trainable_names()
+
+    assert all(n.startswith("head.image_adapter.") for n in trainable())
+    assert {n.split(".")[1] for n in trainable(text_adapter=True)} == {"image_adapter",
+                                                                        "text_adapter"}
+    whole = trainable(image_adapter=False, train_backbone=True, use_cache=False)
+    assert any(".visual." in n for n in whole) and any("transformer" in n and ".visual." not in n
+                                                       for n in whole)
+    assert "backbone.model.logit_scale" in whole
+    with pytest.raises(ConfigError, match="method.classifier=prompts"):
+        build_model(FedClipConfig(), build_backbone(BackboneConfig(
+            name="s", family="small_cnn", image_size=16, arch={"width": 4})), 3, class_text=None)
+    with pytest.raises(ConfigError, match="method.loss"):
+        build_model(FedClipConfig(classifier="linear"), backbone, 3, class_text=ct)
+
+
+def test_whole_clip_baseline_learns_through_the_text_tower():
+    """fedavg_clip: the text tower is part of the forward pass, so its weights get gradients."""
+    backbone = build_backbone(TINY_CLIP)
+    ct = class_text(backbone, ["dog", "cat"], "a picture of a {}")
+    model = build_model(FedClipConfig(image_adapter=False, train_backbone=True, use_cache=False),
+                        backbone, 2, class_text=ct)
+    model.train()
+    loss = model.training_loss(torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 0, 1]))
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert grads["backbone.model.token_embedding.weight"] is not None
+    assert grads["backbone.model.visual.conv1.weight"] is not None
+
+
+def test_client_sends_only_the_adapter(cache_dir, flower_task):
+    cfg = tiny_run(cache_dir, FedClipConfig(weighting="uniform"), backbone=TINY_CLIP)
+    prep = prepare_run(validate(cfg), quiet=True)
+    app = make_client_app(lambda ctx: prep.spec)
+    sent = prep.model.tensors(prep.model.communicated_names())
+    msg = Message(RecordDict({"arrays": ArrayRecord(sent),
+                              "config": ConfigRecord({"server-round": 1, "lr": 0.01})}),
+                  dst_node_id=1, message_type=MessageType.TRAIN)
+    ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": 3},
+                  state=RecordDict(), run_config={})
+    reply = app(msg, ctx)
+    got = reply.content.array_records["arrays"].to_torch_state_dict()
+    assert sorted(got) == ["head.image_adapter.net.0.bias", "head.image_adapter.net.0.weight",
+                           "head.image_adapter.net.2.bias", "head.image_adapter.net.2.weight"]
+    assert reply.content.metric_records["metrics"]["unit-weight"] == 1.0
+    assert "head.text_features" not in got  # the frozen prompts' features never travel
+
+
+def test_prompts_need_a_placeholder(cache_dir):
+    cfg = tiny_run(cache_dir, FedClipConfig(prompt="a picture"), backbone=TINY_CLIP,
+                   dataset=DatasetConfig(name="digits", max_samples=300))
+    with pytest.raises(ConfigError, match="method.prompt"):
+        prepare_run(validate(cfg), quiet=True)
+
+
+PACS_DOMAINS = ["art_painting", "cartoon", "photo", "sketch"]
+PACS_CLASSES = ["dog", "elephant", "giraffe", "guitar", "horse", "house", "person"]
+
+
+@pytest.fixture(scope="module")
+def pacs_like(tmp_path_factory) -> str:
+    """A PACS-shaped data set (4 domains x 7 classes, 12 images each), generated: each domain
+    tints the image, each class draws a bar at its own row."""
+    import numpy as np
+
+    from datasets import ClassLabel, Dataset, DatasetDict, Features, Image, Value
+
+    rng = np.random.default_rng(0)
+    images, labels, domains = [], [], []
+    for d, domain in enumerate(PACS_DOMAINS):
+        for c in range(len(PACS_CLASSES)):
+            for _ in range(12):
+                img = rng.integers(0, 60, (16, 16, 3), dtype=np.uint8)
+                img[2 * c:2 * c + 2, :, d % 3] = 255
+                images.append(img)
+                labels.append(c)
+                domains.append(domain)
+    ds = Dataset.from_dict({"image": images, "label": labels, "domain": domains},
+                           features=Features({"image": Image(),
+                                              "label": ClassLabel(names=PACS_CLASSES),
+                                              "domain": Value("string")}))
+    path = tmp_path_factory.mktemp("pacs_like") / "pacs"
+    DatasetDict(train=ds).save_to_disk(str(path))
+    return str(path)
+
+
+def test_pacs_shaped_experiment_end_to_end(pacs_like, cache_dir, tmp_path):
+    """Acceptance: offline, a tiny random CLIP, leave-one-domain-out; the three tables."""
+    from fedadapt.cli import to_run_config
+    from fedadapt.entry import compose_config
+    from fedadapt.experiment import run_experiment
+    from fedadapt.results.domain_tables import domain_tables
+
+    summaries = []
+    for holdout in ("sketch", "photo"):
+        cfg = compose_config(["experiment=fedclip_pacs", f"dataset.path={pacs_like}",
+                              f"partition.holdout={holdout}", "rounds=3", "train.lr=0.01",
+                              f"cache_dir={cache_dir}"])
+        run = to_run_config(cfg)
+        run.backbone = TINY_CLIP
+        prep = prepare_run(run, quiet=True)
+        # leave-one-domain-out: nothing the clients hold comes from the held-out domain
+        held = set(prep.partition.unseen.tolist())
+        assert prep.partition.unseen_name == holdout and holdout not in prep.partition.names
+        for split in prep.spec.clients:
+            assert held.isdisjoint(split.train) and held.isdisjoint(split.val)
+            assert held.isdisjoint(split.test)
+        summary = run_experiment(run, tmp_path / holdout, config_yaml=f"{holdout}\n",
+                                 prepared=prep)
+        dom = summary["domains"]
+        assert dom["holdout"] == holdout and len(dom["clients"]) == 3
+        assert summary["selection"] == "best_val" and summary["selected"]["val_acc"] is not None
+        accs = [dom["generalization"], *dom["personalization"].values()]
+        assert dom["overall"] == pytest.approx(sum(accs) / 4)
+        assert summary["params"]["communicated_params"] == 2 * (16 * 16 + 16)
+        summaries.append(summary)
+    md = domain_tables(summaries)
+    for title in ("Generalization (Table 1)", "Personalization (Table 2)", "Overall"):
+        assert title in md
+
