@@ -142,6 +142,13 @@ def make_client_app(get_spec: Callable[[Context], RunSpec]) -> ClientApp:
     def evaluate_local(msg: Message, context: Context) -> Message:
         spec = get_spec(context)
         cid = partition_id(context)
+        config = msg.content.config_records.get("config")
+        if config is not None and config.get("phase") == "plugin":  # a server-trained plug-in
+            from fedadapt.federation.plugin import recognize
+
+            arrays = dict(msg.content.array_records["arrays"].to_torch_state_dict())
+            return Message(RecordDict({"metrics": MetricRecord(recognize(spec, cid, arrays))}),
+                           reply_to=msg)
         model = load_client_model(spec, msg, context)
         exits = client_step_exits(spec, cid)
         loss, acc, n = local_accuracy(model, spec, cid, spec.clients[cid].test, exits)
@@ -175,6 +182,8 @@ def training_source(spec: RunSpec, source, seed: int):
 
 
 def client_step_exits(spec: RunSpec, cid: int):
+    if not spec.num_exits:  # a model without exits (its own forward), whatever the setting
+        return None
     exit_of = spec.client_exits[cid] if spec.client_exits else 0
     return step_exits(spec.setting, exit_of, spec.num_exits)
 
@@ -213,7 +222,7 @@ def personalize(spec: RunSpec, cid: int, msg: Message, context: Context) -> Mess
         save_client_state(folder / "personalized", int(msg.content.config_records["config"]
                                                         ["server-round"]), tensors)
     metrics = {"num-examples": n, "tier": -1 if tier is None else tier, "severity": severity,
-               "acc_before": before[0], "acc_after": after[0],
+               "acc_before": before, "acc_after": after,
                "train_loss": loss, "personalized_params": sum(t.numel() for t in
                                                                tensors.values())}
     return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)

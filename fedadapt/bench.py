@@ -76,14 +76,35 @@ def plain_loop(prep, cfg) -> list[float]:
     return times
 
 
-def flower_run(cfg, tmp: Path) -> list[float]:
+def flower_run(cfg, tmp: Path, label: str | None = None) -> list[float]:
     from fedadapt.experiment import run_experiment
 
     summary_dir = tmp / f"run-{time.time_ns()}"
-    run_experiment(cfg, summary_dir, config_yaml="bench\n")
+    run_experiment(cfg, summary_dir, config_yaml="bench\n", label=label)
     from fedadapt.results.store import read_jsonl
 
     return [r["round_s"] for r in read_jsonl(summary_dir / "metrics.jsonl")]
+
+
+def _flower_child(cfg, tmp: Path, label, queue) -> None:
+    import fedadapt  # noqa: F401  (torchvision shim in the fresh process)
+
+    queue.put(flower_run(cfg, tmp, label))
+
+
+def isolated_flower_run(cfg, tmp: Path, label: str | None = None) -> list[float]:
+    """:func:`flower_run` in a fresh process: a repeat of a large model (the whole CLIP) starts
+    with the memory of the machine, not what the previous repeat's Ray session left behind."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_flower_child, args=(cfg, tmp, label, queue))
+    proc.start()
+    proc.join()
+    if proc.exitcode != 0:
+        raise RuntimeError(f"benchmark run of {label} failed (exit code {proc.exitcode})")
+    return queue.get()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -136,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
         for rep in range(args.repeats):
             print(f"[bench] {name}: repeat {rep + 1}/{args.repeats}", flush=True)
             times = plain_loop(prepare_run(cfg, quiet=True), cfg) if name.startswith("plain") \
+                else isolated_flower_run(cfg, tmp, label=name) if args.methods \
                 else flower_run(cfg, tmp)
             startup.append(times[0])
             per_round.extend(times[1:])

@@ -36,11 +36,12 @@ def job_configs(cfg: DictConfig, overrides: list[str]) -> list[tuple[str, RunCon
     """``(method, RunConfig, resolved yaml)`` for each run of this job, all validated up front."""
     from hydra import compose
 
-    explicit_method = any(o.split("=")[0].lstrip("+~") == "method" for o in overrides)
-    names = [] if explicit_method else list(cfg.compare)
-    if not names:
+    chosen = [o.split("=", 1)[1] for o in overrides if o.split("=")[0].lstrip("+~") == "method"]
+    names = [] if chosen else list(cfg.compare)
+    if not names:  # one run, labelled by the preset named (fedavg_clip, not its schema fedclip)
         run = to_run_config(cfg)
-        return [(run.method.name, run, OmegaConf.to_yaml(cfg, resolve=True))]
+        return [(chosen[-1] if chosen else run.method.name, run,
+                 OmegaConf.to_yaml(cfg, resolve=True))]
     out = []
     for entry in names:  # "method" or "method@backbone" (a row on another backbone)
         name, _, backbone = entry.partition("@")
@@ -103,10 +104,11 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
         print("\n" + (run_dir / "table.md").read_text())
         print(f"Run directory: {run_dir}")
         return summaries
-    first = jobs[0][1]
+    first, part = jobs[0][1], summaries[0]["partition"]
+    split = (f"domains as clients, held out: {summaries[0]['domains']['holdout']}"
+             if summaries[0].get("domains") else f"{part['kind']} alpha={part['alpha']}")
     title = (f"## {first.experiment}: {first.dataset.name}, {first.backbone.name}, "
-             f"{first.partition.num_clients} clients, {first.partition.kind} "
-             f"alpha={first.partition.alpha}, {first.rounds} rounds, seed {first.seed}")
+             f"{part['num_clients']} clients, {split}, {first.rounds} rounds, seed {first.seed}")
     table = run_tables(summaries, title=title)
     atomic_write(run_dir / "table.md", lambda fh: fh.write(table))
     curves = {s["method"]: read_jsonl(path) for s in summaries

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from fedadapt.adapters import AdaptedModel
+from fedadapt.adapters import AdaptedModel, method_spec
 from fedadapt.config import ConfigError, RunConfig
 from fedadapt.data.partition import Partition
 from fedadapt.federation.training import RunSpec
@@ -34,7 +34,6 @@ def log(msg: str) -> None:
 def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
     """Load and partition the data, build the backbone and (if used) the feature cache."""
     import datasets
-    from fedadapt.adapters import method_spec
     from fedadapt.backbones import build_backbone
     from fedadapt.backbones.clip import class_text as clip_class_text
     from fedadapt.data.cache import cached_features
@@ -251,6 +250,9 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
     label = label or cfg.method.name
     t0 = time.time()
     prep = prepared or prepare_run(cfg)
+    if method_spec(cfg.method).trainer == "server":
+        return run_plugin_experiment(cfg, run_dir, prep, config_yaml=config_yaml, label=label,
+                                     execute=execute, t0=t0)
     spec, model = prep.spec, prep.model
     config_sha = hashlib.sha256(config_yaml.encode()).hexdigest()
     point = _resume_point(run_dir, config_yaml, config_sha) if resume else None
@@ -346,7 +348,8 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
     if state.personalized:
         from fedadapt.settings import summarize_personalization
 
-        rows = [{**r, "corruption": spec.client_corruptions[r["client"]][0]}
+        rows = [{**r, "corruption": (spec.client_corruptions[r["client"]][0]
+                                     if spec.client_corruptions else "none")}
                 for r in state.personalized]
         write_json(run_dir / "personalization.json", rows)
         personalization = {"part": cfg.setting.personalize, "epochs": cfg.setting.epochs,
@@ -393,4 +396,84 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
         plot_curves({label: history}, run_dir / "curves.png",
                     title=f"{label} | {cfg.dataset.name} | alpha {p.alpha}")
     write_json(run_dir / SUMMARY, summary)  # last: marks the run directory complete
+    return summary
+
+
+def run_plugin_experiment(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, config_yaml: str,
+                          label: str, execute: Optional[Callable] = None,
+                          t0: Optional[float] = None) -> dict:
+    """A server-trained plug-in (ICIIA): train it on the server from the clients' cached
+    features, deliver it to every client in one Flower round, collect their recognition
+    accuracies; write the run directory like any run (``summary.json`` last)."""
+    from flwr.app import ArrayRecord
+
+    from fedadapt.clients.app import make_client_app
+    from fedadapt.federation.launch import run_simulation
+    from fedadapt.federation.plugin import client_arrays, summarize_recognition, train_on_server
+    from fedadapt.federation.server import ServerPlan
+    from fedadapt.federation.training import device
+    from fedadapt.results.store import atomic_write, git_commit, versions, write_json
+    from fedadapt.results.tables import run_tables
+    from fedadapt.strategies.fedavg import build_strategy
+
+    t0 = time.time() if t0 is None else t0
+    spec = prep.spec
+    if spec.train_source.kind != "features":
+        raise ConfigError(f"method={cfg.method.name} trains on cached features: it needs "
+                          f"method.use_cache=true")
+    log(f"[{label}] training on the server from {spec.num_clients} clients' cached features")
+    trained = train_on_server(spec)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(run_dir / "config.yaml", lambda fh: fh.write(config_yaml))
+    write_json(run_dir / "partition.json", prep.partition.stats)
+    p = cfg.partition
+    plan = ServerPlan(
+        num_clients=spec.num_clients,
+        make_strategy=lambda: build_strategy("fedavg", federated=True,
+                                             num_clients=spec.num_clients, fraction_train=1.0,
+                                             fraction_evaluate=1.0, seed=cfg.seed),
+        initial_arrays=ArrayRecord({}), num_rounds=0, lr_at=lambda r: 0.0, eval_every=1,
+        global_eval=None, counts={}, timeout=cfg.federation.round_timeout,
+        min_reply_fraction=cfg.federation.min_reply_fraction,
+        plugin_arrays=lambda pid: ArrayRecord(client_arrays(trained, pid)))
+    if execute is None:
+        def execute(plan, client_app):
+            return run_simulation(plan, client_app, cfg.federation)
+    log(f"[{label}] delivering the module to {spec.num_clients} clients (one Flower round)")
+    state = execute(plan, make_client_app(lambda context: spec))
+    rows = sorted(state.delivered, key=lambda r: r["client"])
+    write_json(run_dir / "recognition.json", rows)
+    module_params = sum(t.numel() for t in trained["module"].parameters())
+    layer_params = module_params - sum(t.numel() for t in trained["module"].classifier.parameters())
+    summary = {
+        "method": label,
+        "experiment": cfg.experiment,
+        "dataset": cfg.dataset.name,
+        "backbone": cfg.backbone.name,
+        "partition": {"kind": p.kind, "num_clients": spec.num_clients, "alpha": p.alpha,
+                      "fraction_fit": 1.0},
+        "seed": cfg.seed,
+        "rounds": 0,
+        "setting": "server-trained plug-in",
+        "recognition": summarize_recognition(rows),
+        "server_training": trained["log"],
+        "final": {"round": 1, "global_acc": None, "client_acc": None},
+        "best": {"global_acc": None, "client_acc": None},
+        "params": {**prep.counts, "module_params": layer_params},
+        "total_bytes": state.cum_bytes,
+        "bytes_down": state.cum_bytes,
+        "bytes_up": 0,
+        "wall_s": time.time() - t0,
+        "seconds_per_round": None,
+        "partition_stats": {k: prep.partition.stats[k] for k in
+                            ("num_clients", "samples_per_client", "classes_per_client")},
+        "versions": versions(),
+        "git_commit": git_commit(),
+        "device": device(),
+    }
+    stream = summary["recognition"].get("acc_stream")
+    summary["final"]["client_acc"] = stream["client_mean"] if stream else None
+    table = run_tables([summary], title=f"## {cfg.experiment}: {label} on {cfg.dataset.name}")
+    atomic_write(run_dir / "table.md", lambda fh: fh.write(table))
+    write_json(run_dir / "summary.json", summary)
     return summary

@@ -72,6 +72,9 @@ def inspect_run(run, *, flops: bool = True) -> dict:
     }
     if per_exit is not None:
         result["per_exit"] = per_exit
+    extra = method_spec(run.method).counts
+    if extra is not None:
+        result[run.method.name] = extra(run.method, backbone.embed_dim)
     return result
 
 

@@ -140,6 +140,7 @@ def test_client_sends_only_the_adapter(cache_dir, flower_task):
     got = reply.content.array_records["arrays"].to_torch_state_dict()
     assert sorted(got) == ["head.image_adapter.net.0.bias", "head.image_adapter.net.0.weight",
                            "head.image_adapter.net.2.bias", "head.image_adapter.net.2.weight"]
+    assert any(not torch.equal(got[k], sent[k]) for k in got)  # it trained
     assert reply.content.metric_records["metrics"]["unit-weight"] == 1.0
     assert "head.text_features" not in got  # the frozen prompts' features never travel
 
@@ -216,3 +217,54 @@ def test_pacs_shaped_experiment_end_to_end(pacs_like, cache_dir, tmp_path):
     for title in ("Generalization (Table 1)", "Personalization (Table 2)", "Overall"):
         assert title in md
 
+
+
+def test_alexnet_backbone_is_torchvisions_up_to_the_penultimate_layer():
+    backbone = build_backbone(BackboneConfig(name="alexnet", family="alexnet", image_size=64))
+    assert backbone.embed_dim == 4096
+    assert backbone(torch.randn(2, 3, 64, 64)).shape == (2, 4096)
+    from torchvision.models import alexnet
+
+    last_layer = 4096 * 1000 + 1000  # Linear(4096, 1000), replaced by the method's head
+    assert backbone.num_params() == sum(p.numel() for p in alexnet().parameters()) - last_layer
+    with pytest.raises(Exception, match="backbone.weights"):
+        build_backbone(BackboneConfig(name="alexnet", family="alexnet", weights="NOPE"))
+
+
+def test_compare_entry_can_name_another_backbone():
+    from fedadapt.cli import job_configs
+    from fedadapt.entry import compose_config
+
+    overrides = ["experiment=fedclip_pacs"]
+    cfg = compose_config(overrides)
+    from hydra import initialize_config_dir
+
+    from fedadapt.paths import resource_dir
+
+    with initialize_config_dir(config_dir=str(resource_dir("conf")), version_base=None):
+        jobs = {name: run for name, run, _ in job_configs(cfg, overrides)}
+    assert jobs["fedclip"].backbone.name == "clip_vit_b32"
+    assert jobs["fedavg_alexnet"].backbone.name == "alexnet"
+    assert jobs["fedavg_alexnet"].method.strategy == "fedavg"
+    assert jobs["fedprox_alexnet"].method.strategy == "fedprox"
+    assert jobs["fedprox_clip"].method.proximal_mu == 0.01
+
+
+def test_local_finetuning_after_fl_without_exits(cache_dir, tmp_path):
+    """Sec. 4.4 (Figure 3c): FL, then each client fine-tunes on its clean data; before / after."""
+    from fedadapt.adapters.heads import LinearHeadConfig
+    from fedadapt.config import SettingConfig
+    from fedadapt.experiment import run_experiment
+
+    cfg = validate(tiny_run(cache_dir, LinearHeadConfig(),
+                            setting=SettingConfig(name="personalization", severities=[0],
+                                                  epochs=2)))
+    summary = run_experiment(cfg, tmp_path / "ft", config_yaml="ft\n")
+    pers = summary["personalization"]
+    assert pers["clients"] == 3 and pers["per_tier"] == {}
+    assert pers["after"] is not None and pers["gain"] == pytest.approx(pers["after"]
+                                                                       - pers["before"])
+    corrupted = validate(tiny_run(cache_dir, LinearHeadConfig(),
+                                  setting=SettingConfig(name="personalization")))
+    with pytest.raises(ConfigError, match="setting.severities"):
+        prepare_run(corrupted, quiet=True)

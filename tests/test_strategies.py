@@ -46,6 +46,21 @@ def test_fedavg_is_example_weighted_mean(flower_task):
     assert metrics["train_loss_client_mean"] == pytest.approx(2.0)
 
 
+def test_uniform_weighting_averages_clients_alike(flower_task):
+    """FedCLIP's authors average the adapter uniformly over the clients (method.weighting)."""
+    from fedadapt.strategies.fedavg import UNIFORM_KEY
+
+    s = strategy(weighting="uniform")
+    replies = [reply({"w": [1.0]}, 1, **{UNIFORM_KEY: 1.0}),
+               reply({"w": [3.0]}, 3, **{UNIFORM_KEY: 1.0})]
+    arrays, _ = s.aggregate_train(1, replies)
+    np.testing.assert_allclose(arrays["w"].numpy(), [2.0])
+    # evaluation is still reported example-weighted and as the client mean
+    ev = s.aggregate_evaluate(1, [reply({}, 10, accuracy=1.0, **{UNIFORM_KEY: 1.0}),
+                                  reply({}, 30, accuracy=0.5, **{UNIFORM_KEY: 1.0})])
+    assert ev["accuracy"] == pytest.approx(0.625) and ev["accuracy_client_mean"] == 0.75
+
+
 def test_client_metrics_unweighted_and_weighted():
     rows = [RecordDict({"m": MetricRecord({"num-examples": 10, "accuracy": 1.0})}),
             RecordDict({"m": MetricRecord({"num-examples": 30, "accuracy": 0.5})})]

@@ -9,7 +9,7 @@ matrix); nothing else branches on method names.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 from fedadapt.adapters.model import AdaptedModel
 from fedadapt.config import ConfigError, MethodConfig
@@ -23,17 +23,24 @@ class MethodSpec:
     build: Callable[..., AdaptedModel]
     #: The builder also receives the class prompts' text features (``class_text=``; CLIP).
     uses_text: bool = False
+    #: ``clients`` (federated training) or ``server`` (a plug-in trained once on the server
+    #: and delivered to the clients for inference: :mod:`fedadapt.federation.plugin`).
+    trainer: str = "clients"
+    #: ``counts(cfg, embed_dim) -> dict``: extra figures for ``fedadapt-inspect`` (e.g. ICIIA's
+    #: Table 1 parameters and FLOPs), under the method's name.
+    counts: Optional[Callable[..., dict]] = None
 
 
 METHODS: dict[str, MethodSpec] = {}
 
 
-def register_method(name: str, config_cls: type, *, uses_text: bool = False):
+def register_method(name: str, config_cls: type, *, uses_text: bool = False,
+                    trainer: str = "clients", counts: Optional[Callable[..., dict]] = None):
     """Decorator registering a builder under ``method=name`` with schema ``config_cls``."""
 
     def deco(fn):
         METHODS[name] = MethodSpec(name=name, config_cls=config_cls, build=fn,
-                                   uses_text=uses_text)
+                                   uses_text=uses_text, trainer=trainer, counts=counts)
         return fn
 
     return deco
@@ -61,7 +68,7 @@ def build_model(cfg: MethodConfig, backbone, num_classes: int, *, with_backbone:
     return spec.build(cfg, backbone, num_classes, with_backbone, **extra)
 
 
-from fedadapt.adapters import exits, fedclip, heads  # noqa: E402,F401  (registers the methods)
+from fedadapt.adapters import exits, fedclip, heads, iciia  # noqa: E402,F401  (registration)
 
 __all__ = ["AdaptedModel", "METHODS", "MethodSpec", "build_model", "method_spec",
            "register_method"]

@@ -40,6 +40,8 @@ class ServerState:
     checkpoint_round: int = 0
     #: One row per client after the personalization step (empty without one).
     personalized: list[dict] = field(default_factory=list)
+    #: One row per client after a plug-in's delivery (empty without one).
+    delivered: list[dict] = field(default_factory=list)
     started: float = field(default_factory=time.time)
 
 
@@ -98,6 +100,10 @@ class ServerPlan:
     #: After the rounds, send the final model to every client for local personalization
     #: (``setting=personalization``); the replies' metrics land in ``ServerState.personalized``.
     personalize: bool = False
+    #: A server-trained plug-in: ``arrays_for(partition_id) -> ArrayRecord`` is sent to every
+    #: client in one round (phase ``plugin``); the replies' metrics land in
+    #: ``ServerState.delivered``.
+    plugin_arrays: Optional[Callable[[int], ArrayRecord]] = None
     #: A checkpoint to continue from: ``{"round", "history", "cum_bytes", "strategy", "wall_s"}``
     #: (``initial_arrays`` then holds the checkpoint's arrays).
     resume: Optional[dict] = None
@@ -193,12 +199,32 @@ def personalize_clients(grid: Grid, state: ServerState, plan: ServerPlan) -> lis
     replies = strategy.in_partition_order(grid.send_and_receive(msgs, timeout=plan.timeout))
     checked = screen_replies(msgs, replies, None, strategy.partition_of)
     _warn_dropped(state.num_rounds + 1, "personalization", checked, len(msgs))
+    require_enough(checked, len(msgs), plan.min_reply_fraction, state.num_rounds + 1)
     state.cum_bytes += _bytes(msgs) + _bytes(replies)
     rows = []
     for reply, m in zip(checked.good, _metrics(checked.good)):
         rows.append({"client": strategy.partition_of[reply.metadata.src_node_id],
                      **{k: (int(v) if k in ("tier", "severity") else v) for k, v in m.items()}})
     return rows
+
+
+def deliver_plugin(grid: Grid, state: ServerState, plan: ServerPlan) -> list[dict]:
+    """Send every client its plug-in arrays in one round; it recognises its test split with
+    them and replies with metrics only. Returns one row per client that answered."""
+    strategy = state.strategy
+    msgs = [Message(RecordDict({"arrays": plan.plugin_arrays(pid),
+                                "config": ConfigRecord({"phase": "plugin"})}),
+                    dst_node_id=nid, message_type=MessageType.EVALUATE)
+            for pid, nid in strategy.node_of.items()]
+    replies = strategy.in_partition_order(grid.send_and_receive(msgs, timeout=plan.timeout))
+    checked = screen_replies(msgs, replies, None, strategy.partition_of)
+    _warn_dropped(1, "plug-in", checked, len(msgs))
+    require_enough(checked, len(msgs), plan.min_reply_fraction, 1)
+    state.cum_bytes += _bytes(msgs) + _bytes(replies)
+    state.history.append({"round": 1, "bytes_down": _bytes(msgs), "bytes_up": _bytes(replies),
+                          "cum_bytes": state.cum_bytes, "wall_s": time.time() - state.started})
+    return [{"client": strategy.partition_of[r.metadata.src_node_id], **m}
+            for r, m in zip(checked.good, _metrics(checked.good))]
 
 
 def execute_plan(grid: Grid, plan: ServerPlan) -> ServerState:
@@ -213,6 +239,8 @@ def execute_plan(grid: Grid, plan: ServerPlan) -> ServerState:
         state.cum_bytes = int(plan.resume["cum_bytes"])
         state.started -= float(plan.resume.get("wall_s", 0.0))
     state = run_rounds(grid, state, plan)
+    if plan.plugin_arrays is not None:
+        state.delivered = deliver_plugin(grid, state, plan)
     if plan.personalize:
         state.personalized = personalize_clients(grid, state, plan)
     return state

@@ -81,12 +81,57 @@ def personalization_table(summaries: list[dict]) -> str:
         gain = "—" if p["gain"] is None else f"{100 * p['gain']:+.2f}"
         body.append([s["method"], p["part"], str(p["clients"]), fmt_pct(p["before"]),
                      fmt_pct(p["after"]), gain])
-    return ("Personalization on each client's corrupted data (mean over clients of the accuracy "
-            "on its corrupted test split, at its tier's exit):\n\n" + markdown(header, body))
+    return ("Personalization on each client's own data (mean over clients of the accuracy on its "
+            "test split, corrupted if it has a corruption, at its tier's exit if it has one):"
+            "\n\n" + markdown(header, body))
+
+
+def domains_table(summaries: list[dict]) -> str:
+    """Leave-one-domain-out runs: the held-out domain, each client's test split and overall, at
+    the reported round (FedCLIP's Tables 1-3 for one held-out domain)."""
+    rows = [s for s in summaries if s.get("domains")]
+    if not rows:
+        return ""
+    clients = rows[0]["domains"]["clients"]
+    header = ["method", "round", f"held out: {rows[0]['domains']['holdout']}",
+              *clients, "clients' mean", "overall"]
+    body = [[s["method"], str(d["selected_round"]), fmt_pct(d["generalization"]),
+             *(fmt_pct(d["personalization"].get(c)) for c in clients),
+             fmt_pct(d["personalization_mean"]), fmt_pct(d["overall"])]
+            for s in rows for d in [s["domains"]]]
+    how = ("the best mean validation accuracy" if rows[0].get("selection") == "best_val"
+           else "the last evaluation")
+    return (f"Domains as clients, at the round of {how}: accuracy on the held-out domain "
+            f"(generalization), on each client's test split (personalization) and their mean "
+            f"(overall):\n\n" + markdown(header, body))
+
+
+RECOGNITION = (("acc_original", "original"), ("acc_finetune", "fine-tuning (last layer)"),
+               ("acc_prompt", "prompt tuning"), ("acc_batch", "module, batch mode"),
+               ("acc_stream", "module, one by one"))
+
+
+def recognition_table(summaries: list[dict]) -> str:
+    """Server-trained plug-ins (ICIIA's Table 4): test accuracy over all clients' images of the
+    original classifier, the baselines and the module in batch and one-by-one mode."""
+    rows = [s for s in summaries if s.get("recognition")]
+    if not rows:
+        return ""
+    header = ["method", "module params", *(name for _, name in RECOGNITION), "server epochs"]
+    body = []
+    for s in rows:
+        r = s["recognition"]
+        body.append([s["method"], fmt_count(s["params"].get("module_params")),
+                     *(fmt_pct(r[k]["images"]) if k in r else "—" for k, _ in RECOGNITION),
+                     str(s["server_training"]["iciia"]["best_epoch"])])
+    return ("Recognition on the clients' test splits (accuracy over all their images; nothing "
+            "trained on the clients except the fine-tuning baseline):\n\n"
+            + markdown(header, body))
 
 
 def run_tables(summaries: list[dict], title: str = "") -> str:
-    """The summary table, then the per-exit / per-tier and personalization tables if any."""
-    parts = [summaries_table(summaries, title), exits_table(summaries),
-             personalization_table(summaries)]
+    """The summary table, then the per-exit / per-tier, domain and personalization tables if
+    any."""
+    parts = [summaries_table(summaries, title), exits_table(summaries), domains_table(summaries),
+             recognition_table(summaries), personalization_table(summaries)]
     return "\n".join(p for p in parts if p)

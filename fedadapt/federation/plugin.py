@@ -1,0 +1,286 @@
+"""Server-trained plug-ins (ICIIA): trained once on the server ("cloud") from the training clients'
+cached features, then delivered to every client as named arrays in one Flower round; the clients
+only recognise with it.
+
+ICIIA's Algorithm 1 on the server:
+
+1. the *original model*: the backbone's classifier ``Linear(D, C)`` trained on the mixture of all
+   clients' training features (early stopping on their validation features);
+2. the module, its classifier initialised from the original one, trained on sequences of B
+   images that each come from ONE client (SGD, gradient-norm clipping, early stopping on the
+   clients' validation sequences; the best validation epoch is kept);
+3. the prompt-tuning baseline: the classifier over ``[feature; client token]`` with one learned
+   token of D/2 per client, trained jointly on the clients' labeled training features.
+
+Each client then recognises its test split (in arrival order) with the original classifier, with
+the module in batch mode (sequences of B of its images), one by one with its cache of the B - 1
+most recent features (the original classifier answers while the cache holds fewer than
+``method.min_history``: cold start), with its prompt token, and with the last layer fine-tuned on
+its own labeled training split (the fine-tuning baseline, trained on the client).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedadapt.adapters.iciia import Iciia, recognize_stream
+from fedadapt.federation.training import RunSpec, derive_seed
+
+
+def log(msg: str) -> None:
+    import sys
+
+    print(msg, file=sys.stderr, flush=True)
+
+
+def sequences(indices: np.ndarray, size: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """A seeded permutation of one client's ``indices`` cut into sequences of ``size``."""
+    perm = rng.permutation(np.asarray(indices))
+    return [perm[i:i + size] for i in range(0, len(perm), size)]
+
+
+def build_module(spec: RunSpec) -> Iciia:
+    m = spec.method
+    return Iciia(spec.embed_dim, spec.num_classes, layers=m.layers, groups=m.groups,
+                 heads=m.heads, dropout=m.dropout, mixing=m.mixing, shuffle=m.shuffle)
+
+
+class PromptClassifier(nn.Module):
+    """Prompt tuning for a frozen feature extractor: ``Linear(D + D/2, C)`` over the feature and
+    the client's learned token (one token of D/2 per client)."""
+
+    def __init__(self, dim: int, num_classes: int, num_clients: int) -> None:
+        super().__init__()
+        self.tokens = nn.Parameter(torch.zeros(num_clients, dim // 2))
+        self.linear = nn.Linear(dim + dim // 2, num_classes)
+
+    def forward(self, feats: torch.Tensor, client: torch.Tensor) -> torch.Tensor:
+        return self.linear(torch.cat([feats, self.tokens[client]], dim=-1))
+
+
+def _accuracy(logits: torch.Tensor, y: torch.Tensor) -> float:
+    return float((logits.argmax(-1) == y).float().mean()) if len(y) else float("nan")
+
+
+def _fit(model: nn.Module, loss_of: Callable[[], list[torch.Tensor]],
+         val_acc: Callable[[], float], *, epochs: int, patience: int, lr: float,
+         momentum: float = 0.9, clip: Optional[float] = None, label: str = "") -> dict:
+    """SGD on each loss ``loss_of()`` yields in an epoch (one batch each), early stopping on
+    ``val_acc``; ``model`` ends with its best epoch's weights."""
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr,
+                          momentum=momentum)
+    best, best_state, best_epoch, waited = -1.0, copy.deepcopy(model.state_dict()), 0, 0
+    t0 = time.time()
+    for epoch in range(1, epochs + 1):
+        model.train()
+        losses = []
+        for loss in loss_of():
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if clip:
+                nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            losses.append(float(loss.detach()))
+        model.eval()
+        acc = val_acc()
+        if acc > best:
+            best, best_state, best_epoch, waited = acc, copy.deepcopy(model.state_dict()), epoch, 0
+        else:
+            waited += 1
+        log(f"[{label}] epoch {epoch}/{epochs} | loss {np.mean(losses):.3f} | val "
+            f"{100 * acc:.2f}% | best {100 * best:.2f}% (epoch {best_epoch}) | "
+            f"{time.time() - t0:.0f} s")
+        if waited >= patience:
+            break
+    model.load_state_dict(best_state)
+    return {"best_val_acc": best, "best_epoch": best_epoch, "epochs_run": epoch,
+            "train_s": time.time() - t0}
+
+
+def train_on_server(spec: RunSpec) -> dict:
+    """Algorithm 1 and the baselines' server parts; returns the trained modules and a log."""
+    m = spec.method
+    torch.manual_seed(derive_seed(spec.seed, 0x1C11A))
+    rng = np.random.default_rng([spec.seed, 0x1C11A])
+    n = len(spec.train_source.labels())
+    feats, labels = spec.train_source.get(np.arange(n))
+    clients = spec.clients
+    owner = np.full(n, -1)
+    for cid, split in enumerate(clients):
+        owner[np.concatenate([split.train, split.val, split.test])] = cid
+    train_idx = np.concatenate([c.train for c in clients])
+    val_idx = np.concatenate([c.val for c in clients])
+    if len(val_idx) == 0:
+        from fedadapt.config import ConfigError
+
+        raise ConfigError("method=iciia trains with early stopping on the clients' validation "
+                          "splits: partition.val_fraction must be > 0")
+    batch = 64
+
+    # 1. the original model: the classifier on the mixture of the clients' training features
+    original = nn.Linear(spec.embed_dim, spec.num_classes)
+
+    def original_batches():
+        perm = rng.permutation(train_idx)
+        for i in range(0, len(perm), batch):
+            b = perm[i:i + batch]
+            yield F.cross_entropy(original(feats[b]), labels[b])
+
+    @torch.no_grad()
+    def original_val() -> float:
+        return _accuracy(original(feats[val_idx]), labels[val_idx])
+
+    original_log = _fit(original, original_batches, original_val, epochs=m.classifier_epochs,
+                        patience=m.patience, lr=m.lr, label="original classifier")
+
+    # 2. ICIIA: sequences of B images of one client, the classifier starts from the original
+    module = build_module(spec)
+    module.classifier.load_state_dict(original.state_dict())
+    val_seqs = [s for c in clients for s in sequences(c.val, m.images, rng)]
+
+    def iciia_batches():
+        seqs = [s for c in clients for s in sequences(c.train, m.images, rng)]
+        order = rng.permutation(len(seqs))
+        for i in range(0, len(order), m.sequences_per_step):
+            group = [seqs[j] for j in order[i:i + m.sequences_per_step]]
+            x, mask = pad([feats[s] for s in group], m.images)
+            y = pad_labels([labels[s] for s in group], m.images)
+            logits = module(x, mask)
+            yield F.cross_entropy(logits[~mask], y[~mask])
+
+    @torch.no_grad()
+    def iciia_val() -> float:
+        correct = total = 0
+        for s in val_seqs:
+            correct += int((module(feats[s]).argmax(-1) == labels[s]).sum())
+            total += len(s)
+        return correct / max(total, 1)
+
+    iciia_log = _fit(module, iciia_batches, iciia_val, epochs=m.max_epochs, patience=m.patience,
+                     lr=m.lr, momentum=m.momentum, clip=m.clip, label=f"{m.name} (ICIIA)")
+
+    # 3. prompt tuning: one token per client, trained with the classifier
+    prompt = None
+    prompt_log = None
+    if m.prompt_tuning:
+        prompt = PromptClassifier(spec.embed_dim, spec.num_classes, len(clients))
+        owner_t = torch.from_numpy(owner)
+
+        def prompt_batches():
+            perm = rng.permutation(train_idx)
+            for i in range(0, len(perm), batch):
+                b = perm[i:i + batch]
+                yield F.cross_entropy(prompt(feats[b], owner_t[b]), labels[b])
+
+        @torch.no_grad()
+        def prompt_val() -> float:
+            return _accuracy(prompt(feats[val_idx], owner_t[val_idx]), labels[val_idx])
+
+        prompt_log = _fit(prompt, prompt_batches, prompt_val, epochs=m.classifier_epochs,
+                          patience=m.patience, lr=m.lr, label="prompt tuning")
+    return {"original": original.eval(), "module": module.eval(),
+            "prompt": None if prompt is None else prompt.eval(),
+            "log": {"original": original_log, "iciia": iciia_log, "prompt": prompt_log}}
+
+
+def pad(seqs: list[torch.Tensor], size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[S, size, D]`` zero-padded sequences and their padding mask (True = padding)."""
+    x = torch.zeros(len(seqs), size, seqs[0].shape[-1])
+    mask = torch.ones(len(seqs), size, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        x[i, :len(s)], mask[i, :len(s)] = s, False
+    return x, mask
+
+
+def pad_labels(ys: list[torch.Tensor], size: int) -> torch.Tensor:
+    y = torch.zeros(len(ys), size, dtype=torch.long)
+    for i, s in enumerate(ys):
+        y[i, :len(s)] = s
+    return y
+
+
+def client_arrays(trained: dict, cid: int) -> dict[str, torch.Tensor]:
+    """What client ``cid`` receives: the module (with its classifier), the original classifier
+    and, for prompt tuning, the shared classifier and ITS token only."""
+    out = {f"iciia.{k}": v for k, v in trained["module"].state_dict().items()}
+    out.update({f"original.{k}": v for k, v in trained["original"].state_dict().items()})
+    if trained["prompt"] is not None:
+        p = trained["prompt"]
+        out.update({f"prompt.linear.{k}": v for k, v in p.linear.state_dict().items()})
+        out["prompt.token"] = p.tokens[cid].detach().clone()
+    return {k: v.detach().cpu().clone() for k, v in out.items()}
+
+
+@torch.no_grad()
+def recognize(spec: RunSpec, cid: int, arrays: dict[str, torch.Tensor]) -> dict:
+    """The client's side: recognise its test split with what it received (no training, except
+    the fine-tuning baseline's last layer on its own labeled training split)."""
+    m = spec.method
+    module = build_module(spec)
+    module.load_state_dict({k[6:]: v for k, v in arrays.items() if k.startswith("iciia.")})
+    module.eval()
+    original = nn.Linear(spec.embed_dim, spec.num_classes)
+    original.load_state_dict({k[9:]: v for k, v in arrays.items() if k.startswith("original.")})
+    split = spec.clients[cid]
+    x, y = spec.train_source.get(split.test)  # arrival order: the split's order
+    out = {"num-examples": len(y), "acc_original": _accuracy(original(x), y)}
+    batch_logits = [module(x[i:i + m.images]) for i in range(0, len(y), m.images)]
+    out["acc_batch"] = _accuracy(torch.cat(batch_logits), y) if len(y) else float("nan")
+    stream = recognize_stream(module, original, x, m.images - 1, m.min_history) if len(y) \
+        else torch.empty(0, spec.num_classes)
+    out["acc_stream"] = _accuracy(stream, y)
+    if "prompt.token" in arrays:
+        linear = nn.Linear(spec.embed_dim + spec.embed_dim // 2, spec.num_classes)
+        linear.load_state_dict({k[14:]: v for k, v in arrays.items()
+                                if k.startswith("prompt.linear.")})
+        token = arrays["prompt.token"].expand(len(y), -1)
+        out["acc_prompt"] = _accuracy(linear(torch.cat([x, token], dim=-1)), y)
+    out["acc_finetune"] = _finetune_last_layer(spec, cid, original, x, y)
+    return out
+
+
+def _finetune_last_layer(spec: RunSpec, cid: int, original: nn.Linear, x_test, y_test) -> float:
+    """The fine-tuning baseline: the original classifier trained on the client's labeled
+    training split (``method.finetune_epochs``), then its test accuracy."""
+    m = spec.method
+    if m.finetune_epochs == 0:
+        return float("nan")
+    layer = copy.deepcopy(original)
+    xs, ys = spec.train_source.get(spec.clients[cid].train)
+    gen = torch.Generator().manual_seed(derive_seed(spec.seed, 0xF1, cid))
+    opt = torch.optim.SGD(layer.parameters(), lr=m.lr, momentum=m.momentum)
+    with torch.enable_grad():
+        for _ in range(m.finetune_epochs):
+            perm = torch.randperm(len(ys), generator=gen)
+            for i in range(0, len(ys), 32):
+                b = perm[i:i + 32]
+                loss = F.cross_entropy(layer(xs[b]), ys[b])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+    return _accuracy(layer(x_test), y_test)
+
+
+RESULT_KEYS = ("acc_original", "acc_finetune", "acc_prompt", "acc_batch", "acc_stream")
+
+
+def summarize_recognition(rows: list[dict]) -> dict:
+    """Per metric: the accuracy over all clients' test images (example-weighted, Table 4) and
+    the mean over clients."""
+    out = {}
+    for key in RESULT_KEYS:
+        ok = [(r[key], r["num-examples"]) for r in rows
+              if key in r and np.isfinite(r[key]) and r["num-examples"] > 0]
+        if not ok:
+            continue
+        n = sum(w for _, w in ok)
+        out[key] = {"images": float(sum(v * w for v, w in ok) / n),
+                    "client_mean": float(np.mean([v for v, _ in ok])), "clients": len(ok)}
+    return out
