@@ -107,6 +107,64 @@ def isolated_flower_run(cfg, tmp: Path, label: str | None = None) -> list[float]
     return queue.get()
 
 
+def iciia_latency(overrides: list[str], repeats: int) -> dict:
+    """ICIIA Table 2: recognising ONE image with the backbone alone, and with the backbone plus
+    the module attending 15 cached features (ICIIA-B and -T): median latency over ``repeats``
+    (after 5 warm-up runs) and peak memory of live tensors (parameters included; CPU: the
+    dispatcher tracker of ``fedadapt.budget``; GPU: ``max_memory_allocated``)."""
+    from fedadapt.adapters import build_model
+    from fedadapt.backbones import build_backbone
+    from fedadapt.budget import LiveMemoryTracker
+    from fedadapt.cli import to_run_config
+    from fedadapt.entry import compose_config
+    from fedadapt.federation.training import device
+
+    dev = device()
+    results = {}
+    for preset in ("iciia_b", "iciia_t"):
+        run = to_run_config(compose_config(["experiment=iciia_offline", f"method={preset}",
+                                            *overrides]))
+        backbone = build_backbone(run.backbone).to(dev)
+        module = build_model(run.method, backbone, 10, with_backbone=False).head.module
+        module = module.to(dev).eval()
+        size = run.backbone.image_size
+        image = torch.randn(1, 3, size, size, device=dev)
+        history = torch.randn(run.method.images - 1, backbone.embed_dim, device=dev)
+        variants = {"backbone alone": lambda b=backbone, x=image: b(x),
+                    f"backbone + {preset} (15 cached)":
+                        lambda b=backbone, m=module, x=image, h=history:
+                            m.predict_one(h, b(x)[0])}
+        for name, fn in variants.items():
+            if name in results:
+                continue
+            with torch.no_grad():
+                for _ in range(5):
+                    fn()
+                times = []
+                for _ in range(repeats):
+                    if dev == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    fn()
+                    if dev == "cuda":
+                        torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
+                params = [*backbone.parameters(), history] + (
+                    [] if name == "backbone alone" else list(module.parameters()))
+                if dev == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                    fn()
+                    peak = torch.cuda.max_memory_allocated()
+                else:
+                    with LiveMemoryTracker(params) as tracker:
+                        fn()
+                    peak = tracker.peak_bytes
+            results[name] = {"median_ms": 1e3 * statistics.median(times), "peak_mb": peak / 1e6,
+                             "module_params": 0 if name == "backbone alone" else
+                             sum(p.numel() for p in module.parameters())}
+    return results
+
+
 def main(argv: list[str] | None = None) -> None:
     from fedadapt.cli import to_run_config
     from fedadapt.entry import compose_config
@@ -120,8 +178,27 @@ def main(argv: list[str] | None = None) -> None:
                                             "client at one exit, per exit (compute saved?)")
     parser.add_argument("--methods", help="methods mode, e.g. fedclip,fedavg_clip: seconds per "
                                               "round of each (base: experiment=fedclip_cost)")
+    parser.add_argument("--iciia", action="store_true",
+                        help="ICIIA Table 2: latency and memory of recognising one image with "
+                             "15 cached features, against the backbone alone")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides")
     args = parser.parse_args(argv)
+    if args.iciia:
+        res = iciia_latency(args.overrides, max(args.repeats, 20))
+        print("\n| recognising one image | median latency ms | peak memory MB | module "
+              "params |\n|---|---|---|---|")
+        for name, r in res.items():
+            print(f"| {name} | {r['median_ms']:.2f} | {r['peak_mb']:.1f} | "
+                  f"{r['module_params']:,} |")
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        from fedadapt.results.store import write_json
+
+        write_json(out / f"bench-iciia-{time.strftime('%Y%m%d-%H%M%S')}.json",
+                   {"results": res, "repeats": max(args.repeats, 20),
+                    "machine": f"{platform.node()} | {torch.get_num_threads()} torch threads | "
+                               f"{'cuda' if torch.cuda.is_available() else 'cpu'}"})
+        return
     prepare_s = {}
     if args.methods:
         overrides = ["experiment=fedclip_cost", f"rounds={args.rounds}", *args.overrides]

@@ -88,8 +88,18 @@ class PartitionConfig:
     #: Per-client split of each partition into train / val / test.
     val_fraction: float = 0.1
     test_fraction: float = 0.2
-    #: Domain partition: the domain held out as the unseen client (None = the card's default).
+    #: Domain partition: the domain held out as the unseen client (None = the card's default;
+    #: ``none``: every domain is a training client).
     holdout: Optional[str] = None
+    #: ``superclass``: the column of the coarse label (each client draws from one superclass,
+    #: as ICIIA's ImageNet clients from one parent category) ...
+    superclass_key: str = "coarse_label"
+    #: ... except this fraction of the clients, which draw from all classes (ICIIA Figure 7:
+    #: heterogeneity = 1 - mixed_fraction).
+    mixed_fraction: float = 0.0
+    #: Fraction of the clients held out whole as unseen test clients (ICIIA's "by client"
+    #: split: iNaturalist); their data is all test data. Server-trained methods only.
+    test_clients: float = 0.0
 
 
 @dataclass
@@ -212,7 +222,7 @@ class RunConfig:
     cache_dir: str = "${oc.env:FEDADAPT_CACHE,${oc.env:HOME}/.cache/fedadapt}"
 
 
-KNOWN_PARTITIONS = ("dirichlet", "iid", "natural", "domain")
+KNOWN_PARTITIONS = ("dirichlet", "iid", "natural", "domain", "superclass")
 KNOWN_SETTINGS = ("conventional", "anytime", "multitier", "personalization")
 PERSONALIZE_PARTS = ("trainable", "full", "adapters", "accumulator", "client_token")
 KNOWN_OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -246,6 +256,10 @@ def validate(cfg: RunConfig) -> RunConfig:
         p.fraction_evaluate,
         "must be in [0, 1]",
     )
+    _check(0 <= p.mixed_fraction <= 1, "partition.mixed_fraction", p.mixed_fraction,
+           "must be in [0, 1]")
+    _check(0 <= p.test_clients < 1, "partition.test_clients", p.test_clients,
+           "must be in [0, 1)")
     _check(p.min_partition_size >= 1, "partition.min_partition_size", p.min_partition_size,
            "must be >= 1")
     for key, val in (("partition.val_fraction", p.val_fraction),

@@ -47,6 +47,10 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
     datasets.disable_progress_bars()
     card = load_card(cfg.dataset.name)
     prepared = prepare_dataset(cfg.dataset, cfg.cache_dir, cfg.seed)
+    if cfg.partition.test_clients > 0 and method_spec(cfg.method).trainer != "server":
+        raise ConfigError(f"partition.test_clients={cfg.partition.test_clients} is invalid for "
+                          f"method={cfg.method.name}: unseen test clients have no training "
+                          f"data, only server-trained plug-ins (method=iciia_b) can serve them")
     partition = partition_dataset(prepared.load()["train"], cfg.partition, card, cfg.seed)
     if not quiet:
         log(f"[data] {card.name}: {prepared.num_train} train / {prepared.num_test} test samples, "

@@ -30,11 +30,12 @@ def test_training_sequences_come_from_one_client():
 
 
 def test_server_training_then_delivery_end_to_end(cache_dir, tmp_path):
-    cfg = iciia_run(cache_dir)
+    cfg = iciia_run(cache_dir, history_sweep=[0, 2])
     prep = prepare_run(cfg, quiet=True)
     summary = run_experiment(cfg, tmp_path / "iciia", config_yaml="iciia\n", prepared=prep)
     rec = summary["recognition"]
-    assert set(rec) == {"acc_original", "acc_finetune", "acc_prompt", "acc_batch", "acc_stream"}
+    assert set(rec) == {"acc_original", "acc_finetune", "acc_prompt", "acc_batch", "acc_stream",
+                        "acc_h0", "acc_h2"}
     for r in rec.values():
         assert 0.0 <= r["images"] <= 1.0 and r["clients"] == 4
     assert summary["server_training"]["iciia"]["epochs_run"] <= 2
@@ -48,7 +49,8 @@ def test_server_training_then_delivery_end_to_end(cache_dir, tmp_path):
     token0, token1 = (client_arrays(trained, c)["prompt.token"] for c in (0, 1))
     assert not torch.equal(token0, token1)
     assert (tmp_path / "iciia" / "summary.json").is_file()
-    assert "module, one by one" in (tmp_path / "iciia" / "table.md").read_text()
+    table = (tmp_path / "iciia" / "table.md").read_text()
+    assert "module, one by one" in table and "2 cached" in table
 
 
 def test_server_training_is_seeded(cache_dir):
@@ -82,3 +84,36 @@ def test_inspect_reproduces_table_1(preset, dim, params_m, flops):
     assert counts["projection_params"] / 1e6 == pytest.approx(params_m, rel=0.05)
     assert counts["paper_flops"] == pytest.approx(flops, rel=0.05)
     assert counts["paper_params"] == 6 * dim * dim * 3 // (1 if preset == "iciia_b" else 256)
+
+
+def test_superclass_clients_and_unseen_test_clients():
+    """ICIIA's data: clients drawing from one superclass (a mixed fraction from all classes,
+    Figure 7), and unseen test clients holding test data only (the "by client" split)."""
+    from datasets import Dataset
+    from fedadapt.data.catalogue import load_card
+    from fedadapt.data.partition import partition_dataset
+
+    fine = np.random.default_rng(0).integers(0, 20, 400)
+    ds = Dataset.from_dict({"label": fine.tolist(), "coarse_label": (fine // 4).tolist()})
+    coarse = fine // 4
+    for mixed, expected in ((0.0, [1] * 10), (0.5, [5] * 5 + [1] * 5)):
+        part = partition_dataset(ds, PartitionConfig(kind="superclass", num_clients=10,
+                                                     mixed_fraction=mixed, test_clients=0.2),
+                                 load_card("cifar100"), seed=0)
+        held = [c for c in part.clients if len(c.train) == 0]
+        assert len(held) == 2 and all(len(c.val) == 0 and len(c.test) > 0 for c in held)
+        everything = np.concatenate([np.concatenate([c.train, c.val, c.test])
+                                     for c in part.clients])
+        assert sorted(everything.tolist()) == list(range(400))  # each sample once
+        assert [len(np.unique(coarse[np.concatenate([c.train, c.val, c.test])]))
+                for c in part.clients] == expected
+
+
+def test_unseen_test_clients_need_a_server_trained_method(cache_dir):
+    from fedadapt.adapters.heads import LinearHeadConfig
+
+    cfg = validate(tiny_run(cache_dir, LinearHeadConfig(),
+                            partition=PartitionConfig(kind="iid", num_clients=3,
+                                                      test_clients=0.34)))
+    with pytest.raises(ConfigError, match="partition.test_clients"):
+        prepare_run(cfg, quiet=True)

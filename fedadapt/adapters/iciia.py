@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -294,6 +294,9 @@ class IciiaConfig(MethodConfig):
     classifier_epochs: int = 30
     finetune_epochs: int = 10
     prompt_tuning: bool = True
+    #: Figure 6: also recognise every test image with exactly h cached features, for each h
+    #: here (images with fewer than h predecessors are left out of that h's accuracy).
+    history_sweep: list[int] = field(default_factory=list)
     #: fedadapt-inspect: count for this D instead of the backbone's (Table 1's backbones).
     feature_dim: Optional[int] = None
 
@@ -321,6 +324,9 @@ def build_iciia(cfg: IciiaConfig, backbone, num_classes, with_backbone):
     if not 0 <= cfg.min_history <= cfg.images - 1:
         raise ConfigError(f"method.min_history={cfg.min_history} is invalid: must be in "
                           f"0..method.images-1 ({cfg.images - 1} cached features)")
+    if any(h < 0 for h in cfg.history_sweep):
+        raise ConfigError(f"method.history_sweep={list(cfg.history_sweep)} is invalid: "
+                          f"numbers of cached features >= 0")
     if not cfg.use_cache:
         raise ConfigError("method.use_cache=false is invalid for ICIIA: it trains on the "
                           "foundation's cached features")

@@ -35,15 +35,21 @@ class Partition:
     stats: dict = field(default_factory=dict)
 
 
-def _partitioner(cfg: PartitionConfig, card: DatasetCard, seed: int):
+def _partitioner(cfg: PartitionConfig, card: DatasetCard, seed: int, mixed: int = 0):
     from flwr_datasets.partitioner import (
         DirichletPartitioner,
         IidPartitioner,
         NaturalIdPartitioner,
+        PathologicalPartitioner,
     )
 
     if cfg.kind == "iid":
         return IidPartitioner(num_partitions=cfg.num_clients)
+    if cfg.kind == "superclass":  # one superclass (coarse label) per client
+        return PathologicalPartitioner(
+            num_partitions=cfg.num_clients - mixed, partition_by=cfg.superclass_key,
+            num_classes_per_partition=1, class_assignment_mode="first-deterministic",
+            shuffle=True, seed=seed)
     if cfg.kind == "dirichlet":
         return DirichletPartitioner(
             num_partitions=cfg.num_clients, partition_by="label", alpha=cfg.alpha,
@@ -79,7 +85,8 @@ def partition_dataset(train_ds, cfg: PartitionConfig, card: DatasetCard, seed: i
                 f"partition.num_clients={cfg.num_clients} is invalid: with "
                 f"partition.min_partition_size={cfg.min_partition_size} it needs "
                 f"{cfg.num_clients * cfg.min_partition_size} samples, dataset={card.name} has {n}")
-    key = {"natural": "client", "domain": "domain"}.get(cfg.kind)
+    key = {"natural": "client", "domain": "domain", "superclass": cfg.superclass_key
+           }.get(cfg.kind)
     if key is not None and key not in columns:
         raise ConfigError(f"partition={cfg.kind} is invalid for dataset={card.name}: it has no "
                           f"'{key}' column (the card maps none)")
@@ -87,17 +94,24 @@ def partition_dataset(train_ds, cfg: PartitionConfig, card: DatasetCard, seed: i
         "__idx__", np.arange(n))
     if cfg.kind == "iid":  # IidPartitioner shards contiguously: shuffle first, with the seed
         light = light.shuffle(seed=seed)
-    partitioner = _partitioner(cfg, card, seed)
+    mixed: list = []
+    if cfg.kind == "superclass" and cfg.mixed_fraction > 0:
+        light, mixed = _mixed_clients(light, cfg, seed)
+    partitioner = _partitioner(cfg, card, seed, len(mixed))
     partitioner.dataset = light
     try:
-        parts = [partitioner.load_partition(i) for i in range(partitioner.num_partitions)]
+        parts = [] if len(light) == 0 else [partitioner.load_partition(i)
+                                            for i in range(partitioner.num_partitions)]
     except ValueError as err:
         raise ConfigError(
             f"partition.alpha={cfg.alpha} with partition.num_clients={cfg.num_clients}: "
             f"flwr-datasets could not give every client partition.min_partition_size="
             f"{cfg.min_partition_size} samples ({err}); lower min_partition_size or num_clients"
         ) from err
-    if key is None:
+    if cfg.kind == "superclass":  # the mixed clients take the first partition ids
+        parts = mixed + parts
+        names = [f"client-{i}" for i in range(len(parts))]
+    elif key is None:
         names = [f"client-{i}" for i in range(len(parts))]
     else:
         names = [str(p[key][0]) if len(p) else f"empty-{i}" for i, p in enumerate(parts)]
@@ -106,7 +120,7 @@ def partition_dataset(train_ds, cfg: PartitionConfig, card: DatasetCard, seed: i
     unseen = unseen_name = None
     if cfg.kind == "domain":
         holdout = cfg.holdout or card.default_holdout
-        if holdout is not None:
+        if holdout is not None and holdout.lower() != "none":  # "none": every domain a client
             if holdout not in names:
                 raise ConfigError(f"partition.holdout={holdout!r} is invalid: domains are {names}")
             j = names.index(holdout)
@@ -117,9 +131,36 @@ def partition_dataset(train_ds, cfg: PartitionConfig, card: DatasetCard, seed: i
         indices, names = [indices[k] for k in keep], [names[k] for k in keep]
 
     clients = [split_client(idx, cfg, seed, i) for i, idx in enumerate(indices)]
+    if cfg.test_clients > 0:  # "by client": unseen clients hold test data only
+        k = int(round(cfg.test_clients * len(clients)))
+        if not 0 < k < len(clients):
+            raise ConfigError(f"partition.test_clients={cfg.test_clients} is invalid: with "
+                              f"{len(clients)} clients it holds out {k}; keep some on both sides")
+        held = np.random.default_rng([seed, 0x7E57]).choice(len(clients), k, replace=False)
+        for j in held:
+            whole = np.sort(np.asarray(indices[j], dtype=np.int64))
+            clients[j] = ClientSplit(train=whole[:0], val=whole[:0], test=whole)
     part = Partition(clients=clients, names=names, unseen=unseen, unseen_name=unseen_name)
-    part.stats = partition_stats(part, np.asarray(light["label"]))
+    part.stats = partition_stats(part, np.asarray(train_ds["label"]))
     return part
+
+
+def _mixed_clients(light, cfg: PartitionConfig, seed: int):
+    """Set aside ``mixed_fraction`` of the data for ``mixed_fraction`` of the clients, who draw
+    from all classes (an IID split of it); the rest goes to the one-superclass partitioner."""
+    from flwr_datasets.partitioner import IidPartitioner
+
+    k = int(round(cfg.mixed_fraction * cfg.num_clients))
+    if k == 0:
+        return light, []
+    shuffled = light.shuffle(seed=seed)
+    cut = int(round(len(shuffled) * k / cfg.num_clients))
+    iid = IidPartitioner(num_partitions=k)
+    iid.dataset = shuffled.select(range(cut))
+    mixed = [iid.load_partition(i) for i in range(k)]
+    if k == cfg.num_clients:
+        return shuffled.select(range(0)), mixed
+    return shuffled.select(range(cut, len(shuffled))), mixed
 
 
 def partition_stats(part: Partition, labels: np.ndarray) -> dict:

@@ -236,13 +236,20 @@ def recognize(spec: RunSpec, cid: int, arrays: dict[str, torch.Tensor]) -> dict:
     stream = recognize_stream(module, original, x, m.images - 1, m.min_history) if len(y) \
         else torch.empty(0, spec.num_classes)
     out["acc_stream"] = _accuracy(stream, y)
-    if "prompt.token" in arrays:
+    for h in m.history_sweep:  # Figure 6: exactly h cached features per recognised image
+        if len(y) > h:
+            logits = recognize_stream(module, original, x, h, h)[h:]
+            out[f"acc_h{h}"] = _accuracy(logits, y[h:])
+            out[f"n_h{h}"] = len(y) - h
+    seen = len(split.train) > 0  # unseen test clients ("by client"): no labels, no tuning
+    if "prompt.token" in arrays and seen:
         linear = nn.Linear(spec.embed_dim + spec.embed_dim // 2, spec.num_classes)
         linear.load_state_dict({k[14:]: v for k, v in arrays.items()
                                 if k.startswith("prompt.linear.")})
         token = arrays["prompt.token"].expand(len(y), -1)
         out["acc_prompt"] = _accuracy(linear(torch.cat([x, token], dim=-1)), y)
-    out["acc_finetune"] = _finetune_last_layer(spec, cid, original, x, y)
+    out["acc_finetune"] = _finetune_last_layer(spec, cid, original, x, y) if seen \
+        else float("nan")
     return out
 
 
@@ -275,9 +282,12 @@ def summarize_recognition(rows: list[dict]) -> dict:
     """Per metric: the accuracy over all clients' test images (example-weighted, Table 4) and
     the mean over clients."""
     out = {}
-    for key in RESULT_KEYS:
-        ok = [(r[key], r["num-examples"]) for r in rows
-              if key in r and np.isfinite(r[key]) and r["num-examples"] > 0]
+    history = sorted({k for r in rows for k in r if k.startswith("acc_h")},
+                     key=lambda k: int(k[5:]))
+    for key in (*RESULT_KEYS, *history):
+        count = "n_h" + key[5:] if key in history else "num-examples"
+        ok = [(r[key], r[count]) for r in rows
+              if key in r and np.isfinite(r[key]) and r[count] > 0]
         if not ok:
             continue
         n = sum(w for _, w in ok)

@@ -124,9 +124,19 @@ def recognition_table(summaries: list[dict]) -> str:
         body.append([s["method"], fmt_count(s["params"].get("module_params")),
                      *(fmt_pct(r[k]["images"]) if k in r else "—" for k, _ in RECOGNITION),
                      str(s["server_training"]["iciia"]["best_epoch"])])
-    return ("Recognition on the clients' test splits (accuracy over all their images; nothing "
-            "trained on the clients except the fine-tuning baseline):\n\n"
-            + markdown(header, body))
+    out = ("Recognition on the clients' test splits (accuracy over all their images; nothing "
+           "trained on the clients except the fine-tuning baseline):\n\n"
+           + markdown(header, body))
+    hs = sorted({int(k[5:]) for s in rows for k in s["recognition"] if k.startswith("acc_h")})
+    if hs:
+        header = ["method", *(f"{h} cached" for h in hs)]
+        body = [[s["method"], *(fmt_pct(s["recognition"][f"acc_h{h}"]["images"])
+                                if f"acc_h{h}" in s["recognition"] else "—" for h in hs)]
+                for s in rows]
+        out += ("\nOne by one with exactly h cached features (Figure 6; the original "
+                "classifier: " + fmt_pct(rows[0]["recognition"]["acc_original"]["images"])
+                + "):\n\n" + markdown(header, body))
+    return out
 
 
 def run_tables(summaries: list[dict], title: str = "") -> str:
