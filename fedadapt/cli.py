@@ -107,8 +107,10 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
     first, part = jobs[0][1], summaries[0]["partition"]
     split = (f"domains as clients, held out: {summaries[0]['domains']['holdout']}"
              if summaries[0].get("domains") else f"{part['kind']} alpha={part['alpha']}")
+    rounds = (f"{first.rounds} rounds" if summaries[0]["rounds"] or not summaries[0].get(
+        "recognition") else "trained once on the server")
     title = (f"## {first.experiment}: {first.dataset.name}, {first.backbone.name}, "
-             f"{part['num_clients']} clients, {split}, {first.rounds} rounds, seed {first.seed}")
+             f"{part['num_clients']} clients, {split}, {rounds}, seed {first.seed}")
     table = run_tables(summaries, title=title)
     atomic_write(run_dir / "table.md", lambda fh: fh.write(table))
     curves = {s["method"]: read_jsonl(path) for s in summaries

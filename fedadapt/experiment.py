@@ -236,15 +236,13 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
     from fedadapt.federation.checkpoint import save_checkpoint
     from fedadapt.federation.launch import run_simulation
     from fedadapt.federation.server import ServerPlan
-    from fedadapt.federation.training import device, evaluate, evaluate_exits, lr_at
+    from fedadapt.federation.training import evaluate, evaluate_exits, lr_at
     from fedadapt.results.plots import plot_curves
     from fedadapt.results.store import (
         METRICS,
         SUMMARY,
         append_jsonl,
         atomic_write,
-        git_commit,
-        versions,
         write_json,
         write_jsonl,
     )
@@ -359,15 +357,7 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
         personalization = {"part": cfg.setting.personalize, "epochs": cfg.setting.epochs,
                            **summarize_personalization(rows)}
     summary = {
-        "method": label,
-        "experiment": cfg.experiment,
-        "dataset": cfg.dataset.name,
-        "backbone": cfg.backbone.name,
-        "partition": {"kind": p.kind, "num_clients": spec.num_clients, "alpha": p.alpha,
-                      "fraction_fit": p.fraction_fit},
-        "seed": cfg.seed,
-        "rounds": num_rounds,
-        "setting": cfg.setting.name,
+        **_summary_head(cfg, label, prep, rounds=num_rounds, setting=cfg.setting.name),
         "final": {k: final.get(k) for k in ("round", "global_acc", "client_acc",
                                             "client_acc_weighted", "train_loss",
                                             "global_acc_last", "exit_acc", "tier_acc")},
@@ -388,11 +378,7 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
         "wall_s": time.time() - t0 + (resume_state or {}).get("wall_s", 0.0),
         "seconds_per_round": (sum(r["round_s"] for r in history) / len(history)
                               if history else None),
-        "partition_stats": {k: prep.partition.stats[k] for k in
-                            ("num_clients", "samples_per_client", "classes_per_client")},
-        "versions": versions(),
-        "git_commit": git_commit(),
-        "device": device(),
+        **_summary_tail(prep),
     }
     table = run_tables([summary], title=f"## {cfg.experiment}: {label} on {cfg.dataset.name}")
     atomic_write(run_dir / "table.md", lambda fh: fh.write(table))
@@ -401,6 +387,27 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
                     title=f"{label} | {cfg.dataset.name} | alpha {p.alpha}")
     write_json(run_dir / SUMMARY, summary)  # last: marks the run directory complete
     return summary
+
+
+def _summary_head(cfg: RunConfig, label: str, prep: PreparedRun, *, rounds: int,
+                  setting: str) -> dict:
+    """The fields that say which run a summary is (first in every ``summary.json``)."""
+    p = cfg.partition
+    return {"method": label, "experiment": cfg.experiment, "dataset": cfg.dataset.name,
+            "backbone": cfg.backbone.name,
+            "partition": {"kind": p.kind, "num_clients": prep.spec.num_clients,
+                          "alpha": p.alpha, "fraction_fit": p.fraction_fit},
+            "seed": cfg.seed, "rounds": rounds, "setting": setting}
+
+
+def _summary_tail(prep: PreparedRun) -> dict:
+    """The partition's statistics and where the run ran (last in every ``summary.json``)."""
+    from fedadapt.federation.training import device
+    from fedadapt.results.store import git_commit, versions
+
+    return {"partition_stats": {k: prep.partition.stats[k] for k in
+                                ("num_clients", "samples_per_client", "classes_per_client")},
+            "versions": versions(), "git_commit": git_commit(), "device": device()}
 
 
 def run_plugin_experiment(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, config_yaml: str,
@@ -415,8 +422,7 @@ def run_plugin_experiment(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, c
     from fedadapt.federation.launch import run_simulation
     from fedadapt.federation.plugin import client_arrays, summarize_recognition, train_on_server
     from fedadapt.federation.server import ServerPlan
-    from fedadapt.federation.training import device
-    from fedadapt.results.store import atomic_write, git_commit, versions, write_json
+    from fedadapt.results.store import atomic_write, write_json
     from fedadapt.results.tables import run_tables
     from fedadapt.strategies.fedavg import build_strategy
 
@@ -430,7 +436,6 @@ def run_plugin_experiment(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, c
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(run_dir / "config.yaml", lambda fh: fh.write(config_yaml))
     write_json(run_dir / "partition.json", prep.partition.stats)
-    p = cfg.partition
     plan = ServerPlan(
         num_clients=spec.num_clients,
         make_strategy=lambda: build_strategy("fedavg", federated=True,
@@ -450,15 +455,7 @@ def run_plugin_experiment(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, c
     module_params = sum(t.numel() for t in trained["module"].parameters())
     layer_params = module_params - sum(t.numel() for t in trained["module"].classifier.parameters())
     summary = {
-        "method": label,
-        "experiment": cfg.experiment,
-        "dataset": cfg.dataset.name,
-        "backbone": cfg.backbone.name,
-        "partition": {"kind": p.kind, "num_clients": spec.num_clients, "alpha": p.alpha,
-                      "fraction_fit": 1.0},
-        "seed": cfg.seed,
-        "rounds": 0,
-        "setting": "server-trained plug-in",
+        **_summary_head(cfg, label, prep, rounds=0, setting="server-trained plug-in"),
         "recognition": summarize_recognition(rows),
         "server_training": trained["log"],
         "final": {"round": 1, "global_acc": None, "client_acc": None},
@@ -469,11 +466,7 @@ def run_plugin_experiment(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, c
         "bytes_up": 0,
         "wall_s": time.time() - t0,
         "seconds_per_round": None,
-        "partition_stats": {k: prep.partition.stats[k] for k in
-                            ("num_clients", "samples_per_client", "classes_per_client")},
-        "versions": versions(),
-        "git_commit": git_commit(),
-        "device": device(),
+        **_summary_tail(prep),
     }
     stream = summary["recognition"].get("acc_stream")
     summary["final"]["client_acc"] = stream["client_mean"] if stream else None

@@ -107,8 +107,13 @@ def _fit(model: nn.Module, loss_of: Callable[[], list[torch.Tensor]],
 def train_on_server(spec: RunSpec) -> dict:
     """Algorithm 1 and the baselines' server parts; returns the trained modules and a log."""
     m = spec.method
-    torch.manual_seed(derive_seed(spec.seed, 0x1C11A))
-    rng = np.random.default_rng([spec.seed, 0x1C11A])
+
+    def stage_rng(stage: int) -> np.random.Generator:
+        """Each stage draws from its own seeded streams, so the baselines are the same in every
+        run of a seed, whichever module is trained between them."""
+        torch.manual_seed(derive_seed(spec.seed, 0x1C11A, stage))
+        return np.random.default_rng([spec.seed, 0x1C11A, stage])
+
     n = len(spec.train_source.labels())
     feats, labels = spec.train_source.get(np.arange(n))
     clients = spec.clients
@@ -122,9 +127,10 @@ def train_on_server(spec: RunSpec) -> dict:
 
         raise ConfigError("method=iciia trains with early stopping on the clients' validation "
                           "splits: partition.val_fraction must be > 0")
-    batch = 64
+    batch = 64  # the classifiers' batches (the original model, prompt tuning)
 
     # 1. the original model: the classifier on the mixture of the clients' training features
+    rng = stage_rng(1)
     original = nn.Linear(spec.embed_dim, spec.num_classes)
 
     def original_batches():
@@ -141,6 +147,7 @@ def train_on_server(spec: RunSpec) -> dict:
                         patience=m.patience, lr=m.lr, label="original classifier")
 
     # 2. ICIIA: sequences of B images of one client, the classifier starts from the original
+    rng = stage_rng(2)
     module = build_module(spec)
     module.classifier.load_state_dict(original.state_dict())
     val_seqs = [s for c in clients for s in sequences(c.val, m.images, rng)]
@@ -170,6 +177,7 @@ def train_on_server(spec: RunSpec) -> dict:
     prompt = None
     prompt_log = None
     if m.prompt_tuning:
+        rng = stage_rng(3)
         prompt = PromptClassifier(spec.embed_dim, spec.num_classes, len(clients))
         owner_t = torch.from_numpy(owner)
 
