@@ -51,6 +51,9 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
         raise ConfigError(f"partition.test_clients={cfg.partition.test_clients} is invalid for "
                           f"method={cfg.method.name}: unseen test clients have no training "
                           f"data, only server-trained plug-ins (method=iciia_b) can serve them")
+    if cfg.federation.select == "best_val" and cfg.partition.val_fraction == 0:
+        raise ConfigError("federation.select=best_val picks the round by the clients' "
+                          "validation accuracy: it needs partition.val_fraction > 0")
     partition = partition_dataset(prepared.load()["train"], cfg.partition, card, cfg.seed)
     if not quiet:
         log(f"[data] {card.name}: {prepared.num_train} train / {prepared.num_test} test samples, "
@@ -292,8 +295,9 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
             return {**out, "global_acc": acc, "global_loss": loss}
         # every exit in one pass; the headline is their mean (the paper's "mean performance")
         losses, accs, _ = evaluate_exits(model, spec.test_source, list(range(spec.num_exits)))
-        return {"global_acc": sum(accs) / len(accs), "global_loss": sum(losses) / len(losses),
-                "global_acc_last": accs[-1], "exit_acc": accs}
+        return {**out, "global_acc": sum(accs) / len(accs),
+                "global_loss": sum(losses) / len(losses), "global_acc_last": accs[-1],
+                "exit_acc": accs}
 
     progress = _progress(label, cfg.rounds)
 
@@ -462,8 +466,8 @@ def run_plugin_experiment(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, c
         "best": {"global_acc": None, "client_acc": None},
         "params": {**prep.counts, "module_params": layer_params},
         "total_bytes": state.cum_bytes,
-        "bytes_down": state.cum_bytes,
-        "bytes_up": 0,
+        "bytes_down": state.history[-1]["bytes_down"],
+        "bytes_up": state.history[-1]["bytes_up"],
         "wall_s": time.time() - t0,
         "seconds_per_round": None,
         **_summary_tail(prep),

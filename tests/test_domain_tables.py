@@ -67,7 +67,7 @@ def test_generalization_table():
     # fedavg: one seed (no std), no sketch run: "—", AVG over the three others, marked *
     assert "| fedavg | 53.08 | 80.08 | 90.00 | — | 74.39 * |" in md
     assert "AVG values marked * are computed over the available cells only" in md
-    assert "the round with the best mean validation accuracy (per run)" in md
+    assert "the one `federation.select` chose" in md
 
 
 def test_personalization_blocks():

@@ -321,6 +321,11 @@ def build_iciia(cfg: IciiaConfig, backbone, num_classes, with_backbone):
     for key in ("images", "max_epochs", "patience", "sequences_per_step", "classifier_epochs"):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"method.{key}={getattr(cfg, key)} is invalid: must be >= 1")
+    for key in ("lr", "clip"):
+        if not getattr(cfg, key) > 0:
+            raise ConfigError(f"method.{key}={getattr(cfg, key)} is invalid: must be > 0")
+    if not 0 <= cfg.momentum < 1:
+        raise ConfigError(f"method.momentum={cfg.momentum} is invalid: must be in [0, 1)")
     if not 0 <= cfg.min_history <= cfg.images - 1:
         raise ConfigError(f"method.min_history={cfg.min_history} is invalid: must be in "
                           f"0..method.images-1 ({cfg.images - 1} cached features)")

@@ -237,7 +237,9 @@ def recognize(spec: RunSpec, cid: int, arrays: dict[str, torch.Tensor]) -> dict:
     original = nn.Linear(spec.embed_dim, spec.num_classes)
     original.load_state_dict({k[9:]: v for k, v in arrays.items() if k.startswith("original.")})
     split = spec.clients[cid]
-    x, y = spec.train_source.get(split.test)  # arrival order: the split's order
+    # the order the images arrive in: a seeded permutation (stored order may be class-sorted)
+    order = np.random.default_rng([spec.seed, 0xA77, cid]).permutation(split.test)
+    x, y = spec.train_source.get(order)
     out = {"num-examples": len(y), "acc_original": _accuracy(original(x), y)}
     batch_logits = [module(x[i:i + m.images]) for i in range(0, len(y), m.images)]
     out["acc_batch"] = _accuracy(torch.cat(batch_logits), y) if len(y) else float("nan")

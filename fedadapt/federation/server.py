@@ -208,23 +208,32 @@ def personalize_clients(grid: Grid, state: ServerState, plan: ServerPlan) -> lis
     return rows
 
 
-def deliver_plugin(grid: Grid, state: ServerState, plan: ServerPlan) -> list[dict]:
+def deliver_plugin(grid: Grid, state: ServerState, plan: ServerPlan, chunk: int = 32
+                   ) -> list[dict]:
     """Send every client its plug-in arrays in one round; it recognises its test split with
     them and replies with metrics only. Returns one row per client that answered."""
     strategy = state.strategy
-    msgs = [Message(RecordDict({"arrays": plan.plugin_arrays(pid),
-                                "config": ConfigRecord({"phase": "plugin"})}),
-                    dst_node_id=nid, message_type=MessageType.EVALUATE)
-            for pid, nid in strategy.node_of.items()]
-    replies = strategy.in_partition_order(grid.send_and_receive(msgs, timeout=plan.timeout))
-    checked = screen_replies(msgs, replies, None, strategy.partition_of)
-    _warn_dropped(1, "plug-in", checked, len(msgs))
-    require_enough(checked, len(msgs), plan.min_reply_fraction, 1)
-    state.cum_bytes += _bytes(msgs) + _bytes(replies)
-    state.history.append({"round": 1, "bytes_down": _bytes(msgs), "bytes_up": _bytes(replies),
+    nodes = list(strategy.node_of.items())
+    good, dropped, sent, down, up = [], [], 0, 0, 0
+    for start in range(0, len(nodes), chunk):  # a chunk at a time: each message holds a copy
+        msgs = [Message(RecordDict({"arrays": plan.plugin_arrays(pid),
+                                    "config": ConfigRecord({"phase": "plugin"})}),
+                        dst_node_id=nid, message_type=MessageType.EVALUATE)
+                for pid, nid in nodes[start:start + chunk]]
+        replies = strategy.in_partition_order(grid.send_and_receive(msgs,
+                                                                    timeout=plan.timeout))
+        checked = screen_replies(msgs, replies, None, strategy.partition_of)
+        _warn_dropped(1, "plug-in", checked, len(msgs))
+        good += checked.good
+        dropped += checked.dropped
+        sent += len(msgs)
+        down, up = down + _bytes(msgs), up + _bytes(replies)
+    require_enough(Screened(good=good, dropped=dropped), sent, plan.min_reply_fraction, 1)
+    state.cum_bytes += down + up
+    state.history.append({"round": 1, "bytes_down": down, "bytes_up": up,
                           "cum_bytes": state.cum_bytes, "wall_s": time.time() - state.started})
     return [{"client": strategy.partition_of[r.metadata.src_node_id], **m}
-            for r, m in zip(checked.good, _metrics(checked.good))]
+            for r, m in zip(good, _metrics(good))]
 
 
 def execute_plan(grid: Grid, plan: ServerPlan) -> ServerState:

@@ -18,8 +18,9 @@ import statistics
 from fedadapt.results.tables import markdown
 
 CLIENT = "client:"  # prefix of the per-client accuracy keys in domain_rows()
-ROUND_NOTE = ("Reported round: the round with the best mean validation accuracy (per run); "
-              "accuracy in %, mean ± population std over seeds.")
+ROUND_NOTE = ("Reported round: per run, the one `federation.select` chose (`best_val`: the best "
+              "mean validation accuracy, as FedCLIP's authors report; `last`: the last "
+              "evaluation); accuracy in %, mean ± population std over seeds.")
 STAR_NOTE = ("AVG values marked * are computed over the available cells only "
              "(— = no run for that combination).")
 
