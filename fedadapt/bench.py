@@ -228,8 +228,8 @@ def main(argv: list[str] | None = None) -> None:
                 t0 = time.perf_counter()
                 prepare_run(dataclasses.replace(cfg, cache_dir=fresh), quiet=True)
                 prepare_s[name] = time.perf_counter() - t0
-            results_note = f" (prepare from an empty cache: {prepare_s[name]:.1f} s)"
-            print(f"[bench] {name}{results_note}", flush=True)
+            print(f"[bench] {name} (prepare from an empty cache: {prepare_s[name]:.1f} s)",
+                  flush=True)
         per_round, startup = [], []
         for rep in range(args.repeats):
             print(f"[bench] {name}: repeat {rep + 1}/{args.repeats}", flush=True)

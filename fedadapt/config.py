@@ -231,7 +231,8 @@ KNOWN_WEIGHTINGS = ("examples", "uniform")
 KNOWN_SELECTIONS = ("last", "best_val")
 
 
-def _check(ok: bool, key: str, value: Any, rule: str) -> None:
+def check(ok: bool, key: str, value: Any, rule: str) -> None:
+    """Raise :class:`ConfigError` ``"<key>=<value> is invalid: <rule>"`` unless ``ok``."""
     if not ok:
         raise ConfigError(f"{key}={value!r} is invalid: {rule}")
 
@@ -239,94 +240,94 @@ def _check(ok: bool, key: str, value: Any, rule: str) -> None:
 def validate(cfg: RunConfig) -> RunConfig:
     """Check values a type cannot express; raise :class:`ConfigError` naming the key."""
     p, t, f = cfg.partition, cfg.train, cfg.federation
-    _check(cfg.rounds >= 1, "rounds", cfg.rounds, "must be >= 1")
-    _check(p.kind in KNOWN_PARTITIONS, "partition.kind", p.kind, f"one of {KNOWN_PARTITIONS}")
-    _check(p.num_clients >= 1, "partition.num_clients", p.num_clients, "must be >= 1")
-    _check(
+    check(cfg.rounds >= 1, "rounds", cfg.rounds, "must be >= 1")
+    check(p.kind in KNOWN_PARTITIONS, "partition.kind", p.kind, f"one of {KNOWN_PARTITIONS}")
+    check(p.num_clients >= 1, "partition.num_clients", p.num_clients, "must be >= 1")
+    check(
         math.isfinite(p.alpha) and p.alpha > 0,
         "partition.alpha",
         p.alpha,
         "the Dirichlet concentration must be > 0 (small = non-IID, e.g. 0.1; large = IID, "
         "e.g. 1000)",
     )
-    _check(0 < p.fraction_fit <= 1, "partition.fraction_fit", p.fraction_fit, "must be in (0, 1]")
-    _check(
+    check(0 < p.fraction_fit <= 1, "partition.fraction_fit", p.fraction_fit, "must be in (0, 1]")
+    check(
         0 <= p.fraction_evaluate <= 1,
         "partition.fraction_evaluate",
         p.fraction_evaluate,
         "must be in [0, 1]",
     )
-    _check(0 <= p.mixed_fraction <= 1, "partition.mixed_fraction", p.mixed_fraction,
+    check(0 <= p.mixed_fraction <= 1, "partition.mixed_fraction", p.mixed_fraction,
            "must be in [0, 1]")
-    _check(0 <= p.test_clients < 1, "partition.test_clients", p.test_clients,
+    check(0 <= p.test_clients < 1, "partition.test_clients", p.test_clients,
            "must be in [0, 1)")
-    _check(p.min_partition_size >= 1, "partition.min_partition_size", p.min_partition_size,
+    check(p.min_partition_size >= 1, "partition.min_partition_size", p.min_partition_size,
            "must be >= 1")
     for key, val in (("partition.val_fraction", p.val_fraction),
                      ("partition.test_fraction", p.test_fraction)):
-        _check(0 <= val < 1, key, val, "must be in [0, 1)")
-    _check(p.val_fraction + p.test_fraction < 1, "partition.val_fraction",
+        check(0 <= val < 1, key, val, "must be in [0, 1)")
+    check(p.val_fraction + p.test_fraction < 1, "partition.val_fraction",
            p.val_fraction, "val_fraction + test_fraction must leave training data (< 1)")
-    _check(0 <= cfg.dataset.test_fraction < 1, "dataset.test_fraction",
+    check(0 <= cfg.dataset.test_fraction < 1, "dataset.test_fraction",
            cfg.dataset.test_fraction, "must be in [0, 1)")
-    _check(cfg.dataset.max_samples is None or cfg.dataset.max_samples > 0,
+    check(cfg.dataset.max_samples is None or cfg.dataset.max_samples > 0,
            "dataset.max_samples", cfg.dataset.max_samples, "must be > 0 or null")
     st = cfg.setting
-    _check(st.name in KNOWN_SETTINGS, "setting", st.name, f"one of {KNOWN_SETTINGS}")
-    _check(st.tiers is None or (len(st.tiers) > 0 and min(st.tiers) >= 0), "setting.tiers",
+    check(st.name in KNOWN_SETTINGS, "setting", st.name, f"one of {KNOWN_SETTINGS}")
+    check(st.tiers is None or (len(st.tiers) > 0 and min(st.tiers) >= 0), "setting.tiers",
            st.tiers, "a non-empty list of exits >= 0, or null for every exit")
-    _check(st.personalize in PERSONALIZE_PARTS, "setting.personalize", st.personalize,
+    check(st.personalize in PERSONALIZE_PARTS, "setting.personalize", st.personalize,
            f"one of {PERSONALIZE_PARTS}")
-    _check(st.epochs >= 1, "setting.epochs", st.epochs, "must be >= 1")
-    _check(st.lr is None or (st.lr > 0 and math.isfinite(st.lr)), "setting.lr", st.lr,
+    check(st.epochs >= 1, "setting.epochs", st.epochs, "must be >= 1")
+    check(st.lr is None or (st.lr > 0 and math.isfinite(st.lr)), "setting.lr", st.lr,
            "must be > 0 or null")
-    _check(len(st.corruptions) > 0, "setting.corruptions", st.corruptions, "must not be empty")
-    _check(len(st.severities) > 0 and all(0 <= s <= 5 for s in st.severities),
+    check(len(st.corruptions) > 0, "setting.corruptions", st.corruptions, "must not be empty")
+    check(len(st.severities) > 0 and all(0 <= s <= 5 for s in st.severities),
            "setting.severities", st.severities, "a non-empty list of severities in 0..5")
-    _check(t.optimizer in KNOWN_OPTIMIZERS, "train.optimizer", t.optimizer,
+    check(t.optimizer in KNOWN_OPTIMIZERS, "train.optimizer", t.optimizer,
            f"one of {KNOWN_OPTIMIZERS}")
-    _check(t.lr > 0 and math.isfinite(t.lr), "train.lr", t.lr, "must be > 0")
-    _check(t.batch_size >= 1, "train.batch_size", t.batch_size, "must be >= 1")
-    _check(t.local_epochs >= 1, "train.local_epochs", t.local_epochs, "must be >= 1")
-    _check(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be >= 0")
-    _check(0 <= t.momentum < 1, "train.momentum", t.momentum, "must be in [0, 1)")
-    _check(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", list(t.betas),
+    check(t.lr > 0 and math.isfinite(t.lr), "train.lr", t.lr, "must be > 0")
+    check(t.batch_size >= 1, "train.batch_size", t.batch_size, "must be >= 1")
+    check(t.local_epochs >= 1, "train.local_epochs", t.local_epochs, "must be >= 1")
+    check(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be >= 0")
+    check(0 <= t.momentum < 1, "train.momentum", t.momentum, "must be in [0, 1)")
+    check(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", list(t.betas),
            "[beta1, beta2], each in [0, 1)")
-    _check(t.eps > 0, "train.eps", t.eps, "must be > 0")
-    _check(t.crop_scale is None or (len(t.crop_scale) == 2
+    check(t.eps > 0, "train.eps", t.eps, "must be > 0")
+    check(t.crop_scale is None or (len(t.crop_scale) == 2
                                     and 0 < t.crop_scale[0] <= t.crop_scale[1] <= 1),
            "train.crop_scale", t.crop_scale, "[min, max] with 0 < min <= max <= 1, or null")
-    _check(cfg.method.strategy in KNOWN_STRATEGIES, "method.strategy", cfg.method.strategy,
+    check(cfg.method.strategy in KNOWN_STRATEGIES, "method.strategy", cfg.method.strategy,
            f"one of {KNOWN_STRATEGIES}")
-    _check(cfg.method.weighting in KNOWN_WEIGHTINGS, "method.weighting", cfg.method.weighting,
+    check(cfg.method.weighting in KNOWN_WEIGHTINGS, "method.weighting", cfg.method.weighting,
            f"one of {KNOWN_WEIGHTINGS}")
-    _check(f.select in KNOWN_SELECTIONS, "federation.select", f.select,
+    check(f.select in KNOWN_SELECTIONS, "federation.select", f.select,
            f"one of {KNOWN_SELECTIONS}")
-    _check(cfg.method.proximal_mu >= 0, "method.proximal_mu", cfg.method.proximal_mu,
+    check(cfg.method.proximal_mu >= 0, "method.proximal_mu", cfg.method.proximal_mu,
            "must be >= 0")
-    _check(f.backend == "simulation", "federation.backend", f.backend,
+    check(f.backend == "simulation", "federation.backend", f.backend,
            "'simulation' is the in-process launcher; for a SuperLink use `flwr run` "
            "(see the README)")
-    _check(f.num_cpus > 0, "federation.num_cpus", f.num_cpus, "must be > 0")
-    _check(f.num_gpus is None or f.num_gpus >= 0, "federation.num_gpus", f.num_gpus,
+    check(f.num_cpus > 0, "federation.num_cpus", f.num_cpus, "must be > 0")
+    check(f.num_gpus is None or f.num_gpus >= 0, "federation.num_gpus", f.num_gpus,
            "must be >= 0 or null")
-    _check(f.eval_every >= 1, "federation.eval_every", f.eval_every, "must be >= 1")
-    _check(f.round_timeout is None or f.round_timeout > 0, "federation.round_timeout",
+    check(f.eval_every >= 1, "federation.eval_every", f.eval_every, "must be >= 1")
+    check(f.round_timeout is None or f.round_timeout > 0, "federation.round_timeout",
            f.round_timeout, "must be > 0 or null")
-    _check(0 < f.min_reply_fraction <= 1, "federation.min_reply_fraction",
+    check(0 < f.min_reply_fraction <= 1, "federation.min_reply_fraction",
            f.min_reply_fraction, "must be in (0, 1]")
-    _check(f.checkpoint_every >= 0, "federation.checkpoint_every", f.checkpoint_every,
+    check(f.checkpoint_every >= 0, "federation.checkpoint_every", f.checkpoint_every,
            "must be >= 0")
     from fedadapt.federation.faults import FAULT_KINDS
 
     fl = cfg.faults
-    _check(0 <= fl.fraction < 1, "faults.fraction", fl.fraction, "must be in [0, 1)")
-    _check(set(fl.kinds) <= set(FAULT_KINDS), "faults.kinds", list(fl.kinds),
+    check(0 <= fl.fraction < 1, "faults.fraction", fl.fraction, "must be in [0, 1)")
+    check(set(fl.kinds) <= set(FAULT_KINDS), "faults.kinds", list(fl.kinds),
            f"each one of {FAULT_KINDS}")
-    _check(not (fl.fraction > 0 and "timeout" in fl.kinds and f.round_timeout is None),
+    check(not (fl.fraction > 0 and "timeout" in fl.kinds and f.round_timeout is None),
            "faults.kinds", list(fl.kinds),
            "a 'timeout' fault needs federation.round_timeout to be set")
-    _check(cfg.backbone.image_size >= 8, "backbone.image_size", cfg.backbone.image_size,
+    check(cfg.backbone.image_size >= 8, "backbone.image_size", cfg.backbone.image_size,
            "must be >= 8")
     return cfg
 

@@ -237,7 +237,6 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
 
     from fedadapt.clients.app import make_client_app
     from fedadapt.federation.checkpoint import save_checkpoint
-    from fedadapt.federation.launch import run_simulation
     from fedadapt.federation.server import ServerPlan
     from fedadapt.federation.training import evaluate, evaluate_exits, lr_at
     from fedadapt.results.plots import plot_curves
@@ -336,10 +335,7 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
         on_round=on_round,
         resume=resume_state,
     )
-    if execute is None:
-        def execute(plan, client_app):
-            return run_simulation(plan, client_app, cfg.federation)
-    state = execute(plan, make_client_app(lambda context: spec))
+    state = (execute or _simulation(cfg))(plan, make_client_app(lambda context: spec))
 
     history = state.history
     evals = [r for r in history if r["global_acc"] is not None or r["client_acc"] is not None]
@@ -393,6 +389,13 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
     return summary
 
 
+def _simulation(cfg: RunConfig) -> Callable:
+    """The default ``execute``: Flower's simulation engine with ``cfg.federation``."""
+    from fedadapt.federation.launch import run_simulation
+
+    return lambda plan, client_app: run_simulation(plan, client_app, cfg.federation)
+
+
 def _summary_head(cfg: RunConfig, label: str, prep: PreparedRun, *, rounds: int,
                   setting: str) -> dict:
     """The fields that say which run a summary is (first in every ``summary.json``)."""
@@ -423,7 +426,6 @@ def run_plugin_experiment(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, c
     from flwr.app import ArrayRecord
 
     from fedadapt.clients.app import make_client_app
-    from fedadapt.federation.launch import run_simulation
     from fedadapt.federation.plugin import client_arrays, summarize_recognition, train_on_server
     from fedadapt.federation.server import ServerPlan
     from fedadapt.results.store import atomic_write, write_json
@@ -431,10 +433,7 @@ def run_plugin_experiment(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, c
     from fedadapt.strategies.fedavg import build_strategy
 
     t0 = time.time() if t0 is None else t0
-    spec = prep.spec
-    if spec.train_source.kind != "features":
-        raise ConfigError(f"method={cfg.method.name} trains on cached features: it needs "
-                          f"method.use_cache=true")
+    spec = prep.spec  # cached features: the method's builder refused method.use_cache=false
     log(f"[{label}] training on the server from {spec.num_clients} clients' cached features")
     trained = train_on_server(spec)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -449,11 +448,8 @@ def run_plugin_experiment(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, c
         global_eval=None, counts={}, timeout=cfg.federation.round_timeout,
         min_reply_fraction=cfg.federation.min_reply_fraction,
         plugin_arrays=lambda pid: ArrayRecord(client_arrays(trained, pid)))
-    if execute is None:
-        def execute(plan, client_app):
-            return run_simulation(plan, client_app, cfg.federation)
     log(f"[{label}] delivering the module to {spec.num_clients} clients (one Flower round)")
-    state = execute(plan, make_client_app(lambda context: spec))
+    state = (execute or _simulation(cfg))(plan, make_client_app(lambda context: spec))
     rows = sorted(state.delivered, key=lambda r: r["client"])
     write_json(run_dir / "recognition.json", rows)
     module_params = sum(t.numel() for t in trained["module"].parameters())

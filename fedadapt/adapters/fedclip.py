@@ -34,7 +34,7 @@ from torch import nn
 
 from fedadapt.adapters import register_method
 from fedadapt.adapters.model import AdaptedModel
-from fedadapt.config import ConfigError, MethodConfig
+from fedadapt.config import ConfigError, MethodConfig, check
 
 CLASSIFIERS = ("prompts", "linear")
 LOSSES = ("contrastive", "ce")
@@ -164,11 +164,9 @@ class FedClipModel(AdaptedModel):
 
 
 def _check(cfg: FedClipConfig, class_text) -> None:
-    if cfg.classifier not in CLASSIFIERS:
-        raise ConfigError(f"method.classifier={cfg.classifier!r} is invalid: one of "
-                          f"{CLASSIFIERS}")
-    if cfg.loss not in LOSSES:
-        raise ConfigError(f"method.loss={cfg.loss!r} is invalid: one of {LOSSES}")
+    check(cfg.classifier in CLASSIFIERS, "method.classifier", cfg.classifier,
+          f"one of {CLASSIFIERS}")
+    check(cfg.loss in LOSSES, "method.loss", cfg.loss, f"one of {LOSSES}")
     if cfg.classifier == "linear":
         if cfg.loss != "ce":
             raise ConfigError("method.loss=contrastive is invalid with method.classifier=linear:"

@@ -35,7 +35,7 @@ from torch import nn
 
 from fedadapt.adapters import register_method
 from fedadapt.adapters.heads import check_dropout
-from fedadapt.config import ConfigError, MethodConfig
+from fedadapt.config import ConfigError, MethodConfig, check
 
 MIXINGS = ("attention", "conv", "none")
 
@@ -316,26 +316,18 @@ class IciiaHead(nn.Module):
 def build_iciia(cfg: IciiaConfig, backbone, num_classes, with_backbone):
     from fedadapt.adapters.model import AdaptedModel
 
-    if cfg.mixing not in MIXINGS:
-        raise ConfigError(f"method.mixing={cfg.mixing!r} is invalid: one of {MIXINGS}")
     for key in ("images", "max_epochs", "patience", "sequences_per_step", "classifier_epochs"):
-        if getattr(cfg, key) < 1:
-            raise ConfigError(f"method.{key}={getattr(cfg, key)} is invalid: must be >= 1")
+        check(getattr(cfg, key) >= 1, f"method.{key}", getattr(cfg, key), "must be >= 1")
     for key in ("lr", "clip"):
-        if not getattr(cfg, key) > 0:
-            raise ConfigError(f"method.{key}={getattr(cfg, key)} is invalid: must be > 0")
-    if not 0 <= cfg.momentum < 1:
-        raise ConfigError(f"method.momentum={cfg.momentum} is invalid: must be in [0, 1)")
-    if not 0 <= cfg.min_history <= cfg.images - 1:
-        raise ConfigError(f"method.min_history={cfg.min_history} is invalid: must be in "
-                          f"0..method.images-1 ({cfg.images - 1} cached features)")
-    if any(h < 0 for h in cfg.history_sweep):
-        raise ConfigError(f"method.history_sweep={list(cfg.history_sweep)} is invalid: "
-                          f"numbers of cached features >= 0")
-    if not cfg.use_cache:
-        raise ConfigError("method.use_cache=false is invalid for ICIIA: it trains on the "
-                          "foundation's cached features")
-    dim = cfg.feature_dim or backbone.embed_dim
+        check(getattr(cfg, key) > 0, f"method.{key}", getattr(cfg, key), "must be > 0")
+    check(0 <= cfg.momentum < 1, "method.momentum", cfg.momentum, "must be in [0, 1)")
+    check(0 <= cfg.min_history <= cfg.images - 1, "method.min_history", cfg.min_history,
+          f"must be in 0..method.images-1 ({cfg.images - 1} cached features)")
+    check(all(h >= 0 for h in cfg.history_sweep), "method.history_sweep",
+          list(cfg.history_sweep), "numbers of cached features >= 0")
+    check(cfg.use_cache, "method.use_cache", cfg.use_cache,
+          "ICIIA trains on the foundation's cached features")
+    dim = cfg.feature_dim or backbone.embed_dim  # Iciia checks mixing, groups and heads
     module = Iciia(dim, num_classes, layers=cfg.layers, groups=cfg.groups, heads=cfg.heads,
                    dropout=cfg.dropout, mixing=cfg.mixing, shuffle=cfg.shuffle)
     return AdaptedModel(head=IciiaHead(module), backbone=backbone if with_backbone else None)

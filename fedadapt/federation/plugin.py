@@ -31,17 +31,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedadapt.adapters.iciia import Iciia, recognize_stream
+from fedadapt.experiment import log
 from fedadapt.federation.training import RunSpec, derive_seed
 
 
-def log(msg: str) -> None:
-    import sys
-
-    print(msg, file=sys.stderr, flush=True)
-
-
 def sequences(indices: np.ndarray, size: int, rng: np.random.Generator) -> list[np.ndarray]:
-    """A seeded permutation of one client's ``indices`` cut into sequences of ``size``."""
+    """A seeded permutation of ``indices`` cut into pieces of ``size``: one client's sequences,
+    or the classifiers' batches."""
     perm = rng.permutation(np.asarray(indices))
     return [perm[i:i + size] for i in range(0, len(perm), size)]
 
@@ -134,9 +130,7 @@ def train_on_server(spec: RunSpec) -> dict:
     original = nn.Linear(spec.embed_dim, spec.num_classes)
 
     def original_batches():
-        perm = rng.permutation(train_idx)
-        for i in range(0, len(perm), batch):
-            b = perm[i:i + batch]
+        for b in sequences(train_idx, batch, rng):
             yield F.cross_entropy(original(feats[b]), labels[b])
 
     @torch.no_grad()
@@ -182,9 +176,7 @@ def train_on_server(spec: RunSpec) -> dict:
         owner_t = torch.from_numpy(owner)
 
         def prompt_batches():
-            perm = rng.permutation(train_idx)
-            for i in range(0, len(perm), batch):
-                b = perm[i:i + batch]
+            for b in sequences(train_idx, batch, rng):
                 yield F.cross_entropy(prompt(feats[b], owner_t[b]), labels[b])
 
         @torch.no_grad()

@@ -187,53 +187,60 @@ def _metrics(replies) -> list[dict]:
     return [dict(m.content.metric_records["metrics"]) for m in replies]
 
 
-def personalize_clients(grid: Grid, state: ServerState, plan: ServerPlan) -> list[dict]:
-    """Every client personalizes the final model on its own data and keeps what it trained;
-    the replies carry metrics only. Returns one row per client that answered."""
-    strategy = state.strategy
-    config = ConfigRecord({"phase": "personalize", "server-round": state.num_rounds + 1,
-                           "resume-round": plan.resume_round})
-    msgs = [Message(RecordDict({"arrays": state.arrays, "config": ConfigRecord(config)}),
-                    dst_node_id=nid, message_type=MessageType.TRAIN)
-            for nid in strategy.node_of.values()]
-    replies = strategy.in_partition_order(grid.send_and_receive(msgs, timeout=plan.timeout))
-    checked = screen_replies(msgs, replies, None, strategy.partition_of)
-    _warn_dropped(state.num_rounds + 1, "personalization", checked, len(msgs))
-    require_enough(checked, len(msgs), plan.min_reply_fraction, state.num_rounds + 1)
-    state.cum_bytes += _bytes(msgs) + _bytes(replies)
-    rows = []
-    for reply, m in zip(checked.good, _metrics(checked.good)):
-        rows.append({"client": strategy.partition_of[reply.metadata.src_node_id],
-                     **{k: (int(v) if k in ("tier", "severity") else v) for k, v in m.items()}})
-    return rows
-
-
-def deliver_plugin(grid: Grid, state: ServerState, plan: ServerPlan, chunk: int = 32
-                   ) -> list[dict]:
-    """Send every client its plug-in arrays in one round; it recognises its test split with
-    them and replies with metrics only. Returns one row per client that answered."""
+def ask_every_client(grid: Grid, state: ServerState, plan: ServerPlan,
+                     content_for: Callable[[int], RecordDict], message_type: str, what: str,
+                     server_round: int, chunk: int = 32) -> tuple[list[dict], int, int]:
+    """One message to every client (``content_for(partition_id)``), a chunk of clients at a
+    time since each message holds its own copy of the arrays; the replies carry metrics only.
+    Returns one row per client that answered (``client`` = its partition id, then its
+    metrics), and the bytes sent down and up."""
     strategy = state.strategy
     nodes = list(strategy.node_of.items())
-    good, dropped, sent, down, up = [], [], 0, 0, 0
-    for start in range(0, len(nodes), chunk):  # a chunk at a time: each message holds a copy
-        msgs = [Message(RecordDict({"arrays": plan.plugin_arrays(pid),
-                                    "config": ConfigRecord({"phase": "plugin"})}),
-                        dst_node_id=nid, message_type=MessageType.EVALUATE)
+    checked, sent, down, up = Screened(), 0, 0, 0
+    for start in range(0, len(nodes), chunk):
+        msgs = [Message(content_for(pid), dst_node_id=nid, message_type=message_type)
                 for pid, nid in nodes[start:start + chunk]]
         replies = strategy.in_partition_order(grid.send_and_receive(msgs,
                                                                     timeout=plan.timeout))
-        checked = screen_replies(msgs, replies, None, strategy.partition_of)
-        _warn_dropped(1, "plug-in", checked, len(msgs))
-        good += checked.good
-        dropped += checked.dropped
+        part = screen_replies(msgs, replies, None, strategy.partition_of)
+        checked.good += part.good
+        checked.dropped += part.dropped
         sent += len(msgs)
         down, up = down + _bytes(msgs), up + _bytes(replies)
-    require_enough(Screened(good=good, dropped=dropped), sent, plan.min_reply_fraction, 1)
+    _warn_dropped(server_round, what, checked, sent)
+    require_enough(checked, sent, plan.min_reply_fraction, server_round)
+    rows = [{"client": strategy.partition_of[r.metadata.src_node_id], **m}
+            for r, m in zip(checked.good, _metrics(checked.good))]
+    return rows, down, up
+
+
+def personalize_clients(grid: Grid, state: ServerState, plan: ServerPlan) -> list[dict]:
+    """Every client personalizes the final model on its own data and keeps what it trained;
+    the replies carry metrics only. Returns one row per client that answered."""
+    server_round = state.num_rounds + 1
+    config = ConfigRecord({"phase": "personalize", "server-round": server_round,
+                           "resume-round": plan.resume_round})
+    rows, down, up = ask_every_client(
+        grid, state, plan,
+        lambda pid: RecordDict({"arrays": state.arrays, "config": ConfigRecord(config)}),
+        MessageType.TRAIN, "personalization", server_round)
+    state.cum_bytes += down + up
+    return [{k: (int(v) if k in ("tier", "severity") else v) for k, v in r.items()}
+            for r in rows]
+
+
+def deliver_plugin(grid: Grid, state: ServerState, plan: ServerPlan) -> list[dict]:
+    """Send every client its plug-in arrays in one round; it recognises its test split with
+    them and replies with metrics only. Returns one row per client that answered."""
+    rows, down, up = ask_every_client(
+        grid, state, plan,
+        lambda pid: RecordDict({"arrays": plan.plugin_arrays(pid),
+                                "config": ConfigRecord({"phase": "plugin"})}),
+        MessageType.EVALUATE, "plug-in", 1)
     state.cum_bytes += down + up
     state.history.append({"round": 1, "bytes_down": down, "bytes_up": up,
                           "cum_bytes": state.cum_bytes, "wall_s": time.time() - state.started})
-    return [{"client": strategy.partition_of[r.metadata.src_node_id], **m}
-            for r, m in zip(good, _metrics(good))]
+    return rows
 
 
 def execute_plan(grid: Grid, plan: ServerPlan) -> ServerState:
