@@ -96,6 +96,15 @@ def make_client_app(get_spec: Callable[[Context], RunSpec]) -> ClientApp:
         """Handshake: tell the server which partition this node holds, after warming up (build
         the model, open the data), so that round timeouts measure rounds, not start-up."""
         spec = get_spec(context)
+        config = msg.content.config_records.get("config")
+        if config is not None and config.get("phase") == "session-upload":  # session plug-in
+            from fedadapt.federation.sessions import session_upload
+
+            uploads, metrics = session_upload(spec, partition_id(context))
+            content = RecordDict({"metrics": MetricRecord(metrics)})
+            for name, arrays in uploads.items():
+                content[name] = ArrayRecord(arrays)
+            return Message(content, reply_to=msg)
         cached_model(spec)
         spec.train_source.labels()
         warm_up_optimizer(spec.train)
@@ -149,6 +158,16 @@ def make_client_app(get_spec: Callable[[Context], RunSpec]) -> ClientApp:
             arrays = dict(msg.content.array_records["arrays"].to_torch_state_dict())
             return Message(RecordDict({"metrics": MetricRecord(recognize(spec, cid, arrays))}),
                            reply_to=msg)
+        if config is not None and config.get("phase") == "session-predict":
+            from fedadapt.federation.sessions import session_predict
+
+            arrays = {k: dict(v.to_torch_state_dict())
+                      for k, v in msg.content.array_records.items()}
+            metrics, scores = session_predict(spec, cid, arrays)
+            content = RecordDict({"metrics": MetricRecord(metrics)})
+            if scores is not None:
+                content["scores"] = ArrayRecord(scores)
+            return Message(content, reply_to=msg)
         model = load_client_model(spec, msg, context)
         exits = client_step_exits(spec, cid)
         loss, acc, n = local_accuracy(model, spec, cid, spec.clients[cid].test, exits)

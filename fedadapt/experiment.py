@@ -47,10 +47,11 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
     datasets.disable_progress_bars()
     card = load_card(cfg.dataset.name)
     prepared = prepare_dataset(cfg.dataset, cfg.cache_dir, cfg.seed)
-    if cfg.partition.test_clients > 0 and method_spec(cfg.method).trainer != "server":
+    if cfg.partition.test_clients > 0 and method_spec(cfg.method).trainer == "clients":
         raise ConfigError(f"partition.test_clients={cfg.partition.test_clients} is invalid for "
                           f"method={cfg.method.name}: unseen test clients have no training "
-                          f"data, only server-trained plug-ins (method=iciia_b) can serve them")
+                          f"data, only server-trained methods (iciia_b, duet, cdc_mmpg, ...) can "
+                          f"serve them")
     if cfg.federation.select == "best_val" and cfg.partition.val_fraction == 0:
         raise ConfigError("federation.select=best_val picks the round by the clients' "
                           "validation accuracy: it needs partition.val_fraction > 0")
@@ -75,9 +76,14 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
     spec = RunSpec(run_id=uuid.uuid4().hex, method=cfg.method, backbone=cfg.backbone,
                    train=cfg.train, seed=cfg.seed, rounds=cfg.rounds,
                    num_classes=prepared.num_classes, embed_dim=backbone.embed_dim,
-                   train_source=source("train"), test_source=source("test"),
+                   train_source=source("train"),
+                   # server-trained methods serve the clients' own test splits only
+                   test_source=(source("test") if method_spec(cfg.method).trainer == "clients"
+                                else None),
                    clients=partition.clients, faults=cfg.faults, setting=cfg.setting,
-                   class_text=class_text, evaluate_val=cfg.federation.select == "best_val")
+                   class_text=class_text, evaluate_val=cfg.federation.select == "best_val",
+                   image_source=(DataSource(prepared, "train", transform=transform)
+                                 if getattr(cfg.method, "upload", None) == "samples" else None))
     model = build_run_model(spec, backbone)
     _apply_setting(cfg, spec, model)
     counts = {
@@ -254,6 +260,9 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
     label = label or cfg.method.name
     t0 = time.time()
     prep = prepared or prepare_run(cfg)
+    if method_spec(cfg.method).trainer == "sessions":
+        return run_session_experiment(cfg, run_dir, prep, config_yaml=config_yaml, label=label,
+                                      execute=execute, t0=t0)
     if method_spec(cfg.method).trainer == "server":
         return run_plugin_experiment(cfg, run_dir, prep, config_yaml=config_yaml, label=label,
                                      execute=execute, t0=t0)
@@ -470,6 +479,67 @@ def run_plugin_experiment(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, c
     }
     stream = summary["recognition"].get("acc_stream")
     summary["final"]["client_acc"] = stream["client_mean"] if stream else None
+    table = run_tables([summary], title=f"## {cfg.experiment}: {label} on {cfg.dataset.name}")
+    atomic_write(run_dir / "table.md", lambda fh: fh.write(table))
+    write_json(run_dir / "summary.json", summary)
+    return summary
+
+
+def run_session_experiment(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *,
+                           config_yaml: str, label: str, execute: Optional[Callable] = None,
+                           t0: Optional[float] = None) -> dict:
+    """A session plug-in (DUET, CDC-MMPG): train the generator on the server from the clients'
+    cached features, then converse with every client (uploads up, generated parameters down,
+    metrics back); write the run directory like any run (``summary.json`` last)."""
+    from flwr.app import ArrayRecord
+
+    from fedadapt.clients.app import make_client_app
+    from fedadapt.federation.server import ServerPlan
+    from fedadapt.federation.sessions import SessionServer, summarize_sessions, train_generator
+    from fedadapt.results.store import atomic_write, write_json, write_jsonl
+    from fedadapt.results.tables import run_tables
+    from fedadapt.strategies.fedavg import build_strategy
+
+    t0 = time.time() if t0 is None else t0
+    spec = prep.spec
+    log(f"[{label}] training on the server from {spec.num_clients} clients' cached features")
+    trained = train_generator(spec)
+    server = SessionServer(spec, trained)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(run_dir / "config.yaml", lambda fh: fh.write(config_yaml))
+    write_json(run_dir / "partition.json", prep.partition.stats)
+    plan = ServerPlan(
+        num_clients=spec.num_clients,
+        make_strategy=lambda: build_strategy("fedavg", federated=True,
+                                             num_clients=spec.num_clients, fraction_train=1.0,
+                                             fraction_evaluate=1.0, seed=cfg.seed),
+        initial_arrays=ArrayRecord({}), num_rounds=0, lr_at=lambda r: 0.0, eval_every=1,
+        global_eval=None, counts={}, timeout=cfg.federation.round_timeout,
+        min_reply_fraction=cfg.federation.min_reply_fraction, sessions=server)
+    log(f"[{label}] serving every test session of {spec.num_clients} clients")
+    state = (execute or _simulation(cfg))(plan, make_client_app(lambda context: spec))
+    rows = sorted(state.delivered, key=lambda r: r["client"])
+    scores = [r.pop("scores") for r in rows if "scores" in r]
+    write_json(run_dir / "sessions.json", rows)
+    write_jsonl(run_dir / "session_payloads.jsonl", server.records)
+    generator = trained["generator"]
+    summary = {
+        **_summary_head(cfg, label, prep, rounds=0, setting="server-trained session plug-in"),
+        "sessions": summarize_sessions(rows, server.records, scores),
+        "server_training": trained["log"],
+        "final": {"round": 1, "global_acc": None, "client_acc": None},
+        "best": {"global_acc": None, "client_acc": None},
+        "params": {**prep.counts,
+                   "generator_params": sum(p.numel() for p in generator.parameters())},
+        "total_bytes": state.cum_bytes,
+        "bytes_down": state.history[-1]["bytes_down"],
+        "bytes_up": state.history[-1]["bytes_up"],
+        "wall_s": time.time() - t0,
+        "seconds_per_round": None,
+        **_summary_tail(prep),
+    }
+    gen_acc = summary["sessions"].get("acc_generated")
+    summary["final"]["client_acc"] = gen_acc["client_mean"] if gen_acc else None
     table = run_tables([summary], title=f"## {cfg.experiment}: {label} on {cfg.dataset.name}")
     atomic_write(run_dir / "table.md", lambda fh: fh.write(table))
     write_json(run_dir / "summary.json", summary)

@@ -74,7 +74,7 @@ def inspect_run(run, *, flops: bool = True) -> dict:
         result["per_exit"] = per_exit
     extra = method_spec(run.method).counts
     if extra is not None:
-        result[run.method.name] = extra(run.method, backbone.embed_dim)
+        result[run.method.name] = extra(run.method, backbone.embed_dim, card.num_classes)
     return result
 
 

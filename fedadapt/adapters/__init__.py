@@ -23,11 +23,13 @@ class MethodSpec:
     build: Callable[..., AdaptedModel]
     #: The builder also receives the class prompts' text features (``class_text=``; CLIP).
     uses_text: bool = False
-    #: ``clients`` (federated training) or ``server`` (a plug-in trained once on the server
-    #: and delivered to the clients for inference: :mod:`fedadapt.federation.plugin`).
+    #: ``clients`` (federated training), ``server`` (a plug-in trained once on the server
+    #: and delivered to the clients for inference: :mod:`fedadapt.federation.plugin`) or
+    #: ``sessions`` (a generator trained once on the server that answers every session of
+    #: every client with generated parameters: :mod:`fedadapt.federation.sessions`).
     trainer: str = "clients"
-    #: ``counts(cfg, embed_dim) -> dict``: extra figures for ``fedadapt-inspect`` (e.g. ICIIA's
-    #: Table 1 parameters and FLOPs), under the method's name.
+    #: ``counts(cfg, embed_dim, num_classes) -> dict``: extra figures for ``fedadapt-inspect``
+    #: (e.g. ICIIA's Table 1 parameters and FLOPs), under the method's name.
     counts: Optional[Callable[..., dict]] = None
 
 
@@ -68,7 +70,7 @@ def build_model(cfg: MethodConfig, backbone, num_classes: int, *, with_backbone:
     return spec.build(cfg, backbone, num_classes, with_backbone, **extra)
 
 
-from fedadapt.adapters import exits, fedclip, heads, iciia  # noqa: E402,F401  (registration)
+from fedadapt.adapters import cdc_mmpg, duet, exits, fedclip, heads, iciia  # noqa: E402,F401  (registration)
 
 __all__ = ["AdaptedModel", "METHODS", "MethodSpec", "build_model", "method_spec",
            "register_method"]

@@ -312,7 +312,7 @@ class IciiaHead(nn.Module):
         return self.module(feats)
 
 
-@register_method("iciia", IciiaConfig, trainer="server", counts=lambda cfg, d: _counts(cfg, d))
+@register_method("iciia", IciiaConfig, trainer="server", counts=lambda cfg, d, c: _counts(cfg, d))
 def build_iciia(cfg: IciiaConfig, backbone, num_classes, with_backbone):
     from fedadapt.adapters.model import AdaptedModel
 

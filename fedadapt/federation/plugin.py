@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
@@ -65,14 +66,16 @@ def _accuracy(logits: torch.Tensor, y: torch.Tensor) -> float:
     return float((logits.argmax(-1) == y).float().mean()) if len(y) else float("nan")
 
 
-def _fit(model: nn.Module, loss_of: Callable[[], list[torch.Tensor]],
-         val_acc: Callable[[], float], *, epochs: int, patience: int, lr: float,
-         momentum: float = 0.9, clip: Optional[float] = None, label: str = "") -> dict:
-    """SGD on each loss ``loss_of()`` yields in an epoch (one batch each), early stopping on
-    ``val_acc``; ``model`` ends with its best epoch's weights."""
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr,
-                          momentum=momentum)
-    best, best_state, best_epoch, waited = -1.0, copy.deepcopy(model.state_dict()), 0, 0
+def fit(model: nn.Module, loss_of: Callable[[], list[torch.Tensor]],
+        val_acc: Callable[[], float], *, epochs: int, patience: int, lr: float,
+        momentum: float = 0.9, clip: Optional[float] = None, label: str = "",
+        optimizer: Optional[torch.optim.Optimizer] = None, score: str = "val") -> dict:
+    """SGD (or ``optimizer``) on each loss ``loss_of()`` yields in an epoch (one batch each),
+    early stopping on ``val_acc`` (higher is better; ``score`` names it in the log); ``model``
+    ends with its best epoch's weights."""
+    opt = optimizer or torch.optim.SGD([p for p in model.parameters() if p.requires_grad],
+                                       lr=lr, momentum=momentum)
+    best, best_state, best_epoch, waited = float("-inf"), copy.deepcopy(model.state_dict()), 0, 0
     t0 = time.time()
     for epoch in range(1, epochs + 1):
         model.train()
@@ -90,14 +93,68 @@ def _fit(model: nn.Module, loss_of: Callable[[], list[torch.Tensor]],
             best, best_state, best_epoch, waited = acc, copy.deepcopy(model.state_dict()), epoch, 0
         else:
             waited += 1
-        log(f"[{label}] epoch {epoch}/{epochs} | loss {np.mean(losses):.3f} | val "
-            f"{100 * acc:.2f}% | best {100 * best:.2f}% (epoch {best_epoch}) | "
+        shown = (lambda v: f"{100 * v:.2f}%") if score == "val" else (lambda v: f"{v:.4f}")
+        log(f"[{label}] epoch {epoch}/{epochs} | loss {np.mean(losses):.3f} | {score} "
+            f"{shown(acc)} | best {shown(best)} (epoch {best_epoch}) | "
             f"{time.time() - t0:.0f} s")
         if waited >= patience:
             break
     model.load_state_dict(best_state)
     return {"best_val_acc": best, "best_epoch": best_epoch, "epochs_run": epoch,
             "train_s": time.time() - t0}
+
+
+#: The classifiers' batch size (the original model, prompt tuning).
+CLASSIFIER_BATCH = 64
+
+
+@dataclass
+class ServerData:
+    """The training clients' cached features as the server holds them."""
+
+    feats: torch.Tensor
+    labels: torch.Tensor
+    train_idx: np.ndarray
+    val_idx: np.ndarray
+    #: The client of every sample (-1: none).
+    owner: np.ndarray
+
+    @classmethod
+    def of(cls, spec: RunSpec) -> "ServerData":
+        n = len(spec.train_source.labels())
+        feats, labels = spec.train_source.get(np.arange(n))
+        owner = np.full(n, -1)
+        for cid, split in enumerate(spec.clients):
+            owner[np.concatenate([split.train, split.val, split.test])] = cid
+        val_idx = np.concatenate([c.val for c in spec.clients])
+        if len(val_idx) == 0:
+            from fedadapt.config import ConfigError
+
+            raise ConfigError(f"method={spec.method.name} trains with early stopping on the "
+                              f"clients' validation splits: partition.val_fraction must be > 0")
+        return cls(feats, labels, np.concatenate([c.train for c in spec.clients]), val_idx,
+                   owner)
+
+
+def train_original(spec: RunSpec, data: ServerData, rng: np.random.Generator, *, lr: float
+                   ) -> tuple[nn.Linear, dict]:
+    """The original model: the classifier ``Linear(D, C)`` trained on the mixture of the
+    clients' training features (SGD, early stopping on their validation features)."""
+    m = spec.method
+    original = nn.Linear(spec.embed_dim, spec.num_classes)
+    feats, labels = data.feats, data.labels
+
+    def batches():
+        for b in sequences(data.train_idx, CLASSIFIER_BATCH, rng):
+            yield F.cross_entropy(original(feats[b]), labels[b])
+
+    @torch.no_grad()
+    def val() -> float:
+        return _accuracy(original(feats[data.val_idx]), labels[data.val_idx])
+
+    log_ = fit(original, batches, val, epochs=m.classifier_epochs, patience=m.patience, lr=lr,
+               label="original classifier")
+    return original.eval(), log_
 
 
 def train_on_server(spec: RunSpec) -> dict:
@@ -110,35 +167,12 @@ def train_on_server(spec: RunSpec) -> dict:
         torch.manual_seed(derive_seed(spec.seed, 0x1C11A, stage))
         return np.random.default_rng([spec.seed, 0x1C11A, stage])
 
-    n = len(spec.train_source.labels())
-    feats, labels = spec.train_source.get(np.arange(n))
-    clients = spec.clients
-    owner = np.full(n, -1)
-    for cid, split in enumerate(clients):
-        owner[np.concatenate([split.train, split.val, split.test])] = cid
-    train_idx = np.concatenate([c.train for c in clients])
-    val_idx = np.concatenate([c.val for c in clients])
-    if len(val_idx) == 0:
-        from fedadapt.config import ConfigError
-
-        raise ConfigError("method=iciia trains with early stopping on the clients' validation "
-                          "splits: partition.val_fraction must be > 0")
-    batch = 64  # the classifiers' batches (the original model, prompt tuning)
+    data = ServerData.of(spec)
+    feats, labels, clients = data.feats, data.labels, spec.clients
+    train_idx, val_idx, owner = data.train_idx, data.val_idx, data.owner
 
     # 1. the original model: the classifier on the mixture of the clients' training features
-    rng = stage_rng(1)
-    original = nn.Linear(spec.embed_dim, spec.num_classes)
-
-    def original_batches():
-        for b in sequences(train_idx, batch, rng):
-            yield F.cross_entropy(original(feats[b]), labels[b])
-
-    @torch.no_grad()
-    def original_val() -> float:
-        return _accuracy(original(feats[val_idx]), labels[val_idx])
-
-    original_log = _fit(original, original_batches, original_val, epochs=m.classifier_epochs,
-                        patience=m.patience, lr=m.lr, label="original classifier")
+    original, original_log = train_original(spec, data, stage_rng(1), lr=m.lr)
 
     # 2. ICIIA: sequences of B images of one client, the classifier starts from the original
     rng = stage_rng(2)
@@ -164,7 +198,7 @@ def train_on_server(spec: RunSpec) -> dict:
             total += len(s)
         return correct / max(total, 1)
 
-    iciia_log = _fit(module, iciia_batches, iciia_val, epochs=m.max_epochs, patience=m.patience,
+    iciia_log = fit(module, iciia_batches, iciia_val, epochs=m.max_epochs, patience=m.patience,
                      lr=m.lr, momentum=m.momentum, clip=m.clip, label=f"{m.name} (ICIIA)")
 
     # 3. prompt tuning: one token per client, trained with the classifier
@@ -176,15 +210,15 @@ def train_on_server(spec: RunSpec) -> dict:
         owner_t = torch.from_numpy(owner)
 
         def prompt_batches():
-            for b in sequences(train_idx, batch, rng):
+            for b in sequences(train_idx, CLASSIFIER_BATCH, rng):
                 yield F.cross_entropy(prompt(feats[b], owner_t[b]), labels[b])
 
         @torch.no_grad()
         def prompt_val() -> float:
             return _accuracy(prompt(feats[val_idx], owner_t[val_idx]), labels[val_idx])
 
-        prompt_log = _fit(prompt, prompt_batches, prompt_val, epochs=m.classifier_epochs,
-                          patience=m.patience, lr=m.lr, label="prompt tuning")
+        prompt_log = fit(prompt, prompt_batches, prompt_val, epochs=m.classifier_epochs,
+                         patience=m.patience, lr=m.lr, label="prompt tuning")
     return {"original": original.eval(), "module": module.eval(),
             "prompt": None if prompt is None else prompt.eval(),
             "log": {"original": original_log, "iciia": iciia_log, "prompt": prompt_log}}

@@ -104,6 +104,9 @@ class ServerPlan:
     #: client in one round (phase ``plugin``); the replies' metrics land in
     #: ``ServerState.delivered``.
     plugin_arrays: Optional[Callable[[int], ArrayRecord]] = None
+    #: A session plug-in's server (:class:`fedadapt.federation.sessions.SessionServer`):
+    #: after the rounds, :func:`converse` with every client; rows land in ``delivered``.
+    sessions: Optional[object] = None
     #: A checkpoint to continue from: ``{"round", "history", "cum_bytes", "strategy", "wall_s"}``
     #: (``initial_arrays`` then holds the checkpoint's arrays).
     resume: Optional[dict] = None
@@ -195,23 +198,30 @@ def ask_every_client(grid: Grid, state: ServerState, plan: ServerPlan,
     Returns one row per client that answered (``client`` = its partition id, then its
     metrics), and the bytes sent down and up."""
     strategy = state.strategy
-    nodes = list(strategy.node_of.items())
+    nodes = list(strategy.node_of)
     checked, sent, down, up = Screened(), 0, 0, 0
     for start in range(0, len(nodes), chunk):
-        msgs = [Message(content_for(pid), dst_node_id=nid, message_type=message_type)
-                for pid, nid in nodes[start:start + chunk]]
-        replies = strategy.in_partition_order(grid.send_and_receive(msgs,
-                                                                    timeout=plan.timeout))
-        part = screen_replies(msgs, replies, None, strategy.partition_of)
+        part, n, d, u = _ask(grid, strategy, plan, nodes[start:start + chunk], content_for,
+                             message_type)
         checked.good += part.good
         checked.dropped += part.dropped
-        sent += len(msgs)
-        down, up = down + _bytes(msgs), up + _bytes(replies)
+        sent, down, up = sent + n, down + d, up + u
     _warn_dropped(server_round, what, checked, sent)
     require_enough(checked, sent, plan.min_reply_fraction, server_round)
     rows = [{"client": strategy.partition_of[r.metadata.src_node_id], **m}
             for r, m in zip(checked.good, _metrics(checked.good))]
     return rows, down, up
+
+
+def _ask(grid: Grid, strategy, plan: ServerPlan, pids: list[int],
+         content_for: Callable[[int], RecordDict], message_type: str
+         ) -> tuple[Screened, int, int, int]:
+    """One message to each of ``pids``; the screened replies, messages sent, bytes down, up."""
+    msgs = [Message(content_for(pid), dst_node_id=strategy.node_of[pid],
+                    message_type=message_type) for pid in pids]
+    replies = strategy.in_partition_order(grid.send_and_receive(msgs, timeout=plan.timeout))
+    checked = screen_replies(msgs, replies, None, strategy.partition_of)
+    return checked, len(msgs), _bytes(msgs), _bytes(replies)
 
 
 def personalize_clients(grid: Grid, state: ServerState, plan: ServerPlan) -> list[dict]:
@@ -243,6 +253,60 @@ def deliver_plugin(grid: Grid, state: ServerState, plan: ServerPlan) -> list[dic
     return rows
 
 
+def converse(grid: Grid, state: ServerState, plan: ServerPlan, chunk: int = 32) -> list[dict]:
+    """Session plug-ins (:mod:`fedadapt.federation.sessions`), a chunk of clients at a time:
+    each client uploads what its sessions hold (QUERY, phase ``session-upload``: one
+    ArrayRecord per session), the server answers each session with generated parameters
+    (EVALUATE, phase ``session-predict``), the client predicts and replies with metrics (and,
+    for a binary task, its scores). Returns one row per client that answered both."""
+    server = plan.sessions
+    strategy = state.strategy
+    nodes = list(strategy.node_of)
+    rows, sent, answered, failed = [], 0, Screened(), Screened()
+    down = up = 0
+    ask = ConfigRecord({"phase": "session-upload"})
+    for start in range(0, len(nodes), chunk):
+        uploads, n, d, u = _ask(grid, strategy, plan, nodes[start:start + chunk],
+                                lambda pid: RecordDict({"config": ConfigRecord(ask)}),
+                                MessageType.QUERY)
+        sent, down, up = sent + n, down + d, up + u
+        failed.dropped += uploads.dropped
+        answers = {}
+        for reply in uploads.good:
+            pid = strategy.partition_of[reply.metadata.src_node_id]
+            records = {k: v for k, v in reply.content.array_records.items()
+                       if k.startswith("session.")}
+            answers[pid] = server.answer(
+                pid, {k: v.to_torch_state_dict() for k, v in records.items()},
+                {k: v.count_bytes() for k, v in records.items()})
+
+        def content_for(pid: int, answers=answers) -> RecordDict:
+            content = RecordDict({"config": ConfigRecord({"phase": "session-predict"})})
+            for name, arrays in answers[pid].items():
+                content[name] = ArrayRecord(arrays)
+            server.note_download(pid, {k: v.count_bytes() for k, v in
+                                       content.array_records.items() if k.startswith("session.")})
+            return content
+
+        checked, _, d, u = _ask(grid, strategy, plan, sorted(answers), content_for,
+                                MessageType.EVALUATE)
+        down, up = down + d, up + u
+        answered.good += checked.good
+        failed.dropped += checked.dropped
+        for reply, metrics in zip(checked.good, _metrics(checked.good)):
+            pid = strategy.partition_of[reply.metadata.src_node_id]
+            scores = reply.content.array_records.get("scores")
+            rows.append({"client": pid, **metrics,
+                         **({"scores": scores.to_torch_state_dict()} if scores else {})})
+    failed.good = answered.good
+    _warn_dropped(1, "session", failed, sent)
+    require_enough(failed, sent, plan.min_reply_fraction, 1)
+    state.cum_bytes += down + up
+    state.history.append({"round": 1, "bytes_down": down, "bytes_up": up,
+                          "cum_bytes": state.cum_bytes, "wall_s": time.time() - state.started})
+    return rows
+
+
 def execute_plan(grid: Grid, plan: ServerPlan) -> ServerState:
     """Run ``plan`` on ``grid``: handshake, then the rounds. Used by every launcher."""
     strategy = plan.make_strategy()
@@ -257,6 +321,8 @@ def execute_plan(grid: Grid, plan: ServerPlan) -> ServerState:
     state = run_rounds(grid, state, plan)
     if plan.plugin_arrays is not None:
         state.delivered = deliver_plugin(grid, state, plan)
+    if plan.sessions is not None:
+        state.delivered = converse(grid, state, plan)
     if plan.personalize:
         state.personalized = personalize_clients(grid, state, plan)
     return state

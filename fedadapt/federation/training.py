@@ -48,7 +48,8 @@ class RunSpec:
     num_classes: int
     embed_dim: int
     train_source: DataSource
-    test_source: DataSource
+    #: The global test split (None for server-trained methods, which never use it).
+    test_source: Optional[DataSource]
     clients: list[ClientSplit] = field(default_factory=list)
     faults: FaultConfig = field(default_factory=FaultConfig)
     #: Where each client saves its personal tensors (``<state_dir>/<partition-id>/``).
@@ -63,6 +64,9 @@ class RunSpec:
     class_text: Optional[object] = None
     #: Clients also report their validation accuracy (model selection by validation).
     evaluate_val: bool = False
+    #: The raw (preprocessed) images of ``train_source``'s split, for session plug-ins whose
+    #: devices upload samples (``method.upload=samples``).
+    image_source: Optional[DataSource] = None
 
     @property
     def num_clients(self) -> int:

@@ -227,7 +227,60 @@ def communication_table(runs: list[dict], target_method: str) -> str:
     return "\n".join(out)
 
 
-LAYOUTS = ("runs", "paper", "personalization", "communication", "domains")
+LAYOUTS = ("runs", "paper", "personalization", "communication", "domains", "sessions")
+
+
+def sessions_table(runs: list[dict]) -> str:
+    """Session plug-ins (DUET Tables 2-4, CDC-MMPG Tables 1-2 and 6): accuracy of the original
+    model, the fine-tuning baseline and the generated layers, mean ± std over seeds; the
+    measured payload per session, the generation time and the delay at each link speed."""
+    runs = [r for r in runs if r["summary"].get("sessions")]
+    if not runs:
+        return ""
+    groups: dict[str, list[dict]] = {}
+    for r in runs:
+        label = _label(r)
+        same = [o for o in runs if _label(o) == label]
+        keys = [k for k in varying_keys(same) if k.startswith("method.")]
+        extra = ", ".join(f"{k.split('.', 1)[1]}={r['config'].get(k)}" for k in keys)
+        groups.setdefault(f"{label} ({extra})" if extra else label, []).append(r)
+
+    def acc(rs, key):
+        return _mean_std([100 * r["summary"]["sessions"][key]["images"] for r in rs
+                          if key in r["summary"]["sessions"]])
+
+    def median(rs, key):
+        vals = [r["summary"]["sessions"]["payload"][key] for r in rs
+                if r["summary"]["sessions"].get("payload")]
+        return statistics.median(vals) if vals else None
+
+    body, delays = [], []
+    for label, rs in groups.items():
+        gen_ms = median(rs, "generate_ms_median")
+        body.append([label, str(len(rs)), acc(rs, "acc_original"), acc(rs, "acc_finetune"),
+                     acc(rs, "acc_generated"),
+                     fmt_count(rs[0]["summary"]["params"].get("generator_params")),
+                     fmt_bytes(median(rs, "up_bytes_median")),
+                     fmt_bytes(median(rs, "down_bytes_median")),
+                     "—" if gen_ms is None else f"{gen_ms:.2f}"])
+        if gen_ms is not None:
+            from fedadapt.federation.sessions import delay_table
+
+            rows = delay_table({"up_bytes_median": median(rs, "up_bytes_median"),
+                                "down_bytes_median": median(rs, "down_bytes_median"),
+                                "generate_ms_median": gen_ms})
+            delays.append([label, *(f"↑ {d['up_ms']:.3f} / ↓ {d['down_ms']:.3f} / "
+                                    f"total {d['total_ms']:.2f}" for d in rows)])
+    out = markdown(["method", "seeds", "original model", "fine-tuning (labels)",
+                    "generated layers", "generator params", "up / session",
+                    "down / session", "generation ms"], body)
+    if delays:
+        from fedadapt.federation.sessions import RATES_MB_S
+
+        out += ("\nDelay per session in ms (median measured payload, 1 MB = 10^6 bytes; total "
+                "adds the server's median generation time):\n\n"
+                + markdown(["method", *(f"{r} MB/s" for r in RATES_MB_S)], delays))
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -238,7 +291,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="runs: one row per config group (default); paper: methods x data "
                              "settings (Accumulator Tables 1-3, 5); personalization: Table 4; "
                              "communication: Table 6; domains: FedCLIP's leave-one-domain-out "
-                             "Tables 1-4 (generalization, personalization, overall)")
+                             "Tables 1-4 (generalization, personalization, overall); sessions: "
+                             "DUET / CDC-MMPG (accuracy, payloads, delay table)")
     parser.add_argument("--target-method", default="lw_linear",
                         help="communication layout: whose best accuracy is the target")
     args = parser.parse_args(argv)
@@ -255,6 +309,7 @@ def main(argv: list[str] | None = None) -> None:
         md = {"paper": paper_table, "personalization": personalization_table,
               "communication": lambda rs: communication_table(rs, args.target_method),
               "domains": lambda rs: domain_tables([r["summary"] for r in rs]),
+              "sessions": sessions_table,
               }[args.layout](runs)
         title = f"# fedadapt report ({args.layout}): {len(runs)} runs, mean ± std over seeds\n\n"
         atomic_write(out / f"report-{args.layout}.md", lambda fh: fh.write(title + md))

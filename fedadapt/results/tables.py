@@ -139,9 +139,52 @@ def recognition_table(summaries: list[dict]) -> str:
     return out
 
 
+SESSION_ROWS = (("acc_original", "original model"),
+                ("acc_finetune", "fine-tuning (previous session's labels)"),
+                ("acc_generated", "generated layers"))
+
+
+def sessions_table(summaries: list[dict]) -> str:
+    """Session plug-ins (DUET Tables 2-4, CDC-MMPG Tables 1-6): accuracy over every test
+    session, the measured payload per session and the delay at each link speed."""
+    rows = [s for s in summaries if s.get("sessions")]
+    if not rows:
+        return ""
+    header = ["method", *(name for _, name in SESSION_ROWS), "generator params",
+              "up / session", "down / session", "generation ms"]
+    body = []
+    for s in rows:
+        r = s["sessions"]
+        p = r.get("payload", {})
+        body.append([s["method"], *(fmt_pct(r[k]["images"]) if k in r else "—"
+                                    for k, _ in SESSION_ROWS),
+                     fmt_count(s["params"].get("generator_params")),
+                     fmt_bytes(p.get("up_bytes_median")), fmt_bytes(p.get("down_bytes_median")),
+                     f"{p['generate_ms_median']:.2f}" if p else "—"])
+    out = ("Every client's test split in sessions (accuracy over all their images; nothing "
+           "trained on the devices except the fine-tuning baseline):\n\n" + markdown(header, body))
+    if any("auc" in s["sessions"] for s in rows):
+        body = [[s["method"], *(f"{s['sessions']['auc'][k]:.4f}" for k in
+                                ("original", "finetune", "generated"))]
+                for s in rows if "auc" in s["sessions"]]
+        out += "\nAUC (binary task):\n\n" + markdown(
+            ["method", "original model", "fine-tuning", "generated layers"], body)
+    delays = [s for s in rows if s["sessions"].get("delay")]
+    if delays:
+        rates = [d["rate_MB_s"] for d in delays[0]["sessions"]["delay"]]
+        body = [[s["method"], *(f"↑ {d['up_ms']:.3f} / ↓ {d['down_ms']:.3f} / "
+                                f"total {d['total_ms']:.2f}" for d in s["sessions"]["delay"])]
+                for s in delays]
+        out += ("\nDelay per session in ms (median payload at each link speed, 1 MB = 10^6 "
+                "bytes; total adds the server's median generation time):\n\n"
+                + markdown(["method", *(f"{r} MB/s" for r in rates)], body))
+    return out
+
+
 def run_tables(summaries: list[dict], title: str = "") -> str:
     """The summary table, then the per-exit / per-tier, domain and personalization tables if
     any."""
     parts = [summaries_table(summaries, title), exits_table(summaries), domains_table(summaries),
-             recognition_table(summaries), personalization_table(summaries)]
+             recognition_table(summaries), sessions_table(summaries),
+             personalization_table(summaries)]
     return "\n".join(p for p in parts if p)

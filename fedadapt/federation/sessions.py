@@ -1,0 +1,351 @@
+"""Session plug-ins (DUET, CDC-MMPG): a generator trained once on the server, then a conversation
+with every device over Flower's Message API. Nothing trains on the devices.
+
+Server training, from the training clients' cached features:
+
+1. the original model: ``Linear(D, C)`` on the mixture of all clients' training features;
+2. the generator (DUET's PPG + SWA, or CDC-MMPG's FDA with ADR trained first), on sessions of K
+   samples cut from each training client's own data (a seeded permutation per epoch); Adam(W),
+   early stopping on the accuracy of the clients' validation sessions, best epoch kept.
+
+Serving (:func:`fedadapt.federation.server.converse`), per client, in two messages:
+
+1. ``session-upload`` (QUERY): the client cuts its test split, in its seeded arrival order, into
+   sessions of K and replies with one ArrayRecord per session: the K embeddings (DUET, F-hyper),
+   one randomly chosen anchor embedding (CDC-MMPG), or the K raw preprocessed images
+   (``method.upload=samples``: the server runs the frozen backbone);
+2. ``session-predict`` (EVALUATE): the server answers with one ArrayRecord per session holding
+   only the generated dynamic layers (plus, once per client, the original classifier for the
+   baseline rows); the client predicts every session with its layers and replies with metrics.
+
+The server records each session's upload and download bytes (``ArrayRecord.count_bytes``) and
+its generation time; :func:`delay_table` turns them into DUET's Table 3 / CDC-MMPG's Table 6.
+Baselines in every run: the original model, and fine-tuning (the original classifier trained on
+the labels of the client's previous session, then used for the current one; the first session
+has no labels yet and uses the original model).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedadapt.adapters.cdc_mmpg import build_cdc_mmpg
+from fedadapt.adapters.duet import (
+    DuetConfig,
+    apply_dynamic,
+    build_duet,
+    dynamic_layers,
+    weighted_session_ce,
+)
+from fedadapt.federation.plugin import (
+    ServerData,
+    _accuracy,
+    fit,
+    pad,
+    pad_labels,
+    sequences,
+    train_original,
+)
+from fedadapt.federation.training import RunSpec, derive_seed
+
+#: Link speeds of DUET's Table 3 and CDC-MMPG's Table 6, in MB/s (1 MB = 10^6 bytes).
+RATES_MB_S = (5, 15, 50, 100)
+
+
+def build_generator(spec: RunSpec) -> nn.Module:
+    m = spec.method
+    if isinstance(m, DuetConfig) or m.name == "duet":
+        return build_duet(m, spec.embed_dim, spec.num_classes)
+    return build_cdc_mmpg(m, spec.embed_dim, spec.num_classes)
+
+
+def uses_anchor(generator: nn.Module) -> bool:
+    return getattr(generator, "adr", None) is not None
+
+
+def train_generator(spec: RunSpec) -> dict:
+    """The original model and the generator, on the training clients' cached features."""
+    m = spec.method
+    data = ServerData.of(spec)
+    feats, labels = data.feats, data.labels
+
+    def stage_rng(stage: int) -> np.random.Generator:
+        torch.manual_seed(derive_seed(spec.seed, 0x5E55, stage))
+        return np.random.default_rng([spec.seed, 0x5E55, stage])
+
+    original, original_log = train_original(spec, data, stage_rng(1), lr=m.classifier_lr)
+
+    rng = stage_rng(2)
+    generator = build_generator(spec)
+    k = m.session
+    val_sessions = [s for c in spec.clients for s in sequences(c.val, k, rng)]
+    val_anchors = [int(rng.integers(len(s))) for s in val_sessions]
+    gamma = getattr(m, "gamma", 1.0)
+
+    def batch(group: list[np.ndarray], anchors: list[int]):
+        x, mask = pad([feats[s] for s in group], k)
+        y = pad_labels([labels[s] for s in group], k)
+        return x, mask, y, x[torch.arange(len(group)), torch.tensor(anchors)]
+
+    def steps():
+        """One epoch of training sessions (each from ONE client), ``sessions_per_step``
+        sessions per step; yields ``(frames, mask, labels, anchor)``."""
+        sessions = [s for c in spec.clients for s in sequences(c.train, k, rng)]
+        order = rng.permutation(len(sessions))
+        for i in range(0, len(order), m.sessions_per_step):
+            group = [sessions[j] for j in order[i:i + m.sessions_per_step]]
+            yield batch(group, [int(rng.integers(len(s))) for s in group])
+
+    val_batches = [batch(val_sessions[i:i + 256], val_anchors[i:i + 256])
+                   for i in range(0, len(val_sessions), 256)]
+
+    logs = {"original": original_log}
+    if uses_anchor(generator):  # CDC-MMPG stage 1: ADR alone (AdamW), then frozen
+        adr = generator.adr
+        adr.pop_mean.copy_(feats[data.train_idx].mean(0))
+        adr.pop_std.copy_(feats[data.train_idx].std(0) + 1e-6)
+
+        @torch.no_grad()
+        def adr_val() -> float:  # higher is better: the negative validation loss
+            with torch.random.fork_rng(devices=[]):  # the same VAE noise every epoch
+                torch.manual_seed(derive_seed(spec.seed, 0xADE))
+                return -float(np.mean([float(adr.loss(a, x, mask, m.lam))
+                                       for x, mask, _, a in val_batches]))
+
+        logs["adr"] = fit(adr, lambda: (adr.loss(a, x, mask, m.lam) for x, mask, _, a in steps()),
+                          adr_val, epochs=m.adr_epochs, patience=m.adr_epochs, lr=m.adr_lr,
+                          optimizer=torch.optim.AdamW(adr.parameters(), lr=m.adr_lr),
+                          label=f"{m.name} (ADR)", score="-val loss")
+        adr.requires_grad_(False)
+        adr.eval()
+
+    params = [p for p in generator.parameters() if p.requires_grad]
+    opt = (torch.optim.AdamW(params, lr=m.lr, weight_decay=m.weight_decay) if m.weight_decay
+           else torch.optim.Adam(params, lr=m.lr))
+
+    def losses():
+        for x, mask, y, a in steps():
+            yield weighted_session_ce(generator.session_logits(x, mask, a, sample=True), y,
+                                      mask, gamma)
+
+    @torch.no_grad()
+    def val() -> float:
+        correct = total = 0
+        for x, mask, y, a in val_batches:
+            pred = generator.session_logits(x, mask, a, sample=False).argmax(-1)
+            correct += int(((pred == y) & ~mask).sum())
+            total += int((~mask).sum())
+        return correct / max(total, 1)
+
+    generator.train()
+    logs["generator"] = fit(generator, losses, val, epochs=m.max_epochs, patience=m.patience,
+                            lr=m.lr, optimizer=opt, label=f"{m.name} (generator)")
+    return {"original": original, "generator": generator.eval(), "log": logs}
+
+
+# -- the device's side --------------------------------------------------------------------
+
+def client_sessions(spec: RunSpec, cid: int) -> list[np.ndarray]:
+    """The client's test split in its seeded arrival order, cut into consecutive sessions of K
+    (the last may be shorter)."""
+    order = np.random.default_rng([spec.seed, 0xA77, cid]).permutation(spec.clients[cid].test)
+    k = spec.method.session
+    return [order[i:i + k] for i in range(0, len(order), k)]
+
+
+def upload_of(spec: RunSpec, frames: torch.Tensor, images: Optional[torch.Tensor],
+              gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """What the device sends for one session: one anchor embedding (CDC-MMPG with ADR), the K
+    embeddings (DUET, F-hyper) or, with ``method.upload=samples``, the K preprocessed images."""
+    m = spec.method
+    if getattr(m, "adr", False):
+        k = int(torch.randint(len(frames), (1,), generator=gen))
+        if m.upload == "samples":
+            return {"anchor_sample": images[k:k + 1].contiguous()}
+        return {"anchor": frames[k:k + 1].contiguous()}
+    if m.upload == "samples":
+        return {"samples": images.contiguous()}
+    return {"embeddings": frames.contiguous()}
+
+
+def session_upload(spec: RunSpec, cid: int) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+    """The client's first message: ``{"session.i": upload}`` and its metrics."""
+    gen = torch.Generator().manual_seed(derive_seed(spec.seed, 0xA7C, cid))
+    out = {}
+    for i, s in enumerate(client_sessions(spec, cid)):
+        frames, _ = spec.train_source.get(s)
+        images = spec.image_source.get(s)[0] if spec.method.upload == "samples" else None
+        out[f"session.{i}"] = upload_of(spec, frames, images, gen)
+    return out, {"sessions": len(out)}
+
+
+@torch.no_grad()
+def session_predict(spec: RunSpec, cid: int, arrays: dict[str, dict[str, torch.Tensor]]
+                    ) -> tuple[dict, Optional[dict[str, torch.Tensor]]]:
+    """The client's second message: every session predicted with its generated layers, and the
+    baselines. Returns metrics and, for a binary task, the scores the server needs for AUC."""
+    m = spec.method
+    original = nn.Linear(spec.embed_dim, spec.num_classes)
+    original.load_state_dict(arrays["original"])
+    sessions = client_sessions(spec, cid)
+    logits = {"generated": [], "original": [], "finetune": []}
+    ys = []
+    previous = None
+    for i, s in enumerate(sessions):
+        x, y = spec.train_source.get(s)
+        logits["generated"].append(apply_dynamic(dynamic_layers(arrays[f"session.{i}"]), x))
+        logits["original"].append(original(x))
+        tuned = original if previous is None else _finetune(original, *previous, m,
+                                                             derive_seed(spec.seed, 0xF7, cid, i))
+        logits["finetune"].append(tuned(x))
+        previous = (x, y)  # the device labels the session it has just seen
+        ys.append(y)
+    y = torch.cat(ys) if ys else torch.empty(0, dtype=torch.long)
+    cat = {k: torch.cat(v) if v else torch.empty(0, spec.num_classes) for k, v in logits.items()}
+    metrics = {"num-examples": len(y), "sessions": len(sessions),
+               **{f"acc_{k}": _accuracy(v, y) for k, v in cat.items()}}
+    if m.finetune_steps == 0:
+        metrics["acc_finetune"] = float("nan")
+    scores = None
+    if spec.num_classes == 2:  # AUC needs every score: the server computes it over all clients
+        scores = {"labels": y.float(), **{k: v.softmax(-1)[:, 1] for k, v in cat.items()}}
+    return metrics, scores
+
+
+def _finetune(original: nn.Linear, x: torch.Tensor, y: torch.Tensor, m, seed: int) -> nn.Linear:
+    """The fine-tuning baseline: a copy of the original classifier, ``finetune_steps`` full-batch
+    SGD steps on one labeled session."""
+    layer = copy.deepcopy(original)
+    if m.finetune_steps == 0:
+        return layer
+    torch.manual_seed(seed)
+    opt = torch.optim.SGD(layer.parameters(), lr=m.finetune_lr, momentum=0.9)
+    with torch.enable_grad():
+        for _ in range(m.finetune_steps):
+            loss = F.cross_entropy(layer(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    return layer
+
+
+# -- the server's side --------------------------------------------------------------------
+
+class SessionServer:
+    """Answers each client's uploads with generated parameters and keeps one record per session
+    (bytes up and down, generation seconds)."""
+
+    def __init__(self, spec: RunSpec, trained: dict) -> None:
+        self.spec = spec
+        self.generator = trained["generator"]
+        self.original = {k: v.detach().cpu().clone()
+                         for k, v in trained["original"].state_dict().items()}
+        self.records: list[dict] = []
+        self._backbone = None
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        """``method.upload=samples``: the server runs the frozen backbone (static layers)."""
+        if self._backbone is None:
+            from fedadapt.backbones import build_backbone
+
+            self._backbone = build_backbone(self.spec.backbone).eval()
+        return self._backbone(images)
+
+    @torch.no_grad()
+    def answer(self, pid: int, uploads: dict[str, dict[str, torch.Tensor]],
+               upload_bytes: dict[str, int]) -> dict[str, dict[str, torch.Tensor]]:
+        """``{"original": ..., "session.i": generated layers}`` for one client."""
+        out = {"original": self.original}
+        for name in sorted(uploads, key=lambda n: int(n.split(".")[1])):
+            upload = uploads[name]
+            t0 = time.perf_counter()
+            if "samples" in upload:
+                upload = {"embeddings": self.embed(upload["samples"])}
+            elif "anchor_sample" in upload:
+                upload = {"anchor": self.embed(upload["anchor_sample"])}
+            out[name] = self.generator.generate(upload)
+            seconds = time.perf_counter() - t0
+            self.records.append({"client": pid, "session": int(name.split(".")[1]),
+                                 "up_bytes": upload_bytes[name],
+                                 "up_tensor_bytes": tensor_bytes(uploads[name]),
+                                 "down_tensor_bytes": tensor_bytes(out[name]), "gen_s": seconds})
+        return out
+
+    def note_download(self, pid: int, download_bytes: dict[str, int]) -> None:
+        """The serialized size of each session's answer, as Flower counts it."""
+        for r in self.records:
+            if r["client"] == pid:
+                r["down_bytes"] = download_bytes[f"session.{r['session']}"]
+
+
+def tensor_bytes(arrays: dict[str, torch.Tensor]) -> int:
+    """The tensors' own bytes (numel x element size), without serialization headers."""
+    return sum(t.numel() * t.element_size() for t in arrays.values())
+
+
+def binary_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """ROC AUC as the Mann-Whitney statistic (ties count one half)."""
+    pos, neg = scores[labels == 1], scores[labels == 0]
+    if len(pos) == 0 or len(neg) == 0:
+        return float("nan")
+    greater = (pos[:, None] > neg[None, :]).double().sum()
+    ties = (pos[:, None] == neg[None, :]).double().sum()
+    return float((greater + 0.5 * ties) / (len(pos) * len(neg)))
+
+
+RESULT_KEYS = ("acc_original", "acc_finetune", "acc_generated")
+
+
+def summarize_sessions(rows: list[dict], records: list[dict],
+                       scores: list[dict[str, torch.Tensor]]) -> dict:
+    """Accuracy over all clients' test images (example-weighted) and the client mean; AUC for a
+    binary task; per-session payloads and generation time; the delay table."""
+    out: dict = {}
+    for key in RESULT_KEYS:
+        ok = [(r[key], r["num-examples"]) for r in rows
+              if key in r and np.isfinite(r[key]) and r["num-examples"] > 0]
+        if ok:
+            n = sum(w for _, w in ok)
+            out[key] = {"images": float(sum(v * w for v, w in ok) / n),
+                        "client_mean": float(np.mean([v for v, _ in ok])), "clients": len(ok)}
+    if scores:
+        labels = torch.cat([s["labels"] for s in scores])
+        out["auc"] = {k: binary_auc(torch.cat([s[k] for s in scores]), labels)
+                      for k in ("generated", "original", "finetune")}
+    if records:
+        up = [r["up_bytes"] for r in records]
+        down = [r["down_bytes"] for r in records if "down_bytes" in r]
+        gen = [r["gen_s"] for r in records]
+        out["payload"] = {"sessions": len(records),
+                          "up_bytes_median": float(np.median(up)),
+                          "up_bytes_max": int(max(up)),
+                          "up_tensor_bytes_median": float(np.median(
+                              [r["up_tensor_bytes"] for r in records])),
+                          "down_bytes_median": float(np.median(down)) if down else None,
+                          "down_bytes_max": int(max(down)) if down else None,
+                          "down_tensor_bytes_median": float(np.median(
+                              [r["down_tensor_bytes"] for r in records])),
+                          "generate_ms_median": 1000 * float(np.median(gen)),
+                          "generate_ms_p90": 1000 * float(np.percentile(gen, 90))}
+        out["delay"] = delay_table(out["payload"])
+    return out
+
+
+def delay_table(payload: dict) -> list[dict]:
+    """Per link speed: upload and download time of the median session's measured payload (the
+    serialized ArrayRecord, as Flower counts it), and the total with the server's median
+    generation time (ms)."""
+    rows = []
+    for rate in RATES_MB_S:
+        up_ms = 1000 * payload["up_bytes_median"] / (rate * 1e6)
+        down_ms = 1000 * (payload["down_bytes_median"] or 0) / (rate * 1e6)
+        rows.append({"rate_MB_s": rate, "up_ms": up_ms, "down_ms": down_ms,
+                     "total_ms": up_ms + payload["generate_ms_median"] + down_ms})
+    return rows

@@ -1,0 +1,175 @@
+"""DUET and CDC-MMPG served over Flower: the generator is trained once on the server, each client
+uploads its sessions, the server answers every session with generated layers, the client
+predicts; the payloads are measured."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_run
+from flwr.app import ArrayRecord
+
+from fedadapt.adapters.cdc_mmpg import CdcMmpgConfig
+from fedadapt.adapters.duet import DuetConfig, layer_shapes
+from fedadapt.config import PartitionConfig, validate
+from fedadapt.experiment import prepare_run, run_experiment
+from fedadapt.federation.sessions import (
+    SessionServer,
+    client_sessions,
+    session_upload,
+    train_generator,
+)
+
+SMALL = dict(max_epochs=2, patience=2, classifier_epochs=2, finetune_steps=2, lr=1e-3)
+
+
+def session_run(cache_dir, method):
+    return validate(tiny_run(cache_dir, method, partition=PartitionConfig(
+        kind="dirichlet", num_clients=4, alpha=0.3, min_partition_size=20, val_fraction=0.2,
+        test_fraction=0.2)))
+
+
+def _answered(prep, trained):
+    """Every client's uploads and the server's answers, computed outside Flower."""
+    server = SessionServer(prep.spec, trained)
+    out = {}
+    for cid in range(prep.spec.num_clients):
+        uploads, _ = session_upload(prep.spec, cid)
+        sizes = {k: ArrayRecord(v).count_bytes() for k, v in uploads.items()}
+        out[cid] = (uploads, server.answer(cid, uploads, sizes))
+    return out
+
+
+@pytest.mark.parametrize("method", [
+    DuetConfig(session=4, generators=3, hidden=[8], **SMALL),
+    CdcMmpgConfig(adr_epochs=2, adr_lr=1e-3, **SMALL),
+], ids=["duet", "cdc_mmpg"])
+def test_served_end_to_end_with_measured_payloads(cache_dir, tmp_path, method):
+    cfg = session_run(cache_dir, method)
+    prep = prepare_run(cfg, quiet=True)
+    summary = run_experiment(cfg, tmp_path / "run", config_yaml="x\n", prepared=prep)
+    s = summary["sessions"]
+    for key in ("acc_original", "acc_finetune", "acc_generated"):
+        assert 0.0 <= s[key]["images"] <= 1.0 and s[key]["clients"] == 4
+    spec = prep.spec
+    n_sessions = sum(len(client_sessions(spec, c)) for c in range(4))
+    records = [json.loads(line) for line in
+               (tmp_path / "run" / "session_payloads.jsonl").read_text().splitlines()]
+    assert len(records) == n_sessions == s["payload"]["sessions"]
+
+    # the device receives the dynamic layers only: their tensors' bytes, per session
+    shapes = (layer_shapes(spec.embed_dim, [8], spec.num_classes) if method.name == "duet"
+              else [(spec.num_classes, spec.embed_dim)])
+    dynamic = sum(o * i + o for o, i in shapes)
+    assert {r["down_tensor_bytes"] for r in records} == {4 * dynamic}
+    assert summary["params"]["communicated_params"] == dynamic
+
+    # what was measured in the run equals the ArrayRecords' sizes, recomputed here with the
+    # same seeds: each session's upload and answer; the messages' totals add up to them plus,
+    # down, one original classifier per client
+    trained = train_generator(spec)  # seeded: the same generator the run trained
+    answered = _answered(prep, trained)
+    by_session = {(r["client"], r["session"]): r for r in records}
+    for cid, (uploads, answers) in answered.items():
+        for name, upload in uploads.items():
+            r = by_session[(cid, int(name.split(".")[1]))]
+            assert r["up_bytes"] == ArrayRecord(upload).count_bytes()
+            assert r["down_bytes"] == ArrayRecord(answers[name]).count_bytes()
+            if method.name == "duet":
+                assert set(upload) == {"embeddings"}
+                assert upload["embeddings"].shape[1] == spec.embed_dim
+            else:
+                assert set(upload) == {"anchor"} and upload["anchor"].shape[0] == 1
+            assert set(answers[name]) == {f"layer{n}.{p}" for n in range(len(shapes))
+                                          for p in ("weight", "bias")}
+    original = ArrayRecord(answered[0][1]["original"]).count_bytes()
+    assert summary["bytes_up"] == sum(r["up_bytes"] for r in records)
+    assert summary["bytes_down"] == sum(r["down_bytes"] for r in records) + 4 * original
+    table = (tmp_path / "run" / "table.md").read_text()
+    assert "generated layers" in table and "100 MB/s" in table
+
+
+def test_generator_training_is_seeded(cache_dir):
+    prep = prepare_run(session_run(cache_dir, DuetConfig(session=4, generators=2, **SMALL)),
+                       quiet=True)
+    a, b = train_generator(prep.spec), train_generator(prep.spec)
+    for k, v in a["generator"].state_dict().items():
+        torch.testing.assert_close(v, b["generator"].state_dict()[k])
+
+
+def test_raw_samples_upload_is_embedded_on_the_server(cache_dir):
+    """``method.upload=samples``: the device sends its preprocessed images; the server runs the
+    frozen backbone, so the answers match the embeddings upload's."""
+    emb = prepare_run(session_run(cache_dir, DuetConfig(session=4, generators=2, **SMALL)),
+                      quiet=True)
+    raw = prepare_run(session_run(cache_dir, DuetConfig(session=4, generators=2, upload="samples",
+                                                        **SMALL)), quiet=True)
+    trained = train_generator(emb.spec)
+    a, b = _answered(emb, trained)[1], _answered(raw, trained)[1]
+    assert set(b[0]["session.0"]) == {"samples"} and b[0]["session.0"]["samples"].dim() == 4
+    raw_bytes, emb_bytes = (ArrayRecord(x[0]["session.0"]).count_bytes() for x in (b, a))
+    assert raw_bytes > emb_bytes
+    for name, layers in a[1].items():
+        for k, v in layers.items():
+            torch.testing.assert_close(b[1][name][k], v, atol=1e-4, rtol=1e-4)
+
+
+def test_test_sessions_keep_arrival_order_and_cover_the_split(cache_dir):
+    prep = prepare_run(session_run(cache_dir, CdcMmpgConfig(**SMALL)), quiet=True)
+    for cid in range(4):
+        sessions = client_sessions(prep.spec, cid)
+        assert all(len(s) == 3 for s in sessions[:-1]) and 1 <= len(sessions[-1]) <= 3
+        assert sorted(np.concatenate(sessions).tolist()) == sorted(
+            prep.spec.clients[cid].test.tolist())
+
+
+@pytest.mark.parametrize("experiment", ["duet_offline", "cdc_mmpg_offline", "sessions_cifar100",
+                                        "sessions_femnist", "sessions_inaturalist",
+                                        "sessions_pacs"])
+def test_session_experiments_compose_with_their_rows(experiment):
+    from hydra import initialize_config_dir
+
+    from fedadapt.cli import job_configs
+    from fedadapt.entry import compose_config
+    from fedadapt.paths import resource_dir
+
+    overrides = [f"experiment={experiment}"]
+    cfg = compose_config(overrides)
+    with initialize_config_dir(config_dir=str(resource_dir("conf")), version_base=None):
+        jobs = {name: run.method for name, run, _ in job_configs(cfg, overrides)}
+    if "duet" in jobs:
+        assert jobs["duet"].generators == 5 and jobs["duet_no_swa"].generators == 1
+    if "cdc_mmpg" in jobs:
+        assert jobs["cdc_mmpg"].adr and not jobs["f_hyper"].adr
+        assert jobs["cdc_mmpg"].session == 3
+
+
+def test_binary_task_reports_auc_over_all_clients():
+    """With two classes the clients send their scores; the AUC is computed over all of them."""
+    from fedadapt.federation.sessions import summarize_sessions
+
+    rows = [{"client": c, "num-examples": 2, "acc_original": 0.5, "acc_finetune": 0.5,
+             "acc_generated": 1.0} for c in range(2)]
+    scores = [{"labels": torch.tensor([1.0, 0.0]), "generated": torch.tensor([0.9, 0.1]),
+               "original": torch.tensor([0.4, 0.6]), "finetune": torch.tensor([0.5, 0.5])},
+              {"labels": torch.tensor([0.0, 1.0]), "generated": torch.tensor([0.2, 0.8]),
+               "original": torch.tensor([0.3, 0.7]), "finetune": torch.tensor([0.5, 0.5])}]
+    auc = summarize_sessions(rows, [], scores)["auc"]
+    assert auc["generated"] == 1.0 and auc["finetune"] == 0.5
+    # every positive against every negative, across clients: 0.4 < 0.6 loses; 3 of 4 pairs
+    assert auc["original"] == 0.75
+
+
+def test_unseen_test_clients_are_served_but_never_trained_on(cache_dir):
+    cfg = validate(tiny_run(cache_dir, DuetConfig(session=4, generators=2, **SMALL),
+                            partition=PartitionConfig(kind="dirichlet", num_clients=4, alpha=0.3,
+                                                      min_partition_size=20, val_fraction=0.2,
+                                                      test_fraction=0.2, test_clients=0.25)))
+    prep = prepare_run(cfg, quiet=True)
+    unseen = [c for c, split in enumerate(prep.spec.clients) if len(split.train) == 0]
+    assert len(unseen) == 1
+    answered = _answered(prep, train_generator(prep.spec))
+    uploads, answers = answered[unseen[0]]
+    assert len(uploads) == len(client_sessions(prep.spec, unseen[0])) > 0
+    assert set(answers) == {"original", *uploads}
