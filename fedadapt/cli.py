@@ -107,8 +107,9 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
     first, part = jobs[0][1], summaries[0]["partition"]
     split = (f"domains as clients, held out: {summaries[0]['domains']['holdout']}"
              if summaries[0].get("domains") else f"{part['kind']} alpha={part['alpha']}")
-    rounds = (f"{first.rounds} rounds" if summaries[0]["rounds"] or not summaries[0].get(
-        "recognition") else "trained once on the server")
+    server_trained = summaries[0].get("recognition") or summaries[0].get("sessions")
+    rounds = ("trained once on the server" if not summaries[0]["rounds"] and server_trained
+              else f"{first.rounds} rounds")
     title = (f"## {first.experiment}: {first.dataset.name}, {first.backbone.name}, "
              f"{part['num_clients']} clients, {split}, {rounds}, seed {first.seed}")
     table = run_tables(summaries, title=title)

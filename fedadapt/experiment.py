@@ -426,6 +426,61 @@ def _summary_tail(prep: PreparedRun) -> dict:
             "versions": versions(), "git_commit": git_commit(), "device": device()}
 
 
+def _server_run(cfg: RunConfig, run_dir: Path, prep: PreparedRun, config_yaml: str,
+                execute: Optional[Callable], **plan_extra):
+    """A server-trained method after its training: write the run directory's config and
+    partition, then run its one phase with every client (``plan_extra``: what the server sends
+    them); returns the final server state."""
+    from flwr.app import ArrayRecord
+
+    from fedadapt.clients.app import make_client_app
+    from fedadapt.federation.server import ServerPlan
+    from fedadapt.results.store import atomic_write, write_json
+    from fedadapt.strategies.fedavg import build_strategy
+
+    spec = prep.spec
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(run_dir / "config.yaml", lambda fh: fh.write(config_yaml))
+    write_json(run_dir / "partition.json", prep.partition.stats)
+    plan = ServerPlan(
+        num_clients=spec.num_clients,
+        make_strategy=lambda: build_strategy("fedavg", federated=True,
+                                             num_clients=spec.num_clients, fraction_train=1.0,
+                                             fraction_evaluate=1.0, seed=cfg.seed),
+        initial_arrays=ArrayRecord({}), num_rounds=0, lr_at=lambda r: 0.0, eval_every=1,
+        global_eval=None, counts={}, timeout=cfg.federation.round_timeout,
+        min_reply_fraction=cfg.federation.min_reply_fraction, **plan_extra)
+    return (execute or _simulation(cfg))(plan, make_client_app(lambda context: spec))
+
+
+def _finish_server_run(cfg: RunConfig, run_dir: Path, prep: PreparedRun, state, *, label: str,
+                       t0: float, setting: str, results: dict, params: dict,
+                       client_acc: Optional[dict]) -> dict:
+    """The summary of a server-trained method's run (``results``: its result sections), its
+    ``table.md``, and ``summary.json`` last."""
+    from fedadapt.results.store import atomic_write, write_json
+    from fedadapt.results.tables import run_tables
+
+    summary = {
+        **_summary_head(cfg, label, prep, rounds=0, setting=setting),
+        **results,
+        "final": {"round": 1, "global_acc": None,
+                  "client_acc": client_acc["client_mean"] if client_acc else None},
+        "best": {"global_acc": None, "client_acc": None},
+        "params": {**prep.counts, **params},
+        "total_bytes": state.cum_bytes,
+        "bytes_down": state.history[-1]["bytes_down"],
+        "bytes_up": state.history[-1]["bytes_up"],
+        "wall_s": time.time() - t0,
+        "seconds_per_round": None,
+        **_summary_tail(prep),
+    }
+    table = run_tables([summary], title=f"## {cfg.experiment}: {label} on {cfg.dataset.name}")
+    atomic_write(run_dir / "table.md", lambda fh: fh.write(table))
+    write_json(run_dir / "summary.json", summary)
+    return summary
+
+
 def run_plugin_experiment(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, config_yaml: str,
                           label: str, execute: Optional[Callable] = None,
                           t0: Optional[float] = None) -> dict:
@@ -434,55 +489,25 @@ def run_plugin_experiment(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, c
     accuracies; write the run directory like any run (``summary.json`` last)."""
     from flwr.app import ArrayRecord
 
-    from fedadapt.clients.app import make_client_app
     from fedadapt.federation.plugin import client_arrays, summarize_recognition, train_on_server
-    from fedadapt.federation.server import ServerPlan
-    from fedadapt.results.store import atomic_write, write_json
-    from fedadapt.results.tables import run_tables
-    from fedadapt.strategies.fedavg import build_strategy
+    from fedadapt.results.store import write_json
 
     t0 = time.time() if t0 is None else t0
     spec = prep.spec  # cached features: the method's builder refused method.use_cache=false
     log(f"[{label}] training on the server from {spec.num_clients} clients' cached features")
     trained = train_on_server(spec)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write(run_dir / "config.yaml", lambda fh: fh.write(config_yaml))
-    write_json(run_dir / "partition.json", prep.partition.stats)
-    plan = ServerPlan(
-        num_clients=spec.num_clients,
-        make_strategy=lambda: build_strategy("fedavg", federated=True,
-                                             num_clients=spec.num_clients, fraction_train=1.0,
-                                             fraction_evaluate=1.0, seed=cfg.seed),
-        initial_arrays=ArrayRecord({}), num_rounds=0, lr_at=lambda r: 0.0, eval_every=1,
-        global_eval=None, counts={}, timeout=cfg.federation.round_timeout,
-        min_reply_fraction=cfg.federation.min_reply_fraction,
-        plugin_arrays=lambda pid: ArrayRecord(client_arrays(trained, pid)))
     log(f"[{label}] delivering the module to {spec.num_clients} clients (one Flower round)")
-    state = (execute or _simulation(cfg))(plan, make_client_app(lambda context: spec))
+    state = _server_run(cfg, run_dir, prep, config_yaml, execute,
+                        plugin_arrays=lambda pid: ArrayRecord(client_arrays(trained, pid)))
     rows = sorted(state.delivered, key=lambda r: r["client"])
     write_json(run_dir / "recognition.json", rows)
     module_params = sum(t.numel() for t in trained["module"].parameters())
     layer_params = module_params - sum(t.numel() for t in trained["module"].classifier.parameters())
-    summary = {
-        **_summary_head(cfg, label, prep, rounds=0, setting="server-trained plug-in"),
-        "recognition": summarize_recognition(rows),
-        "server_training": trained["log"],
-        "final": {"round": 1, "global_acc": None, "client_acc": None},
-        "best": {"global_acc": None, "client_acc": None},
-        "params": {**prep.counts, "module_params": layer_params},
-        "total_bytes": state.cum_bytes,
-        "bytes_down": state.history[-1]["bytes_down"],
-        "bytes_up": state.history[-1]["bytes_up"],
-        "wall_s": time.time() - t0,
-        "seconds_per_round": None,
-        **_summary_tail(prep),
-    }
-    stream = summary["recognition"].get("acc_stream")
-    summary["final"]["client_acc"] = stream["client_mean"] if stream else None
-    table = run_tables([summary], title=f"## {cfg.experiment}: {label} on {cfg.dataset.name}")
-    atomic_write(run_dir / "table.md", lambda fh: fh.write(table))
-    write_json(run_dir / "summary.json", summary)
-    return summary
+    recognition = summarize_recognition(rows)
+    return _finish_server_run(
+        cfg, run_dir, prep, state, label=label, t0=t0, setting="server-trained plug-in",
+        results={"recognition": recognition, "server_training": trained["log"]},
+        params={"module_params": layer_params}, client_acc=recognition.get("acc_stream"))
 
 
 def run_session_experiment(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *,
@@ -491,56 +516,25 @@ def run_session_experiment(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *,
     """A session plug-in (DUET, CDC-MMPG): train the generator on the server from the clients'
     cached features, then converse with every client (uploads up, generated parameters down,
     metrics back); write the run directory like any run (``summary.json`` last)."""
-    from flwr.app import ArrayRecord
-
-    from fedadapt.clients.app import make_client_app
-    from fedadapt.federation.server import ServerPlan
     from fedadapt.federation.sessions import SessionServer, summarize_sessions, train_generator
-    from fedadapt.results.store import atomic_write, write_json, write_jsonl
-    from fedadapt.results.tables import run_tables
-    from fedadapt.strategies.fedavg import build_strategy
+    from fedadapt.results.store import write_json, write_jsonl
 
     t0 = time.time() if t0 is None else t0
     spec = prep.spec
     log(f"[{label}] training on the server from {spec.num_clients} clients' cached features")
     trained = train_generator(spec)
     server = SessionServer(spec, trained)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write(run_dir / "config.yaml", lambda fh: fh.write(config_yaml))
-    write_json(run_dir / "partition.json", prep.partition.stats)
-    plan = ServerPlan(
-        num_clients=spec.num_clients,
-        make_strategy=lambda: build_strategy("fedavg", federated=True,
-                                             num_clients=spec.num_clients, fraction_train=1.0,
-                                             fraction_evaluate=1.0, seed=cfg.seed),
-        initial_arrays=ArrayRecord({}), num_rounds=0, lr_at=lambda r: 0.0, eval_every=1,
-        global_eval=None, counts={}, timeout=cfg.federation.round_timeout,
-        min_reply_fraction=cfg.federation.min_reply_fraction, sessions=server)
     log(f"[{label}] serving every test session of {spec.num_clients} clients")
-    state = (execute or _simulation(cfg))(plan, make_client_app(lambda context: spec))
+    state = _server_run(cfg, run_dir, prep, config_yaml, execute, sessions=server)
     rows = sorted(state.delivered, key=lambda r: r["client"])
     scores = [r.pop("scores") for r in rows if "scores" in r]
     write_json(run_dir / "sessions.json", rows)
     write_jsonl(run_dir / "session_payloads.jsonl", server.records)
-    generator = trained["generator"]
-    summary = {
-        **_summary_head(cfg, label, prep, rounds=0, setting="server-trained session plug-in"),
-        "sessions": summarize_sessions(rows, server.records, scores),
-        "server_training": trained["log"],
-        "final": {"round": 1, "global_acc": None, "client_acc": None},
-        "best": {"global_acc": None, "client_acc": None},
-        "params": {**prep.counts,
-                   "generator_params": sum(p.numel() for p in generator.parameters())},
-        "total_bytes": state.cum_bytes,
-        "bytes_down": state.history[-1]["bytes_down"],
-        "bytes_up": state.history[-1]["bytes_up"],
-        "wall_s": time.time() - t0,
-        "seconds_per_round": None,
-        **_summary_tail(prep),
-    }
-    gen_acc = summary["sessions"].get("acc_generated")
-    summary["final"]["client_acc"] = gen_acc["client_mean"] if gen_acc else None
-    table = run_tables([summary], title=f"## {cfg.experiment}: {label} on {cfg.dataset.name}")
-    atomic_write(run_dir / "table.md", lambda fh: fh.write(table))
-    write_json(run_dir / "summary.json", summary)
-    return summary
+    sessions = summarize_sessions(rows, server.records, scores)
+    generator_params = sum(p.numel() for p in trained["generator"].parameters())
+    return _finish_server_run(
+        cfg, run_dir, prep, state, label=label, t0=t0,
+        setting="server-trained session plug-in",
+        results={"sessions": sessions, "server_training": trained["log"]},
+        params={"generator_params": generator_params},
+        client_acc=sessions.get("acc_generated"))
