@@ -63,6 +63,16 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
     class_text = None
     if method_spec(cfg.method).uses_text:  # the class prompts through the frozen text tower
         class_text = clip_class_text(backbone, prepared.class_names, cfg.method.prompt)
+    query_feature = None
+    if getattr(cfg.method, "query", None):  # CDC-MMPG's text query, through the text tower
+        if not hasattr(backbone, "encode_prompts"):
+            raise ConfigError(f"method.query={cfg.method.query!r} is invalid for "
+                              f"backbone={cfg.backbone.name}: a text query needs a backbone with "
+                              f"a text tower (backbone=clip_vit_b32)")
+        import torch
+
+        with torch.no_grad():
+            query_feature = backbone.encode_prompts([cfg.method.query])[0].float().cpu()
     transform = TransformSpec.for_backbone(backbone)
     features = cfg.method.use_cache
 
@@ -83,7 +93,8 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
                    clients=partition.clients, faults=cfg.faults, setting=cfg.setting,
                    class_text=class_text, evaluate_val=cfg.federation.select == "best_val",
                    image_source=(DataSource(prepared, "train", transform=transform)
-                                 if getattr(cfg.method, "upload", None) == "samples" else None))
+                                 if getattr(cfg.method, "upload", None) == "samples" else None),
+                   query_feature=query_feature)
     model = build_run_model(spec, backbone)
     _apply_setting(cfg, spec, model)
     counts = {

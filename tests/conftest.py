@@ -25,6 +25,10 @@ from fedadapt.config import (
 )
 
 SMALL_CNN = dict(name="small_cnn", family="small_cnn", image_size=16, arch={"width": 8})
+#: A tiny random open_clip model (image and text towers, joint width 16).
+TINY_CLIP = BackboneConfig(name="tiny_clip", family="clip", image_size=32, arch=dict(
+    embed_dim=16, vision_cfg=dict(image_size=32, layers=1, width=32, patch_size=8, head_width=16),
+    text_cfg=dict(context_length=16, vocab_size=49408, width=32, heads=2, layers=1)))
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import TINY_CLIP
 
 from fedadapt.backbones import build_backbone
 from fedadapt.backbones.base import MissingAssetError
@@ -10,9 +11,6 @@ from fedadapt.config import BackboneConfig, ConfigError
 TINY_VIT = BackboneConfig(name="t", family="vit", image_size=32, arch=dict(
     patch_size=8, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
     intermediate_size=64))
-TINY_CLIP = BackboneConfig(name="c", family="clip", image_size=32, arch=dict(
-    embed_dim=16, vision_cfg=dict(image_size=32, layers=1, width=32, patch_size=8, head_width=16),
-    text_cfg=dict(context_length=16, vocab_size=49408, width=32, heads=2, layers=1)))
 
 
 def test_frozen_and_eval():

@@ -481,11 +481,11 @@ def test_delay_table_adds_up():
     (DuetConfig(gamma=0.0), "method.gamma"),
     (DuetConfig(session=0), "method.session"),
     (DuetConfig(upload="pixels"), "method.upload"),
-    (DuetConfig(hidden=[8, 0]), "method.hidden"),
+    (DuetConfig(dynamic_hidden=[8, 0]), "method.dynamic_hidden"),
     (CdcMmpgConfig(lam=-0.1), "method.lam"),
     (CdcMmpgConfig(session=0), "method.session"),
     (CdcMmpgConfig(upload="pixels"), "method.upload"),
-    (CdcMmpgConfig(query_dim=4, upload="samples"), "method.query_dim"),
+    (CdcMmpgConfig(query="  "), "method.query"),
 ])
 def test_bad_values_name_the_setting(cfg, key):
     from fedadapt.adapters import build_model
@@ -495,19 +495,19 @@ def test_bad_values_name_the_setting(cfg, key):
         build_model(cfg, BackboneInfo(embed_dim=16), 5, with_backbone=False)
 
 
-@pytest.mark.parametrize("cfg", [DuetConfig(generators=2, hidden=[8]), CdcMmpgConfig(),
+@pytest.mark.parametrize("cfg", [DuetConfig(generators=2, dynamic_hidden=[8]), CdcMmpgConfig(),
                                  CdcMmpgConfig(adr=False)])
 def test_valid_configs_build_and_communicate_only_the_dynamic_layers(cfg):
     from fedadapt.adapters import build_model
     from fedadapt.federation.training import BackboneInfo
 
     model = build_model(cfg, BackboneInfo(embed_dim=16), 5, with_backbone=False)
-    shapes = layer_shapes(16, list(cfg.hidden), 5) if isinstance(cfg, DuetConfig) \
+    shapes = layer_shapes(16, list(cfg.dynamic_hidden), 5) if isinstance(cfg, DuetConfig) \
         else [(5, 16)]
     assert model.count(model.communicated_names()) == sum(o * i + o for o, i in shapes)
 
 
-@pytest.mark.parametrize("overrides,hidden", [([], []), (["method.hidden=[8]"], [8])])
+@pytest.mark.parametrize("overrides,hidden", [([], []), (["method.dynamic_hidden=[8]"], [8])])
 def test_inspect_counts_duet(overrides, hidden):
     """``fedadapt-inspect method=duet``: what travels is one set of dynamic layers (D*C + C for
     hidden []); the generator is what trains. (small_cnn: a random backbone, no download; the
@@ -518,7 +518,7 @@ def test_inspect_counts_duet(overrides, hidden):
 
     run = to_run_config(compose_config(["method=duet", "backbone=small_cnn", "dataset=digits",
                                         *overrides]))
-    assert list(run.method.hidden) == hidden
+    assert list(run.method.dynamic_hidden) == hidden
     counts = inspect_run(run, flops=False)
     d, c = counts["embed_dim"], counts["num_classes"]
     assert c == 10

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_run
+from conftest import TINY_CLIP, tiny_run
 from fedadapt.clients.app import make_client_app
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 
@@ -16,10 +16,6 @@ from fedadapt.backbones import build_backbone
 from fedadapt.backbones.clip import class_text
 from fedadapt.config import BackboneConfig, ConfigError, DatasetConfig, validate
 from fedadapt.experiment import prepare_run
-
-TINY_CLIP = BackboneConfig(name="tiny_clip", family="clip", image_size=32, arch=dict(
-    embed_dim=16, vision_cfg=dict(image_size=32, layers=1, width=32, patch_size=8, head_width=16),
-    text_cfg=dict(context_length=16, vocab_size=49408, width=32, heads=2, layers=1)))
 
 
 @pytest.mark.parametrize("dim", [16, 512])

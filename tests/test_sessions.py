@@ -42,7 +42,7 @@ def _answered(prep, trained):
 
 
 @pytest.mark.parametrize("method", [
-    DuetConfig(session=4, generators=3, hidden=[8], **SMALL),
+    DuetConfig(session=4, generators=3, dynamic_hidden=[8], **SMALL),
     CdcMmpgConfig(adr_epochs=2, adr_lr=1e-3, **SMALL),
 ], ids=["duet", "cdc_mmpg"])
 def test_served_end_to_end_with_measured_payloads(cache_dir, tmp_path, method):
@@ -58,7 +58,8 @@ def test_served_end_to_end_with_measured_payloads(cache_dir, tmp_path, method):
                (tmp_path / "run" / "session_payloads.jsonl").read_text().splitlines()]
     assert len(records) == n_sessions == s["payload"]["sessions"]
 
-    # the device receives the dynamic layers only: their tensors' bytes, per session
+    # per session, the device receives the dynamic layers only: their tensors' bytes (the
+    # original classifier for the baseline rows travels once per client, checked below)
     shapes = (layer_shapes(spec.embed_dim, [8], spec.num_classes) if method.name == "duet"
               else [(spec.num_classes, spec.embed_dim)])
     dynamic = sum(o * i + o for o, i in shapes)
@@ -173,3 +174,64 @@ def test_unseen_test_clients_are_served_but_never_trained_on(cache_dir):
     uploads, answers = answered[unseen[0]]
     assert len(uploads) == len(client_sessions(prep.spec, unseen[0])) > 0
     assert set(answers) == {"original", *uploads}
+
+
+def test_text_query_is_fused_into_every_frame(cache_dir):
+    """``method.query``: CLIP's text tower encodes it once; the device uploads fused frames and
+    receives a layer over [frame; query], which depends on the query."""
+    from conftest import TINY_CLIP
+
+    from fedadapt.config import ConfigError
+
+    def answered(query):
+        cfg = session_run(cache_dir, CdcMmpgConfig(query=query, adr_epochs=1, **SMALL))
+        cfg.backbone = TINY_CLIP
+        prep = prepare_run(cfg, quiet=True)
+        return prep.spec, _answered(prep, train_generator(prep.spec))[0]
+
+    spec, (uploads, answers) = answered("what is in the picture?")
+    d = spec.embed_dim
+    assert spec.query_feature.shape == (d,)
+    assert uploads["session.0"]["anchor"].shape == (1, 2 * d)
+    torch.testing.assert_close(uploads["session.0"]["anchor"][0, d:], spec.query_feature)
+    assert answers["session.0"]["layer0.weight"].shape == (spec.num_classes, 2 * d)
+    _, (_, other) = answered("which digit is it?")
+    assert not torch.equal(answers["session.0"]["layer0.weight"],
+                           other["session.0"]["layer0.weight"])
+    with pytest.raises(ConfigError, match="method.query"):
+        prepare_run(session_run(cache_dir, CdcMmpgConfig(query="a question", **SMALL)),
+                    quiet=True)
+
+
+def test_malformed_uploads_get_no_answer(cache_dir):
+    """The server checks each client's uploads before answering (names, width, rows, values);
+    only the clients that complete the conversation count in the payload figures."""
+    from fedadapt.federation.sessions import build_generator
+
+    prep = prepare_run(session_run(cache_dir, CdcMmpgConfig(**SMALL)), quiet=True)
+    spec = prep.spec
+    server = SessionServer(spec, {"generator": build_generator(spec),
+                                  "original": torch.nn.Linear(spec.embed_dim, spec.num_classes)})
+    good, _ = session_upload(spec, 0)
+    assert server.check_uploads(good) is None
+    d = spec.embed_dim
+    bad = {
+        "arrays": {"session.0": {"embeddings": torch.zeros(1, d)}},
+        "shape": {"session.0": {"anchor": torch.zeros(1, d + 1)}},
+        "rows": {"session.0": {"anchor": torch.zeros(2, d)}},
+        "non-finite": {"session.0": {"anchor": torch.full((1, d), float("nan"))}},
+    }
+    for what, uploads in bad.items():
+        assert what in server.check_uploads(uploads)
+    server.answer(0, good, {k: 1 for k in good})
+    server.answer(1, session_upload(spec, 1)[0], {k: 1 for k in session_upload(spec, 1)[0]})
+    server.keep_clients({1})
+    assert {r["client"] for r in server.records} == {1}
+
+
+def test_sessions_longer_than_any_client_are_refused(cache_dir):
+    from fedadapt.config import ConfigError
+
+    prep = prepare_run(session_run(cache_dir, DuetConfig(session=10_000, **SMALL)), quiet=True)
+    with pytest.raises(ConfigError, match="method.session=10000"):
+        train_generator(prep.spec)

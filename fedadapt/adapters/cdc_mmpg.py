@@ -3,9 +3,9 @@ device's model from its session; the AnchorFrame Distribution Reasoner (ADR) let
 upload ONE anchor feature instead of the session.
 
 Inputs are sessions of K feature vectors ("frames"), optionally fused with a text-query feature
-(CLIP's text tower): fusion concatenates the query to every frame (``[frame; query]``), so the
-device's frozen static part stays parameter-free and the same code serves image sessions
-(``query_dim = 0``) and multimodal ones.
+(``method.query``, encoded once by CLIP's text tower): fusion concatenates the query to every
+frame (``[frame; query]``), so the device's frozen static part stays parameter-free and the same
+code serves image sessions and multimodal ones.
 
 FDA (Sec. 3.2): the session's frames averaged (v), projected by an MLP of two linear layers and a
 LayerNorm (Eq. 5), then a hypernetwork MLP (Eq. 6) emits the weights and bias of one linear layer
@@ -24,7 +24,8 @@ ADR (Sec. 3.3), this module's reading of the equations the text refers to:
   the generated feature g = AG(a; mu_s^, sigma_s^) and (i) the anchor re-normalised with the
   session's true statistics, (ii) the session's average v (Eq. 17-18);
 - FDA then takes g in place of v (Eq. 11). Two stages: ADR first (AdamW 2e-5, 10 epochs), then
-  FDA with ADR frozen (1e-4, 40 epochs).
+  FDA with ADR frozen (1e-4, 40 epochs), at constant rates (the paper's polynomial decay is not
+  implemented).
 
 Without ADR (``adr: false``) this is the paper's F-hyper ablation: the device uploads all K
 frames and FDA takes their average.
@@ -71,8 +72,9 @@ class CdcMmpgConfig(SessionPluginConfig):
     adr_epochs: int = 10
     lr: float = 1e-4
     max_epochs: int = 40
-    #: Width of a text-query feature fused into every frame (0: image sessions).
-    query_dim: int = 0
+    #: A text query fused into every frame (e.g. a question about the session), encoded once
+    #: by the backbone's text tower (a CLIP backbone); None: image sessions.
+    query: Optional[str] = None
 
 
 def fuse(frames: torch.Tensor, query: Optional[torch.Tensor]) -> torch.Tensor:
@@ -173,9 +175,15 @@ class CdcMmpg(nn.Module):
         return apply_dynamic([layer], frames)
 
 
-def build_cdc_mmpg(cfg: CdcMmpgConfig, dim: int, num_classes: int) -> CdcMmpg:
+def build_cdc_mmpg(cfg: CdcMmpgConfig, dim: int, num_classes: int, query_dim: int = 0
+                   ) -> CdcMmpg:
     return CdcMmpg(dim, num_classes, hidden=cfg.hidden, adr=cfg.adr, latent=cfg.latent,
-                   vae_hidden=cfg.vae_hidden, query_dim=cfg.query_dim)
+                   vae_hidden=cfg.vae_hidden, query_dim=query_dim)
+
+
+def query_width(cfg: CdcMmpgConfig, embed_dim: int) -> int:
+    """CLIP's text features share the image features' joint space (width ``embed_dim``)."""
+    return embed_dim if cfg.query else 0
 
 
 def _check(cfg: CdcMmpgConfig) -> None:
@@ -184,21 +192,21 @@ def _check(cfg: CdcMmpgConfig) -> None:
         check(getattr(cfg, key) >= 1, f"method.{key}", getattr(cfg, key), "must be >= 1")
     check(cfg.adr_lr > 0, "method.adr_lr", cfg.adr_lr, "must be > 0")
     check(cfg.lam >= 0, "method.lam", cfg.lam, "must be >= 0")
-    check(cfg.query_dim >= 0, "method.query_dim", cfg.query_dim, "must be >= 0")
-    check(cfg.query_dim == 0 or cfg.upload == "embeddings", "method.query_dim", cfg.query_dim,
-          "a text query is fused into embeddings: it needs method.upload=embeddings")
+    check(cfg.query is None or cfg.query.strip() != "", "method.query", cfg.query,
+          "a text, or null for image sessions")
 
 
 @register_method("cdc_mmpg", CdcMmpgConfig, trainer="sessions",
                  counts=lambda cfg, d, c: _counts(cfg, d, c))
 def build(cfg: CdcMmpgConfig, backbone, num_classes, with_backbone):
     _check(cfg)
-    generator = build_cdc_mmpg(cfg, backbone.embed_dim, num_classes)
+    generator = build_cdc_mmpg(cfg, backbone.embed_dim, num_classes,
+                               query_width(cfg, backbone.embed_dim))
     return registry_model(generator, generator.shapes, backbone, with_backbone)
 
 
 def _counts(cfg: CdcMmpgConfig, dim: int, num_classes: int) -> dict:
-    generator = build_cdc_mmpg(cfg, dim, num_classes)
+    generator = build_cdc_mmpg(cfg, dim, num_classes, query_width(cfg, dim))
     adr = 0 if generator.adr is None else sum(p.numel() for p in generator.adr.parameters())
     return {"adr": cfg.adr, "session": cfg.session, "adr_params": adr,
             **session_counts(generator, generator.shapes)}

@@ -21,7 +21,10 @@ weights W'_1,j, flattened, give the self-similarity S = W'_1 W'_1^T; its row sum
 p-weighted sums of the N_p generators' (Eq. 9: W1 and W2, and their biases alike). N_p = 1 is
 DUET without SWA.
 
-Training (Eq. 7) weights the cross-entropy of the t-th sample of a session by gamma^t.
+Training (Eq. 7) weights the cross-entropy of the t-th sample of a session by gamma^t. The loss
+is on the session's own samples: the generated layers classify the samples they were generated
+from, as on a device at test time (Eq. 7 writes the history samples x_H; this is our reading,
+matching the paper's CK+ setup, where a video's frames are both the input and the targets).
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ def check_session_plugin(cfg: SessionPluginConfig) -> None:
 class DuetConfig(SessionPluginConfig):
     name: str = "duet"
     #: Hidden widths of the dynamic layers (``[]``: one linear layer D -> C).
-    hidden: list[int] = field(default_factory=list)
+    dynamic_hidden: list[int] = field(default_factory=list)
     #: N_p generators per dynamic layer (SWA); 1 = DUET without SWA.
     generators: int = 5
     #: tau, SWA's softmax temperature (Eq. 8).
@@ -225,7 +228,7 @@ def dynamic_layers(arrays: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, 
 
 
 def build_duet(cfg: DuetConfig, dim: int, num_classes: int) -> Duet:
-    return Duet(dim, num_classes, hidden=list(cfg.hidden), generators=cfg.generators,
+    return Duet(dim, num_classes, hidden=list(cfg.dynamic_hidden), generators=cfg.generators,
                 temperature=cfg.temperature, neck=cfg.neck, embed=cfg.embed,
                 generator_hidden=cfg.generator_hidden)
 
@@ -272,7 +275,8 @@ def _check(cfg: DuetConfig) -> None:
     check_session_plugin(cfg)
     for key in ("generators", "neck", "embed", "generator_hidden"):
         check(getattr(cfg, key) >= 1, f"method.{key}", getattr(cfg, key), "must be >= 1")
-    check(all(h >= 1 for h in cfg.hidden), "method.hidden", list(cfg.hidden), "widths >= 1")
+    check(all(h >= 1 for h in cfg.dynamic_hidden), "method.dynamic_hidden",
+          list(cfg.dynamic_hidden), "widths >= 1")
     check(cfg.temperature > 0, "method.temperature", cfg.temperature, "must be > 0")
     check(0 < cfg.gamma <= 1, "method.gamma", cfg.gamma, "must be in (0, 1]")
 

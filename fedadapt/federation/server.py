@@ -258,27 +258,32 @@ def converse(grid: Grid, state: ServerState, plan: ServerPlan, chunk: int = 32) 
     each client uploads what its sessions hold (QUERY, phase ``session-upload``: one
     ArrayRecord per session), the server answers each session with generated parameters
     (EVALUATE, phase ``session-predict``), the client predicts and replies with metrics (and,
-    for a binary task, its scores). Returns one row per client that answered both."""
+    for a binary task, its scores). A client whose upload is malformed (names, width,
+    non-finite values) gets no answer. Returns one row per client that answered both."""
     server = plan.sessions
     strategy = state.strategy
     nodes = list(strategy.node_of)
-    rows, sent, answered, failed = [], 0, Screened(), Screened()
+    rows, sent, screened = [], 0, Screened()
     down = up = 0
-    ask = ConfigRecord({"phase": "session-upload"})
     for start in range(0, len(nodes), chunk):
-        uploads, n, d, u = _ask(grid, strategy, plan, nodes[start:start + chunk],
-                                lambda pid: RecordDict({"config": ConfigRecord(ask)}),
-                                MessageType.QUERY)
+        uploads, n, d, u = _ask(
+            grid, strategy, plan, nodes[start:start + chunk],
+            lambda pid: RecordDict({"config": ConfigRecord({"phase": "session-upload"})}),
+            MessageType.QUERY)
         sent, down, up = sent + n, down + d, up + u
-        failed.dropped += uploads.dropped
+        screened.dropped += uploads.dropped
         answers = {}
         for reply in uploads.good:
             pid = strategy.partition_of[reply.metadata.src_node_id]
             records = {k: v for k, v in reply.content.array_records.items()
                        if k.startswith("session.")}
-            answers[pid] = server.answer(
-                pid, {k: v.to_torch_state_dict() for k, v in records.items()},
-                {k: v.count_bytes() for k, v in records.items()})
+            arrays = {k: v.to_torch_state_dict() for k, v in records.items()}
+            problem = server.check_uploads(arrays)
+            if problem:
+                screened.dropped.append((pid, "bad_upload", problem))
+                continue
+            answers[pid] = server.answer(pid, arrays,
+                                         {k: v.count_bytes() for k, v in records.items()})
 
         def content_for(pid: int, answers=answers) -> RecordDict:
             content = RecordDict({"config": ConfigRecord({"phase": "session-predict"})})
@@ -291,16 +296,17 @@ def converse(grid: Grid, state: ServerState, plan: ServerPlan, chunk: int = 32) 
         checked, _, d, u = _ask(grid, strategy, plan, sorted(answers), content_for,
                                 MessageType.EVALUATE)
         down, up = down + d, up + u
-        answered.good += checked.good
-        failed.dropped += checked.dropped
+        screened.good += checked.good
+        screened.dropped += checked.dropped
         for reply, metrics in zip(checked.good, _metrics(checked.good)):
             pid = strategy.partition_of[reply.metadata.src_node_id]
             scores = reply.content.array_records.get("scores")
             rows.append({"client": pid, **metrics,
                          **({"scores": scores.to_torch_state_dict()} if scores else {})})
-    failed.good = answered.good
-    _warn_dropped(1, "session", failed, sent)
-    require_enough(failed, sent, plan.min_reply_fraction, 1)
+    # payload figures only for the clients that completed the conversation
+    server.keep_clients({r["client"] for r in rows})
+    _warn_dropped(1, "session", screened, sent)
+    require_enough(screened, sent, plan.min_reply_fraction, 1)
     state.cum_bytes += down + up
     state.history.append({"round": 1, "bytes_down": down, "bytes_up": up,
                           "cum_bytes": state.cum_bytes, "wall_s": time.time() - state.started})

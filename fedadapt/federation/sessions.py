@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedadapt.adapters.cdc_mmpg import build_cdc_mmpg
+from fedadapt.adapters.cdc_mmpg import build_cdc_mmpg, fuse
 from fedadapt.adapters.duet import (
     DuetConfig,
     apply_dynamic,
@@ -61,9 +61,15 @@ RATES_MB_S = (5, 15, 50, 100)
 
 def build_generator(spec: RunSpec) -> nn.Module:
     m = spec.method
-    if isinstance(m, DuetConfig) or m.name == "duet":
+    if isinstance(m, DuetConfig):
         return build_duet(m, spec.embed_dim, spec.num_classes)
-    return build_cdc_mmpg(m, spec.embed_dim, spec.num_classes)
+    q = 0 if spec.query_feature is None else len(spec.query_feature)
+    return build_cdc_mmpg(m, spec.embed_dim, spec.num_classes, q)
+
+
+def fused(spec: RunSpec, frames: torch.Tensor) -> torch.Tensor:
+    """The frames with the run's text query concatenated to each (unchanged without one)."""
+    return fuse(frames, spec.query_feature)
 
 
 def uses_anchor(generator: nn.Module) -> bool:
@@ -73,8 +79,15 @@ def uses_anchor(generator: nn.Module) -> bool:
 def train_generator(spec: RunSpec) -> dict:
     """The original model and the generator, on the training clients' cached features."""
     m = spec.method
+    largest = max(len(c.train) for c in spec.clients)
+    if m.session > largest:
+        from fedadapt.config import ConfigError
+
+        raise ConfigError(f"method.session={m.session} is invalid: sessions are cut from one "
+                          f"client's data and the largest training client holds {largest} "
+                          f"samples")
     data = ServerData.of(spec)
-    feats, labels = data.feats, data.labels
+    feats, labels = fused(spec, data.feats), data.labels  # the original model: image only
 
     def stage_rng(stage: int) -> np.random.Generator:
         torch.manual_seed(derive_seed(spec.seed, 0x5E55, stage))
@@ -182,7 +195,7 @@ def session_upload(spec: RunSpec, cid: int) -> tuple[dict[str, dict[str, torch.T
     for i, s in enumerate(client_sessions(spec, cid)):
         frames, _ = spec.train_source.get(s)
         images = spec.image_source.get(s)[0] if spec.method.upload == "samples" else None
-        out[f"session.{i}"] = upload_of(spec, frames, images, gen)
+        out[f"session.{i}"] = upload_of(spec, fused(spec, frames), images, gen)
     return out, {"sessions": len(out)}
 
 
@@ -200,32 +213,31 @@ def session_predict(spec: RunSpec, cid: int, arrays: dict[str, dict[str, torch.T
     previous = None
     for i, s in enumerate(sessions):
         x, y = spec.train_source.get(s)
-        logits["generated"].append(apply_dynamic(dynamic_layers(arrays[f"session.{i}"]), x))
+        logits["generated"].append(apply_dynamic(dynamic_layers(arrays[f"session.{i}"]),
+                                                 fused(spec, x)))
         logits["original"].append(original(x))
-        tuned = original if previous is None else _finetune(original, *previous, m,
-                                                             derive_seed(spec.seed, 0xF7, cid, i))
-        logits["finetune"].append(tuned(x))
+        if m.finetune_steps:
+            tuned = original if previous is None else _finetune(original, *previous, m)
+            logits["finetune"].append(tuned(x))
         previous = (x, y)  # the device labels the session it has just seen
         ys.append(y)
     y = torch.cat(ys) if ys else torch.empty(0, dtype=torch.long)
     cat = {k: torch.cat(v) if v else torch.empty(0, spec.num_classes) for k, v in logits.items()}
+    # the same keys from every client (NaN: fine-tuning skipped, or no test data)
     metrics = {"num-examples": len(y), "sessions": len(sessions),
-               **{f"acc_{k}": _accuracy(v, y) for k, v in cat.items()}}
-    if m.finetune_steps == 0:
-        metrics["acc_finetune"] = float("nan")
+               **{f"acc_{k}": _accuracy(v, y) if len(v) == len(y) else float("nan")
+                  for k, v in cat.items()}}
     scores = None
     if spec.num_classes == 2:  # AUC needs every score: the server computes it over all clients
-        scores = {"labels": y.float(), **{k: v.softmax(-1)[:, 1] for k, v in cat.items()}}
+        scores = {"labels": y.float(), **{k: v.softmax(-1)[:, 1] for k, v in cat.items()
+                                          if len(v) == len(y)}}
     return metrics, scores
 
 
-def _finetune(original: nn.Linear, x: torch.Tensor, y: torch.Tensor, m, seed: int) -> nn.Linear:
+def _finetune(original: nn.Linear, x: torch.Tensor, y: torch.Tensor, m) -> nn.Linear:
     """The fine-tuning baseline: a copy of the original classifier, ``finetune_steps`` full-batch
-    SGD steps on one labeled session."""
+    SGD steps (deterministic) on one labeled session."""
     layer = copy.deepcopy(original)
-    if m.finetune_steps == 0:
-        return layer
-    torch.manual_seed(seed)
     opt = torch.optim.SGD(layer.parameters(), lr=m.finetune_lr, momentum=0.9)
     with torch.enable_grad():
         for _ in range(m.finetune_steps):
@@ -248,15 +260,15 @@ class SessionServer:
         self.original = {k: v.detach().cpu().clone()
                          for k, v in trained["original"].state_dict().items()}
         self.records: list[dict] = []
-        self._backbone = None
+        self.backbone = None
+        if spec.method.upload == "samples":  # loaded before any session is timed
+            from fedadapt.backbones import build_backbone
+
+            self.backbone = build_backbone(spec.backbone).eval()
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         """``method.upload=samples``: the server runs the frozen backbone (static layers)."""
-        if self._backbone is None:
-            from fedadapt.backbones import build_backbone
-
-            self._backbone = build_backbone(self.spec.backbone).eval()
-        return self._backbone(images)
+        return self.backbone(images)
 
     @torch.no_grad()
     def answer(self, pid: int, uploads: dict[str, dict[str, torch.Tensor]],
@@ -267,9 +279,9 @@ class SessionServer:
             upload = uploads[name]
             t0 = time.perf_counter()
             if "samples" in upload:
-                upload = {"embeddings": self.embed(upload["samples"])}
+                upload = {"embeddings": fused(self.spec, self.embed(upload["samples"]))}
             elif "anchor_sample" in upload:
-                upload = {"anchor": self.embed(upload["anchor_sample"])}
+                upload = {"anchor": fused(self.spec, self.embed(upload["anchor_sample"]))}
             out[name] = self.generator.generate(upload)
             seconds = time.perf_counter() - t0
             self.records.append({"client": pid, "session": int(name.split(".")[1]),
@@ -277,6 +289,35 @@ class SessionServer:
                                  "up_tensor_bytes": tensor_bytes(uploads[name]),
                                  "down_tensor_bytes": tensor_bytes(out[name]), "gen_s": seconds})
         return out
+
+    def check_uploads(self, uploads: dict[str, dict[str, torch.Tensor]]) -> Optional[str]:
+        """Why a client's uploads cannot be answered (None when they can)."""
+        m = self.spec.method
+        anchor = bool(getattr(m, "adr", False))
+        key = {(False, "embeddings"): "embeddings", (True, "embeddings"): "anchor",
+               (False, "samples"): "samples", (True, "samples"): "anchor_sample"}[
+            (anchor, m.upload)]
+        width = self.spec.embed_dim + (0 if self.spec.query_feature is None
+                                       else len(self.spec.query_feature))
+        for name, upload in uploads.items():
+            if not name.split(".")[-1].isdigit():
+                return f"{name}: not a session"
+            if set(upload) != {key}:
+                return f"{name}: arrays {sorted(upload)}, expected ['{key}']"
+            t = upload[key]
+            if key in ("embeddings", "anchor") and (t.dim() != 2 or t.shape[1] != width):
+                return f"{name}: {key} of shape {tuple(t.shape)}, expected [K, {width}]"
+            if key in ("samples", "anchor_sample") and t.dim() != 4:
+                return f"{name}: {key} of shape {tuple(t.shape)}, expected [K, 3, H, W]"
+            if len(t) == 0 or len(t) > m.session or (anchor and len(t) != 1):
+                return f"{name}: {len(t)} rows for sessions of {m.session}"
+            if not torch.isfinite(t).all():
+                return f"{name}: non-finite values"
+        return None
+
+    def keep_clients(self, clients: set[int]) -> None:
+        """Drop the records of clients that did not complete the conversation."""
+        self.records = [r for r in self.records if r["client"] in clients]
 
     def note_download(self, pid: int, download_bytes: dict[str, int]) -> None:
         """The serialized size of each session's answer, as Flower counts it."""
@@ -318,7 +359,8 @@ def summarize_sessions(rows: list[dict], records: list[dict],
     if scores:
         labels = torch.cat([s["labels"] for s in scores])
         out["auc"] = {k: binary_auc(torch.cat([s[k] for s in scores]), labels)
-                      for k in ("generated", "original", "finetune")}
+                      for k in ("generated", "original", "finetune")
+                      if all(k in s for s in scores)}
     if records:
         up = [r["up_bytes"] for r in records]
         down = [r["down_bytes"] for r in records if "down_bytes" in r]

@@ -67,6 +67,9 @@ class RunSpec:
     #: The raw (preprocessed) images of ``train_source``'s split, for session plug-ins whose
     #: devices upload samples (``method.upload=samples``).
     image_source: Optional[DataSource] = None
+    #: CDC-MMPG's text query (``method.query``) through the backbone's text tower, fused into
+    #: every frame of every session.
+    query_feature: Optional[torch.Tensor] = None
 
     @property
     def num_clients(self) -> int:

@@ -20,7 +20,7 @@ import yaml
 
 from fedadapt.results.domain_tables import domain_tables
 from fedadapt.results.store import SUMMARY, atomic_write
-from fedadapt.results.tables import fmt_bytes, fmt_count, markdown
+from fedadapt.results.tables import delay_markdown, fmt_bytes, fmt_count, markdown
 
 IGNORED = ("seed", "output_dir", "cache_dir", "compare", "hydra")
 METRICS = [("final global acc", ("final", "global_acc"), 100.0),
@@ -254,7 +254,7 @@ def sessions_table(runs: list[dict]) -> str:
                 if r["summary"]["sessions"].get("payload")]
         return statistics.median(vals) if vals else None
 
-    body, delays = [], []
+    body, delays, aucs = [], [], []
     for label, rs in groups.items():
         gen_ms = median(rs, "generate_ms_median")
         body.append([label, str(len(rs)), acc(rs, "acc_original"), acc(rs, "acc_finetune"),
@@ -266,21 +266,21 @@ def sessions_table(runs: list[dict]) -> str:
         if gen_ms is not None:
             from fedadapt.federation.sessions import delay_table
 
-            rows = delay_table({"up_bytes_median": median(rs, "up_bytes_median"),
-                                "down_bytes_median": median(rs, "down_bytes_median"),
-                                "generate_ms_median": gen_ms})
-            delays.append([label, *(f"↑ {d['up_ms']:.3f} / ↓ {d['down_ms']:.3f} / "
-                                    f"total {d['total_ms']:.2f}" for d in rows)])
+            delays.append((label, delay_table({
+                "up_bytes_median": median(rs, "up_bytes_median"),
+                "down_bytes_median": median(rs, "down_bytes_median"),
+                "generate_ms_median": gen_ms})))
+        if any("auc" in r["summary"]["sessions"] for r in rs):
+            aucs.append([label, *(_mean_std([r["summary"]["sessions"]["auc"][k] for r in rs
+                                             if k in r["summary"]["sessions"].get("auc", {})])
+                                  for k in ("original", "finetune", "generated"))])
     out = markdown(["method", "seeds", "original model", "fine-tuning (labels)",
                     "generated layers", "generator params", "up / session",
                     "down / session", "generation ms"], body)
-    if delays:
-        from fedadapt.federation.sessions import RATES_MB_S
-
-        out += ("\nDelay per session in ms (median measured payload, 1 MB = 10^6 bytes; total "
-                "adds the server's median generation time):\n\n"
-                + markdown(["method", *(f"{r} MB/s" for r in RATES_MB_S)], delays))
-    return out
+    if aucs:
+        out += "\nAUC (binary task), mean ± std over seeds:\n\n" + markdown(
+            ["method", "original model", "fine-tuning (labels)", "generated layers"], aucs)
+    return out + ("\n" + delay_markdown(delays) if delays else "")
 
 
 def main(argv: list[str] | None = None) -> None:

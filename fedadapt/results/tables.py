@@ -169,16 +169,19 @@ def sessions_table(summaries: list[dict]) -> str:
                 for s in rows if "auc" in s["sessions"]]
         out += "\nAUC (binary task):\n\n" + markdown(
             ["method", "original model", "fine-tuning", "generated layers"], body)
-    delays = [s for s in rows if s["sessions"].get("delay")]
-    if delays:
-        rates = [d["rate_MB_s"] for d in delays[0]["sessions"]["delay"]]
-        body = [[s["method"], *(f"↑ {d['up_ms']:.3f} / ↓ {d['down_ms']:.3f} / "
-                                f"total {d['total_ms']:.2f}" for d in s["sessions"]["delay"])]
-                for s in delays]
-        out += ("\nDelay per session in ms (median payload at each link speed, 1 MB = 10^6 "
-                "bytes; total adds the server's median generation time):\n\n"
-                + markdown(["method", *(f"{r} MB/s" for r in rates)], body))
-    return out
+    delays = [(s["method"], s["sessions"]["delay"]) for s in rows if s["sessions"].get("delay")]
+    return out + ("\n" + delay_markdown(delays) if delays else "")
+
+
+def delay_markdown(rows: list[tuple[str, list[dict]]]) -> str:
+    """The delay table (DUET Table 3, CDC-MMPG Table 6): per method, per link speed, upload /
+    download / total ms (``fedadapt.federation.sessions.delay_table`` rows)."""
+    rates = [d["rate_MB_s"] for d in rows[0][1]]
+    body = [[label, *(f"↑ {d['up_ms']:.3f} / ↓ {d['down_ms']:.3f} / total {d['total_ms']:.2f}"
+                      for d in delay)] for label, delay in rows]
+    return ("Delay per session in ms (the median session's measured payload at each link speed, "
+            "1 MB = 10^6 bytes; total adds the server's median generation time):\n\n"
+            + markdown(["method", *(f"{r} MB/s" for r in rates)], body))
 
 
 def run_tables(summaries: list[dict], title: str = "") -> str:
