@@ -100,7 +100,16 @@ def make_client_app(get_spec: Callable[[Context], RunSpec]) -> ClientApp:
         if config is not None and config.get("phase") == "session-upload":  # session plug-in
             from fedadapt.federation.sessions import session_upload
 
-            uploads, metrics = session_upload(spec, partition_id(context))
+            cid = partition_id(context)
+            fault = injected_fault(spec.seed, 1, cid, spec.faults.fraction, spec.faults.kinds)
+            if fault == "raise":
+                raise RuntimeError(f"injected fault (faults.fraction={spec.faults.fraction}): "
+                                   f"client {cid} raises in its session upload")
+            uploads, metrics = session_upload(spec, cid)
+            if fault in ("nan", "wrong_keys", "wrong_shape"):
+                uploads = {name: corrupt(arrays, fault) for name, arrays in uploads.items()}
+            elif fault == "timeout":
+                time.sleep(spec.faults.delay_s or float(config.get("round-timeout", 0)) + 2.0)
             content = RecordDict({"metrics": MetricRecord(metrics)})
             for name, arrays in uploads.items():
                 content[name] = ArrayRecord(arrays)

@@ -235,3 +235,22 @@ def test_sessions_longer_than_any_client_are_refused(cache_dir):
     prep = prepare_run(session_run(cache_dir, DuetConfig(session=10_000, **SMALL)), quiet=True)
     with pytest.raises(ConfigError, match="method.session=10000"):
         train_generator(prep.spec)
+
+
+def test_faulty_clients_are_dropped_from_the_conversation(cache_dir, tmp_path):
+    """Injected faults in the session upload (an exception, NaN, a wrong shape): those clients
+    get no answer, the run completes with the others, and only they count."""
+    from fedadapt.config import FaultConfig
+    from fedadapt.federation.faults import injected_fault
+
+    cfg = session_run(cache_dir, DuetConfig(session=4, generators=2, **SMALL))
+    cfg.faults = FaultConfig(fraction=0.5, kinds=["raise", "nan", "wrong_shape"])
+    faulty = {c for c in range(4) if injected_fault(cfg.seed, 1, c, 0.5, cfg.faults.kinds)}
+    assert 0 < len(faulty) <= 2  # the seed gives some faults and enough good replies
+    summary = run_experiment(cfg, tmp_path / "run", config_yaml="x\n")
+    rows = json.loads((tmp_path / "run" / "sessions.json").read_text())
+    assert {r["client"] for r in rows} == set(range(4)) - faulty
+    records = [json.loads(line) for line in
+               (tmp_path / "run" / "session_payloads.jsonl").read_text().splitlines()]
+    assert {r["client"] for r in records} == set(range(4)) - faulty
+    assert summary["sessions"]["acc_generated"]["clients"] == 4 - len(faulty)
