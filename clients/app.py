@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from fedadapt.strategies.fedavg import UNIFORM_KEY
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedadapt.federation.checkpoint import load_client_state, save_client_state
-from fedadapt.federation.faults import corrupt, injected_fault
+from fedadapt.federation.faults import TENSOR_FAULTS, corrupt, injected_fault
 from fedadapt.federation.training import (
     RunSpec,
     cached_model,
@@ -101,15 +101,12 @@ def make_client_app(get_spec: Callable[[Context], RunSpec]) -> ClientApp:
             from fedadapt.federation.sessions import session_upload
 
             cid = partition_id(context)
-            fault = injected_fault(spec.seed, 1, cid, spec.faults.fraction, spec.faults.kinds)
-            if fault == "raise":
-                raise RuntimeError(f"injected fault (faults.fraction={spec.faults.fraction}): "
-                                   f"client {cid} raises in its session upload")
+            fault = _injected(spec, 1, cid, "in its session upload")
             uploads, metrics = session_upload(spec, cid)
-            if fault in ("nan", "wrong_keys", "wrong_shape"):
+            if fault in TENSOR_FAULTS:
                 uploads = {name: corrupt(arrays, fault) for name, arrays in uploads.items()}
             elif fault == "timeout":
-                time.sleep(spec.faults.delay_s or float(config.get("round-timeout", 0)) + 2.0)
+                _sleep_past_timeout(spec, config)
             content = RecordDict({"metrics": MetricRecord(metrics)})
             for name, arrays in uploads.items():
                 content[name] = ArrayRecord(arrays)
@@ -128,10 +125,7 @@ def make_client_app(get_spec: Callable[[Context], RunSpec]) -> ClientApp:
         if config.get("phase") == "personalize":
             return personalize(spec, cid, msg, context)
         rnd = int(config["server-round"])
-        fault = injected_fault(spec.seed, rnd, cid, spec.faults.fraction, spec.faults.kinds)
-        if fault == "raise":
-            raise RuntimeError(f"injected fault (faults.fraction={spec.faults.fraction}): "
-                               f"client {cid} raises in round {rnd}")
+        fault = _injected(spec, rnd, cid, f"in round {rnd}")
         model = load_client_model(spec, msg, context)
         loss, seen = train_local(
             model, training_source(spec, spec.train_source, derive_seed(spec.seed, rnd, cid, 7)),
@@ -145,10 +139,10 @@ def make_client_app(get_spec: Callable[[Context], RunSpec]) -> ClientApp:
             if (folder := _state_dir(spec, cid)) is not None:
                 save_client_state(folder, rnd, tensors, int(config.get("checkpoint-round", 0)))
         sent = model.tensors(model.communicated_names())
-        if fault in ("nan", "wrong_keys", "wrong_shape"):
+        if fault in TENSOR_FAULTS:
             sent = corrupt(sent, fault)
         elif fault == "timeout":
-            time.sleep(spec.faults.delay_s or float(config.get("round-timeout", 0)) + 2.0)
+            _sleep_past_timeout(spec, config)
         content = RecordDict({
             "arrays": ArrayRecord(sent),
             "metrics": MetricRecord({"num-examples": len(spec.clients[cid].train),
@@ -190,6 +184,20 @@ def make_client_app(get_spec: Callable[[Context], RunSpec]) -> ClientApp:
         return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
 
     return app
+
+
+def _injected(spec: RunSpec, server_round: int, cid: int, where: str) -> Optional[str]:
+    """The seeded fault this client injects (``faults.*``); a ``raise`` fault raises here."""
+    fault = injected_fault(spec.seed, server_round, cid, spec.faults.fraction, spec.faults.kinds)
+    if fault == "raise":
+        raise RuntimeError(f"injected fault (faults.fraction={spec.faults.fraction}): "
+                           f"client {cid} raises {where}")
+    return fault
+
+
+def _sleep_past_timeout(spec: RunSpec, config) -> None:
+    """A ``timeout`` fault: reply after ``faults.delay_s``, or after the round's timeout."""
+    time.sleep(spec.faults.delay_s or float(config.get("round-timeout", 0)) + 2.0)
 
 
 def local_accuracy(model, spec: RunSpec, cid: int, indices, exits, source=None):

@@ -114,12 +114,12 @@ def iciia_latency(overrides: list[str], repeats: int) -> dict:
     dispatcher tracker of ``fedadapt.budget``; GPU: ``max_memory_allocated``)."""
     from fedadapt.adapters import build_model
     from fedadapt.backbones import build_backbone
-    from fedadapt.budget import LiveMemoryTracker
+    from fedadapt.budget import peak_bytes, time_calls
     from fedadapt.cli import to_run_config
     from fedadapt.entry import compose_config
     from fedadapt.federation.training import device
 
-    dev = device()
+    dev = torch.device(device())
     results = {}
     for preset in ("iciia_b", "iciia_t"):
         run = to_run_config(compose_config(["experiment=iciia_offline", f"method={preset}",
@@ -140,25 +140,10 @@ def iciia_latency(overrides: list[str], repeats: int) -> dict:
             with torch.no_grad():
                 for _ in range(5):
                     fn()
-                times = []
-                for _ in range(repeats):
-                    if dev == "cuda":
-                        torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    fn()
-                    if dev == "cuda":
-                        torch.cuda.synchronize()
-                    times.append(time.perf_counter() - t0)
-                params = [*backbone.parameters(), history] + (
-                    [] if name == "backbone alone" else list(module.parameters()))
-                if dev == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
-                    fn()
-                    peak = torch.cuda.max_memory_allocated()
-                else:
-                    with LiveMemoryTracker(params) as tracker:
-                        fn()
-                    peak = tracker.peak_bytes
+                times = time_calls(fn, repeats, dev)
+                peak = peak_bytes(fn, dev, baseline=lambda n=name, b=backbone, h=history,
+                                  m=module: [*b.parameters(), h,
+                                             *([] if n == "backbone alone" else m.parameters())])
             results[name] = {"median_ms": 1e3 * statistics.median(times), "peak_mb": peak / 1e6,
                              "module_params": 0 if name == "backbone alone" else
                              sum(p.numel() for p in module.parameters())}

@@ -73,6 +73,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import gc
 import statistics
 import sys
@@ -200,6 +201,35 @@ def _step(model, optimizer, x: torch.Tensor, y: torch.Tensor, last_exit: int) ->
     optimizer.step()
 
 
+def time_calls(fn, repeats: int, device: torch.device) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn`` (synchronised around each on CUDA)."""
+    cuda = device.type == "cuda"
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def peak_bytes(fn, device: torch.device, baseline) -> int:
+    """Peak memory of one call of ``fn``: ``max_memory_allocated`` on CUDA; on CPU the live
+    tensors' peak, counting ``baseline()`` (the tensors alive before the call) from the start."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    with LiveMemoryTracker(baseline()) as tracker:
+        fn()
+    return tracker.peak_bytes
+
+
 def _measure_mode(base, run, last_exit: int, *, full: bool, batch_size: int, repeats: int,
                   num_classes: int, image_size: int, device: torch.device) -> dict:
     from fedadapt.federation.training import make_optimizer
@@ -211,33 +241,16 @@ def _measure_mode(base, run, last_exit: int, *, full: bool, batch_size: int, rep
     y = torch.randint(0, num_classes, (batch_size,), device=device)
     cuda = device.type == "cuda"
 
-    _step(model, optimizer, x, y, last_exit)  # warm-up: optimizer state, kernels, caches
+    step = functools.partial(_step, model, optimizer, x, y, last_exit)
+    step()  # warm-up: optimizer state, kernels, caches
     optimizer.zero_grad(set_to_none=True)
-    if cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        _step(model, optimizer, x, y, last_exit)
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device)
-    else:
-        tracker = LiveMemoryTracker(_baseline_tensors(model, optimizer, (x, y)))
-        with tracker:
-            _step(model, optimizer, x, y, last_exit)
-        peak = tracker.peak_bytes
-
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        _step(model, optimizer, x, y, last_exit)
-        if cuda:
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
+    peak = peak_bytes(step, device,
+                      baseline=functools.partial(_baseline_tensors, model, optimizer, (x, y)))
+    times = time_calls(step, repeats, device)
     out = {"peak_mb": peak / MB, "step_ms": 1000 * statistics.median(times),
            "model_params": sum(p.numel() for p in model.parameters()),
            "trainable_params": sum(p.numel() for p in params)}
-    del model, optimizer, params, x, y
+    del step, model, optimizer, params, x, y
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()

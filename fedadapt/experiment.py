@@ -469,7 +469,7 @@ def _finish_server_run(cfg: RunConfig, run_dir: Path, prep: PreparedRun, state, 
                        client_acc: Optional[dict]) -> dict:
     """The summary of a server-trained method's run (``results``: its result sections), its
     ``table.md``, and ``summary.json`` last."""
-    from fedadapt.results.store import atomic_write, write_json
+    from fedadapt.results.store import SUMMARY, atomic_write, write_json
     from fedadapt.results.tables import run_tables
 
     summary = {
@@ -488,7 +488,7 @@ def _finish_server_run(cfg: RunConfig, run_dir: Path, prep: PreparedRun, state, 
     }
     table = run_tables([summary], title=f"## {cfg.experiment}: {label} on {cfg.dataset.name}")
     atomic_write(run_dir / "table.md", lambda fh: fh.write(table))
-    write_json(run_dir / "summary.json", summary)
+    write_json(run_dir / SUMMARY, summary)  # last: marks the run directory complete
     return summary
 
 

@@ -21,6 +21,8 @@ import numpy as np
 from fedadapt.config import FedadaptError
 
 FAULT_KINDS = ("raise", "nan", "wrong_keys", "wrong_shape", "timeout")
+#: The kinds that :func:`corrupt` applies to a reply's tensors.
+TENSOR_FAULTS = ("nan", "wrong_keys", "wrong_shape")
 
 
 class RoundFailed(FedadaptError, RuntimeError):

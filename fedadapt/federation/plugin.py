@@ -314,19 +314,23 @@ def _finetune_last_layer(spec: RunSpec, cid: int, original: nn.Linear, x_test, y
 RESULT_KEYS = ("acc_original", "acc_finetune", "acc_prompt", "acc_batch", "acc_stream")
 
 
+def accuracy_over_clients(rows: list[dict], key: str, count: str = "num-examples"
+                          ) -> Optional[dict]:
+    """One metric over the clients' rows: the accuracy over all their test images (weighted by
+    ``count``), the mean over clients, and how many clients have it (None: none has)."""
+    ok = [(r[key], r[count]) for r in rows if key in r and np.isfinite(r[key]) and r[count] > 0]
+    if not ok:
+        return None
+    n = sum(w for _, w in ok)
+    return {"images": float(sum(v * w for v, w in ok) / n),
+            "client_mean": float(np.mean([v for v, _ in ok])), "clients": len(ok)}
+
+
 def summarize_recognition(rows: list[dict]) -> dict:
     """Per metric: the accuracy over all clients' test images (example-weighted, Table 4) and
     the mean over clients."""
-    out = {}
     history = sorted({k for r in rows for k in r if k.startswith("acc_h")},
                      key=lambda k: int(k[5:]))
-    for key in (*RESULT_KEYS, *history):
-        count = "n_h" + key[5:] if key in history else "num-examples"
-        ok = [(r[key], r[count]) for r in rows
-              if key in r and np.isfinite(r[key]) and r[count] > 0]
-        if not ok:
-            continue
-        n = sum(w for _, w in ok)
-        out[key] = {"images": float(sum(v * w for v, w in ok) / n),
-                    "client_mean": float(np.mean([v for v, _ in ok])), "clients": len(ok)}
-    return out
+    out = {key: accuracy_over_clients(rows, key) for key in RESULT_KEYS}
+    out.update({key: accuracy_over_clients(rows, key, "n_h" + key[5:]) for key in history})
+    return {k: v for k, v in out.items() if v is not None}

@@ -239,6 +239,13 @@ def personalize_clients(grid: Grid, state: ServerState, plan: ServerPlan) -> lis
             for r in rows]
 
 
+def _record_phase(state: ServerState, down: int, up: int) -> None:
+    """A server-trained method's one phase with the clients, as the history's only row."""
+    state.cum_bytes += down + up
+    state.history.append({"round": 1, "bytes_down": down, "bytes_up": up,
+                          "cum_bytes": state.cum_bytes, "wall_s": time.time() - state.started})
+
+
 def deliver_plugin(grid: Grid, state: ServerState, plan: ServerPlan) -> list[dict]:
     """Send every client its plug-in arrays in one round; it recognises its test split with
     them and replies with metrics only. Returns one row per client that answered."""
@@ -247,9 +254,7 @@ def deliver_plugin(grid: Grid, state: ServerState, plan: ServerPlan) -> list[dic
         lambda pid: RecordDict({"arrays": plan.plugin_arrays(pid),
                                 "config": ConfigRecord({"phase": "plugin"})}),
         MessageType.EVALUATE, "plug-in", 1)
-    state.cum_bytes += down + up
-    state.history.append({"round": 1, "bytes_down": down, "bytes_up": up,
-                          "cum_bytes": state.cum_bytes, "wall_s": time.time() - state.started})
+    _record_phase(state, down, up)
     return rows
 
 
@@ -307,9 +312,7 @@ def converse(grid: Grid, state: ServerState, plan: ServerPlan, chunk: int = 32) 
     server.keep_clients({r["client"] for r in rows})
     _warn_dropped(1, "session", screened, sent)
     require_enough(screened, sent, plan.min_reply_fraction, 1)
-    state.cum_bytes += down + up
-    state.history.append({"round": 1, "bytes_down": down, "bytes_up": up,
-                          "cum_bytes": state.cum_bytes, "wall_s": time.time() - state.started})
+    _record_phase(state, down, up)
     return rows
 
 

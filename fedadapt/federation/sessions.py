@@ -47,6 +47,7 @@ from fedadapt.adapters.duet import (
 from fedadapt.federation.plugin import (
     ServerData,
     _accuracy,
+    accuracy_over_clients,
     fit,
     pad,
     pad_labels,
@@ -173,19 +174,26 @@ def client_sessions(spec: RunSpec, cid: int) -> list[np.ndarray]:
     return [order[i:i + k] for i in range(0, len(order), k)]
 
 
+def upload_key(method) -> str:
+    """The name of what the device uploads per session: ``anchor`` (CDC-MMPG with ADR: one
+    embedding) or ``embeddings`` (DUET, F-hyper: K), or their raw-image forms with
+    ``method.upload=samples`` (``anchor_sample``, ``samples``)."""
+    anchor = bool(getattr(method, "adr", False))
+    if method.upload == "samples":
+        return "anchor_sample" if anchor else "samples"
+    return "anchor" if anchor else "embeddings"
+
+
 def upload_of(spec: RunSpec, frames: torch.Tensor, images: Optional[torch.Tensor],
               gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """What the device sends for one session: one anchor embedding (CDC-MMPG with ADR), the K
-    embeddings (DUET, F-hyper) or, with ``method.upload=samples``, the K preprocessed images."""
-    m = spec.method
-    if getattr(m, "adr", False):
+    """What the device sends for one session (:func:`upload_key`): one randomly chosen anchor,
+    or the whole session; embeddings, or with ``method.upload=samples`` preprocessed images."""
+    key = upload_key(spec.method)
+    rows = images if spec.method.upload == "samples" else frames
+    if key.startswith("anchor"):
         k = int(torch.randint(len(frames), (1,), generator=gen))
-        if m.upload == "samples":
-            return {"anchor_sample": images[k:k + 1].contiguous()}
-        return {"anchor": frames[k:k + 1].contiguous()}
-    if m.upload == "samples":
-        return {"samples": images.contiguous()}
-    return {"embeddings": frames.contiguous()}
+        rows = rows[k:k + 1]
+    return {key: rows.contiguous()}
 
 
 def session_upload(spec: RunSpec, cid: int) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
@@ -259,7 +267,8 @@ class SessionServer:
         self.generator = trained["generator"]
         self.original = {k: v.detach().cpu().clone()
                          for k, v in trained["original"].state_dict().items()}
-        self.records: list[dict] = []
+        #: One list of session records per client that was answered.
+        self.by_client: dict[int, list[dict]] = {}
         self.backbone = None
         if spec.method.upload == "samples":  # loaded before any session is timed
             from fedadapt.backbones import build_backbone
@@ -275,6 +284,7 @@ class SessionServer:
                upload_bytes: dict[str, int]) -> dict[str, dict[str, torch.Tensor]]:
         """``{"original": ..., "session.i": generated layers}`` for one client."""
         out = {"original": self.original}
+        records = self.by_client.setdefault(pid, [])
         for name in sorted(uploads, key=lambda n: int(n.split(".")[1])):
             upload = uploads[name]
             t0 = time.perf_counter()
@@ -284,7 +294,7 @@ class SessionServer:
                 upload = {"anchor": fused(self.spec, self.embed(upload["anchor_sample"]))}
             out[name] = self.generator.generate(upload)
             seconds = time.perf_counter() - t0
-            self.records.append({"client": pid, "session": int(name.split(".")[1]),
+            records.append({"client": pid, "session": int(name.split(".")[1]),
                                  "up_bytes": upload_bytes[name],
                                  "up_tensor_bytes": tensor_bytes(uploads[name]),
                                  "down_tensor_bytes": tensor_bytes(out[name]), "gen_s": seconds})
@@ -293,10 +303,8 @@ class SessionServer:
     def check_uploads(self, uploads: dict[str, dict[str, torch.Tensor]]) -> Optional[str]:
         """Why a client's uploads cannot be answered (None when they can)."""
         m = self.spec.method
-        anchor = bool(getattr(m, "adr", False))
-        key = {(False, "embeddings"): "embeddings", (True, "embeddings"): "anchor",
-               (False, "samples"): "samples", (True, "samples"): "anchor_sample"}[
-            (anchor, m.upload)]
+        key = upload_key(m)
+        anchor = key.startswith("anchor")
         width = self.spec.embed_dim + (0 if self.spec.query_feature is None
                                        else len(self.spec.query_feature))
         for name, upload in uploads.items():
@@ -315,15 +323,19 @@ class SessionServer:
                 return f"{name}: non-finite values"
         return None
 
+    @property
+    def records(self) -> list[dict]:
+        """Every answered session, by client."""
+        return [r for pid in sorted(self.by_client) for r in self.by_client[pid]]
+
     def keep_clients(self, clients: set[int]) -> None:
         """Drop the records of clients that did not complete the conversation."""
-        self.records = [r for r in self.records if r["client"] in clients]
+        self.by_client = {pid: rs for pid, rs in self.by_client.items() if pid in clients}
 
     def note_download(self, pid: int, download_bytes: dict[str, int]) -> None:
         """The serialized size of each session's answer, as Flower counts it."""
-        for r in self.records:
-            if r["client"] == pid:
-                r["down_bytes"] = download_bytes[f"session.{r['session']}"]
+        for r in self.by_client[pid]:
+            r["down_bytes"] = download_bytes[f"session.{r['session']}"]
 
 
 def tensor_bytes(arrays: dict[str, torch.Tensor]) -> int:
@@ -348,14 +360,8 @@ def summarize_sessions(rows: list[dict], records: list[dict],
                        scores: list[dict[str, torch.Tensor]]) -> dict:
     """Accuracy over all clients' test images (example-weighted) and the client mean; AUC for a
     binary task; per-session payloads and generation time; the delay table."""
-    out: dict = {}
-    for key in RESULT_KEYS:
-        ok = [(r[key], r["num-examples"]) for r in rows
-              if key in r and np.isfinite(r[key]) and r["num-examples"] > 0]
-        if ok:
-            n = sum(w for _, w in ok)
-            out[key] = {"images": float(sum(v * w for v, w in ok) / n),
-                        "client_mean": float(np.mean([v for v, _ in ok])), "clients": len(ok)}
+    out: dict = {key: acc for key in RESULT_KEYS
+                 if (acc := accuracy_over_clients(rows, key)) is not None}
     if scores:
         labels = torch.cat([s["labels"] for s in scores])
         out["auc"] = {k: binary_auc(torch.cat([s[k] for s in scores]), labels)

@@ -164,8 +164,8 @@ def sessions_table(summaries: list[dict]) -> str:
     out = ("Every client's test split in sessions (accuracy over all their images; nothing "
            "trained on the devices except the fine-tuning baseline):\n\n" + markdown(header, body))
     if any("auc" in s["sessions"] for s in rows):
-        body = [[s["method"], *(f"{s['sessions']['auc'][k]:.4f}" for k in
-                                ("original", "finetune", "generated"))]
+        body = [[s["method"], *("—" if (v := s["sessions"]["auc"].get(k)) is None
+                                else f"{v:.4f}" for k in ("original", "finetune", "generated"))]
                 for s in rows if "auc" in s["sessions"]]
         out += "\nAUC (binary task):\n\n" + markdown(
             ["method", "original model", "fine-tuning", "generated layers"], body)
