@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import fedadapt  # noqa: F401  (torchvision shim first)
 from fedadapt.config import ConfigError, FedadaptError, RunConfig, register_configs, validate
-from fedadapt.paths import resource_dir
+from fedadapt.paths import CONF_PATH
 
 register_configs()
 
@@ -123,7 +123,7 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
     return summaries
 
 
-@hydra.main(version_base=None, config_path=str(resource_dir("conf")), config_name="config")
+@hydra.main(version_base=None, config_path=CONF_PATH, config_name="config")
 def _main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 

@@ -14,15 +14,15 @@ def compose_config(overrides: list[str], *, default_experiment: str = "custom") 
     Unless the overrides name an experiment, ``default_experiment`` is used (``custom``: no
     preset, so e.g. ``backbone=deit_small`` keeps DeiT-S's own image size).
     """
-    from hydra import compose, initialize_config_dir
+    from hydra import compose, initialize_config_module
 
     from fedadapt.config import register_configs
-    from fedadapt.paths import resource_dir
+    from fedadapt.paths import CONF_MODULE
 
     register_configs()
     if not any(o.split("=")[0].lstrip("+~") == "experiment" for o in overrides):
         overrides = [f"experiment={default_experiment}", *overrides]
-    with initialize_config_dir(config_dir=str(resource_dir("conf")), version_base=None):
+    with initialize_config_module(config_module=CONF_MODULE, version_base=None):
         return compose(config_name="config", overrides=overrides)
 
 

@@ -20,7 +20,7 @@ from fedadapt.data.loading import (
     standardise,
 )
 from fedadapt.data.partition import partition_dataset
-from fedadapt.paths import resource_dir
+from fedadapt.paths import catalogue_file
 
 PACS = load_card("pacs")
 
@@ -212,7 +212,7 @@ def test_vlcs_card_tree_and_missing_path(tmp_path, cache_dir):
     assert {"vlcs", "fmnist_domains", "digits_domains"} <= set(available())
     card = load_card("vlcs")
     assert card.num_classes == 5 and card.default_holdout == "VOC2007" in card.domains
-    assert (resource_dir("datasets") / "vlcs.md").is_file()
+    assert catalogue_file("vlcs.md").is_file()
     with pytest.raises(MissingAssetError, match="datasets/vlcs.md"):
         prepare_dataset(DatasetConfig(name="vlcs"), cache_dir, seed=0)
     with pytest.raises(ConfigError, match="datasets/vlcs.md"):

@@ -233,11 +233,11 @@ def test_compare_entry_can_name_another_backbone():
 
     overrides = ["experiment=fedclip_pacs"]
     cfg = compose_config(overrides)
-    from hydra import initialize_config_dir
+    from hydra import initialize_config_module
 
-    from fedadapt.paths import resource_dir
+    from fedadapt.paths import CONF_MODULE
 
-    with initialize_config_dir(config_dir=str(resource_dir("conf")), version_base=None):
+    with initialize_config_module(config_module=CONF_MODULE, version_base=None):
         jobs = {name: run for name, run, _ in job_configs(cfg, overrides)}
     assert jobs["fedclip"].backbone.name == "clip_vit_b32"
     assert jobs["fedavg_alexnet"].backbone.name == "alexnet"

@@ -129,15 +129,15 @@ def test_test_sessions_keep_arrival_order_and_cover_the_split(cache_dir):
                                         "sessions_femnist", "sessions_inaturalist",
                                         "sessions_pacs"])
 def test_session_experiments_compose_with_their_rows(experiment):
-    from hydra import initialize_config_dir
+    from hydra import initialize_config_module
 
     from fedadapt.cli import job_configs
     from fedadapt.entry import compose_config
-    from fedadapt.paths import resource_dir
+    from fedadapt.paths import CONF_MODULE
 
     overrides = [f"experiment={experiment}"]
     cfg = compose_config(overrides)
-    with initialize_config_dir(config_dir=str(resource_dir("conf")), version_base=None):
+    with initialize_config_module(config_module=CONF_MODULE, version_base=None):
         jobs = {name: run.method for name, run, _ in job_configs(cfg, overrides)}
     if "duet" in jobs:
         assert jobs["duet"].generators == 5 and jobs["duet_no_swa"].generators == 1

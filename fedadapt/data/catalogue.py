@@ -8,7 +8,7 @@ from typing import Optional
 import yaml
 
 from fedadapt.config import ConfigError
-from fedadapt.paths import resource_dir
+from fedadapt.paths import catalogue, catalogue_file
 
 
 @dataclass(frozen=True)
@@ -29,15 +29,14 @@ class DatasetCard:
 
 
 def available() -> list[str]:
-    return sorted(p.stem for p in resource_dir("datasets").glob("*.yaml"))
+    return sorted(p.name[:-5] for p in catalogue().iterdir() if p.name.endswith(".yaml"))
 
 
 def load_card(name: str) -> DatasetCard:
-    path = resource_dir("datasets") / f"{name}.yaml"
+    path = catalogue_file(f"{name}.yaml")
     if not path.is_file():
         raise ConfigError(f"dataset={name!r} is invalid: no card datasets/{name}.yaml "
                           f"(available: {', '.join(available())})")
-    with open(path) as fh:
-        raw = yaml.safe_load(fh)
+    raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     known = set(DatasetCard.__dataclass_fields__)
     return DatasetCard(**{k: v for k, v in raw.items() if k in known})

@@ -83,8 +83,13 @@ def versions() -> dict:
 
 
 def git_commit() -> str | None:
-    """The commit of the fedadapt checkout (with ``+dirty`` when it has changes)."""
-    repo = Path(__file__).resolve().parents[2]
+    """The commit of the fedadapt source checkout this code runs from (``+dirty`` when it has
+    changes); None for an installed wheel, which has no checkout (``versions()`` names it)."""
+    import fedadapt
+
+    repo = Path(fedadapt.__file__).resolve().parents[1]
+    if not ((repo / ".git").exists() and (repo / "pyproject.toml").is_file()):
+        return None  # site-packages: an unrelated repository above it must not be named
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True,
                              text=True, timeout=5).stdout.strip()
