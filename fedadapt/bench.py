@@ -114,10 +114,9 @@ def iciia_latency(overrides: list[str], repeats: int) -> dict:
     dispatcher tracker of ``fedadapt.budget``; GPU: ``max_memory_allocated``)."""
     from fedadapt.adapters import build_model
     from fedadapt.backbones import build_backbone
-    from fedadapt.budget import peak_bytes, time_calls
-    from fedadapt.cli import to_run_config
-    from fedadapt.entry import compose_config
+    from fedadapt.entry import compose_config, to_run_config
     from fedadapt.federation.training import device
+    from fedadapt.measure import peak_bytes, time_calls
 
     dev = torch.device(device())
     results = {}
@@ -151,8 +150,7 @@ def iciia_latency(overrides: list[str], repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from fedadapt.cli import to_run_config
-    from fedadapt.entry import compose_config
+    from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import prepare_run
 
     parser = argparse.ArgumentParser(prog="fedadapt-bench", description=__doc__.split("\n")[0])

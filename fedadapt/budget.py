@@ -27,7 +27,7 @@ Columns
 -------
 * ``params``: the backbone's cumulative parameters up to exit ``l`` (embeddings + blocks
   ``0..l``; the final LayerNorm counts at the last exit), from
-  :func:`fedadapt.inspect.per_exit_counts`.
+  :func:`fedadapt.measure.per_exit_counts`.
 * ``flops``: FLOPs of the backbone's forward up to exit ``l`` on one image, counted by
   ``torch.utils.flop_counter`` (2 per multiply-accumulate; matmuls, convolutions, attention;
   elementwise ops not counted), as ``fedadapt-inspect``.
@@ -77,83 +77,18 @@ import functools
 import gc
 import statistics
 import sys
-import threading
-import time
-import weakref
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from fedadapt.measure import peak_bytes, time_calls
 
 MB = 2**20
 
 CPU_METHOD = ("live tensor storages (TorchDispatchMode): weights, buffers, optimizer state, batch, "
               "activations and gradients; kernel-internal scratch not counted")
 CUDA_METHOD = "torch.cuda.max_memory_allocated: the whole allocated peak, weights included"
-
-
-class LiveMemoryTracker(TorchDispatchMode):
-    """Live bytes of tensor storages and their peak, observed through the dispatcher.
-
-    Storages passed to :meth:`register` (before entering) form the baseline; inside the ``with``
-    block every storage an operator returns that is not yet known is added. Each known storage is
-    removed when PyTorch frees it (a weak-reference callback). ``peak_bytes`` is the maximum of
-    ``live_bytes`` seen after any operator (or registration).
-
-    Parameters
-    ----------
-    tensors : iterable of torch.Tensor, optional
-        Registered as the baseline (e.g. parameters, optimizer state, the batch).
-    """
-
-    def __init__(self, tensors: Iterable[Optional[torch.Tensor]] = ()) -> None:
-        super().__init__()
-        self._lock = threading.RLock()  # frees may be reported from autograd's threads
-        self._live: dict[int, tuple[int, weakref.ref]] = {}
-        self.live_bytes = 0
-        self.peak_bytes = 0
-        self.register(tensors)
-        self.baseline_bytes = self.live_bytes
-
-    def register(self, tensors: Iterable[Optional[torch.Tensor]]) -> None:
-        """Count the storages of ``tensors`` (``None`` entries are skipped), each once."""
-        for t in tensors:
-            if isinstance(t, torch.Tensor):
-                self._track(t)
-
-    def _track(self, t: torch.Tensor) -> None:
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # no storage (e.g. sparse, subclasses)
-            return
-        key = id(storage)
-        nbytes = storage.nbytes()
-        with self._lock:
-            known = self._live.get(key)
-            if known is not None:
-                if known[0] != nbytes:  # resized in place
-                    self.live_bytes += nbytes - known[0]
-                    self._live[key] = (nbytes, known[1])
-            else:
-                ref = weakref.ref(storage, lambda _ref, key=key: self._release(key))
-                self._live[key] = (nbytes, ref)
-                self.live_bytes += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-
-    def _release(self, key: int) -> None:
-        with self._lock:
-            entry = self._live.pop(key, None)
-            if entry is not None:
-                self.live_bytes -= entry[0]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self._track(t)
-        return out
 
 
 # -- the model a client of tier l holds ------------------------------------------------------
@@ -199,35 +134,6 @@ def _step(model, optimizer, x: torch.Tensor, y: torch.Tensor, last_exit: int) ->
     logits = model.exit_logits(x, last_exit=last_exit)[-1]
     F.cross_entropy(logits, y).backward()
     optimizer.step()
-
-
-def time_calls(fn, repeats: int, device: torch.device) -> list[float]:
-    """Seconds of each of ``repeats`` calls of ``fn`` (synchronised around each on CUDA)."""
-    cuda = device.type == "cuda"
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-def peak_bytes(fn, device: torch.device, baseline) -> int:
-    """Peak memory of one call of ``fn``: ``max_memory_allocated`` on CUDA; on CPU the live
-    tensors' peak, counting ``baseline()`` (the tensors alive before the call) from the start."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device)
-    with LiveMemoryTracker(baseline()) as tracker:
-        fn()
-    return tracker.peak_bytes
 
 
 def _measure_mode(base, run, last_exit: int, *, full: bool, batch_size: int, repeats: int,
@@ -293,7 +199,7 @@ def measure_exit_budget(run, *, batch_size: int = 1, repeats: int = 5,
     from fedadapt.backbones import build_backbone
     from fedadapt.config import ConfigError
     from fedadapt.data.catalogue import load_card
-    from fedadapt.inspect import per_exit_counts
+    from fedadapt.measure import per_exit_counts
 
     if batch_size < 1:
         raise ConfigError(f"--batch-size={batch_size} is invalid: must be >= 1")
@@ -377,9 +283,8 @@ def _parse_exits(text: Optional[str]) -> Optional[list[int]]:
 
 
 def _main(argv: list[str]) -> int:
-    from fedadapt.cli import to_run_config
     from fedadapt.config import ConfigError
-    from fedadapt.entry import compose_config
+    from fedadapt.entry import compose_config, to_run_config
     from fedadapt.results.store import write_json
 
     parser = argparse.ArgumentParser(

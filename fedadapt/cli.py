@@ -21,15 +21,11 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import fedadapt  # noqa: F401  (torchvision shim first)
-from fedadapt.config import ConfigError, FedadaptError, RunConfig, register_configs, validate
+from fedadapt.config import ConfigError, FedadaptError, RunConfig
+from fedadapt.entry import register_configs, to_run_config
 from fedadapt.paths import CONF_PATH
 
 register_configs()
-
-
-def to_run_config(cfg: DictConfig) -> RunConfig:
-    """Typed, validated :class:`RunConfig` from a composed Hydra config."""
-    return validate(OmegaConf.to_object(cfg))
 
 
 def job_configs(cfg: DictConfig, overrides: list[str]) -> list[tuple[str, RunConfig, str]]:

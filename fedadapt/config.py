@@ -2,9 +2,10 @@
 
 Every Hydra group (``dataset/ backbone/ method/ partition/ setting/ experiment/``) is backed by a
 dataclass here, so a misspelt key or a wrong type fails at start-up and names the key. Library
-code receives these dataclasses (never a ``DictConfig``); only :mod:`fedadapt.cli` and the other
-entry points touch Hydra. Checks that a type cannot express (ranges, cross-field rules) live in
-:func:`validate`, which names the offending key with its full path.
+code receives these dataclasses (never a ``DictConfig``); only the entry points touch Hydra
+(:func:`fedadapt.entry.register_configs` registers these schemas). Checks that a type cannot
+express (ranges, cross-field rules) live in :func:`validate`, which names the offending key with
+its full path.
 
 Methods register their own schema (see :mod:`fedadapt.adapters`), so ``method.hidden_dim`` is
 a valid key for ``method=mlp_head`` and an error for ``method=linear_head``.
@@ -229,6 +230,8 @@ KNOWN_OPTIMIZERS = ("sgd", "adam", "adamw")
 KNOWN_STRATEGIES = ("fedavg", "fedprox")
 KNOWN_WEIGHTINGS = ("examples", "uniform")
 KNOWN_SELECTIONS = ("last", "best_val")
+#: ``faults.kinds`` (see :mod:`fedadapt.federation.faults`).
+FAULT_KINDS = ("raise", "nan", "wrong_keys", "wrong_shape", "timeout")
 
 
 def check(ok: bool, key: str, value: Any, rule: str) -> None:
@@ -318,8 +321,6 @@ def validate(cfg: RunConfig) -> RunConfig:
            f.min_reply_fraction, "must be in (0, 1]")
     check(f.checkpoint_every >= 0, "federation.checkpoint_every", f.checkpoint_every,
            "must be >= 0")
-    from fedadapt.federation.faults import FAULT_KINDS
-
     fl = cfg.faults
     check(0 <= fl.fraction < 1, "faults.fraction", fl.fraction, "must be in [0, 1)")
     check(set(fl.kinds) <= set(FAULT_KINDS), "faults.kinds", list(fl.kinds),
@@ -330,19 +331,3 @@ def validate(cfg: RunConfig) -> RunConfig:
     check(cfg.backbone.image_size >= 8, "backbone.image_size", cfg.backbone.image_size,
            "must be >= 8")
     return cfg
-
-
-def register_configs() -> None:
-    """Register the schemas with Hydra's ConfigStore (called by the entry points)."""
-    from hydra.core.config_store import ConfigStore
-
-    from fedadapt.adapters import METHODS
-
-    cs = ConfigStore.instance()
-    cs.store(name="run_schema", node=RunConfig)
-    cs.store(group="dataset", name="dataset_schema", node=DatasetConfig)
-    cs.store(group="backbone", name="backbone_schema", node=BackboneConfig)
-    cs.store(group="partition", name="partition_schema", node=PartitionConfig)
-    cs.store(group="setting", name="setting_schema", node=SettingConfig)
-    for name, spec in METHODS.items():
-        cs.store(group="method", name=f"{name}_schema", node=spec.config_cls)

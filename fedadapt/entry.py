@@ -1,11 +1,43 @@
-"""Shared plumbing of the non-Hydra-main entry points (inspect, prefetch, bench)."""
+"""Shared plumbing of the entry points (``fedadapt`` and the other tools): the schemas registered
+with Hydra, config composition, the typed run config, and one-line errors.
+
+Tools import this module and the library; the library never imports a tool."""
 
 from __future__ import annotations
 
 import sys
 from typing import Callable
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+
+from fedadapt.config import RunConfig, validate
+
+
+def register_configs() -> None:
+    """Register the schemas with Hydra's ConfigStore (every entry point calls this first)."""
+    from hydra.core.config_store import ConfigStore
+
+    from fedadapt.adapters import METHODS
+    from fedadapt.config import (
+        BackboneConfig,
+        DatasetConfig,
+        PartitionConfig,
+        SettingConfig,
+    )
+
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+    cs.store(group="dataset", name="dataset_schema", node=DatasetConfig)
+    cs.store(group="backbone", name="backbone_schema", node=BackboneConfig)
+    cs.store(group="partition", name="partition_schema", node=PartitionConfig)
+    cs.store(group="setting", name="setting_schema", node=SettingConfig)
+    for name, spec in METHODS.items():
+        cs.store(group="method", name=f"{name}_schema", node=spec.config_cls)
+
+
+def to_run_config(cfg: DictConfig) -> RunConfig:
+    """Typed, validated :class:`RunConfig` from a composed Hydra config."""
+    return validate(OmegaConf.to_object(cfg))
 
 
 def compose_config(overrides: list[str], *, default_experiment: str = "custom") -> DictConfig:
@@ -16,7 +48,6 @@ def compose_config(overrides: list[str], *, default_experiment: str = "custom") 
     """
     from hydra import compose, initialize_config_module
 
-    from fedadapt.config import register_configs
     from fedadapt.paths import CONF_MODULE
 
     register_configs()

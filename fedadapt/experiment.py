@@ -6,7 +6,6 @@ anything is written); :func:`run_experiment` launches the simulation and writes 
 
 from __future__ import annotations
 
-import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from fedadapt.adapters import AdaptedModel, method_spec
 from fedadapt.config import ConfigError, RunConfig
 from fedadapt.data.partition import Partition
 from fedadapt.federation.training import RunSpec
+from fedadapt.log import log
 
 
 @dataclass
@@ -25,10 +25,6 @@ class PreparedRun:
     partition: Partition
     model: AdaptedModel  # server-side copy with the seeded initial weights
     counts: dict
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:

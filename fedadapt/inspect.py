@@ -17,26 +17,6 @@ from __future__ import annotations
 
 import json
 
-import torch
-
-
-def per_exit_counts(backbone) -> list[dict]:
-    from torch.utils.flop_counter import FlopCounterMode
-
-    blocks = backbone.blocks
-    base = backbone.num_params() - sum(p.numel() for b in blocks for p in b.parameters())
-    final_norm = sum(p.numel() for p in backbone.model.layernorm.parameters())
-    base -= final_norm  # the final LayerNorm belongs to the last exit only
-    x = torch.zeros(1, 3, backbone.image_size, backbone.image_size)
-    out, cumulative = [], base
-    for i, block in enumerate(blocks):
-        cumulative += sum(p.numel() for p in block.parameters())
-        with FlopCounterMode(display=False) as counter, torch.no_grad():
-            backbone.forward_exits(x, last_exit=i)
-        out.append({"exit": i, "params": cumulative + (final_norm if i == len(blocks) - 1 else 0),
-                    "flops": int(counter.get_total_flops())})
-    return out
-
 
 def inspect_run(run, *, flops: bool = True) -> dict:
     """Counts for a :class:`~fedadapt.config.RunConfig` (random weights, no data).
@@ -47,6 +27,7 @@ def inspect_run(run, *, flops: bool = True) -> dict:
     from fedadapt.backbones import build_backbone
     from fedadapt.backbones.clip import class_text as clip_class_text
     from fedadapt.data.catalogue import load_card
+    from fedadapt.measure import per_exit_counts
 
     card = load_card(run.dataset.name)
     backbone = build_backbone(run.backbone, load_weights=False)
@@ -79,8 +60,7 @@ def inspect_run(run, *, flops: bool = True) -> dict:
 
 
 def _main(argv: list[str]) -> int:
-    from fedadapt.cli import to_run_config
-    from fedadapt.entry import compose_config
+    from fedadapt.entry import compose_config, to_run_config
 
     run = to_run_config(compose_config(argv))
     print(json.dumps(inspect_run(run), indent=2))

@@ -27,8 +27,7 @@ def prefetch(run) -> list[str]:
 
 def _main(argv: list[str]) -> int:
     from fedadapt.backbones.base import MissingAssetError
-    from fedadapt.cli import to_run_config
-    from fedadapt.entry import compose_config
+    from fedadapt.entry import compose_config, to_run_config
 
     run = to_run_config(compose_config(argv))
     try:

@@ -236,8 +236,7 @@ def pretrain(run: RunConfig, *, out: Path, epochs: int, lr: float, batch_size: i
 
 
 def _main(argv: list[str]) -> int:
-    from fedadapt.cli import to_run_config
-    from fedadapt.entry import compose_config
+    from fedadapt.entry import compose_config, to_run_config
 
     parser = argparse.ArgumentParser(
         prog="fedadapt-pretrain",

@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-from fedadapt.budget import MB, LiveMemoryTracker, _main, measure_exit_budget
-from fedadapt.cli import to_run_config
+from fedadapt.budget import MB, _main, measure_exit_budget
 from fedadapt.config import ConfigError
-from fedadapt.entry import compose_config
+from fedadapt.entry import compose_config, to_run_config
+from fedadapt.measure import LiveMemoryTracker
 
 KEYS = {"exit", "params", "flops", "peak_mb_frozen", "peak_mb_full", "step_ms_frozen",
         "step_ms_full"}

@@ -512,8 +512,7 @@ def test_inspect_counts_duet(overrides, hidden):
     """``fedadapt-inspect method=duet``: what travels is one set of dynamic layers (D*C + C for
     hidden []); the generator is what trains. (small_cnn: a random backbone, no download; the
     digits card is read, not the data.)"""
-    from fedadapt.cli import to_run_config
-    from fedadapt.entry import compose_config
+    from fedadapt.entry import compose_config, to_run_config
     from fedadapt.inspect import inspect_run
 
     run = to_run_config(compose_config(["method=duet", "backbone=small_cnn", "dataset=digits",
@@ -539,8 +538,7 @@ def test_inspect_counts_duet(overrides, hidden):
 def test_inspect_counts_cdc_mmpg(preset):
     """CDC-MMPG and F-hyper send one linear layer D -> C; ADR's parameters count only with
     ADR and belong to the trained generator."""
-    from fedadapt.cli import to_run_config
-    from fedadapt.entry import compose_config
+    from fedadapt.entry import compose_config, to_run_config
     from fedadapt.inspect import inspect_run
 
     run = to_run_config(compose_config([f"method={preset}", "backbone=small_cnn",

@@ -8,9 +8,8 @@ from conftest import tiny_run
 from fedadapt.adapters import build_model
 from fedadapt.adapters.exits import AccumulatorConfig, LwLinearConfig, LwMlpConfig
 from fedadapt.backbones import build_backbone
-from fedadapt.cli import to_run_config
 from fedadapt.config import BackboneConfig, ConfigError
-from fedadapt.entry import compose_config
+from fedadapt.entry import compose_config, to_run_config
 from fedadapt.experiment import run_experiment
 from fedadapt.inspect import inspect_run
 from fedadapt.results.store import read_jsonl

@@ -27,8 +27,7 @@ def test_attai_shape_and_parameter_count(dim):
 
 def test_attai_on_vit_b32_has_525312_parameters_from_the_architecture():
     """The acceptance command's count: ViT-B/32 with random weights (no download)."""
-    from fedadapt.cli import to_run_config
-    from fedadapt.entry import compose_config
+    from fedadapt.entry import compose_config, to_run_config
     from fedadapt.inspect import inspect_run
 
     run = to_run_config(compose_config(["method=fedclip", "backbone=clip_vit_b32",
@@ -181,8 +180,7 @@ def pacs_like(tmp_path_factory) -> str:
 
 def test_pacs_shaped_experiment_end_to_end(pacs_like, cache_dir, tmp_path):
     """Acceptance: offline, a tiny random CLIP, leave-one-domain-out; the three tables."""
-    from fedadapt.cli import to_run_config
-    from fedadapt.entry import compose_config
+    from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import run_experiment
     from fedadapt.results.domain_tables import domain_tables
 

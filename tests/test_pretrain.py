@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from fedadapt.backbones import build_backbone
-from fedadapt.cli import to_run_config
 from fedadapt.config import BackboneConfig, ConfigError
-from fedadapt.entry import compose_config
+from fedadapt.entry import compose_config, to_run_config
 from fedadapt.pretrain import PRETRAIN_JSON, _main, pretrain, save_backbone, train_backbone
 
 TINY = ["backbone=tiny_vit", "dataset=digits", "dataset.max_samples=200"]

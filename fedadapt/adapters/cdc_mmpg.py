@@ -41,7 +41,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedadapt.adapters import register_method
 from fedadapt.adapters.duet import (
     SessionPluginConfig,
     apply_dynamic,
@@ -51,6 +50,7 @@ from fedadapt.adapters.duet import (
     registry_model,
     session_counts,
 )
+from fedadapt.adapters.registry import register_method
 from fedadapt.config import check
 
 

@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedadapt.adapters import register_method
 from fedadapt.adapters.model import AdaptedModel
+from fedadapt.adapters.registry import register_method
 from fedadapt.config import MethodConfig, check
 
 UPLOADS = ("embeddings", "samples")

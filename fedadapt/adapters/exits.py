@@ -31,9 +31,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from fedadapt.adapters import register_method
 from fedadapt.adapters.heads import check_dropout
 from fedadapt.adapters.model import AdaptedModel
+from fedadapt.adapters.registry import register_method
 from fedadapt.config import ConfigError, MethodConfig
 
 

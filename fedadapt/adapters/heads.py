@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from fedadapt.adapters import register_method
 from fedadapt.adapters.model import AdaptedModel
+from fedadapt.adapters.registry import register_method
 from fedadapt.config import ConfigError, MethodConfig
 
 

@@ -33,8 +33,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from fedadapt.adapters import register_method
 from fedadapt.adapters.heads import check_dropout
+from fedadapt.adapters.registry import register_method
 from fedadapt.config import ConfigError, MethodConfig, check
 
 MIXINGS = ("attention", "conv", "none")

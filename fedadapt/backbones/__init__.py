@@ -9,22 +9,8 @@ batch of normalised images ``[B, 3, H, W]`` to pooled features ``[B, D]``, froze
 
 from __future__ import annotations
 
-from typing import Callable
-
-from fedadapt.backbones.base import Backbone, MissingAssetError
+from fedadapt.backbones.base import FAMILIES, Backbone, MissingAssetError, register_family
 from fedadapt.config import BackboneConfig, ConfigError
-
-_FAMILIES: dict[str, Callable[[BackboneConfig, bool], Backbone]] = {}
-
-
-def register_family(name: str):
-    """Register ``fn(cfg, load_weights) -> Backbone`` under ``backbone.family=name``."""
-
-    def deco(fn):
-        _FAMILIES[name] = fn
-        return fn
-
-    return deco
 
 
 def build_backbone(cfg: BackboneConfig, *, load_weights: bool = True) -> Backbone:
@@ -40,9 +26,9 @@ def build_backbone(cfg: BackboneConfig, *, load_weights: bool = True) -> Backbon
     """
     from fedadapt.backbones import alexnet, clip, cnn, efficientnet, vit  # noqa: F401
 
-    if cfg.family not in _FAMILIES:
+    if cfg.family not in FAMILIES:
         raise ConfigError(
-            f"backbone.family={cfg.family!r} is invalid: one of {sorted(_FAMILIES)}"
+            f"backbone.family={cfg.family!r} is invalid: one of {sorted(FAMILIES)}"
         )
     import torch
 
@@ -50,7 +36,7 @@ def build_backbone(cfg: BackboneConfig, *, load_weights: bool = True) -> Backbon
     # server's evaluation and every Ray worker build their own copy.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(cfg.arch.get("init_seed", 0)))
-        backbone = _FAMILIES[cfg.family](cfg, load_weights)
+        backbone = FAMILIES[cfg.family](cfg, load_weights)
     return backbone.freeze()
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
-from fedadapt.config import FedadaptError
+from fedadapt.config import BackboneConfig, FedadaptError
 
 
 class MissingAssetError(FedadaptError, RuntimeError):
@@ -61,3 +63,17 @@ class Backbone(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+#: ``backbone.family`` -> ``fn(cfg, load_weights) -> Backbone`` (each family module registers).
+FAMILIES: dict[str, Callable[[BackboneConfig, bool], Backbone]] = {}
+
+
+def register_family(name: str):
+    """Register ``fn(cfg, load_weights) -> Backbone`` under ``backbone.family=name``."""
+
+    def deco(fn):
+        FAMILIES[name] = fn
+        return fn
+
+    return deco

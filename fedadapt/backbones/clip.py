@@ -13,8 +13,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from fedadapt.backbones import register_family
-from fedadapt.backbones.base import Backbone, MissingAssetError, prefetch_hint
+from fedadapt.backbones.base import Backbone, MissingAssetError, prefetch_hint, register_family
 from fedadapt.config import BackboneConfig, ConfigError
 
 

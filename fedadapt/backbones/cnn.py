@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fedadapt.backbones import register_family
-from fedadapt.backbones.base import Backbone
+from fedadapt.backbones.base import Backbone, register_family
 from fedadapt.config import BackboneConfig
 
 

@@ -15,8 +15,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from fedadapt.backbones import register_family
-from fedadapt.backbones.base import Backbone, MissingAssetError
+from fedadapt.backbones.base import Backbone, MissingAssetError, register_family
 from fedadapt.config import BackboneConfig
 
 

@@ -15,8 +15,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from fedadapt.backbones import register_family
-from fedadapt.backbones.base import Backbone, MissingAssetError, prefetch_hint
+from fedadapt.backbones.base import Backbone, MissingAssetError, prefetch_hint, register_family
 from fedadapt.config import BackboneConfig
 
 #: ``hook(layer_index, hidden_states [B, T, D]) -> hidden_states`` called before each block.

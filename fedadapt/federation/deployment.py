@@ -24,9 +24,10 @@ from flwr.serverapp import Grid, ServerApp
 from omegaconf import DictConfig, OmegaConf
 
 from fedadapt.clients.app import make_client_app
-from fedadapt.experiment import PreparedRun, log, prepare_run, run_experiment
+from fedadapt.experiment import PreparedRun, prepare_run, run_experiment
 from fedadapt.federation.server import execute_plan
 from fedadapt.federation.training import RunSpec
+from fedadapt.log import log
 
 #: Run config keys (``[tool.flwr.app.config]``; ``flwr run --run-config 'overrides="..."'``).
 OVERRIDES_KEY = "overrides"
@@ -52,7 +53,7 @@ def compose_config(overrides: list[str]) -> DictConfig:
 @lru_cache(maxsize=2)
 def _prepared(overrides: tuple[str, ...]) -> PreparedRun:
     """The client side's prepared run, once per process and overrides."""
-    from fedadapt.cli import to_run_config
+    from fedadapt.entry import to_run_config
 
     return prepare_run(to_run_config(compose_config(list(overrides))), quiet=True)
 
@@ -76,7 +77,7 @@ client_app = make_client_app(client_spec)
 @server_app.main()
 def main(grid: Grid, context: Context) -> None:
     """Prepare the run, federate it over the SuperNodes on ``grid``, write its run directory."""
-    from fedadapt.cli import to_run_config
+    from fedadapt.entry import to_run_config
 
     composed = compose_config(hydra_overrides(context))
     cfg = to_run_config(composed)

@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fedadapt.config import FedadaptError
+from fedadapt.config import FAULT_KINDS, FedadaptError
 
-FAULT_KINDS = ("raise", "nan", "wrong_keys", "wrong_shape", "timeout")
+__all__ = ["FAULT_KINDS", "TENSOR_FAULTS", "RoundFailed", "Screened", "corrupt", "injected_fault",
+           "require_enough", "screen_replies"]
 #: The kinds that :func:`corrupt` applies to a reply's tensors.
 TENSOR_FAULTS = ("nan", "wrong_keys", "wrong_shape")
 

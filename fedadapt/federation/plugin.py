@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedadapt.adapters.iciia import Iciia, recognize_stream
-from fedadapt.experiment import log
 from fedadapt.federation.training import RunSpec, derive_seed
+from fedadapt.log import log
 
 
 def sequences(indices: np.ndarray, size: int, rng: np.random.Generator) -> list[np.ndarray]:
