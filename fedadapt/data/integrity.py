@@ -1,0 +1,126 @@
+"""Cache files that prove their content: every array fedadapt caches on disk (decoded images,
+features) is written with a sidecar ``<file>.sha256`` holding its size and SHA-256, recorded at
+write time, and checked before it is used.
+
+The full digest is checked once per process and file (a file is identified by its path, size,
+modification time and inode; a Ray worker that opens a file the driver already checked checks it
+again once, a few hundred MB/s); later opens in the same process cost a ``stat``. A file altered
+in place at the same size fails the digest; a truncated one fails the size. Callers either
+rebuild a failing file or refuse it with one line naming it (:class:`CacheIntegrityError`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from fedadapt.config import FedadaptError
+
+SUFFIX = ".sha256"
+_CHUNK = 16 << 20
+#: ``(path, size, mtime_ns, inode)`` of files whose digest this process has checked.
+_CHECKED: set[tuple] = set()
+
+
+class CacheIntegrityError(FedadaptError, OSError):
+    """A cache file does not match the digest recorded when it was written."""
+
+
+def sidecar(path: str | Path) -> Path:
+    return Path(str(path) + SUFFIX)
+
+
+def digest(path: str | Path) -> str:
+    """SHA-256 of a file, read in 16 MB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _identity(path: Path) -> tuple:
+    st = path.stat()
+    return (str(path), st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def seal(path: str | Path) -> None:
+    """Record ``path``'s size and digest in its sidecar (atomically: temporary name, rename)."""
+    from fedadapt.results.store import atomic_write
+
+    path = Path(path)
+    record = {"size": path.stat().st_size, "sha256": digest(path)}
+    atomic_write(sidecar(path), lambda fh: json.dump(record, fh))
+    _CHECKED.add(_identity(path))
+
+
+def problem(path: str | Path) -> Optional[str]:
+    """None when ``path`` matches its sidecar, else what is wrong (missing sidecar, size,
+    digest). Checked once per process and file version."""
+    path = Path(path)
+    if not path.is_file():
+        return "missing"
+    ident = _identity(path)
+    if ident in _CHECKED:
+        return None
+    try:
+        record = json.loads(sidecar(path).read_text())
+        size, expected = int(record["size"]), str(record["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"no readable digest record {sidecar(path).name}"
+    if ident[1] != size:
+        return f"size {ident[1]} bytes, {size} recorded when it was written (truncated?)"
+    if digest(path) != expected:
+        return "content differs from the SHA-256 recorded when it was written (modified?)"
+    _CHECKED.add(ident)
+    return None
+
+
+def check(path: str | Path, what: str = "cache file") -> None:
+    """Raise :class:`CacheIntegrityError` naming ``path`` unless it matches its digest."""
+    bad = problem(path)
+    if bad is not None:
+        raise CacheIntegrityError(f"{what} {path}: {bad}; delete it (and {sidecar(path).name}) "
+                                  f"to rebuild it")
+
+
+def remove(path: str | Path) -> None:
+    """Delete a cache file and its sidecar (before rebuilding it)."""
+    for p in (Path(path), sidecar(path)):
+        p.unlink(missing_ok=True)
+
+
+def save_npy(path: str | Path, array: np.ndarray) -> None:
+    """``np.save`` to a temporary name, fsync, rename, then seal."""
+    from fedadapt.results.store import atomic_write
+
+    atomic_write(path, lambda fh: np.save(fh, array), mode="wb")
+    seal(path)
+
+
+def load_npy(path: str | Path, what: str = "cache file", *, mmap: bool = True) -> np.ndarray:
+    """The checked array (memory-mapped read-only by default)."""
+    check(path, what)
+    return np.load(path, mmap_mode="r" if mmap else None)
+
+
+def valid_or_removed(path: str | Path) -> bool:
+    """True when ``path`` exists and matches its digest; a file that fails is deleted (with its
+    sidecar) so the caller rebuilds it. Returns False for a missing file too."""
+    bad = problem(path)
+    if bad is None:
+        return True
+    if bad != "missing":
+        from fedadapt.log import log
+
+        log(f"[cache] {path}: {bad}; rebuilding it")
+        remove(path)
+    return False
+
+
+__all__ = ["CacheIntegrityError", "check", "digest", "load_npy", "problem", "remove", "save_npy",
+           "seal", "sidecar", "valid_or_removed"]
