@@ -128,10 +128,10 @@ def make_client_app(get_spec: Callable[[Context], RunSpec]) -> ClientApp:
         fault = _injected(spec, rnd, cid, f"in round {rnd}")
         model = load_client_model(spec, msg, context)
         loss, seen = train_local(
-            model, training_source(spec, spec.train_source, derive_seed(spec.seed, rnd, cid, 7)),
-            spec.clients[cid].train, spec.train,
+            model, spec.train_source, spec.clients[cid].train, spec.train,
             lr=float(config["lr"]), seed=derive_seed(spec.seed, rnd, cid),
-            proximal_mu=float(config.get("proximal-mu", 0.0)), exits=client_step_exits(spec, cid))
+            proximal_mu=float(config.get("proximal-mu", 0.0)), exits=client_step_exits(spec, cid),
+            crop_seed=derive_seed(spec.seed, rnd, cid, 7), precision=spec.precision)
         personal = model.personal_names()
         if personal:
             tensors = model.tensors(personal)
@@ -205,16 +205,9 @@ def local_accuracy(model, spec: RunSpec, cid: int, indices, exits, source=None):
     the mean over them (anytime: all; multi-tier: its tier)."""
     source = spec.train_source if source is None else source
     if exits is None:
-        return evaluate(model, source, indices)
-    losses, accs, n = evaluate_exits(model, source, exits, indices)
+        return evaluate(model, source, indices, precision=spec.precision)
+    losses, accs, n = evaluate_exits(model, source, exits, indices, precision=spec.precision)
     return sum(losses) / len(losses), sum(accs) / len(accs), n
-
-
-def training_source(spec: RunSpec, source, seed: int):
-    """``source`` with the training augmentation (``train.crop_scale``), if any."""
-    if spec.train.crop_scale is None:
-        return source
-    return source.augmented(spec.train.crop_scale, seed)
 
 
 def client_step_exits(spec: RunSpec, cid: int):
@@ -248,9 +241,10 @@ def personalize(spec: RunSpec, cid: int, msg: Message, context: Context) -> Mess
     frozen = model.tensors(sorted(set(names) - set(model.trainable_names())))
     train = replace(spec.train, local_epochs=st.epochs, lr=st.lr or spec.train.lr)
     with only_training(model, names):
-        augmented = training_source(spec, source, derive_seed(spec.seed, 0xC2, cid))
-        loss, _ = train_local(model, augmented, split.train, train, lr=train.lr,
-                              seed=derive_seed(spec.seed, 0xC1, cid), exits=exits)
+        loss, _ = train_local(model, source, split.train, train, lr=train.lr,
+                              seed=derive_seed(spec.seed, 0xC1, cid), exits=exits,
+                              crop_seed=derive_seed(spec.seed, 0xC2, cid),
+                              precision=spec.precision)
     tensors = model.tensors(names)
     _, after, n = local_accuracy(model, spec, cid, split.test, exits, source)
     model.load_tensors(frozen)

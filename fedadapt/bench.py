@@ -17,6 +17,20 @@ empty cache (FedCLIP's image features are extracted once, there).
 ``flower+cache / plain+cache`` is the framework's overhead per round. Round 1 (Ray actors
 starting, workers importing torch) is reported separately as start-up. Results go to
 ``outputs/bench/bench-<time>.json`` and a Markdown table on stdout.
+
+``--throughput [overrides]`` measures images per second of one client's local training on the
+run's device and precision, three ways (default base: the Accumulator on ``small_vit``,
+Fashion-MNIST, batch 10, the paper's crop augmentation):
+
+* ``fedadapt_images_per_s``: fedadapt's ``train_local`` through its own data path (decoded store,
+  device transforms, the next batch prepared while the current one trains);
+* ``bare_images_per_s``: a bare PyTorch loop on the same model, optimiser, precision and batch
+  size, the batch already on the device (the ceiling);
+* ``data_images_per_s``: the data path alone (batches gathered, copied, cropped, resized and
+  normalised on the device, no model);
+
+and ``ratio`` = fedadapt / bare, medians over ``--repeats``; ``--data-only`` skips the two
+training loops. On CUDA the GPU's mean utilisation during fedadapt's loop is reported too.
 """
 
 from __future__ import annotations
@@ -149,14 +163,128 @@ def iciia_latency(overrides: list[str], repeats: int) -> dict:
     return results
 
 
-def main(argv: list[str] | None = None) -> None:
-    from fedadapt.entry import compose_config, to_run_config
-    from fedadapt.experiment import prepare_run
+THROUGHPUT_BASE = ["experiment=custom", "dataset=fashion_mnist", "backbone=small_vit",
+                   "method=accumulator", "partition=iid", "partition.num_clients=10",
+                   "train.batch_size=10", "train.lr=0.005", "train.momentum=0.0",
+                   "train.crop_scale=[0.05,1.0]"]
 
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _rate(fn, images: int, dev: torch.device) -> float:
+    """Images per second of one call of ``fn`` that processes ``images`` images."""
+    _sync(dev)
+    t0 = time.perf_counter()
+    fn()
+    _sync(dev)
+    return images / (time.perf_counter() - t0)
+
+
+class _Utilisation:
+    """Mean GPU utilisation (``torch.cuda.utilization``, NVML) sampled every 0.1 s."""
+
+    def __init__(self, dev: torch.device) -> None:
+        import threading
+
+        self.dev, self.samples, self.stop = dev, [], threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self.stop.wait(0.1):
+            try:
+                self.samples.append(float(torch.cuda.utilization(self.dev)))
+            except Exception:  # no NVML: utilisation unknown
+                return
+
+    def __enter__(self) -> "_Utilisation":
+        if self.dev.type == "cuda":
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+
+    @property
+    def mean(self) -> float | None:
+        return statistics.mean(self.samples) if self.samples else None
+
+
+def throughput(cfg, *, steps: int, repeats: int, data_only: bool = False) -> dict:
+    """Images/s of one client's local training three ways (see the module docstring)."""
+    from dataclasses import replace
+
+    from fedadapt.config import ConfigError
+    from fedadapt.devices import autocast
+    from fedadapt.experiment import prepare_run
+    from fedadapt.federation.training import batches_of, make_optimizer, train_local
+
+    prep = prepare_run(cfg, quiet=True)
+    spec, model, src = prep.spec, prep.model, prep.spec.train_source
+    bs, dev = cfg.train.batch_size, torch.device(spec.device)
+    idx = spec.clients[0].train[:steps * bs]
+    if len(idx) < steps * bs:
+        raise ConfigError(f"--steps={steps} is invalid: client 0 has only "
+                          f"{len(spec.clients[0].train)} training images at batch {bs}")
+    train = replace(cfg.train, local_epochs=1)
+    batches = batches_of(idx, bs, 1, torch.Generator().manual_seed(0))
+    scale = tuple(cfg.train.crop_scale) if cfg.train.crop_scale and src.kind == "images" \
+        else None
+    crops = None if scale is None else [(scale, np.full(len(b), 7, np.uint64)) for b in batches]
+
+    def data() -> None:
+        for _ in src.stream(batches, dev, crops):
+            pass
+
+    def ours() -> None:
+        train_local(model, src, idx, train, lr=train.lr, seed=0, precision=spec.precision,
+                    crop_seed=None if scale is None else 7)
+
+    x, y = src.get(batches[0], dev, None if crops is None else crops[0])
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], train, train.lr)
+
+    def bare() -> None:
+        model.train()
+        for _ in range(steps):
+            with autocast(dev.type, spec.precision):
+                loss = model.training_loss(x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.float().backward()
+            opt.step()
+
+    loops = {"data": data} if data_only else {"data": data, "fedadapt": ours, "bare": bare}
+    rates: dict[str, list[float]] = {k: [] for k in loops}
+    util = None
+    for name, fn in loops.items():
+        fn()  # warm-up: kernels, allocator, the store's pages
+        with _Utilisation(dev) as u:
+            rates[name] = [_rate(fn, len(idx), dev) for _ in range(repeats)]
+        if name == "fedadapt":
+            util = u.mean
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    return {"fedadapt_images_per_s": med.get("fedadapt"), "bare_images_per_s": med.get("bare"),
+            "data_images_per_s": med["data"],
+            "ratio": med["fedadapt"] / med["bare"] if "bare" in med else None,
+            "device": spec.device, "precision": spec.precision, "batch_size": bs,
+            "image_size": cfg.backbone.image_size, "steps": steps, "repeats": repeats,
+            "gpu_utilisation_mean": util, "runs": rates, "machine": _machine()}
+
+
+def _machine() -> str:
+    dev = (torch.cuda.get_device_name() if torch.cuda.is_available() else
+           platform.processor() or platform.machine())
+    return f"{platform.node()} | {dev} | {torch.get_num_threads()} torch threads"
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedadapt-bench", description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--out", default="outputs/bench")
+    parser.add_argument("--out", default="outputs/bench",
+                        help="folder for the JSON (--throughput: a file name ending in .json "
+                             "is written as is)")
     parser.add_argument("--exits", help="multi-tier mode, e.g. 3,11: the same run with every "
                                             "client at one exit, per exit (compute saved?)")
     parser.add_argument("--methods", help="methods mode, e.g. fedclip,fedavg_clip: seconds per "
@@ -164,103 +292,150 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iciia", action="store_true",
                         help="ICIIA Table 2: latency and memory of recognising one image with "
                              "15 cached features, against the backbone alone")
+    parser.add_argument("--throughput", action="store_true",
+                        help="images/s of one client's local training: fedadapt, a bare loop, "
+                             "the data path alone (base: Accumulator on small_vit)")
+    parser.add_argument("--steps", type=int, default=40, help="--throughput: steps per repeat")
+    parser.add_argument("--data-only", action="store_true",
+                        help="--throughput: only the data path")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides")
-    args = parser.parse_args(argv)
-    if args.iciia:
-        res = iciia_latency(args.overrides, max(args.repeats, 20))
-        print("\n| recognising one image | median latency ms | peak memory MB | module "
-              "params |\n|---|---|---|---|")
-        for name, r in res.items():
-            print(f"| {name} | {r['median_ms']:.2f} | {r['peak_mb']:.1f} | "
-                  f"{r['module_params']:,} |")
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        from fedadapt.results.store import write_json
+    return parser
 
-        write_json(out / f"bench-iciia-{time.strftime('%Y%m%d-%H%M%S')}.json",
-                   {"results": res, "repeats": max(args.repeats, 20),
-                    "machine": f"{platform.node()} | {torch.get_num_threads()} torch threads | "
-                               f"{'cuda' if torch.cuda.is_available() else 'cpu'}"})
-        return
-    prepare_s = {}
-    if args.methods:
-        overrides = ["experiment=fedclip_cost", f"rounds={args.rounds}", *args.overrides]
-        methods = args.methods.split(",")
-        variants = {m: overrides + [f"method={m}"] for m in methods}
-    elif args.exits:
-        overrides = EXITS_BASE + [f"rounds={args.rounds}", *args.overrides]
-        exits = [int(e) for e in args.exits.split(",")]
-        variants = {f"multi-tier, exit {e}": overrides + [f"setting.tiers=[{e}]"]
-                    for e in exits}
-    else:
-        overrides = BASE + [f"rounds={args.rounds}", *args.overrides]
-        variants = {
-            "flower+cache": overrides,
-            "flower-nocache": overrides + ["method.use_cache=false"],
-            "plain+cache": overrides,
-        }
-    tmp = Path(args.out) / "runs"
-    results = {}
-    for name, ov in variants.items():
-        cfg = to_run_config(compose_config(ov))
-        if args.methods:  # one-off cost: data, backbone and (cached methods) feature extraction
-            import dataclasses
-            import tempfile
 
-            with tempfile.TemporaryDirectory() as fresh:
-                t0 = time.perf_counter()
-                prepare_run(dataclasses.replace(cfg, cache_dir=fresh), quiet=True)
-                prepare_s[name] = time.perf_counter() - t0
-            print(f"[bench] {name} (prepare from an empty cache: {prepare_s[name]:.1f} s)",
-                  flush=True)
-        per_round, startup = [], []
-        for rep in range(args.repeats):
-            print(f"[bench] {name}: repeat {rep + 1}/{args.repeats}", flush=True)
-            times = plain_loop(prepare_run(cfg, quiet=True), cfg) if name.startswith("plain") \
-                else isolated_flower_run(cfg, tmp, label=name) if args.methods \
-                else flower_run(cfg, tmp)
-            startup.append(times[0])
-            per_round.extend(times[1:])
-        results[name] = {"median_s_per_round": statistics.median(per_round),
-                         "median_round1_s": statistics.median(startup),
-                         "rounds_measured": len(per_round),
-                         **({"prepare_empty_cache_s": prepare_s[name]} if name in prepare_s
-                            else {})}
-    meta = {"machine": f"{platform.node()} | {platform.processor() or platform.machine()} | "
-                       f"{torch.get_num_threads()} torch threads | "
-                       f"{'cuda' if torch.cuda.is_available() else 'cpu'}",
-            "config": overrides, "repeats": args.repeats, "results": results}
-    if args.methods:
-        base = results[methods[-1]]["median_s_per_round"]
-        meta["ratio_to_last"] = {m: results[m]["median_s_per_round"] / base for m in methods}
-    elif not args.exits:
-        flower, plain = results["flower+cache"], results["plain+cache"]
-        meta["overhead_ratio"] = flower["median_s_per_round"] / plain["median_s_per_round"]
-        meta["cache_speedup"] = (results["flower-nocache"]["median_s_per_round"]
-                                 / flower["median_s_per_round"])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+def _write(out: str, name: str, obj: dict) -> Path:
     from fedadapt.results.store import write_json
 
-    write_json(out / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json", meta)
+    path = Path(out)
+    if path.suffix != ".json":
+        path = path / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    write_json(path, obj)
+    return path
+
+
+def _run_throughput(args) -> None:
+    from fedadapt.entry import compose_config, to_run_config
+
+    cfg = to_run_config(compose_config(THROUGHPUT_BASE + list(args.overrides)))
+    res = throughput(cfg, steps=args.steps, repeats=args.repeats, data_only=args.data_only)
+    path = _write(args.out, "bench-throughput", {**res, "config": THROUGHPUT_BASE + args.overrides})
+    fmt = {k: ("—" if res[k] is None else f"{res[k]:,.0f}")
+           for k in ("fedadapt_images_per_s", "bare_images_per_s", "data_images_per_s")}
+    ratio = "—" if res["ratio"] is None else f"{res['ratio']:.2f}"
+    print(f"\n| images/s ({res['device']}, {res['precision']}, batch {res['batch_size']}, "
+          f"{res['image_size']} px) | fedadapt | bare loop | data path | ratio |\n"
+          f"|---|---|---|---|---|\n| median of {res['repeats']} x {res['steps']} steps | "
+          f"{fmt['fedadapt_images_per_s']} | {fmt['bare_images_per_s']} | "
+          f"{fmt['data_images_per_s']} | "
+          f"{ratio} |")
+    if res["gpu_utilisation_mean"] is not None:
+        print(f"GPU utilisation during fedadapt's loop: {res['gpu_utilisation_mean']:.0f}%")
+    print(f"machine: {res['machine']}\nJSON: {path}")
+
+
+def _run_iciia(args) -> None:
+    res = iciia_latency(args.overrides, max(args.repeats, 20))
+    print("\n| recognising one image | median latency ms | peak memory MB | module "
+          "params |\n|---|---|---|---|")
+    for name, r in res.items():
+        print(f"| {name} | {r['median_ms']:.2f} | {r['peak_mb']:.1f} | "
+              f"{r['module_params']:,} |")
+    _write(args.out, "bench-iciia", {"results": res, "repeats": max(args.repeats, 20),
+                                     "machine": _machine()})
+
+
+def _variants(args) -> tuple[list[str], dict[str, list[str]]]:
+    """The base overrides and the variants of the round-timing modes."""
+    if args.methods:
+        overrides = ["experiment=fedclip_cost", f"rounds={args.rounds}", *args.overrides]
+        return overrides, {m: overrides + [f"method={m}"] for m in args.methods.split(",")}
+    if args.exits:
+        overrides = EXITS_BASE + [f"rounds={args.rounds}", *args.overrides]
+        return overrides, {f"multi-tier, exit {e}": overrides + [f"setting.tiers=[{e}]"]
+                           for e in args.exits.split(",")}
+    overrides = BASE + [f"rounds={args.rounds}", *args.overrides]
+    return overrides, {"flower+cache": overrides,
+                       "flower-nocache": overrides + ["method.use_cache=false"],
+                       "plain+cache": overrides}
+
+
+def _time_variant(name: str, cfg, args, tmp: Path) -> dict:
+    """Median seconds per round (rounds 2..R) and of round 1 over ``args.repeats`` runs."""
+    from fedadapt.experiment import prepare_run
+
+    extra = {}
+    if args.methods:  # one-off cost: data, backbone and (cached methods) feature extraction
+        import dataclasses
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as fresh:
+            t0 = time.perf_counter()
+            prepare_run(dataclasses.replace(cfg, cache_dir=fresh), quiet=True)
+            extra["prepare_empty_cache_s"] = time.perf_counter() - t0
+        print(f"[bench] {name} (prepare from an empty cache: "
+              f"{extra['prepare_empty_cache_s']:.1f} s)", flush=True)
+    per_round, startup = [], []
+    for rep in range(args.repeats):
+        print(f"[bench] {name}: repeat {rep + 1}/{args.repeats}", flush=True)
+        times = plain_loop(prepare_run(cfg, quiet=True), cfg) if name.startswith("plain") \
+            else isolated_flower_run(cfg, tmp, label=name) if args.methods \
+            else flower_run(cfg, tmp)
+        startup.append(times[0])
+        per_round.extend(times[1:])
+    return {"median_s_per_round": statistics.median(per_round),
+            "median_round1_s": statistics.median(startup), "rounds_measured": len(per_round),
+            **extra}
+
+
+def _run_rounds(args) -> None:
+    from fedadapt.entry import compose_config, to_run_config
+
+    overrides, variants = _variants(args)
+    results = {name: _time_variant(name, to_run_config(compose_config(ov)), args,
+                                   Path(args.out) / "runs")
+               for name, ov in variants.items()}
+    meta = {"machine": _machine(), "config": overrides, "repeats": args.repeats,
+            "results": results}
+    names = list(results)
+    per_round = {n: results[n]["median_s_per_round"] for n in names}
+    if args.methods:
+        meta["ratio_to_last"] = {m: per_round[m] / per_round[names[-1]] for m in names}
+    elif not args.exits:
+        meta["overhead_ratio"] = per_round["flower+cache"] / per_round["plain+cache"]
+        meta["cache_speedup"] = per_round["flower-nocache"] / per_round["flower+cache"]
+    _write(args.out, "bench", meta)
     print("\n| variant | median s/round (rounds 2..R) | median round 1 s |\n|---|---|---|")
     for name, r in results.items():
         print(f"| {name} | {r['median_s_per_round']:.3f} | {r['median_round1_s']:.2f} |")
     if args.methods:
-        for m in methods:
-            print(f"{m}: prepare from an empty cache {prepare_s[m]:.1f} s; seconds per round "
-                  f"{results[m]['median_s_per_round']:.3f} = {meta['ratio_to_last'][m]:.4f} x "
-                  f"{methods[-1]} ({1 / meta['ratio_to_last'][m]:.0f}x faster)")
+        for m in names:
+            ratio = meta["ratio_to_last"][m]
+            print(f"{m}: prepare from an empty cache {results[m]['prepare_empty_cache_s']:.1f} "
+                  f"s; seconds per round {per_round[m]:.3f} = {ratio:.4f} x {names[-1]} "
+                  f"({1 / ratio:.0f}x faster)")
     elif args.exits:
-        first, last = (results[f"multi-tier, exit {e}"]["median_s_per_round"]
-                       for e in (exits[0], exits[-1]))
-        print(f"\nexit {exits[0]} / exit {exits[-1]} seconds per round: {first / last:.2f}")
+        print(f"\n{names[0]} / {names[-1]} seconds per round: "
+              f"{per_round[names[0]] / per_round[names[-1]]:.2f}")
     else:
         print(f"\nFlower overhead (flower+cache / plain+cache): {meta['overhead_ratio']:.1f}x; "
               f"feature cache speed-up (nocache / cache): {meta['cache_speedup']:.1f}x")
     print(f"machine: {meta['machine']}")
 
 
+def main(argv: list[str] | None = None) -> None:
+    from fedadapt.entry import run_cli
+
+    def run(argv: list[str]) -> int:
+        args = _parser().parse_args(argv)
+        if args.throughput:
+            _run_throughput(args)
+        elif args.iciia:
+            _run_iciia(args)
+        else:
+            _run_rounds(args)
+        return 0
+
+    run_cli(run, argv)
+
+
 if __name__ == "__main__":
-    np.set_printoptions(precision=3)
     main()

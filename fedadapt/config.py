@@ -53,6 +53,12 @@ class BackboneConfig:
     #: Hub id or local path of the weights; None builds the architecture with random weights.
     weights: Optional[str] = None
     image_size: int = 224
+    #: Evaluation preprocessing: resize the shortest side to ``image_size / crop_pct``, then
+    #: centre-crop ``image_size``; None = the weights' own (an image processor config next to hub
+    #: weights, open_clip's preprocess config) or the family's default.
+    crop_pct: Optional[float] = None
+    #: ``bicubic`` or ``bilinear`` resize filter; None = the weights' own or the family's.
+    interpolation: Optional[str] = None
     #: Architecture overrides (e.g. a tiny ViT for tests); the family defines the keys.
     arch: dict[str, Any] = field(default_factory=dict)
 
@@ -157,6 +163,13 @@ class TrainConfig:
     #: RandomResizedCrop area scale ``[min, max]`` for training images (the Accumulator paper:
     #: ``[0.05, 1.0]``); null = no augmentation. Needs image inputs (not cached features).
     crop_scale: Optional[list[float]] = None
+    #: ``auto`` (bf16 autocast on CUDA, fp32 on the CPU), ``fp32`` or ``bf16``; trainable
+    #: tensors, optimiser state and everything communicated stay fp32 (see fedadapt.devices).
+    precision: str = "auto"
+    #: torch's deterministic algorithms (and cuBLAS's workspace setting): bit-exact GPU reruns.
+    deterministic: bool = False
+    #: Clip each client's gradient norm to this value at every step; null = no clipping.
+    clip_grad_norm: Optional[float] = None
 
 
 @dataclass
@@ -166,7 +179,8 @@ class FederationConfig:
     #: ``simulation`` (Flower's Ray backend via run_simulation).
     backend: str = "simulation"
     num_cpus: float = 1.0
-    #: GPUs per client (fractional); None = 0.25 when a GPU exists (4 clients share it), else 0.
+    #: GPUs per Ray worker (fractional); 0 = CPU only, CUDA is never touched; None = use a GPU
+    #: when one is visible (the share then follows from the backbone's measured memory).
     num_gpus: Optional[float] = None
     #: Evaluate every k rounds (and always at the last round).
     eval_every: int = 1
@@ -230,6 +244,8 @@ KNOWN_OPTIMIZERS = ("sgd", "adam", "adamw")
 KNOWN_STRATEGIES = ("fedavg", "fedprox")
 KNOWN_WEIGHTINGS = ("examples", "uniform")
 KNOWN_SELECTIONS = ("last", "best_val")
+#: ``train.precision`` (see :mod:`fedadapt.devices`).
+PRECISIONS = ("auto", "fp32", "bf16")
 #: ``faults.kinds`` (see :mod:`fedadapt.federation.faults`).
 FAULT_KINDS = ("raise", "nan", "wrong_keys", "wrong_shape", "timeout")
 
@@ -297,6 +313,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     check(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", list(t.betas),
            "[beta1, beta2], each in [0, 1)")
     check(t.eps > 0, "train.eps", t.eps, "must be > 0")
+    check(t.precision in PRECISIONS, "train.precision", t.precision, f"one of {PRECISIONS}")
+    check(t.clip_grad_norm is None or (t.clip_grad_norm > 0 and math.isfinite(t.clip_grad_norm)),
+          "train.clip_grad_norm", t.clip_grad_norm, "must be > 0 or null")
     check(t.crop_scale is None or (len(t.crop_scale) == 2
                                     and 0 < t.crop_scale[0] <= t.crop_scale[1] <= 1),
            "train.crop_scale", t.crop_scale, "[min, max] with 0 < min <= max <= 1, or null")

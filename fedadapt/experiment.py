@@ -37,10 +37,14 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
     from fedadapt.data.loading import prepare_dataset
     from fedadapt.data.partition import format_stats, partition_dataset
     from fedadapt.data.sources import DataSource
-    from fedadapt.data.transforms import TransformSpec
-    from fedadapt.federation.training import build_run_model, device
+    from fedadapt.data.store import geometry, image_store
+    from fedadapt.data.transforms import Preprocess
+    from fedadapt.devices import resolve_precision, run_device
+    from fedadapt.federation.training import build_run_model
 
     datasets.disable_progress_bars()
+    dev = run_device(cfg.federation.num_gpus)
+    precision = resolve_precision(cfg.train.precision, dev)
     card = load_card(cfg.dataset.name)
     prepared = prepare_dataset(cfg.dataset, cfg.cache_dir, cfg.seed)
     if cfg.partition.test_clients > 0 and method_spec(cfg.method).trainer == "clients":
@@ -69,15 +73,19 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
 
         with torch.no_grad():
             query_feature = backbone.encode_prompts([cfg.method.query])[0].float().cpu()
-    transform = TransformSpec.for_backbone(backbone)
-    features = cfg.method.use_cache
+    preprocess = Preprocess.for_backbone(backbone)
+    geo = geometry(card, preprocess)
+
+    def images(split: str) -> DataSource:  # decoded once into the store, transformed on device
+        return DataSource(prepared, split, store=image_store(prepared, split, geo, cfg.cache_dir),
+                          preprocess=preprocess)
 
     def source(split: str) -> DataSource:
-        if features:
-            path = cached_features(backbone, prepared, split, transform, cfg.cache_dir,
-                                   device=device())
+        if cfg.method.use_cache:
+            path = cached_features(backbone, images(split), cfg.cache_dir, device=dev,
+                                   precision=precision)
             return DataSource(prepared, split, features_path=path)
-        return DataSource(prepared, split, transform=transform)
+        return images(split)
 
     spec = RunSpec(run_id=uuid.uuid4().hex, method=cfg.method, backbone=cfg.backbone,
                    train=cfg.train, seed=cfg.seed, rounds=cfg.rounds,
@@ -88,9 +96,9 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
                                 else None),
                    clients=partition.clients, faults=cfg.faults, setting=cfg.setting,
                    class_text=class_text, evaluate_val=cfg.federation.select == "best_val",
-                   image_source=(DataSource(prepared, "train", transform=transform)
+                   image_source=(images("train")
                                  if getattr(cfg.method, "upload", None) == "samples" else None),
-                   query_feature=query_feature)
+                   query_feature=query_feature, device=dev, precision=precision)
     model = build_run_model(spec, backbone)
     _apply_setting(cfg, spec, model)
     counts = {
@@ -302,14 +310,16 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
         model.load_tensors(dict(arrays.to_torch_state_dict()))
         out = {}
         if unseen is not None:  # generalization: the held-out domain, never trained on
-            out["unseen_acc"] = evaluate(model, spec.train_source, unseen)[1]
+            out["unseen_acc"] = evaluate(model, spec.train_source, unseen,
+                                         precision=spec.precision)[1]
         if len(spec.test_source.labels()) == 0:  # no global test split (dataset.test_fraction=0)
             return out
         if not spec.num_exits:
-            loss, acc, _ = evaluate(model, spec.test_source)
+            loss, acc, _ = evaluate(model, spec.test_source, precision=spec.precision)
             return {**out, "global_acc": acc, "global_loss": loss}
         # every exit in one pass; the headline is their mean (the paper's "mean performance")
-        losses, accs, _ = evaluate_exits(model, spec.test_source, list(range(spec.num_exits)))
+        losses, accs, _ = evaluate_exits(model, spec.test_source, list(range(spec.num_exits)),
+                                         precision=spec.precision)
         return {**out, "global_acc": sum(accs) / len(accs),
                 "global_loss": sum(losses) / len(losses), "global_acc_last": accs[-1],
                 "exit_acc": accs}
@@ -425,12 +435,12 @@ def _summary_head(cfg: RunConfig, label: str, prep: PreparedRun, *, rounds: int,
 
 def _summary_tail(prep: PreparedRun) -> dict:
     """The partition's statistics and where the run ran (last in every ``summary.json``)."""
-    from fedadapt.federation.training import device
     from fedadapt.results.store import git_commit, versions
 
     return {"partition_stats": {k: prep.partition.stats[k] for k in
                                 ("num_clients", "samples_per_client", "classes_per_client")},
-            "versions": versions(), "git_commit": git_commit(), "device": device()}
+            "versions": versions(), "git_commit": git_commit(), "device": prep.spec.device,
+            "precision": prep.spec.precision}
 
 
 def _server_run(cfg: RunConfig, run_dir: Path, prep: PreparedRun, config_yaml: str,

@@ -101,18 +101,22 @@ def train_backbone(run: RunConfig, *, epochs: int, lr: float, batch_size: int,
 
     import datasets
     from fedadapt.backbones import build_backbone
+    from fedadapt.data.catalogue import load_card
     from fedadapt.data.loading import prepare_dataset
     from fedadapt.data.sources import DataSource
-    from fedadapt.data.transforms import TransformSpec
+    from fedadapt.data.store import geometry, image_store
+    from fedadapt.data.transforms import Preprocess
 
     t0 = time.time()
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()  # save_pretrained's "Writing model shards"
     prepared = prepare_dataset(run.dataset, run.cache_dir, run.seed)
     backbone = build_backbone(run.backbone, load_weights=False)
-    transform = TransformSpec.for_backbone(backbone)
-    train = DataSource(prepared, "train", transform=transform)
-    test = DataSource(prepared, "test", transform=transform)
+    preprocess = Preprocess.for_backbone(backbone)
+    geo = geometry(load_card(run.dataset.name), preprocess)
+    train, test = (DataSource(prepared, split, preprocess=preprocess,
+                              store=image_store(prepared, split, geo, run.cache_dir))
+                   for split in ("train", "test"))
 
     torch.manual_seed(run.seed)
     gen = torch.Generator().manual_seed(run.seed)
@@ -136,9 +140,9 @@ def train_backbone(run: RunConfig, *, epochs: int, lr: float, batch_size: int,
         t_epoch = time.time()
         backbone.train()
         order = torch.randperm(prepared.num_train, generator=gen).numpy()
+        batches = [order[s:s + batch_size] for s in range(0, prepared.num_train, batch_size)]
         total = 0.0
-        for start in range(0, prepared.num_train, batch_size):
-            x, y = train.get(order[start:start + batch_size])
+        for x, y in train.stream(batches, "cpu"):
             loss = nn.functional.cross_entropy(head(backbone(random_crop(x, 2, gen))), y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -194,6 +198,7 @@ def save_backbone(backbone, info: dict, out: Path, *, force: bool = False) -> Pa
         backbone.model.config.image_mean = list(backbone.mean)  # read back by ViTBackbone
         backbone.model.config.image_std = list(backbone.std)
         backbone.model.save_pretrained(tmp)
+        image_processor(backbone).save_pretrained(tmp)  # the preprocessing it was trained with
         write_json(tmp / PRETRAIN_JSON, info)
         if out.exists():  # force
             old = out.parent / f"{out.name}.old-{os.getpid()}"
@@ -207,6 +212,20 @@ def save_backbone(backbone, info: dict, out: Path, *, force: bool = False) -> Pa
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def image_processor(backbone):
+    """A transformers image processor describing ``backbone``'s preprocessing (saved with the
+    weights, read back when they load, as with hub weights)."""
+    from transformers import ViTImageProcessor
+
+    size = backbone.image_size
+    short = int(math.floor(size / backbone.crop_pct))
+    return ViTImageProcessor(
+        do_resize=True, size={"shortest_edge": short} if short != size else
+        {"height": size, "width": size}, resample=3 if backbone.interpolation == "bicubic" else 2,
+        do_center_crop=short != size, crop_size={"height": size, "width": size},
+        image_mean=list(backbone.mean), image_std=list(backbone.std))
 
 
 def pretrain(run: RunConfig, *, out: Path, epochs: int, lr: float, batch_size: int,

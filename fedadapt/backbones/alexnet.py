@@ -21,7 +21,12 @@ from fedadapt.config import BackboneConfig
 
 
 class AlexNetBackbone(Backbone):
-    """torchvision's AlexNet up to its penultimate layer; D = 4,096."""
+    """torchvision's AlexNet up to its penultimate layer; D = 4,096.
+
+    Preprocessing as torchvision's ImageNet weights: bilinear resize to 256, centre crop 224.
+    """
+
+    crop_pct = 224 / 256
 
     def __init__(self, *, model: nn.Module, weights_id: str, image_size: int) -> None:
         super().__init__()

@@ -36,7 +36,13 @@ class Backbone(nn.Module):
     num_layers : int
         Number of blocks (exits) for backbones that expose per-layer tokens, else 1.
     image_size : int
-        Input resolution the transform resizes to.
+        Input resolution ``S`` (the model sees ``S`` x ``S`` images).
+    crop_pct : float
+        Evaluation preprocessing: the shortest side is resized to ``S / crop_pct``, then an
+        ``S`` x ``S`` centre crop is taken (1.0: resize to ``S``, as CLIP; 0.875: 256 then 224,
+        as DeiT's image processor).
+    interpolation : str
+        ``bicubic`` or ``bilinear``: the resize filter of the backbone's own preprocessing.
     mean, std : tuple of float
         Normalisation the backbone was trained with.
     weights_id : str
@@ -46,6 +52,8 @@ class Backbone(nn.Module):
     embed_dim: int
     num_layers: int = 1
     image_size: int = 224
+    crop_pct: float = 1.0
+    interpolation: str = "bilinear"
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
     weights_id: str = "random"

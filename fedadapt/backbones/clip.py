@@ -28,9 +28,15 @@ class ClipBackbone(Backbone):
             model.text_projection, torch.Tensor) else model.text_projection.out_features
         self.image_size = image_size
         self.weights_id = weights_id
-        from open_clip import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
+        # open_clip's own preprocess for this model: bicubic resize of the shortest side to the
+        # input size, centre crop, the model's mean / std
+        from open_clip import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD, get_model_preprocess_cfg
 
-        self.mean, self.std = tuple(OPENAI_DATASET_MEAN), tuple(OPENAI_DATASET_STD)
+        pre = get_model_preprocess_cfg(model)  # a model built from a bare config has none
+        self.mean = tuple(pre.get("mean", OPENAI_DATASET_MEAN))
+        self.std = tuple(pre.get("std", OPENAI_DATASET_STD))
+        self.interpolation = str(pre.get("interpolation", "bicubic"))
+        self.crop_pct = 1.0
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:  # [B,3,H,W] -> [B,D]
         return self.model.encode_image(images)

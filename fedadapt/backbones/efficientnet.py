@@ -40,6 +40,10 @@ class EfficientNetLiteBackbone(Backbone):
     """Frozen EfficientNet-Lite; ``forward`` returns the 1,280-d pooled feature."""
 
     has_batchnorm = True
+    # The reference evaluation (TF EfficientNet's preprocessing): bicubic resize to
+    # image_size + 32, centre crop image_size (224 / 256 at 224 px).
+    crop_pct = 224 / 256
+    interpolation = "bicubic"
     # The TF-Lite models were trained on inputs scaled by (x - 127) / 128.
     mean = (127.0 / 255,) * 3
     std = (128.0 / 255,) * 3

@@ -45,6 +45,11 @@ class ViTBackbone(Backbone):
         Hub id, local path or ``random``.
     """
 
+    #: DeiT's image processor (facebook/deit-*-patch16-224): bicubic resize to 256, centre
+    #: crop 224, ImageNet mean / std. Weights that ship a processor config override these.
+    crop_pct = 224 / 256
+    interpolation = "bicubic"
+
     def __init__(self, *, model: nn.Module, weights_id: str, image_size: int) -> None:
         super().__init__()
         self.model = model
@@ -55,6 +60,22 @@ class ViTBackbone(Backbone):
         self.weights_id = weights_id
         self.mean = tuple(getattr(cfg, "image_mean", None) or (0.485, 0.456, 0.406))
         self.std = tuple(getattr(cfg, "image_std", None) or (0.229, 0.224, 0.225))
+
+    def use_processor(self, processor) -> None:
+        """Take the preprocessing of a transformers image processor (the weights' own):
+        ``size.shortest_edge`` and ``crop_size`` give ``crop_pct``, ``resample`` the filter."""
+        size, crop = processor.size, getattr(processor, "crop_size", None)
+        short = _field(size, "shortest_edge") or _field(size, "height")
+        crop_h = _field(crop, "height")
+        if getattr(processor, "do_center_crop", False) and short and crop_h:
+            self.crop_pct = float(crop_h) / float(short)
+        else:
+            self.crop_pct = 1.0
+        self.interpolation = "bicubic" if int(getattr(processor, "resample", 2)) == 3 \
+            else "bilinear"
+        if getattr(processor, "image_mean", None) is not None:
+            self.mean = tuple(map(float, processor.image_mean))
+            self.std = tuple(map(float, processor.image_std))
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -129,6 +150,11 @@ def _build(cfg: BackboneConfig, load_weights: bool, distilled: bool) -> ViTBackb
                 prefetch_hint(f"Backbone weights {cfg.weights!r}", backbone=cfg.name)
             ) from err
         weights_id = cfg.weights
+        backbone = ViTBackbone(model=model, weights_id=weights_id, image_size=cfg.image_size)
+        processor = _image_processor(cfg.weights)
+        if processor is not None:
+            backbone.use_processor(processor)
+        return backbone
     else:
         arch = dict(cfg.arch)
         arch.pop("init_seed", None)  # used by build_backbone
@@ -136,6 +162,23 @@ def _build(cfg: BackboneConfig, load_weights: bool, distilled: bool) -> ViTBackb
         model = model_cls(config_cls(**arch), add_pooling_layer=False)
         weights_id = "random"
     return ViTBackbone(model=model, weights_id=weights_id, image_size=cfg.image_size)
+
+
+def _field(size, key: str):
+    """A field of a processor's size dict (a dict, or transformers' SizeDict)."""
+    if size is None:
+        return None
+    return size.get(key) if isinstance(size, dict) else getattr(size, key, None)
+
+
+def _image_processor(weights: str):
+    """The image processor saved with the weights (hub cache or local folder), if any."""
+    from transformers import AutoImageProcessor
+
+    try:
+        return AutoImageProcessor.from_pretrained(weights)
+    except (OSError, ValueError):  # no preprocessor_config.json: the family's defaults
+        return None
 
 
 @register_family("vit")

@@ -1,16 +1,17 @@
 """Pooled features of a frozen backbone, computed once and memory-mapped everywhere.
 
 The key is exact: a hash of the backbone's weights (whatever their source: hub, local folder,
-random), the prepared data set's fingerprint, the split and the transform. Files are
-``.npy`` (``np.load(mmap_mode='r')`` in every Ray worker) written to a temporary name, fsynced and
-renamed, so a reader never sees a partial file.
+random), the prepared data set's fingerprint, the split, the preprocessing and the precision the
+backbone ran in. Images come from the decoded store through the device transforms
+(:mod:`fedadapt.data.sources`), batches prepared one ahead. Files are ``.npy`` sealed with their
+SHA-256 (:mod:`fedadapt.data.integrity`): a file that fails its digest (truncated, changed in
+place) is rebuilt before anything uses it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -18,8 +19,8 @@ import numpy as np
 import torch
 
 from fedadapt.data.loading import PreparedDataset
-from fedadapt.data.transforms import TransformSpec
-from fedadapt.results.store import atomic_write
+from fedadapt.data.transforms import Preprocess
+from fedadapt.log import log
 
 
 def backbone_fingerprint(backbone) -> str:
@@ -29,46 +30,54 @@ def backbone_fingerprint(backbone) -> str:
     h = hashlib.sha256()
     for name, t in sorted(backbone.state_dict().items()):
         h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+        h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
     return f"{type(backbone).__name__}:{h.hexdigest()[:16]}"
 
 
-def feature_key(backbone, prepared: PreparedDataset, split: str, transform: TransformSpec) -> str:
+def feature_key(backbone, prepared: PreparedDataset, split: str, preprocess: Preprocess,
+                precision: str = "fp32") -> str:
     blob = json.dumps({"backbone": backbone_fingerprint(backbone), "data": prepared.fingerprint,
-                       "split": split, "transform": repr(transform)}, sort_keys=True)
+                       "split": split, "preprocess": repr(preprocess), "precision": precision},
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
 @torch.no_grad()
-def extract_features(backbone, images_of, n: int, transform: TransformSpec, *,
-                     batch_size: int = 128, device: str = "cpu", label: str = "") -> np.ndarray:
-    """Run ``backbone`` over ``n`` images (``images_of(start, stop)`` gives PIL images)."""
+def extract_features(backbone, source, *, batch_size: int = 256, device: str = "cpu",
+                     precision: str = "fp32", label: str = "") -> np.ndarray:
+    """Run ``backbone`` over every image of ``source`` (a :class:`DataSource` of images)."""
+    from fedadapt.devices import autocast
+
     backbone = backbone.to(device).eval()
+    n = len(source.labels())
     out = np.empty((n, backbone.embed_dim), dtype=np.float32)
-    t0, last = time.time(), 0.0
-    for start in range(0, n, batch_size):
-        stop = min(n, start + batch_size)
-        x = transform.apply(images_of(start, stop)).to(device)
-        out[start:stop] = backbone(x).float().cpu().numpy()
-        if time.time() - last > 5 or stop == n:
+    batches = [np.arange(s, min(n, s + batch_size)) for s in range(0, n, batch_size)]
+    t0, last, done = time.time(), 0.0, 0
+    for idx, (x, _) in zip(batches, source.stream(batches, device)):
+        with autocast(device, precision):
+            feats = backbone(x)
+        out[idx[0]:idx[-1] + 1] = feats.float().cpu().numpy()
+        done += len(idx)
+        if time.time() - last > 5 or done == n:
             last = time.time()
-            rate = stop / max(last - t0, 1e-9)
-            print(f"  features {label}: {stop}/{n} images, {rate:.0f} img/s, "
-                  f"~{(n - stop) / max(rate, 1e-9):.0f} s left", file=sys.stderr, flush=True)
+            rate = done / max(last - t0, 1e-9)
+            log(f"  features {label}: {done}/{n} images, {rate:.0f} img/s, "
+                f"~{(n - done) / max(rate, 1e-9):.0f} s left")
     return out
 
 
-def cached_features(backbone, prepared: PreparedDataset, split: str, transform: TransformSpec,
-                    cache_dir: str, *, device: str = "cpu") -> str:
-    """Path of the ``.npy`` feature file for this (backbone, data, split, transform)."""
-    key = feature_key(backbone, prepared, split, transform)
+def cached_features(backbone, source, cache_dir: str, *, device: str = "cpu",
+                    precision: str = "fp32") -> str:
+    """Path of the sealed ``.npy`` feature file of ``source``'s images through ``backbone``."""
+    from fedadapt.data.integrity import save_npy, valid_or_removed
+
+    prepared, split = source.prepared, source.split
+    key = feature_key(backbone, prepared, split, source.preprocess, precision)
     folder = Path(cache_dir).expanduser() / "features"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{prepared.name}-{split}-{key}.npy"
-    if path.is_file():
-        return str(path)
-    ds = prepared.load()[split]
-    feats = extract_features(backbone, lambda a, b: ds[a:b]["image"], len(ds), transform,
-                             device=device, label=f"{prepared.name}/{split}")
-    atomic_write(path, lambda fh: np.save(fh, feats), mode="wb")
+    if not valid_or_removed(path):
+        feats = extract_features(backbone, source, device=device, precision=precision,
+                                 label=f"{prepared.name}/{split}")
+        save_npy(path, feats)
     return str(path)

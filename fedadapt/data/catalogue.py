@@ -23,6 +23,11 @@ class DatasetCard:
     domains: Optional[list] = None
     default_holdout: Optional[str] = None
     class_names: Optional[list] = None
+    #: ``[H, W]`` when every image has this size (decoded at native resolution, see
+    #: :mod:`fedadapt.data.store`); None for data of mixed sizes.
+    image_size: Optional[list] = None
+    #: With ``image_size``: 1 (grey) or 3 (RGB) channels stored.
+    channels: Optional[int] = None
     license: str = ""
     size: str = ""
     papers: list = field(default_factory=list)

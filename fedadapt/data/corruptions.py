@@ -24,7 +24,8 @@ import torch
 
 from fedadapt.config import ConfigError
 
-__all__ = ["CORRUPTIONS", "PARAMS", "assign_corruptions", "corrupt", "image_seed"]
+__all__ = ["CORRUPTIONS", "PARAMS", "assign_corruptions", "corrupt", "corrupt_images",
+           "image_seed"]
 
 #: Severity 1..5 parameter of each kind (the CIFAR constants of the reference code).
 PARAMS: dict[str, tuple[float, ...]] = {
@@ -195,6 +196,30 @@ def corrupt(
     else:
         out = _pixelate(x, p)
     return out.clamp(0.0, 1.0).to(image.dtype)
+
+
+NOISE_KINDS = ("gaussian_noise", "shot_noise", "impulse_noise")
+
+
+def corrupt_images(images: np.ndarray, kind: str, severity: int, seed: int,
+                   indices: np.ndarray) -> np.ndarray:
+    """Corrupt decoded images as the reference data sets are made: at native resolution (e.g.
+    32x32 CIFAR images, as Hendrycks & Dietterich define CIFAR-100-C), then stored as bytes.
+
+    ``images`` is ``uint8 [B, H, W, C]`` (C = 1 grey, expanded to RGB), ``indices`` the images'
+    indices in their split: image ``i`` draws its noise from its own generator seeded with
+    ``image_seed(seed, indices[i])``, so a corrupted image is the same whichever batch it is in.
+    Returns ``uint8 [B, H, W, 3]``.
+    """
+    x = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).float().div_(255.0)
+    if x.shape[1] == 1:
+        x = x.expand(-1, 3, -1, -1)
+    if kind in NOISE_KINDS and severity > 0:  # per-image streams (once per image and client)
+        out = torch.stack([corrupt(img, kind, severity, torch.Generator().manual_seed(
+            image_seed(seed, int(i)))) for img, i in zip(x, indices)]) if len(x) else x
+    else:
+        out = corrupt(x, kind, severity)
+    return out.mul_(255.0).round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
 
 
 def assign_corruptions(

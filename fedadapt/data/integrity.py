@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -50,11 +51,25 @@ def _identity(path: Path) -> tuple:
 
 def seal(path: str | Path) -> None:
     """Record ``path``'s size and digest in its sidecar (atomically: temporary name, rename)."""
+    _write_record(Path(path), Path(path))
+
+
+def _write_record(content: Path, path: Path) -> None:
     from fedadapt.results.store import atomic_write
 
-    path = Path(path)
-    record = {"size": path.stat().st_size, "sha256": digest(path)}
+    record = {"size": content.stat().st_size, "sha256": digest(content)}
     atomic_write(sidecar(path), lambda fh: json.dump(record, fh))
+
+
+def seal_and_rename(tmp: str | Path, path: str | Path) -> None:
+    """Finish a cache file written at ``tmp``: fsync it, record its digest under ``path``'s
+    sidecar, then rename it to ``path``. A reader that sees ``path`` always finds its record
+    (processes building the same file at once write the same content)."""
+    tmp, path = Path(tmp), Path(path)
+    with open(tmp, "rb+") as fh:
+        os.fsync(fh.fileno())
+    _write_record(tmp, path)
+    os.replace(tmp, path)
     _CHECKED.add(_identity(path))
 
 
@@ -95,11 +110,17 @@ def remove(path: str | Path) -> None:
 
 
 def save_npy(path: str | Path, array: np.ndarray) -> None:
-    """``np.save`` to a temporary name, fsync, rename, then seal."""
-    from fedadapt.results.store import atomic_write
-
-    atomic_write(path, lambda fh: np.save(fh, array), mode="wb")
-    seal(path)
+    """``np.save`` to a temporary name, then :func:`seal_and_rename`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            np.save(fh, array)
+        seal_and_rename(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def load_npy(path: str | Path, what: str = "cache file", *, mmap: bool = True) -> np.ndarray:
@@ -123,4 +144,4 @@ def valid_or_removed(path: str | Path) -> bool:
 
 
 __all__ = ["CacheIntegrityError", "check", "digest", "load_npy", "problem", "remove", "save_npy",
-           "seal", "sidecar", "valid_or_removed"]
+           "seal", "seal_and_rename", "sidecar", "valid_or_removed"]

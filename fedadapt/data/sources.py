@@ -1,43 +1,56 @@
-"""What a client reads its batches from: cached features or images through the backbone."""
+"""What a client reads its batches from: cached features, or decoded images transformed on the
+model's device.
+
+:meth:`DataSource.stream` is the one data path of every training and evaluation loop: given the
+batches' indices (a round's shuffled order cut into batches), it yields ``(x, y)`` on the device,
+
+* **features**: the rows of every batch moved to the device once (one copy per call, i.e. per
+  client and round), then indexed there;
+* **images**: each batch's ``uint8`` rows gathered from the memory-mapped store
+  (:mod:`fedadapt.data.store`), copied to the device (pinned memory and a side stream on CUDA),
+  then resized / cropped / normalised there (:mod:`fedadapt.data.transforms`).
+
+The next batch is prepared in a background thread while the caller trains on the current one.
+A corrupted source (the personalization setting's CIFAR-100-C corruptions) corrupts its images
+once, at native resolution, before any resize (:func:`corrupted_rows`).
+"""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
 
 from fedadapt.data.loading import PreparedDataset
-from fedadapt.data.transforms import TransformSpec
+from fedadapt.data.store import ImageStore
+from fedadapt.data.transforms import Preprocess, model_input
+
+#: ``(crop scale, per-image seeds)`` of a batch's training crop, or None.
+Crop = Optional[tuple[tuple[float, float], np.ndarray]]
 
 
 @dataclass(frozen=True)
 class DataSource:
-    """Picklable description of one split: features from the cache or images + transform.
-
-    ``get(indices)`` returns ``(x, y)``: ``x`` is ``[B, D]`` features or ``[B, 3, S, S]`` images.
-    """
+    """Picklable description of one split: cached features, or a decoded image store and the
+    backbone's preprocessing (optionally corrupted: the client's data as it is)."""
 
     prepared: PreparedDataset
     split: str
     features_path: Optional[str] = None
-    transform: Optional[TransformSpec] = None
-    #: A corruption applied to every image (``fedadapt.data.corruptions``), its severity and
-    #: the seed of its randomness (each image draws from its own seeded generator).
+    store: Optional[ImageStore] = None
+    preprocess: Optional[Preprocess] = None
+    #: A corruption applied to every image (``fedadapt.data.corruptions``) at its native
+    #: resolution, its severity and the seed of its randomness (per image).
     corruption: Optional[str] = None
     severity: int = 0
     corruption_seed: int = 0
-    #: Training augmentation: ``RandomResizedCrop`` with this area scale range (e.g. the
-    #: Accumulator paper's ``(0.05, 1.0)``), drawn per image from ``crop_seed``; None = none.
-    crop_scale: Optional[tuple[float, float]] = None
-    crop_seed: int = 0
 
-    def augmented(self, scale, seed: int) -> "DataSource":
-        """The same split with a seeded ``RandomResizedCrop(scale)`` on each image."""
-        if self.kind != "images":
-            raise ValueError("augmentation applies to images, not to cached features")
-        return replace(self, crop_scale=(float(scale[0]), float(scale[1])), crop_seed=int(seed))
+    @property
+    def kind(self) -> str:
+        return "features" if self.features_path else "images"
 
     def corrupted(self, kind: str, severity: int, seed: int) -> "DataSource":
         """The same split with ``kind`` at ``severity`` applied to each image."""
@@ -45,69 +58,107 @@ class DataSource:
             raise ValueError("corruptions apply to images, not to cached features")
         return replace(self, corruption=kind, severity=int(severity), corruption_seed=int(seed))
 
-    @property
-    def kind(self) -> str:
-        return "features" if self.features_path else "images"
-
     def labels(self) -> np.ndarray:
         return _labels(self.prepared.path, self.split)
 
-    def get(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def features(self) -> np.ndarray:
+        """The memory-mapped feature matrix ``[N, D]`` (checked once per process)."""
+        key = ("features", self.features_path)
+        if key not in _CACHE:
+            from fedadapt.data.integrity import load_npy
+
+            _CACHE[key] = load_npy(self.features_path, "feature cache")
+        return _CACHE[key]
+
+    def images(self, indices: np.ndarray) -> np.ndarray:
+        """``uint8 [B, H, W, C]`` rows (corrupted if this source is)."""
         idx = np.asarray(indices, dtype=np.int64)
-        y = torch.from_numpy(self.labels()[idx])
-        if self.features_path:
-            feats = _memmap(self.features_path)
-            return torch.from_numpy(np.ascontiguousarray(feats[idx], dtype=np.float32)), y
-        ds = self.prepared.load()[self.split]
-        images = ds.select(idx.tolist())["image"] if len(idx) else []
-        corrupt_on = bool(self.corruption) and self.severity > 0
-        if not corrupt_on and self.crop_scale is None:
-            return self.transform.apply(images), y
-        from fedadapt.data.corruptions import corrupt, image_seed
+        if self.corruption and self.severity > 0:
+            return corrupted_rows(self, idx)
+        return self.store.array()[idx]
 
-        def edit(i: int, x: torch.Tensor) -> torch.Tensor:
-            if corrupt_on:  # the client's data as it is ...
-                gen = torch.Generator().manual_seed(image_seed(self.corruption_seed, int(idx[i])))
-                x = corrupt(x, self.corruption, self.severity, gen)
-            if self.crop_scale is not None:  # ... then training's augmentation
-                gen = torch.Generator().manual_seed(image_seed(self.crop_seed, int(idx[i])))
-                x = random_resized_crop(x, self.crop_scale, gen)
-            return x
+    def get(self, indices: np.ndarray, device: str | torch.device = "cpu",
+            crop: Crop = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One batch ``(x, y)`` on ``device`` (outside hot loops; they use :meth:`stream`)."""
+        return next(self.stream([np.asarray(indices, dtype=np.int64)], device,
+                                crops=None if crop is None else [crop]))
 
-        return self.transform.apply(images, edit), y
+    def stream(self, batches: Sequence[np.ndarray], device: str | torch.device,
+               crops: Optional[Sequence[Crop]] = None
+               ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``(x, y)`` on ``device`` for each index array of ``batches``, the next one prepared
+        while the caller uses the current one. ``crops[i]`` (images only) is batch ``i``'s
+        training crop: ``(scale, seeds)`` with one seed per image."""
+        device = torch.device(device)
+        batches = [np.asarray(b, dtype=np.int64) for b in batches]
+        if not batches:
+            return iter(())
+        if self.kind == "features":
+            return _feature_stream(self, batches, device)
+        if crops is not None and any(c is not None for c in crops) and self.preprocess is None:
+            raise ValueError("training crops need an image source")
+        labels = self.labels()
+
+        def make(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            idx = batches[i]
+            rows = _to_device(torch.from_numpy(self.images(idx)), device)
+            y = _to_device(torch.from_numpy(labels[idx]), device)
+            crop = crops[i] if crops is not None else None
+            return model_input(rows, self.preprocess,
+                               None if crop is None else (crop[0], crop[1], idx)), y
+
+        return prefetched(len(batches), make, device)
 
 
-def random_resized_crop(x: torch.Tensor, scale: tuple[float, float], gen: torch.Generator
-                        ) -> torch.Tensor:
-    """torchvision's ``RandomResizedCrop(size, scale, ratio=(3/4, 4/3))`` on ``[3, H, W]``, with
-    its parameters drawn from ``gen`` (torchvision's own draw uses the global RNG)."""
-    import math
+def _feature_stream(source: DataSource, batches: list[np.ndarray], device: torch.device
+                    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Features of every batch's rows on the device once, then indexed there."""
+    union = np.unique(np.concatenate(batches))
+    feats = _to_device(torch.from_numpy(np.ascontiguousarray(source.features()[union],
+                                                             dtype=np.float32)), device)
+    labels = _to_device(torch.from_numpy(source.labels()[union]), device)
+    for idx in batches:
+        pos = torch.from_numpy(np.searchsorted(union, idx)).to(device)
+        yield feats[pos], labels[pos]
 
-    from torchvision.transforms import functional as TF
 
-    _, height, width = x.shape
-    area = height * width
-    log_ratio = (math.log(3 / 4), math.log(4 / 3))
-    for _ in range(10):  # torchvision's rejection sampling, then its centre-crop fallback
-        target = area * (scale[0] + (scale[1] - scale[0]) * float(torch.rand(1, generator=gen)))
-        ratio = math.exp(log_ratio[0] + (log_ratio[1] - log_ratio[0])
-                         * float(torch.rand(1, generator=gen)))
-        w = int(round(math.sqrt(target * ratio)))
-        h = int(round(math.sqrt(target / ratio)))
-        if 0 < w <= width and 0 < h <= height:
-            top = int(torch.randint(0, height - h + 1, (1,), generator=gen))
-            left = int(torch.randint(0, width - w + 1, (1,), generator=gen))
-            return TF.resized_crop(x, top, left, h, w, [height, width], antialias=True)
-    return x
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
 
+
+def prefetched(n: int, make: Callable[[int], tuple], device: torch.device) -> Iterator[tuple]:
+    """Yield ``make(0), ..., make(n - 1)``, computing ``make(i + 1)`` in a background thread
+    while the caller uses item ``i`` (on CUDA on a side stream the caller's stream waits for)."""
+    cuda = device.type == "cuda"
+    side = torch.cuda.Stream(device) if cuda else None
+
+    def work(i: int):
+        if not cuda:
+            return make(i), None
+        with torch.cuda.stream(side):
+            out = make(i)
+            done = torch.cuda.Event()
+            done.record(side)
+        return out, done
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedadapt-prefetch") as pool:
+        pending = pool.submit(work, 0)
+        for i in range(n):
+            out, done = pending.result()
+            if i + 1 < n:
+                pending = pool.submit(work, i + 1)
+            if done is not None:
+                current = torch.cuda.current_stream(device)
+                current.wait_event(done)
+                for t in out:
+                    t.record_stream(current)
+            yield out
+
+
+# -- per-process caches -----------------------------------------------------------------------
 _CACHE: dict[tuple, object] = {}
-
-
-def _memmap(path: str) -> np.ndarray:
-    key = ("mm", path)
-    if key not in _CACHE:
-        _CACHE[key] = np.load(path, mmap_mode="r")
-    return _CACHE[key]
 
 
 def _labels(path: str, split: str) -> np.ndarray:
@@ -117,3 +168,26 @@ def _labels(path: str, split: str) -> np.ndarray:
 
         _CACHE[key] = np.asarray(_open(path)[split]["label"], dtype=np.int64)
     return _CACHE[key]
+
+
+def corrupted_rows(source: DataSource, indices: np.ndarray) -> np.ndarray:
+    """``uint8 [B, H, W, 3]``: the source's corruption applied to each image at native
+    resolution with the image's own seed. Rows are corrupted once per process and kept
+    (a personalizing client reads its images for ten epochs)."""
+    from fedadapt.data.corruptions import corrupt_images
+
+    key = ("corrupted", source.store.path, source.corruption, source.severity,
+           source.corruption_seed)
+    known, rows = _CACHE.get(key, (np.zeros(0, np.int64), None))
+    missing = np.setdiff1d(indices, known)
+    if len(missing):
+        new = corrupt_images(source.store.array()[missing], source.corruption, source.severity,
+                             source.corruption_seed, missing)
+        known = np.concatenate([known, missing])
+        rows = new if rows is None else np.concatenate([rows, new])
+        order = np.argsort(known, kind="stable")
+        known, rows = known[order], rows[order]
+        _CACHE[key] = (known, rows)
+    if rows is None:  # nothing asked, nothing corrupted yet
+        return np.zeros((0, *source.store.shape[1:3], 3), np.uint8)
+    return rows[np.searchsorted(known, indices)]

@@ -1,9 +1,11 @@
 """The one client training loop and the one evaluation loop, shared by every method.
 
 Methods differ only in their model's forward (and, later, a registered loss); nothing here
-branches on a method name. Randomness (shuffling, dropout) is drawn from generators seeded by
-``(seed, round, client)``, so a run is reproducible and independent of which Ray worker (or
-which order) executes a client.
+branches on a method name. Randomness (shuffling, exits, crops, dropout) is drawn from
+generators seeded by ``(seed, round, client)``, so a run is reproducible and independent of which
+Ray worker (or which order) executes a client. Batches come from :meth:`DataSource.stream` on the
+run's device (prepared one batch ahead), forward passes run under the run's precision
+(:mod:`fedadapt.devices`).
 """
 
 from __future__ import annotations
@@ -70,6 +72,10 @@ class RunSpec:
     #: CDC-MMPG's text query (``method.query``) through the backbone's text tower, fused into
     #: every frame of every session.
     query_feature: Optional[torch.Tensor] = None
+    #: Where models run (``cpu`` / ``cuda``) and in which precision (``fp32`` / ``bf16``),
+    #: resolved once in the driver (:mod:`fedadapt.devices`).
+    device: str = "cpu"
+    precision: str = "fp32"
 
     @property
     def num_clients(self) -> int:
@@ -82,12 +88,15 @@ def derive_seed(*parts: int) -> int:
                >> np.uint64(1))
 
 
-def device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def build_run_model(spec: RunSpec, backbone=None) -> AdaptedModel:
-    """The method's model with its seeded initial weights (identical in every process)."""
+    """The method's model with its seeded initial weights (identical in every process), on the
+    run's device; under bf16 its frozen backbone weights are held in bf16."""
+    from fedadapt.devices import hold_frozen, setup
+
+    if spec.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("this run uses the GPU (federation.num_gpus), but this process sees "
+                           "none; set federation.num_gpus=0 to run on the CPU")
+    setup(spec.device, spec.train.deterministic)
     needs_backbone = spec.train_source.kind == "images"
     if needs_backbone and backbone is None:
         from fedadapt.backbones import build_backbone
@@ -97,7 +106,12 @@ def build_run_model(spec: RunSpec, backbone=None) -> AdaptedModel:
     model = build_model(spec.method, backbone if needs_backbone else BackboneInfo(spec.embed_dim),
                         spec.num_classes, with_backbone=needs_backbone,
                         class_text=spec.class_text)
-    return model.to(device())
+    model = model.to(spec.device)
+    st = spec.setting
+    personalize_all = st.name == "personalization" and st.personalize == "full"
+    if needs_backbone and not personalize_all:  # full personalization trains the backbone
+        hold_frozen(model.backbone, spec.precision)
+    return model
 
 
 _MODELS: dict[str, tuple[AdaptedModel, dict]] = {}
@@ -137,6 +151,18 @@ def make_optimizer(params, train: TrainConfig, lr: float) -> torch.optim.Optimiz
                weight_decay=train.weight_decay)
 
 
+def batches_of(indices: np.ndarray, batch_size: int, epochs: int, gen: torch.Generator
+               ) -> list[np.ndarray]:
+    """A fresh seeded permutation of ``indices`` per epoch, each cut into batches (the last of
+    an epoch may be smaller)."""
+    indices = np.asarray(indices)
+    out = []
+    for _ in range(epochs):
+        order = indices[torch.randperm(len(indices), generator=gen).numpy()]
+        out += [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
+    return out
+
+
 def train_local(
     model: AdaptedModel,
     source: DataSource,
@@ -147,14 +173,19 @@ def train_local(
     seed: int,
     proximal_mu: float = 0.0,
     exits: Optional[list[int]] = None,
+    crop_seed: Optional[int] = None,
+    precision: str = "fp32",
 ) -> tuple[float, int]:
     """Train ``model`` in place on ``source[indices]``; return (mean loss, samples seen).
 
     With ``proximal_mu > 0`` adds FedProx's ``mu/2 * ||w - w_global||^2`` over the trainable
     tensors, ``w_global`` being their values on entry. With ``exits`` (an early-exit model),
     each step draws one exit uniformly from them (seeded) and trains that exit's logits,
-    running only the blocks up to it.
+    running only the blocks up to it. With ``crop_seed`` (and ``train.crop_scale``), every image
+    gets its seeded ``RandomResizedCrop``. ``train.clip_grad_norm`` clips the gradients' norm.
     """
+    from fedadapt.devices import autocast
+
     dev = next(model.parameters()).device
     params = [p for p in model.parameters() if p.requires_grad]
     anchor = [p.detach().clone() for p in params] if proximal_mu > 0 else None
@@ -164,65 +195,76 @@ def train_local(
     torch.manual_seed(seed)  # dropout / drop-connect
     model.train()
     total, seen = 0.0, 0
-    indices = np.asarray(indices)
-    for _ in range(train.local_epochs):
-        order = indices[torch.randperm(len(indices), generator=gen).numpy()]
-        for start in range(0, len(order), train.batch_size):
-            x, y = source.get(order[start:start + train.batch_size])
-            x, y = x.to(dev), y.to(dev)
+    batches = batches_of(indices, train.batch_size, train.local_epochs, gen)
+    crops = None
+    if crop_seed is not None and train.crop_scale is not None:
+        scale = (float(train.crop_scale[0]), float(train.crop_scale[1]))
+        crops = [(scale, np.full(len(b), crop_seed, dtype=np.uint64)) for b in batches]
+    for x, y in source.stream(batches, dev, crops):
+        with autocast(dev.type, precision):
             if exits is None:
                 loss = model.training_loss(x, y)
             else:
                 e = exits[int(torch.randint(len(exits), (1,), generator=exit_gen))]
-                loss = F.cross_entropy(model.exit_logits(x, last_exit=e, all_exits=False)[-1], y)
-            if anchor is not None:
-                loss = loss + 0.5 * proximal_mu * sum(
-                    (p - a).pow(2).sum() for p, a in zip(params, anchor))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            total += float(loss.detach()) * len(y)
-            seen += len(y)
+                loss = F.cross_entropy(model.exit_logits(x, last_exit=e, all_exits=False)[-1],
+                                       y)
+        loss = loss.float()
+        if anchor is not None:
+            loss = loss + 0.5 * proximal_mu * sum(
+                (p - a).pow(2).sum() for p, a in zip(params, anchor))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if train.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, train.clip_grad_norm)
+        opt.step()
+        total += float(loss.detach()) * len(y)
+        seen += len(y)
     return total / max(seen, 1), seen
 
 
 @torch.no_grad()
 def _evaluate_logits(model, source: DataSource, indices: Optional[np.ndarray], batch_size: int,
-                     forward: Callable[[torch.Tensor], list[torch.Tensor]]
+                     forward: Callable[[torch.Tensor], list[torch.Tensor]], precision: str
                      ) -> tuple[list[float], list[float], int]:
     """The one evaluation loop: per output of ``forward(x)``, (mean losses, accuracies, n);
     NaN when there are no samples."""
+    from fedadapt.devices import autocast
+
     if indices is None:
         indices = np.arange(len(source.labels()))
+    indices = np.asarray(indices)
     dev = next(model.parameters()).device
     model.eval()
     loss_sum, correct, n = None, None, 0
-    for start in range(0, len(indices), batch_size):
-        x, y = source.get(indices[start:start + batch_size])
-        outputs = forward(x.to(dev))
-        y = y.to(dev)
+    batches = [indices[s:s + batch_size] for s in range(0, len(indices), batch_size)]
+    for x, y in source.stream(batches, dev):
+        with autocast(dev.type, precision):
+            outputs = forward(x)
         if loss_sum is None:
-            loss_sum, correct = np.zeros(len(outputs)), np.zeros(len(outputs))
+            loss_sum = torch.zeros(len(outputs), dtype=torch.float64, device=dev)
+            correct = torch.zeros(len(outputs), dtype=torch.int64, device=dev)
         for j, logits in enumerate(outputs):
-            loss_sum[j] += float(F.cross_entropy(logits, y, reduction="sum"))
-            correct[j] += int((logits.argmax(1) == y).sum())
+            logits = logits.float()
+            loss_sum[j] += F.cross_entropy(logits, y, reduction="sum").double()
+            correct[j] += (logits.argmax(1) == y).sum()
         n += len(y)
     if n == 0:
         return [float("nan")], [float("nan")], 0
-    return list(map(float, loss_sum / n)), list(map(float, correct / n)), n
+    return (list(map(float, (loss_sum / n).tolist())), list(map(float, (correct / n).tolist())),
+            n)
 
 
 def evaluate(model: AdaptedModel, source: DataSource, indices: Optional[np.ndarray] = None,
-             batch_size: int = 256) -> tuple[float, float, int]:
+             batch_size: int = 256, precision: str = "fp32") -> tuple[float, float, int]:
     """(mean loss, accuracy, n) of ``model`` on ``source[indices]`` (all samples if None)."""
     losses, accs, n = _evaluate_logits(model, source, indices, batch_size,
-                                       lambda x: [model(x)])
+                                       lambda x: [model(x)], precision)
     return losses[0], accs[0], n
 
 
 def evaluate_exits(model, source: DataSource, exits: list[int],
-                   indices: Optional[np.ndarray] = None, batch_size: int = 256
-                   ) -> tuple[list[float], list[float], int]:
+                   indices: Optional[np.ndarray] = None, batch_size: int = 256,
+                   precision: str = "fp32") -> tuple[list[float], list[float], int]:
     """Per-exit (losses, accuracies, n) of an early-exit model: one pass up to ``max(exits)``
     serves every exit."""
     last = max(exits)
@@ -231,7 +273,7 @@ def evaluate_exits(model, source: DataSource, exits: list[int],
         all_logits = model.exit_logits(x, last_exit=last)
         return [all_logits[e] for e in exits]
 
-    losses, accs, n = _evaluate_logits(model, source, indices, batch_size, forward)
+    losses, accs, n = _evaluate_logits(model, source, indices, batch_size, forward, precision)
     if n == 0:
         return [float("nan")] * len(exits), [float("nan")] * len(exits), 0
     return losses, accs, n

@@ -1,0 +1,172 @@
+"""Decoded image store: every image of a prepared split decoded once into one memory-mapped
+``uint8`` array ``[N, H, W, C]``, shared by every process that trains or evaluates on it.
+
+* **Fixed-size data sets** (the card declares ``image_size`` and ``channels``: CIFAR-100,
+  FEMNIST, Fashion-MNIST, digits): the images at their native resolution (``C = 1`` for grey
+  images, expanded to RGB on the device). Resizing to the backbone's input, the training crop
+  and the CIFAR-100-C corruptions then run on the device, on native pixels.
+* **Variable-size data sets** (PACS, Office-Home, VLCS, iNaturalist): one stored resolution per
+  backbone preprocessing: the shortest side resized to the backbone's ``resize`` (``size /
+  crop_pct``) with its interpolation (PIL, as torchvision's ``Resize``), then centre-cropped to
+  a ``resize`` x ``resize`` square. Evaluation then only centre-crops ``size``; the training crop
+  draws from the stored square (torchvision's ``RandomResizedCrop`` on the full image would also
+  see the parts of a non-square image outside that square).
+
+Files live in ``<cache_dir>/images/`` named by the data set, split and a key of (the prepared
+data set's fingerprint, split, stored geometry, format version), like the feature cache. Each is
+built under a temporary name (decoding in parallel processes for variable-size data), sealed with
+its SHA-256 (:mod:`fedadapt.data.integrity`) and renamed; a file that fails its digest is rebuilt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from fedadapt.config import ConfigError
+from fedadapt.data.loading import PreparedDataset
+from fedadapt.log import log
+
+_VERSION = 1
+_CHUNK = 2048
+_OPEN: dict[str, np.ndarray] = {}
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What is stored: ``native`` (the card's fixed ``image_size``) or a ``resize`` square."""
+
+    native: bool
+    height: int
+    width: int
+    channels: int
+    #: Variable-size data: PIL interpolation of the shortest-side resize.
+    interpolation: str = "bicubic"
+
+
+@dataclass(frozen=True)
+class ImageStore:
+    """A sealed ``.npy`` of ``uint8 [N, H, W, C]`` (picklable; Ray workers open it themselves)."""
+
+    path: str
+    shape: tuple[int, int, int, int]
+
+    def array(self) -> np.ndarray:
+        """The memory-mapped images, checked against their digest once per process."""
+        if self.path not in _OPEN:
+            from fedadapt.data.integrity import load_npy
+
+            _OPEN[self.path] = load_npy(self.path, "decoded image store")
+        return _OPEN[self.path]
+
+
+def geometry(card, preprocess) -> Geometry:
+    """The stored geometry of a data set for a backbone's :class:`Preprocess`."""
+    if card.image_size:
+        h, w = (int(v) for v in card.image_size)
+        return Geometry(native=True, height=h, width=w, channels=int(card.channels or 3))
+    return Geometry(native=False, height=preprocess.resize, width=preprocess.resize, channels=3,
+                    interpolation=preprocess.interpolation)
+
+
+def store_key(prepared: PreparedDataset, split: str, geo: Geometry) -> str:
+    blob = json.dumps({"v": _VERSION, "data": prepared.fingerprint, "split": split,
+                       "geometry": geo.__dict__}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def image_store(prepared: PreparedDataset, split: str, geo: Geometry, cache_dir: str,
+                *, workers: Optional[int] = None) -> ImageStore:
+    """The store of ``split`` at ``geo``, built (once) if missing or failing its digest."""
+    from fedadapt.data.integrity import valid_or_removed
+
+    folder = Path(cache_dir).expanduser() / "images"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{prepared.name}-{split}-{store_key(prepared, split, geo)}.npy"
+    n = prepared.num_train if split == "train" else prepared.num_test
+    shape = (n, geo.height, geo.width, geo.channels)
+    if not valid_or_removed(path):
+        _build(prepared, split, geo, path, shape, workers)
+    return ImageStore(path=str(path), shape=shape)
+
+
+def _build(prepared: PreparedDataset, split: str, geo: Geometry, path: Path, shape: tuple,
+           workers: Optional[int]) -> None:
+    from fedadapt.data.integrity import seal_and_rename
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=shape)
+    del out  # workers (or the loop below) write through their own mappings
+    chunks = [(s, min(shape[0], s + _CHUNK)) for s in range(0, shape[0], _CHUNK)]
+    if workers is None:  # decoding big JPEGs is worth processes; 32x32 PNGs are not
+        workers = 1 if geo.native else min(16, os.cpu_count() or 1)
+    label = f"{prepared.name}/{split}"
+    log(f"[images] decoding {shape[0]} images of {label} once into {path.name} "
+        f"({'native' if geo.native else geo.height} px, {workers} process(es))")
+    t0, done, last = time.time(), 0, 0.0
+    args = [(prepared.path, split, geo, str(tmp), a, b) for a, b in chunks]
+    try:
+        if workers > 1 and len(chunks) > 1:
+            with ProcessPoolExecutor(max_workers=workers) as pool:
+                for n in pool.map(_decode_chunk, args):
+                    done += n
+                    last = _progress(label, done, shape[0], t0, last)
+        else:
+            for a in args:
+                done += _decode_chunk(a)
+                last = _progress(label, done, shape[0], t0, last)
+        seal_and_rename(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _progress(label: str, done: int, total: int, t0: float, last: float) -> float:
+    now = time.time()
+    if now - last > 5 or done == total:
+        rate = done / max(now - t0, 1e-9)
+        log(f"  images {label}: {done}/{total}, {rate:.0f} img/s")
+        return now
+    return last
+
+
+def _decode_chunk(args) -> int:
+    """Decode rows ``[a, b)`` of a split into the memory-mapped file (runs in a worker)."""
+    from fedadapt.data.loading import _open
+
+    data_path, split, geo, out_path, a, b = args
+    out = np.load(out_path, mmap_mode="r+")
+    images = _open(data_path)[split][a:b]["image"]
+    for i, im in enumerate(images):
+        out[a + i] = decode(im, geo, a + i)
+    out.flush()
+    return b - a
+
+
+def decode(im, geo: Geometry, index: int) -> np.ndarray:
+    """One PIL image as ``uint8 [H, W, C]`` in the store's geometry."""
+    from PIL import Image
+
+    if geo.native:
+        arr = np.asarray(im.convert("L" if geo.channels == 1 else "RGB"), dtype=np.uint8)
+        if arr.shape[:2] != (geo.height, geo.width):
+            raise ConfigError(f"image {index} is {arr.shape[1]}x{arr.shape[0]}, but the dataset "
+                              f"card declares image_size {geo.height}x{geo.width} (remove "
+                              f"image_size from the card for data of mixed sizes)")
+        return arr.reshape(geo.height, geo.width, geo.channels)
+    im = im.convert("RGB")
+    w, h = im.size
+    size = geo.height
+    nw, nh = (size, int(size * h / w)) if w <= h else (int(size * w / h), size)
+    resample = Image.BICUBIC if geo.interpolation == "bicubic" else Image.BILINEAR
+    im = im.resize((nw, nh), resample)
+    top, left = int(round((nh - size) / 2.0)), int(round((nw - size) / 2.0))
+    return np.asarray(im.crop((left, top, left + size, top + size)), dtype=np.uint8)

@@ -1,0 +1,90 @@
+"""Where models run and in which precision (``federation.num_gpus``, ``train.precision``,
+``train.deterministic``).
+
+* **Device.** ``federation.num_gpus=0`` runs everything on the CPU and never initialises CUDA:
+  Ray hides the GPUs from workers that ask for none (its default, which fedadapt keeps), and the
+  driver's evaluation uses the CPU too. Otherwise a GPU is used when one is visible.
+* **Precision.** ``auto`` is bf16 autocast on CUDA and fp32 on the CPU; ``bf16`` on a CPU needs
+  native bf16 (AVX512-BF16 / AMX), else the run refuses to start. Under bf16 the matmuls,
+  convolutions and attention run in bf16 while trainable tensors, optimiser state, everything
+  communicated and every reported number stay fp32; the frozen backbone's weights may be held in
+  bf16 (:func:`hold_frozen`). TF32 matmuls are on for fp32 work on CUDA.
+* **Determinism.** ``train.deterministic=true`` turns on torch's deterministic algorithms and sets
+  cuBLAS's workspace (``CUBLAS_WORKSPACE_CONFIG=:4096:8``) for bit-exact reruns on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Optional
+
+import torch
+from torch import nn
+
+from fedadapt.config import PRECISIONS, ConfigError
+
+
+def run_device(num_gpus: Optional[float]) -> str:
+    """``cpu`` when ``federation.num_gpus`` is 0 (CUDA is not touched), else ``cuda`` when a GPU
+    is visible."""
+    if num_gpus is not None and num_gpus == 0:
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def cpu_supports_bf16() -> bool:
+    """True when the CPU computes bf16 natively (oneDNN's check: AVX512-BF16 or AMX)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def resolve_precision(precision: str, device: str) -> str:
+    """``fp32`` or ``bf16`` for ``train.precision`` on ``device``; ConfigError when impossible."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"train.precision={precision!r} is invalid: one of {PRECISIONS}")
+    if precision == "auto":
+        return "bf16" if device == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    if precision == "bf16" and device == "cpu" and not cpu_supports_bf16():
+        raise ConfigError("train.precision=bf16 is invalid here: this CPU has no native bf16 "
+                          "(AVX512-BF16 or AMX); use train.precision=fp32 (or auto)")
+    if precision == "bf16" and device == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError("train.precision=bf16 is invalid here: this GPU does not support bf16; "
+                          "use train.precision=fp32 (or auto)")
+    return precision
+
+
+def setup(device: str, deterministic: bool = False) -> None:
+    """Per process, before the first CUDA call: TF32 matmuls, and deterministic algorithms
+    (with cuBLAS's workspace setting) when asked."""
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def autocast(device: str, precision: str) -> contextlib.AbstractContextManager:
+    """bf16 autocast on ``device`` when ``precision`` is ``bf16``; a no-op for fp32."""
+    if precision != "bf16":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
+
+
+def hold_frozen(module: nn.Module, precision: str) -> None:
+    """Under bf16, keep the frozen weights of ``module``'s linear and convolution layers (the
+    bulk of a backbone) in bf16: half the memory and no cast per step. Trainable tensors
+    (adapters inside a backbone), normalisation layers and loose parameters (tokens, position
+    embeddings) stay fp32. Use the module under :func:`autocast`, which runs these layers in
+    bf16 anyway."""
+    if precision != "bf16":
+        return
+    for sub in module.modules():
+        if isinstance(sub, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            for p in sub.parameters(recurse=False):
+                if not p.requires_grad and p.is_floating_point():
+                    p.data = p.data.to(torch.bfloat16)
