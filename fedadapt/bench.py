@@ -56,8 +56,8 @@ EXITS_BASE = ["experiment=custom", "dataset=digits", "backbone=small_vit", "meth
 def plain_loop(prep, cfg) -> list[float]:
     """FedAvg over the same clients in one process: seconds per round.
 
-    Clients are drawn by the strategy's own seeded sampler (node id = partition id here), so
-    both variants train exactly the same clients each round.
+    Clients are drawn by the strategy's own seeded sampler, so both variants train exactly the
+    same clients each round, one after another (as a researcher's own loop would).
     """
     from fedadapt.federation.training import derive_seed, evaluate, lr_at, train_local
     from fedadapt.strategies.fedavg import build_strategy
@@ -69,12 +69,11 @@ def plain_loop(prep, cfg) -> list[float]:
     sampler = build_strategy(cfg.method.strategy, federated=True, num_clients=n,
                              fraction_train=cfg.partition.fraction_fit,
                              fraction_evaluate=cfg.partition.fraction_evaluate, seed=cfg.seed)
-    sampler.set_nodes({pid: pid for pid in range(n)})
     times = []
     for rnd in range(1, cfg.rounds + 1):
         t0 = time.perf_counter()
         results = []
-        for cid in sampler.sample(sampler.fraction_train, sampler.min_train_nodes):
+        for cid in sampler.sample_train():
             model.load_tensors(global_t)
             train_local(model, spec.train_source, spec.clients[cid].train, spec.train,
                         lr=lr_at(spec.train, rnd, cfg.rounds), seed=derive_seed(cfg.seed, rnd, cid))
@@ -84,8 +83,8 @@ def plain_loop(prep, cfg) -> list[float]:
         if rnd == cfg.rounds:
             model.load_tensors(global_t)
             evaluate(model, spec.test_source)
-            for c in spec.clients:
-                evaluate(model, spec.train_source, c.test)
+            for cid in sampler.sample_evaluate():  # the clients Flower's run evaluates
+                evaluate(model, spec.train_source, spec.clients[cid].test)
         times.append(time.perf_counter() - t0)
     return times
 
@@ -101,24 +100,39 @@ def flower_run(cfg, tmp: Path, label: str | None = None) -> list[float]:
 
 
 def _flower_child(cfg, tmp: Path, label, queue) -> None:
+    import resource
+
     import fedadapt  # noqa: F401  (torchvision shim in the fresh process)
 
-    queue.put(flower_run(cfg, tmp, label))
+    times = flower_run(cfg, tmp, label)
+    queue.put((times, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
 
 
-def isolated_flower_run(cfg, tmp: Path, label: str | None = None) -> list[float]:
+def isolated_flower_run(cfg, tmp: Path, label: str | None = None,
+                        with_memory: bool = False) -> list[float]:
     """:func:`flower_run` in a fresh process: a repeat of a large model (the whole CLIP) starts
-    with the memory of the machine, not what the previous repeat's Ray session left behind."""
+    with the memory of the machine, not what the previous repeat's Ray session left behind.
+    ``with_memory``: also the driver process's peak resident memory in bytes."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_flower_child, args=(cfg, tmp, label, queue))
     proc.start()
+    from queue import Empty
+
+    while True:  # the result before join (a big one would block the child's exit)
+        try:
+            times, peak = queue.get(timeout=1.0)
+            break
+        except Empty:
+            if not proc.is_alive():
+                raise RuntimeError(f"benchmark run of {label} failed (exit code "
+                                   f"{proc.exitcode})") from None
     proc.join()
     if proc.exitcode != 0:
         raise RuntimeError(f"benchmark run of {label} failed (exit code {proc.exitcode})")
-    return queue.get()
+    return (times, peak) if with_memory else times
 
 
 def iciia_latency(overrides: list[str], repeats: int) -> dict:
@@ -163,6 +177,12 @@ def iciia_latency(overrides: list[str], repeats: int) -> dict:
     return results
 
 
+#: ``--scale`` and ``--per-round``: a linear head on EfficientNet-Lite0's cached features of
+#: Fashion-MNIST (60,000 training images), IID clients, no client evaluation until the end.
+SCALE_BASE = ["experiment=custom", "dataset=fashion_mnist", "backbone=efficientnet_lite0",
+              "backbone.image_size=64", "method=linear_head", "partition=iid",
+              "partition.min_partition_size=1", "train.batch_size=32", "train.lr=0.01",
+              "federation.eval_every=1000", "federation.checkpoint_every=0"]
 THROUGHPUT_BASE = ["experiment=custom", "dataset=fashion_mnist", "backbone=small_vit",
                    "method=accumulator", "partition=iid", "partition.num_clients=10",
                    "train.batch_size=10", "train.lr=0.005", "train.momentum=0.0",
@@ -296,6 +316,13 @@ def _parser() -> argparse.ArgumentParser:
                         help="images/s of one client's local training: fedadapt, a bare loop, "
                              "the data path alone (base: Accumulator on small_vit)")
     parser.add_argument("--steps", type=int, default=40, help="--throughput: steps per repeat")
+    parser.add_argument("--scale", action="store_true",
+                        help="s/round and peak memory at 100, 1,000 and 10,000 clients with the "
+                             "same number sampled (--sampled)")
+    parser.add_argument("--sampled", type=int, default=10, help="--scale: clients per round")
+    parser.add_argument("--per-round", help="overhead mode, e.g. 10,100: Flower against the "
+                                                "plain loop with that many clients per round "
+                                                "(Fashion-MNIST, 100 clients)")
     parser.add_argument("--data-only", action="store_true",
                         help="--throughput: only the data path")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides")
@@ -332,6 +359,45 @@ def _run_throughput(args) -> None:
     print(f"machine: {res['machine']}\nJSON: {path}")
 
 
+def _run_scale(args) -> None:
+    """s/round and the driver's peak memory at 100, 1,000 and 10,000 clients registered, the
+    same number sampled each round (``--sampled``), each in a fresh process."""
+    from fedadapt.entry import compose_config, to_run_config
+
+    rows = {}
+    for total in (100, 1000, 10000):
+        frac = args.sampled / total
+        ov = SCALE_BASE + [f"partition.num_clients={total}", f"partition.fraction_fit={frac}",
+                           f"partition.fraction_evaluate={frac}", f"rounds={args.rounds}",
+                           *args.overrides]
+        cfg = to_run_config(compose_config(ov))
+        per_round, first, peaks = [], [], []
+        for rep in range(args.repeats):
+            print(f"[bench] {total} clients: repeat {rep + 1}/{args.repeats}", flush=True)
+            t0 = time.perf_counter()
+            times, peak = isolated_flower_run(cfg, Path(args.out) / "runs", f"{total} clients",
+                                              with_memory=True)
+            first.append(time.perf_counter() - t0 - sum(times[1:]))
+            per_round.extend(times[1:])
+            peaks.append(peak)
+        rows[total] = {"median_s_per_round": statistics.median(per_round),
+                       "median_s_before_round_2": statistics.median(first),
+                       "peak_rss_mb": max(peaks) / 2**20}
+    base = rows[100]["median_s_per_round"]
+    meta = {"machine": _machine(), "sampled": args.sampled, "repeats": args.repeats,
+            "rounds": args.rounds, "config": SCALE_BASE + list(args.overrides), "results": rows,
+            "ratio_10000_to_100": rows[10000]["median_s_per_round"] / base}
+    path = _write(args.out, "bench-scale", meta)
+    print(f"\n| clients registered ({args.sampled} sampled per round) | median s/round "
+          f"(rounds 2..{args.rounds}) | start-up to round 2 s | driver peak RSS MB |\n"
+          "|---|---|---|---|")
+    for total, r in rows.items():
+        print(f"| {total:,} | {r['median_s_per_round']:.3f} | "
+              f"{r['median_s_before_round_2']:.1f} | {r['peak_rss_mb']:.0f} |")
+    print(f"\n10,000 / 100 clients s/round: {meta['ratio_10000_to_100']:.2f}\n"
+          f"machine: {meta['machine']}\nJSON: {path}")
+
+
 def _run_iciia(args) -> None:
     res = iciia_latency(args.overrides, max(args.repeats, 20))
     print("\n| recognising one image | median latency ms | peak memory MB | module "
@@ -352,6 +418,16 @@ def _variants(args) -> tuple[list[str], dict[str, list[str]]]:
         overrides = EXITS_BASE + [f"rounds={args.rounds}", *args.overrides]
         return overrides, {f"multi-tier, exit {e}": overrides + [f"setting.tiers=[{e}]"]
                            for e in args.exits.split(",")}
+    if args.per_round:
+        overrides = SCALE_BASE + ["partition.num_clients=100", f"rounds={args.rounds}",
+                                  *args.overrides]
+        out = {}
+        for n in args.per_round.split(","):
+            ov = overrides + [f"partition.fraction_fit={int(n) / 100}",
+                              f"partition.fraction_evaluate={int(n) / 100}"]
+            out[f"flower+cache, {n} per round"] = ov
+            out[f"plain+cache, {n} per round"] = ov
+        return overrides, out
     overrides = BASE + [f"rounds={args.rounds}", *args.overrides]
     return overrides, {"flower+cache": overrides,
                        "flower-nocache": overrides + ["method.use_cache=false"],
@@ -399,6 +475,10 @@ def _run_rounds(args) -> None:
     per_round = {n: results[n]["median_s_per_round"] for n in names}
     if args.methods:
         meta["ratio_to_last"] = {m: per_round[m] / per_round[names[-1]] for m in names}
+    elif args.per_round:
+        meta["overhead_ratio"] = {n: per_round[f"flower+cache, {n} per round"]
+                                  / per_round[f"plain+cache, {n} per round"]
+                                  for n in args.per_round.split(",")}
     elif not args.exits:
         meta["overhead_ratio"] = per_round["flower+cache"] / per_round["plain+cache"]
         meta["cache_speedup"] = per_round["flower-nocache"] / per_round["flower+cache"]
@@ -415,6 +495,10 @@ def _run_rounds(args) -> None:
     elif args.exits:
         print(f"\n{names[0]} / {names[-1]} seconds per round: "
               f"{per_round[names[0]] / per_round[names[-1]]:.2f}")
+    elif args.per_round:
+        for n, ratio in meta["overhead_ratio"].items():
+            print(f"{n} clients per round: Flower overhead (flower+cache / plain+cache) "
+                  f"{ratio:.2f}x")
     else:
         print(f"\nFlower overhead (flower+cache / plain+cache): {meta['overhead_ratio']:.1f}x; "
               f"feature cache speed-up (nocache / cache): {meta['cache_speedup']:.1f}x")
@@ -428,6 +512,8 @@ def main(argv: list[str] | None = None) -> None:
         args = _parser().parse_args(argv)
         if args.throughput:
             _run_throughput(args)
+        elif args.scale:
+            _run_scale(args)
         elif args.iciia:
             _run_iciia(args)
         else:

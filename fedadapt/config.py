@@ -178,7 +178,14 @@ class FederationConfig:
 
     #: ``simulation`` (Flower's Ray backend via run_simulation).
     backend: str = "simulation"
-    num_cpus: float = 1.0
+    #: Simulated workers (Ray actors that each hold the frozen backbone once and train the
+    #: clients a message names): ``auto`` = one per GPU, on the CPU one per two cores; or N.
+    workers: str = "auto"
+    #: Clients a worker trains side by side (``auto``: what fits the GPU's measured memory; on
+    #: the CPU up to 1,024 images a step); 1 = one after another. See fedadapt.federation.sizing.
+    clients_per_worker: str = "auto"
+    #: CPUs per worker; None = the machine's CPUs split over the workers.
+    num_cpus: Optional[float] = None
     #: GPUs per Ray worker (fractional); 0 = CPU only, CUDA is never touched; None = use a GPU
     #: when one is visible (the share then follows from the backbone's measured memory).
     num_gpus: Optional[float] = None
@@ -330,7 +337,13 @@ def validate(cfg: RunConfig) -> RunConfig:
     check(f.backend == "simulation", "federation.backend", f.backend,
            "'simulation' is the in-process launcher; for a SuperLink use `flwr run` "
            "(see the README)")
-    check(f.num_cpus > 0, "federation.num_cpus", f.num_cpus, "must be > 0")
+    check(f.num_cpus is None or f.num_cpus > 0, "federation.num_cpus", f.num_cpus,
+          "must be > 0 or null")
+    for key, value in (("federation.workers", f.workers),
+                       ("federation.clients_per_worker", f.clients_per_worker)):
+        text = str(value).strip().lower()
+        check(text == "auto" or (text.isdigit() and int(text) >= 1), key, value,
+              "'auto' or an integer >= 1")
     check(f.num_gpus is None or f.num_gpus >= 0, "federation.num_gpus", f.num_gpus,
            "must be >= 0 or null")
     check(f.eval_every >= 1, "federation.eval_every", f.eval_every, "must be >= 1")

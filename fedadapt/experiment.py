@@ -174,13 +174,14 @@ def select_round(evals: list[dict], how: str) -> Optional[dict]:
     return evals[-1]
 
 
-def domain_summary(row: Optional[dict], partition: Partition) -> Optional[dict]:
+def domain_summary(row: Optional[dict], partition: Partition,
+                   client_metrics: dict[str, dict[str, dict]]) -> Optional[dict]:
     """FedCLIP's three numbers at the reported round of a domain partition: generalization
     (the held-out domain), personalization (each participating domain's test split) and
     overall (the mean over all four)."""
     if row is None or partition.unseen is None or row.get("unseen_acc") is None:
         return None
-    accs = row.get("client_accs") or {}
+    accs = {c: m.get("accuracy") for c, m in client_metrics.get(str(row["round"]), {}).items()}
     pers = {name: accs.get(str(i)) for i, name in enumerate(partition.names)}
     known = [v for v in pers.values() if v is not None]
     return {
@@ -248,29 +249,17 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
     """Federate ``cfg`` and write its run directory; return the summary.
 
     ``execute(plan, client_app) -> ServerState`` runs the federation; the default is Flower's
-    simulation engine (:func:`fedadapt.federation.launch.run_simulation`). The deployment
-    engine passes one that executes the plan on its own grid. With ``resume``, the run continues
-    from the run directory's last checkpoint (or starts over when it has none).
+    simulation engine (:func:`fedadapt.federation.launch.run_simulation`) with workers as nodes.
+    The deployment engine passes one that executes the plan on its own grid, one node per
+    client. With ``resume``, the run continues from the run directory's last checkpoint (or
+    starts over when it has none).
     """
     import hashlib
 
     from flwr.app import ArrayRecord
 
     from fedadapt.clients.app import make_client_app
-    from fedadapt.federation.checkpoint import save_checkpoint
-    from fedadapt.federation.server import ServerPlan
-    from fedadapt.federation.training import evaluate, evaluate_exits, lr_at
-    from fedadapt.results.plots import plot_curves
-    from fedadapt.results.store import (
-        METRICS,
-        SUMMARY,
-        append_jsonl,
-        atomic_write,
-        write_json,
-        write_jsonl,
-    )
-    from fedadapt.results.tables import run_tables
-    from fedadapt.strategies.fedavg import build_strategy
+    from fedadapt.results.store import METRICS, atomic_write, write_json, write_jsonl
 
     label = label or cfg.method.name
     t0 = time.time()
@@ -303,10 +292,23 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
         metrics_path.unlink(missing_ok=True)
     if start is not None:
         log(f"[{label}] personalizing the final model of {cfg.setting.init_from}")
+    plan = _rounds_plan(cfg, prep, ArrayRecord(initial), num_rounds, execute,
+                        on_round=_round_hook(cfg, run_dir, label, config_sha),
+                        resume=resume_state)
+    state = (execute or _simulation(cfg))(plan, make_client_app(lambda context: spec))
+    return _finish_rounds(cfg, run_dir, prep, state, label=label, t0=t0,
+                          num_rounds=num_rounds, resume_state=resume_state)
 
-    unseen = prep.partition.unseen
 
-    def global_eval(arrays: ArrayRecord) -> dict:
+def _global_eval(prep: PreparedRun) -> Callable:
+    """The server's evaluation of the global tensors: the global test split (every exit of a
+    model with exits; the headline is their mean, the paper's "mean performance") and the
+    held-out domain."""
+    from fedadapt.federation.training import evaluate, evaluate_exits
+
+    spec, model, unseen = prep.spec, prep.model, prep.partition.unseen
+
+    def global_eval(arrays) -> dict:
         model.load_tensors(dict(arrays.to_torch_state_dict()))
         out = {}
         if unseen is not None:  # generalization: the held-out domain, never trained on
@@ -317,19 +319,26 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
         if not spec.num_exits:
             loss, acc, _ = evaluate(model, spec.test_source, precision=spec.precision)
             return {**out, "global_acc": acc, "global_loss": loss}
-        # every exit in one pass; the headline is their mean (the paper's "mean performance")
         losses, accs, _ = evaluate_exits(model, spec.test_source, list(range(spec.num_exits)),
                                          precision=spec.precision)
         return {**out, "global_acc": sum(accs) / len(accs),
                 "global_loss": sum(losses) / len(losses), "global_acc_last": accs[-1],
                 "exit_acc": accs}
 
-    progress = _progress(label, cfg.rounds)
+    return global_eval
 
+
+def _round_hook(cfg: RunConfig, run_dir: Path, label: str, config_sha: str) -> Callable:
+    """After each round: the metrics row, progress, and every ``checkpoint_every`` rounds (and
+    after the last) a checkpoint."""
+    from fedadapt.federation.checkpoint import save_checkpoint
+    from fedadapt.results.store import METRICS, append_jsonl
+
+    progress = _progress(label, cfg.rounds)
     every = cfg.federation.checkpoint_every
 
     def on_round(state) -> None:
-        append_jsonl(metrics_path, state.history[-1])
+        append_jsonl(run_dir / METRICS, state.history[-1])
         progress(state)
         rnd = state.server_round
         if (every and rnd % every == 0) or rnd == state.num_rounds:
@@ -337,33 +346,77 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
                             arrays=dict(state.arrays.to_torch_state_dict()),
                             state={"history": state.history, "cum_bytes": state.cum_bytes,
                                    "strategy": state.strategy.state_dict(),
+                                   "client_metrics": state.client_metrics,
                                    "wall_s": state.history[-1]["wall_s"]},
                             config_sha=config_sha)
             state.checkpoint_round = rnd
 
-    p = cfg.partition
-    plan = ServerPlan(
+    return on_round
+
+
+def _node_layout(cfg: RunConfig, prep: PreparedRun, execute: Optional[Callable],
+                 sampled: int) -> dict:
+    """The plan's nodes: on the deployment engine (``execute`` given) one per client; in
+    simulation the workers, their Ray resources and the clients each trains side by side."""
+    from fedadapt.federation.sizing import announce, measure_group_memory, size_simulation
+
+    spec = prep.spec
+    if execute is not None:
+        return {"nodes": "clients", "num_nodes": spec.num_clients, "group_size": 1}
+    measure = (lambda: measure_group_memory(spec, prep.model)) if spec.device == "cuda" \
+        else None
+    sizing = size_simulation(cfg.federation, spec.device, sampled, cfg.train.batch_size,
+                             measure)
+    announce(sizing)
+    return {"nodes": "workers", "num_nodes": sizing.workers, "group_size": sizing.group_size,
+            "resources": {"num_cpus": sizing.num_cpus, "num_gpus": sizing.num_gpus}}
+
+
+def _rounds_plan(cfg: RunConfig, prep: PreparedRun, initial, num_rounds: int,
+                 execute: Optional[Callable], *, on_round: Callable, resume):
+    """The plan of a client-trained run's rounds (see :class:`ServerPlan`)."""
+    from fedadapt.federation.server import ServerPlan
+    from fedadapt.federation.training import lr_at
+    from fedadapt.federation.worker import sent_names
+    from fedadapt.strategies.fedavg import build_strategy
+
+    spec, model, p = prep.spec, prep.model, cfg.partition
+    sampled = min(spec.num_clients, max(1, int(spec.num_clients * p.fraction_fit)))
+    return ServerPlan(
         num_clients=spec.num_clients,
         make_strategy=lambda: build_strategy(
             cfg.method.strategy, federated=model.federated, num_clients=spec.num_clients,
             fraction_train=p.fraction_fit, fraction_evaluate=p.fraction_evaluate,
             seed=cfg.seed, proximal_mu=cfg.method.proximal_mu,
             weighting=cfg.method.weighting),
-        initial_arrays=ArrayRecord(initial),
+        initial_arrays=initial,
         num_rounds=num_rounds,
         personalize=cfg.setting.name == "personalization",
         lr_at=lambda r: lr_at(cfg.train, r, cfg.rounds),
         eval_every=cfg.federation.eval_every,
-        global_eval=global_eval if model.federated else None,
+        global_eval=_global_eval(prep) if model.federated else None,
         counts={k: prep.counts[k] for k in ("trainable_params", "communicated_params")},
         timeout=cfg.federation.round_timeout,
         min_reply_fraction=cfg.federation.min_reply_fraction,
         on_round=on_round,
-        resume=resume_state,
+        resume=resume,
+        sent_names=lambda pid: sent_names(spec, pid, model),
+        **_node_layout(cfg, prep, execute, sampled),
     )
-    state = (execute or _simulation(cfg))(plan, make_client_app(lambda context: spec))
 
-    history = state.history
+
+def _finish_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, state, *, label: str,
+                   t0: float, num_rounds: int, resume_state: Optional[dict]) -> dict:
+    """The run directory of a client-trained run after its rounds: per-client metrics,
+    personalization, the summary and its table and curves (``summary.json`` last)."""
+    from fedadapt.results.plots import plot_curves
+    from fedadapt.results.store import SUMMARY, atomic_write, write_json, write_jsonl
+    from fedadapt.results.tables import run_tables
+
+    spec, history = prep.spec, state.history
+    write_jsonl(run_dir / CLIENTS_FILE, [{"round": int(r), "client": int(c), **m}
+                                         for r, per in state.client_metrics.items()
+                                         for c, m in per.items()])
     evals = [r for r in history if r["global_acc"] is not None or r["client_acc"] is not None]
 
     def best(key):
@@ -372,16 +425,6 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
 
     final = evals[-1] if evals else (history[-1] if history else {})
     selected = select_round(evals, cfg.federation.select)
-    personalization = None
-    if state.personalized:
-        from fedadapt.settings import summarize_personalization
-
-        rows = [{**r, "corruption": (spec.client_corruptions[r["client"]][0]
-                                     if spec.client_corruptions else "none")}
-                for r in state.personalized]
-        write_json(run_dir / "personalization.json", rows)
-        personalization = {"part": cfg.setting.personalize, "epochs": cfg.setting.epochs,
-                           **summarize_personalization(rows)}
     summary = {
         **_summary_head(cfg, label, prep, rounds=num_rounds, setting=cfg.setting.name),
         "final": {k: final.get(k) for k in ("round", "global_acc", "client_acc",
@@ -390,9 +433,9 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
         "selection": cfg.federation.select,
         "selected": ({k: selected.get(k) for k in ("round", "val_acc", "global_acc", "client_acc",
                                                    "unseen_acc")} if selected else None),
-        "domains": domain_summary(selected, prep.partition),
+        "domains": domain_summary(selected, prep.partition, state.client_metrics),
         "tiers": _tier_counts(spec.client_exits),
-        "personalization": personalization,
+        "personalization": _personalization(cfg, run_dir, spec, state.personalized),
         "best": {"global_acc": best("global_acc"), "client_acc": best("client_acc")},
         "params": prep.counts,
         "total_bytes": state.cum_bytes,
@@ -410,9 +453,27 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
     atomic_write(run_dir / "table.md", lambda fh: fh.write(table))
     if history:
         plot_curves({label: history}, run_dir / "curves.png",
-                    title=f"{label} | {cfg.dataset.name} | alpha {p.alpha}")
+                    title=f"{label} | {cfg.dataset.name} | alpha {cfg.partition.alpha}")
     write_json(run_dir / SUMMARY, summary)  # last: marks the run directory complete
     return summary
+
+
+#: Per-client evaluation results of a run, one line per (round, client), written at its end.
+CLIENTS_FILE = "clients.jsonl"
+
+
+def _personalization(cfg: RunConfig, run_dir: Path, spec: RunSpec, rows: list[dict]
+                     ) -> Optional[dict]:
+    if not rows:
+        return None
+    from fedadapt.results.store import write_json
+    from fedadapt.settings import summarize_personalization
+
+    rows = [{**r, "corruption": (spec.client_corruptions[r["client"]][0]
+                                 if spec.client_corruptions else "none")} for r in rows]
+    write_json(run_dir / "personalization.json", rows)
+    return {"part": cfg.setting.personalize, "epochs": cfg.setting.epochs,
+            **summarize_personalization(rows)}
 
 
 def _simulation(cfg: RunConfig) -> Callable:
@@ -466,7 +527,8 @@ def _server_run(cfg: RunConfig, run_dir: Path, prep: PreparedRun, config_yaml: s
                                              fraction_evaluate=1.0, seed=cfg.seed),
         initial_arrays=ArrayRecord({}), num_rounds=0, lr_at=lambda r: 0.0, eval_every=1,
         global_eval=None, counts={}, timeout=cfg.federation.round_timeout,
-        min_reply_fraction=cfg.federation.min_reply_fraction, **plan_extra)
+        min_reply_fraction=cfg.federation.min_reply_fraction,
+        **_node_layout(cfg, prep, execute, spec.num_clients), **plan_extra)
     return (execute or _simulation(cfg))(plan, make_client_app(lambda context: spec))
 
 

@@ -2,35 +2,35 @@
 
 They subclass Flower's strategies and change only what differs:
 
-* **Seeded sampling by partition.** Flower samples node ids with the global ``random`` module,
-  and simulated node ids are random per run; these strategies sample *partition ids* with their
-  own ``random.Random(seed)`` (state that a checkpoint can save), so the same seed trains the same
-  clients in every run.
+* **Seeded sampling by client.** Flower samples node ids with the global ``random`` module; here
+  a Flower node may train many clients (a simulation worker), so these strategies sample
+  *partition ids* with their own ``random.Random(seed)`` (state a checkpoint saves): the same
+  seed trains the same clients in every run. Drawing k of N clients costs O(k).
 * **Per-round config.** The learning rate of the round (and FedProx's ``proximal-mu``) travel in
   the ``ConfigRecord``.
-* **Client-mean evaluation.** Besides Flower's example-weighted mean, the unweighted mean of the
+* **Per-tensor averaging over the clients that trained it.** A client sends only the tensors it
+  trained (a tier-3 client of a layer-wise model: exit 3's head and the blocks it ran), so each
+  tensor is the weighted mean over the clients that sent it; a tensor nobody sent keeps its value.
+  With every client sending every tensor this is exactly FedAvg.
+* **Client-mean evaluation.** Besides the example-weighted mean, the unweighted mean of the
   clients' local accuracies (the personalization metric).
-
-What is averaged is whatever the clients send: only the communicated trainable tensors.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import Optional
 
-from flwr.app import (
-    ArrayRecord,
-    ConfigRecord,
-    Message,
-    MessageType,
-    MetricRecord,
-    RecordDict,
-)
-from flwr.serverapp import Grid
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg, FedProx
+
+from fedadapt.federation.records import UNIFORM_KEY
+
+__all__ = ["UNIFORM_KEY", "AdapterFedAvg", "AdapterFedProx", "LocalOnly",
+           "aggregate_client_metrics", "average_by_tensor", "build_strategy"]
 
 
 def aggregate_client_metrics(replies: list[RecordDict], weight_key: str) -> MetricRecord:
@@ -50,19 +50,34 @@ def aggregate_client_metrics(replies: list[RecordDict], weight_key: str) -> Metr
     return MetricRecord(out)
 
 
-class SeededSampling:
-    """Mixin: sample partition ids with a seeded RNG; map them to node ids from a handshake."""
+def average_by_tensor(current: ArrayRecord, contents: Sequence[RecordDict], weight_key: str
+                      ) -> ArrayRecord:
+    """Each tensor of ``current``: the ``weight_key``-weighted mean over the replies that hold
+    it (accumulated in float64, in the order given), or its current value when none does."""
+    state = dict(current.to_torch_state_dict())
+    sums: dict[str, torch.Tensor] = {}
+    totals: dict[str, float] = {}
+    for content in contents:
+        w = float(content.metric_records["metrics"][weight_key])
+        for name, t in content.array_records["arrays"].to_torch_state_dict().items():
+            acc = sums.get(name)
+            sums[name] = t.double() * w if acc is None else acc + t.double() * w
+            totals[name] = totals.get(name, 0.0) + w
+    for name, total in totals.items():
+        if total > 0:
+            state[name] = (sums[name] / total).to(state[name].dtype)
+    return ArrayRecord(state)
 
-    def init_sampling(self, seed: int) -> None:
+
+class SeededSampling:
+    """Mixin: sample partition ids with seeded RNGs (a training and an evaluation stream)."""
+
+    def init_sampling(self, seed: int, num_clients: int) -> None:
         # Separate streams: how often or how many clients are evaluated never changes which
         # clients train.
+        self.num_clients = num_clients
         self.rng = random.Random(f"train-{seed}")
         self.eval_rng = random.Random(f"evaluate-{seed}")
-        self.node_of: dict[int, int] = {}
-
-    def set_nodes(self, node_of_partition: dict[int, int]) -> None:
-        self.node_of = dict(sorted(node_of_partition.items()))
-        self.partition_of = {node: pid for pid, node in self.node_of.items()}
 
     def state_dict(self) -> dict:
         """What a checkpoint must save to continue sampling exactly (JSON-able)."""
@@ -77,62 +92,52 @@ class SeededSampling:
             version, internal, gauss = state[key]
             rng.setstate((version, tuple(internal), gauss))
 
-    def in_partition_order(self, replies: Iterable[Message]) -> list[Message]:
-        """Replies sorted by partition id. ``send_and_receive`` returns them in arrival order,
-        and floating-point sums depend on order: sorting makes aggregation reproducible."""
-        return sorted(replies, key=lambda m: self.partition_of.get(m.metadata.src_node_id, -1))
-
     def sample(self, fraction: float, minimum: int, rng: random.Random | None = None
                ) -> list[int]:
-        """Node ids of ``max(int(N * fraction), minimum)`` clients drawn without replacement."""
-        pids = list(self.node_of)
-        k = min(len(pids), max(int(len(pids) * fraction), minimum))
-        return [self.node_of[p] for p in sorted((rng or self.rng).sample(pids, k))]
+        """Sorted partition ids of ``max(int(N * fraction), minimum)`` clients, drawn without
+        replacement."""
+        k = min(self.num_clients, max(int(self.num_clients * fraction), minimum))
+        return sorted((rng or self.rng).sample(range(self.num_clients), k))
+
+    def sample_train(self) -> list[int]:
+        return self.sample(self.fraction_train, self.min_train_nodes) \
+            if self.fraction_train > 0 else []
+
+    def sample_evaluate(self) -> list[int]:
+        return self.sample(self.fraction_evaluate, self.min_evaluate_nodes, self.eval_rng) \
+            if self.fraction_evaluate > 0 else []
 
     def round_config(self, server_round: int, config: ConfigRecord) -> ConfigRecord:
         config["server-round"] = server_round
         return config
 
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]
-                           ) -> Optional[MetricRecord]:
+    def aggregate_clients(self, current: ArrayRecord, contents: Sequence[RecordDict]
+                          ) -> tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
+        """The new global arrays (per-tensor means over the senders) and the train metrics of
+        the (already screened) client contents, in partition order."""
+        if not contents:
+            return None, None
+        return (average_by_tensor(current, contents, self.weighted_by_key),
+                self.train_metrics_aggr_fn(list(contents), self.weighted_by_key))
+
+    def aggregate_evaluate_clients(self, contents: Sequence[RecordDict]
+                                   ) -> Optional[MetricRecord]:
         """Example-weighted and client means of the (already screened) evaluation replies,
         whatever weighting the training average uses."""
-        contents = [m.content for m in replies if not m.has_error()]
-        return self.evaluate_metrics_aggr_fn(contents, "num-examples") if contents else None
-
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
-        if self.fraction_train == 0.0:
-            return []
-        nodes = self.sample(self.fraction_train, self.min_train_nodes)
-        record = RecordDict({self.arrayrecord_key: arrays,
-                             self.configrecord_key: self.round_config(server_round, config)})
-        return self._construct_messages(record, nodes, MessageType.TRAIN)
-
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                           grid: Grid) -> Iterable[Message]:
-        if self.fraction_evaluate == 0.0:
-            return []
-        nodes = self.sample(self.fraction_evaluate, self.min_evaluate_nodes, self.eval_rng)
-        record = RecordDict({self.arrayrecord_key: arrays,
-                             self.configrecord_key: self.round_config(server_round, config)})
-        return self._construct_messages(record, nodes, MessageType.EVALUATE)
-
-
-#: Train replies carry this metric (1 per client) for ``method.weighting=uniform``.
-UNIFORM_KEY = "unit-weight"
+        return self.evaluate_metrics_aggr_fn(list(contents), "num-examples") if contents \
+            else None
 
 
 def _kwargs(num_clients: int, fraction_train: float, fraction_evaluate: float,
             weighting: str = "examples") -> dict:
-    """Minimum node counts so that round 1 samples the intended number of clients."""
+    """Minimum client counts so that a round samples the intended number of clients."""
     return dict(
         weighted_by_key=UNIFORM_KEY if weighting == "uniform" else "num-examples",
         fraction_train=fraction_train,
         fraction_evaluate=fraction_evaluate,
         min_train_nodes=max(1, int(num_clients * fraction_train)),
         min_evaluate_nodes=int(num_clients * fraction_evaluate),
-        min_available_nodes=num_clients,
+        min_available_nodes=1,
         train_metrics_aggr_fn=aggregate_client_metrics,
         evaluate_metrics_aggr_fn=aggregate_client_metrics,
     )
@@ -145,7 +150,7 @@ class AdapterFedAvg(SeededSampling, FedAvg):
                  seed: int, weighting: str = "examples") -> None:
         FedAvg.__init__(self, **_kwargs(num_clients, fraction_train, fraction_evaluate,
                                         weighting))
-        self.init_sampling(seed)
+        self.init_sampling(seed, num_clients)
 
 
 class AdapterFedProx(SeededSampling, FedProx):
@@ -155,7 +160,7 @@ class AdapterFedProx(SeededSampling, FedProx):
                  seed: int, proximal_mu: float, weighting: str = "examples") -> None:
         FedProx.__init__(self, proximal_mu=proximal_mu,
                          **_kwargs(num_clients, fraction_train, fraction_evaluate, weighting))
-        self.init_sampling(seed)
+        self.init_sampling(seed, num_clients)
 
     def round_config(self, server_round: int, config: ConfigRecord) -> ConfigRecord:
         config["proximal-mu"] = self.proximal_mu
@@ -165,10 +170,9 @@ class AdapterFedProx(SeededSampling, FedProx):
 class LocalOnly(AdapterFedAvg):
     """Each client trains its own model; nothing is aggregated (the replies carry no arrays)."""
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]
-                        ) -> tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
-        contents = [m.content for m in replies]  # already screened by the round loop
-        return None, (self.train_metrics_aggr_fn(contents, self.weighted_by_key)
+    def aggregate_clients(self, current: ArrayRecord, contents: Sequence[RecordDict]
+                          ) -> tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
+        return None, (self.train_metrics_aggr_fn(list(contents), self.weighted_by_key)
                       if contents else None)
 
 

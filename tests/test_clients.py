@@ -13,14 +13,16 @@ from fedadapt.adapters import AdaptedModel, register_method
 from fedadapt.adapters.heads import FinetuneConfig, LinearHeadConfig, LocalOnlyConfig
 from fedadapt.config import MethodConfig
 from fedadapt.experiment import prepare_run
+from fedadapt.federation import records
 
 
-def call(app, prep, kind, context, arrays):
-    content = RecordDict({"arrays": ArrayRecord(arrays),
-                          "config": ConfigRecord({"server-round": 1, "lr": 0.05})})
+def call(app, prep, kind, context, arrays, clients=(0,), group=1, rnd=1):
+    """A message to a node naming ``clients``; returns ``{client: its reply records}``."""
+    content = RecordDict({"arrays": ArrayRecord(arrays), "config": ConfigRecord(
+        {"server-round": rnd, "lr": 0.05, "clients": list(clients), "group-size": group})})
     msg = Message(content=content, dst_node_id=1,
                   message_type=MessageType.TRAIN if kind == "train" else MessageType.EVALUATE)
-    return app(msg, context)
+    return records.unpack(app(msg, context).content)
 
 
 def context(pid: int) -> Context:
@@ -35,16 +37,55 @@ def test_reply_holds_exactly_the_communicated_tensors(method, cache_dir, flower_
     app = make_client_app(lambda ctx: prep.spec)
     ctx = context(0)
     sent = model.tensors(model.communicated_names())
-    out = call(app, prep, "train", ctx, sent)
-    got = out.content.array_records["arrays"].to_torch_state_dict()
+    out = call(app, prep, "train", ctx, sent)[0]
+    got = out.array_records["arrays"].to_torch_state_dict()
     assert sorted(got) == sorted(model.communicated_names()) == sorted(model.trainable_names())
     if method.name == "linear_head":
         assert sorted(got) == ["head.bias", "head.weight"]  # the frozen backbone never travels
     else:
         assert any(k.startswith("backbone.") for k in got)
     assert any(not torch.equal(got[k], sent[k]) for k in got)  # it trained
-    assert out.content.metric_records["metrics"]["num-examples"] == len(prep.spec.clients[0].train)
+    assert out.metric_records["metrics"]["num-examples"] == len(prep.spec.clients[0].train)
     assert PERSONAL_KEY not in ctx.state.array_records
+
+
+def test_a_worker_trains_its_clients_side_by_side_and_alone_alike(cache_dir, flower_task):
+    """One message names three clients: each gets its own records; grouping (K = 3) gives
+    what one after another (K = 1) gives, to floating-point tolerance."""
+    prep = prepare_run(tiny_run(cache_dir, LinearHeadConfig()), quiet=True)
+    app = make_client_app(lambda ctx: prep.spec)
+    sent = prep.model.tensors(prep.model.communicated_names())
+    alone = call(app, prep, "train", context(0), sent, clients=(0, 1, 2), group=1)
+    grouped = call(app, prep, "train", context(0), sent, clients=(0, 1, 2), group=3)
+    assert sorted(alone) == sorted(grouped) == [0, 1, 2]
+    for cid in range(3):
+        a = alone[cid].array_records["arrays"].to_torch_state_dict()
+        g = grouped[cid].array_records["arrays"].to_torch_state_dict()
+        for name in a:
+            torch.testing.assert_close(g[name], a[name], atol=1e-5, rtol=1e-4)
+        assert (grouped[cid].metric_records["metrics"]["num-examples"]
+                == len(prep.spec.clients[cid].train))
+
+
+def test_a_failing_client_fails_alone(cache_dir, flower_task):
+    """An injected exception in one client of a group: it replies an error record, the others
+    train."""
+    from fedadapt.config import FaultConfig
+    from fedadapt.federation.faults import injected_fault
+
+    faults = FaultConfig(fraction=0.5, kinds=["raise"])
+    prep = prepare_run(tiny_run(cache_dir, LinearHeadConfig(), faults=faults), quiet=True)
+    app = make_client_app(lambda ctx: prep.spec)
+    sent = prep.model.tensors(prep.model.communicated_names())
+    rnd = next(r for r in range(1, 50) if sorted(
+        injected_fault(0, r, c, 0.5, ["raise"]) is None for c in range(3)) == [False, True, True])
+    out = call(app, prep, "train", context(0), sent, clients=(0, 1, 2), group=3, rnd=rnd)
+    failed = [c for c in range(3) if injected_fault(0, rnd, c, 0.5, ["raise"])]
+    for cid in range(3):
+        if cid in failed:
+            assert "injected fault" in records.error_of(out[cid])
+        else:
+            assert "arrays" in out[cid].array_records
 
 
 def test_personal_tensors_stay_in_context_state(cache_dir, flower_task):
@@ -52,17 +93,42 @@ def test_personal_tensors_stay_in_context_state(cache_dir, flower_task):
     assert prep.model.communicated_names() == []
     app = make_client_app(lambda ctx: prep.spec)
     ctx = context(1)
-    out = call(app, prep, "train", ctx, {})
-    assert len(out.content.array_records["arrays"]) == 0  # nothing leaves the client
+    out = call(app, prep, "train", ctx, {}, clients=(1,))[1]
+    assert len(out.array_records["arrays"]) == 0  # nothing leaves the client
     personal = ctx.state.array_records[PERSONAL_KEY].to_torch_state_dict()
     assert sorted(personal) == ["head.bias", "head.weight"]
     # the next visit starts from the personal state, and evaluation uses it
-    out2 = call(app, prep, "train", ctx, {})
+    out2 = call(app, prep, "train", ctx, {}, clients=(1,), rnd=2)[1]
     again = ctx.state.array_records[PERSONAL_KEY].to_torch_state_dict()
     assert not torch.equal(again["head.weight"], personal["head.weight"])
-    assert len(out2.content.array_records["arrays"]) == 0
-    ev = call(app, prep, "evaluate", ctx, {})
-    assert 0.0 <= ev.content.metric_records["metrics"]["accuracy"] <= 1.0
+    assert len(out2.array_records["arrays"]) == 0
+    ev = call(app, prep, "evaluate", ctx, {}, clients=(1,), rnd=2)[1]
+    assert 0.0 <= ev.metric_records["metrics"]["accuracy"] <= 1.0
+
+
+def test_any_worker_continues_a_client_from_its_saved_state(cache_dir, flower_task, tmp_path):
+    """In simulation a client's personal tensors live in its state folder: a client trained by
+    one worker in round 1 continues in round 2 on another worker from exactly those."""
+    from fedadapt.federation.checkpoint import load_client_state
+
+    prep = prepare_run(tiny_run(cache_dir, LocalOnlyConfig()), quiet=True)
+    prep.spec.state_dir = str(tmp_path / "clients")
+    app = make_client_app(lambda ctx: prep.spec)
+    call(app, prep, "train", context(0), {}, clients=(2,), rnd=1)
+    after1 = load_client_state(tmp_path / "clients" / "2", 1)
+    call(app, prep, "train", context(1), {}, clients=(2,), rnd=2)  # another worker
+    from fedadapt.federation import worker
+
+    worker._PERSONAL.clear()  # no per-process cache: read from the folder
+    model = prep.model
+    model.load_tensors(after1)
+    from fedadapt.federation.training import derive_seed, train_local
+
+    train_local(model, prep.spec.train_source, prep.spec.clients[2].train, prep.spec.train,
+                lr=0.05, seed=derive_seed(0, 2, 2), crop_seed=derive_seed(0, 2, 2, 7))
+    after2 = load_client_state(tmp_path / "clients" / "2", 2)
+    for name, t in model.tensors(model.personal_names()).items():
+        torch.testing.assert_close(after2[name], t)
 
 
 @dataclass
@@ -83,17 +149,18 @@ def test_personal_prefix_is_never_sent(cache_dir, flower_task):
     assert prep.model.personal_names() == ["head.bias"]
     app = make_client_app(lambda ctx: prep.spec)
     ctx = context(2)
-    for _ in range(2):
-        out = call(app, prep, "train", ctx, prep.model.tensors(["head.weight"]))
-        assert list(out.content.array_records["arrays"].keys()) == ["head.weight"]
+    for rnd in (1, 2):
+        out = call(app, prep, "train", ctx, prep.model.tensors(["head.weight"]), clients=(2,),
+                   rnd=rnd)[2]
+        assert list(out.array_records["arrays"].keys()) == ["head.weight"]
         assert list(ctx.state.array_records[PERSONAL_KEY].keys()) == ["head.bias"]
 
 
 def test_wrong_tensors_from_server_are_refused(cache_dir, flower_task):
     prep = prepare_run(tiny_run(cache_dir, LinearHeadConfig()), quiet=True)
     app = make_client_app(lambda ctx: prep.spec)
-    with pytest.raises(ValueError, match="expected"):
-        call(app, prep, "train", context(0), {"other": torch.zeros(2)})
+    out = call(app, prep, "train", context(0), {"other": torch.zeros(2)})[0]
+    assert "ValueError" in records.error_of(out) and "expected" in records.error_of(out)
 
 
 def test_data_never_crosses_between_clients(cache_dir):

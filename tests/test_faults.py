@@ -4,48 +4,32 @@ replies stop the run; a run with 20% injected faults completes close to the faul
 import numpy as np
 import pytest
 from conftest import tiny_run
-from flwr.app import (
-    Array,
-    ArrayRecord,
-    Error,
-    Message,
-    MessageType,
-    Metadata,
-    MetricRecord,
-    RecordDict,
-)
+from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 
 from fedadapt.adapters.heads import LinearHeadConfig
 from fedadapt.config import ConfigError, FaultConfig, FederationConfig, PartitionConfig, validate
 from fedadapt.experiment import run_experiment
+from fedadapt.federation import records
 from fedadapt.federation.faults import (
     RoundFailed,
     corrupt,
     injected_fault,
     require_enough,
-    screen_replies,
+    screen_clients,
 )
 from fedadapt.results.store import read_jsonl
 
 EXPECTED = {"head.weight": (2, 3), "head.bias": (2,)}
 
 
-def sent(node: int) -> Message:
-    return Message(RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN)
-
-
-def reply(node: int, arrays=None, error=None) -> Message:
-    """A reply as the server receives it from ``node``."""
-    meta = Metadata(run_id=1, message_id="", src_node_id=node, dst_node_id=0,
-                    reply_to_message_id="m", group_id="", created_at=0.0, ttl=60.0,
-                    message_type=MessageType.TRAIN)
+def reply(arrays=None, error=None) -> RecordDict:
+    """One client's records as the server unpacks them from a reply."""
     if error is not None:
-        return Message(error=Error(code=0, reason=error), metadata=meta)
+        return records.error(error)
     arrays = arrays if arrays is not None else good()
-    return Message(content=RecordDict({
-        "arrays": ArrayRecord(array_dict={k: Array.from_numpy_ndarray(v)
-                                          for k, v in arrays.items()}),
-        "metrics": MetricRecord({"num-examples": 5})}), metadata=meta)
+    return RecordDict({"arrays": ArrayRecord(array_dict={k: Array.from_numpy_ndarray(v)
+                                                         for k, v in arrays.items()}),
+                       "metrics": MetricRecord({"num-examples": 5})})
 
 
 def good():
@@ -53,23 +37,26 @@ def good():
 
 
 @pytest.mark.parametrize("kind,make", [
-    ("error", lambda: reply(2, error="ValueError: boom")),
-    ("nonfinite", lambda: reply(2, {**good(), "head.bias": np.array([1.0, np.nan], np.float32)})),
-    ("wrong_keys", lambda: reply(2, {"head.weight": np.ones((2, 3), np.float32)})),
-    ("wrong_shape", lambda: reply(2, {**good(), "head.weight": np.ones((3, 3), np.float32)})),
+    ("error", lambda: reply(error="ValueError: boom")),
+    ("error", lambda: "the whole message failed: ClientAppException"),
+    ("nonfinite", lambda: reply({**good(), "head.bias": np.array([1.0, np.nan], np.float32)})),
+    ("wrong_keys", lambda: reply({"head.weight": np.ones((2, 3), np.float32)})),
+    ("wrong_shape", lambda: reply({**good(), "head.weight": np.ones((3, 3), np.float32)})),
     ("timeout", None),
 ])
-def test_each_fault_kind_is_dropped_and_counted(kind, make, flower_task):
-    replies = [reply(1)] + ([make()] if make else [])
-    out = screen_replies([sent(1), sent(2)], replies, EXPECTED, {1: 0, 2: 7})
-    assert [m.metadata.src_node_id for m in out.good] == [1]
+def test_each_fault_kind_is_dropped_alone_and_counted(kind, make):
+    replies = {0: reply(), **({7: make()} if make else {})}
+    out = screen_clients([7, 0], replies, lambda cid: EXPECTED)
+    assert [cid for cid, _ in out.good] == [0]
     assert out.counts() == {kind: 1}
-    assert out.dropped[0][0] == 7  # reported by partition id
+    assert out.dropped[0][0] == 7  # reported by partition id, the cause kept whole
+    if kind == "error":
+        assert out.dropped[0][2] in ("ValueError: boom",
+                                     "the whole message failed: ClientAppException")
 
 
-def test_too_few_usable_replies_stop_the_run(flower_task):
-    out = screen_replies([sent(i) for i in range(4)], [reply(0), reply(1, error="x")],
-                         EXPECTED, {})
+def test_too_few_usable_replies_stop_the_run():
+    out = screen_clients([0, 1, 2, 3], {0: reply(), 1: reply(error="x")}, lambda cid: EXPECTED)
     require_enough(out, 4, 0.25, server_round=3)  # 1 of 4 usable: enough for 0.25
     with pytest.raises(RoundFailed, match="federation.min_reply_fraction=0.5"):
         require_enough(out, 4, 0.5, server_round=3)

@@ -16,6 +16,7 @@ from fedadapt.backbones import build_backbone
 from fedadapt.backbones.clip import class_text
 from fedadapt.config import BackboneConfig, ConfigError, DatasetConfig, validate
 from fedadapt.experiment import prepare_run
+from fedadapt.federation import records
 
 
 @pytest.mark.parametrize("dim", [16, 512])
@@ -126,17 +127,17 @@ def test_client_sends_only_the_adapter(cache_dir, flower_task):
     prep = prepare_run(validate(cfg), quiet=True)
     app = make_client_app(lambda ctx: prep.spec)
     sent = prep.model.tensors(prep.model.communicated_names())
-    msg = Message(RecordDict({"arrays": ArrayRecord(sent),
-                              "config": ConfigRecord({"server-round": 1, "lr": 0.01})}),
+    msg = Message(RecordDict({"arrays": ArrayRecord(sent), "config": ConfigRecord(
+        {"server-round": 1, "lr": 0.01, "clients": [0]})}),
                   dst_node_id=1, message_type=MessageType.TRAIN)
     ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": 3},
                   state=RecordDict(), run_config={})
-    reply = app(msg, ctx)
-    got = reply.content.array_records["arrays"].to_torch_state_dict()
+    reply = records.view(app(msg, ctx).content, 0)
+    got = reply.array_records["arrays"].to_torch_state_dict()
     assert sorted(got) == ["head.image_adapter.net.0.bias", "head.image_adapter.net.0.weight",
                            "head.image_adapter.net.2.bias", "head.image_adapter.net.2.weight"]
     assert any(not torch.equal(got[k], sent[k]) for k in got)  # it trained
-    assert reply.content.metric_records["metrics"]["unit-weight"] == 1.0
+    assert reply.metric_records["metrics"]["unit-weight"] == 1.0
     assert "head.text_features" not in got  # the frozen prompts' features never travel
 
 

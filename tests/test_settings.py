@@ -118,13 +118,13 @@ def test_personalization_reply_carries_no_tensors(cache_dir, flower_task, tmp_pa
     app = make_client_app(lambda ctx: spec)
     sent = model.tensors(model.communicated_names())
     msg = Message(RecordDict({"arrays": ArrayRecord(sent), "config": ConfigRecord(
-        {"phase": "personalize", "server-round": 3})}), dst_node_id=1,
+        {"phase": "personalize", "server-round": 3, "clients": [1]})}), dst_node_id=1,
         message_type=MessageType.TRAIN)
     ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 1, "num-partitions": 3},
                   state=RecordDict(), run_config={})
-    out = app(msg, ctx)
-    assert len(out.content.array_records) == 0  # the personalized token never leaves
-    m = out.content.metric_records["metrics"]
+    out = app(msg, ctx).content
+    assert len(out.array_records) == 0  # the personalized token never leaves
+    m = out.metric_records["c1/metrics"]
     assert m["tier"] == spec.client_exits[1] and m["personalized_params"] == 32
     saved = list((tmp_path / "clients" / "1" / "personalized").glob("*.safetensors"))
     assert len(saved) == 1

@@ -129,6 +129,19 @@ def load_npy(path: str | Path, what: str = "cache file", *, mmap: bool = True) -
     return np.load(path, mmap_mode="r" if mmap else None)
 
 
+_MAPPED: dict[tuple, np.ndarray] = {}
+
+
+def mapped(path: str | Path, what: str = "cache file") -> np.ndarray:
+    """A sealed ``.npy`` checked and memory-mapped once per process and file version (a file
+    rebuilt under the same name is mapped anew, never read through a stale mapping)."""
+    st = os.stat(path)
+    key = (str(path), st.st_ino, st.st_mtime_ns, st.st_size)
+    if key not in _MAPPED:
+        _MAPPED[key] = load_npy(path, what)
+    return _MAPPED[key]
+
+
 def valid_or_removed(path: str | Path) -> bool:
     """True when ``path`` exists and matches its digest; a file that fails is deleted (with its
     sidecar) so the caller rebuilds it. Returns False for a missing file too."""
@@ -143,5 +156,5 @@ def valid_or_removed(path: str | Path) -> bool:
     return False
 
 
-__all__ = ["CacheIntegrityError", "check", "digest", "load_npy", "problem", "remove", "save_npy",
-           "seal", "seal_and_rename", "sidecar", "valid_or_removed"]
+__all__ = ["CacheIntegrityError", "check", "digest", "load_npy", "mapped", "problem", "remove",
+           "save_npy", "seal", "seal_and_rename", "sidecar", "valid_or_removed"]

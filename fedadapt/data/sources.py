@@ -62,13 +62,10 @@ class DataSource:
         return _labels(self.prepared.path, self.split)
 
     def features(self) -> np.ndarray:
-        """The memory-mapped feature matrix ``[N, D]`` (checked once per process)."""
-        key = ("features", self.features_path)
-        if key not in _CACHE:
-            from fedadapt.data.integrity import load_npy
+        """The memory-mapped feature matrix ``[N, D]`` (checked once per process and file)."""
+        from fedadapt.data.integrity import mapped
 
-            _CACHE[key] = load_npy(self.features_path, "feature cache")
-        return _CACHE[key]
+        return mapped(self.features_path, "feature cache")
 
     def images(self, indices: np.ndarray) -> np.ndarray:
         """``uint8 [B, H, W, C]`` rows (corrupted if this source is)."""

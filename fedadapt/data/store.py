@@ -37,7 +37,6 @@ from fedadapt.log import log
 
 _VERSION = 1
 _CHUNK = 2048
-_OPEN: dict[str, np.ndarray] = {}
 
 
 @dataclass(frozen=True)
@@ -61,11 +60,9 @@ class ImageStore:
 
     def array(self) -> np.ndarray:
         """The memory-mapped images, checked against their digest once per process."""
-        if self.path not in _OPEN:
-            from fedadapt.data.integrity import load_npy
+        from fedadapt.data.integrity import mapped
 
-            _OPEN[self.path] = load_npy(self.path, "decoded image store")
-        return _OPEN[self.path]
+        return mapped(self.path, "decoded image store")
 
 
 def geometry(card, preprocess) -> Geometry:

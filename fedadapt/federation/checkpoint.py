@@ -161,6 +161,12 @@ def _client_files(folder: Path) -> list[tuple[int, Path]]:
                   if (m := re.fullmatch(r"round-(\d+)\.safetensors", p.name)))
 
 
+def client_rounds(folder: Path) -> list[int]:
+    """The rounds a client saved personal tensors after, oldest first."""
+    folder = Path(folder)
+    return [r for r, _ in _client_files(folder)] if folder.is_dir() else []
+
+
 def save_client_state(folder: Path, server_round: int, tensors: dict[str, torch.Tensor],
                       checkpoint_round: int = 0) -> None:
     """A client's personal tensors after ``server_round`` (atomic, checksummed).

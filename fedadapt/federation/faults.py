@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import numpy as np
+from flwr.app import RecordDict
 
 from fedadapt.config import FAULT_KINDS, FedadaptError
+from fedadapt.federation import records
 
 __all__ = ["FAULT_KINDS", "TENSOR_FAULTS", "RoundFailed", "Screened", "corrupt", "injected_fault",
-           "require_enough", "screen_replies"]
+           "require_enough", "screen_clients"]
 #: The kinds that :func:`corrupt` applies to a reply's tensors.
 TENSOR_FAULTS = ("nan", "wrong_keys", "wrong_shape")
 
@@ -34,8 +38,9 @@ class RoundFailed(FedadaptError, RuntimeError):
 class Screened:
     """The usable replies of a round and what happened to the others."""
 
+    #: ``(partition id, content)`` of every usable reply, in partition order.
     good: list = field(default_factory=list)
-    #: ``(partition id or node id, kind, detail)`` of every dropped client.
+    #: ``(partition id, kind, detail)`` of every dropped client.
     dropped: list[tuple[int, str, str]] = field(default_factory=list)
 
     def describe(self, limit: int = 6) -> str:
@@ -49,40 +54,40 @@ class Screened:
         return out
 
 
-def screen_replies(sent: list, replies: list, expected: dict[str, tuple] | None,
-                   partition_of: dict[int, int]) -> Screened:
-    """Split ``replies`` into usable ones and dropped ones.
+def screen_clients(sent: Sequence[int], replies: dict[int, RecordDict | str],
+                   expected: Optional[Callable[[int], dict[str, tuple]]]) -> Screened:
+    """Split the per-client replies of a round into usable ones (``good``: ``(client,
+    content)`` in client order) and dropped ones.
 
-    ``expected`` maps tensor names to shapes for training replies (None for evaluation
-    replies, which carry no tensors).
+    ``replies`` maps a client to its records, or to the reason it (or its whole message)
+    failed; a client of ``sent`` with no entry did not answer in time. ``expected(client)``
+    gives the tensor names and shapes a training reply must hold (None for evaluation replies,
+    which carry no tensors).
     """
     out = Screened()
-    answered = set()
-    for msg in replies:
-        node = msg.metadata.src_node_id
-        answered.add(node)
-        who = partition_of.get(node, node)
-        if msg.has_error():
-            out.dropped.append((who, "error", str(msg.error.reason)[:200]))
+    for cid in sorted(sent):
+        content = replies.get(cid)
+        if content is None:
+            out.dropped.append((cid, "timeout", "no reply in time"))
+            continue
+        reason = content if isinstance(content, str) else records.error_of(content)
+        if reason is not None:
+            out.dropped.append((cid, "error", reason))
             continue
         if expected is not None:
-            problem = _check_arrays(msg, expected)
+            problem = _check_arrays(content, expected(cid))
             if problem is not None:
-                out.dropped.append((who, *problem))
+                out.dropped.append((cid, *problem))
                 continue
-        out.good.append(msg)
-    for msg in sent:
-        node = msg.metadata.dst_node_id
-        if node not in answered:
-            out.dropped.append((partition_of.get(node, node), "timeout", "no reply in time"))
+        out.good.append((cid, content))
     return out
 
 
-def _check_arrays(msg, expected: dict[str, tuple]) -> tuple[str, str] | None:
-    records = msg.content.array_records
-    if "arrays" not in records:
+def _check_arrays(content: RecordDict, expected: dict[str, tuple]) -> tuple[str, str] | None:
+    records_ = content.array_records
+    if "arrays" not in records_:
         return "wrong_keys", "no 'arrays' record"
-    arrays = records["arrays"]
+    arrays = records_["arrays"]
     names = set(arrays.keys())
     if names != set(expected):
         extra, missing = sorted(names - set(expected)), sorted(set(expected) - names)
@@ -94,8 +99,8 @@ def _check_arrays(msg, expected: dict[str, tuple]) -> tuple[str, str] | None:
         values = arr.numpy()
         if np.issubdtype(values.dtype, np.floating) and not np.isfinite(values).all():
             return "nonfinite", f"{name} has NaN/Inf"
-    metrics = msg.content.metric_records
-    if not metrics or "num-examples" not in next(iter(metrics.values())):
+    metrics = content.metric_records
+    if "metrics" not in metrics or "num-examples" not in metrics["metrics"]:
         return "wrong_keys", "no num-examples metric"
     return None
 

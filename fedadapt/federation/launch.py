@@ -1,43 +1,63 @@
-"""Launch a run on Flower's simulation engine (Ray backend)."""
+"""Launch a run on Flower's simulation engine (Ray backend).
+
+The simulated Flower nodes are the run's *workers* (``plan.num_nodes``, see
+:mod:`fedadapt.federation.sizing`), each a Ray actor with ``plan.resources``; the clients are
+named in the messages. With no GPU asked for (``federation.num_gpus=0``, or none present) the
+GPUs are hidden from the driver's Ray session and its actors, so CUDA is never initialised.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-
-import torch
+import warnings
 
 from fedadapt.config import FederationConfig
 from fedadapt.federation.server import ServerPlan, ServerState, make_server_app
 
 
-def client_resources(fed: FederationConfig) -> dict:
-    """``num_cpus`` and ``num_gpus`` per client; a GPU is used when present."""
-    gpus = fed.num_gpus
-    if gpus is None:
-        gpus = 0.25 if torch.cuda.is_available() else 0.0
-    return {"num_cpus": fed.num_cpus, "num_gpus": gpus}
+@contextlib.contextmanager
+def _gpus_hidden(hide: bool):
+    """``CUDA_VISIBLE_DEVICES=""`` for the Ray session started inside (restored after)."""
+    if not hide:
+        yield
+        return
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
 def run_simulation(plan: ServerPlan, client_app, fed: FederationConfig) -> ServerState:
-    """Run ``plan`` against ``plan.num_clients`` simulated nodes; return the final state."""
+    """Run ``plan`` against ``plan.num_nodes`` simulated workers; return the final state."""
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     from flwr.simulation import run_simulation as flwr_run_simulation
 
     level = logging.INFO if fed.verbose else logging.WARNING
     flwr_logger = logging.getLogger("flwr")
     flwr_logger.setLevel(level)
     flwr_logger.propagate = False  # it has its own handler; Hydra's root handler would repeat it
+    resources = dict(plan.resources)
     backend_config = {
-        "client_resources": client_resources(fed),
+        "client_resources": resources,
         "init_args": {"logging_level": level, "log_to_driver": True,
                       "include_dashboard": False},
     }
-    flwr_run_simulation(server_app=make_server_app(plan), client_app=client_app,
-                        num_supernodes=plan.num_clients, backend_config=backend_config,
-                        verbose_logging=fed.verbose)
+    cpu_only = not resources.get("num_gpus")
+    with _gpus_hidden(cpu_only), warnings.catch_warnings():
+        # Ray's notice that it hides GPUs from actors that ask for none: fedadapt relies on it
+        warnings.filterwarnings("ignore", message="Tip: In future versions of Ray",
+                                category=FutureWarning)
+        flwr_run_simulation(server_app=make_server_app(plan), client_app=client_app,
+                            num_supernodes=plan.num_nodes, backend_config=backend_config,
+                            verbose_logging=fed.verbose)
     if plan.error is not None:
         raise plan.error
     if plan.result is None:

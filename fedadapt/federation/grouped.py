@@ -1,0 +1,321 @@
+"""Grouped local training: K clients trained side by side on one worker, one frozen backbone.
+
+Every client keeps its own trainable tensors and optimiser state, stacked along a leading client
+dimension ``[K, ...]``; at each local step the K clients' next batches go through the model as
+one computation, ``torch.func.vmap`` over ``torch.func.functional_call``: the frozen weights are
+shared (unbatched), so the frozen matmuls and convolutions see one ``K x batch`` batch, while the
+trainable parts (heads, adapters inside the backbone, the Accumulator, AttAI) are applied per
+client as batched matmuls. The losses are summed, so each client's gradient is its own.
+
+The same semantics as :func:`fedadapt.federation.training.train_local` run K times:
+
+* every random draw comes from the client's own seed: its shuffling, its exit per step (anytime),
+  its crops (a hash of its crop seed and the image), so results never depend on which clients
+  share a group. Dropout is the exception: under ``vmap`` it draws from the global generator
+  (``randomness="different"``), so a model with dropout gets other masks than alone (same
+  distribution; tests check the group composition does not change it);
+* clients of different sizes leave the group when their batches run out (their tensors are
+  taken at their last step); a step's clients are split into buckets of equal batch size;
+* the optimiser (:class:`StackedOptimizer`: SGD with momentum / Adam / AdamW, torch's update
+  rules) keeps per-client state and updates a client's tensor only at steps where that client's
+  loss used it, as torch's optimisers skip tensors without a gradient: an anytime client that
+  draws exit 3 leaves exit 7's head (and its momentum) alone;
+* FedProx's ``mu/2 ||w - w_start||^2`` and gradient-norm clipping are per client.
+
+With these the grouped result equals K sequential clients to floating-point tolerance
+(``tests/test_grouped.py``: K = 1, 3, 8, unequal sizes, every client-trained method).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, vmap
+
+from fedadapt.config import TrainConfig
+from fedadapt.data.sources import DataSource
+from fedadapt.federation.training import batches_of, derive_seed
+
+
+@dataclass
+class ClientJob:
+    """One client's local training, as :func:`train_local` would run it."""
+
+    cid: int
+    indices: np.ndarray
+    #: Its starting trainable tensors (the global communicated ones and its personal ones).
+    tensors: dict[str, torch.Tensor]
+    #: ``train_local``'s ``seed`` (shuffling, exit draws) and ``crop_seed``.
+    seed: int
+    crop_seed: Optional[int] = None
+    #: The exits a step draws from (None: the model's own forward).
+    exits: Optional[list[int]] = None
+
+
+@dataclass
+class ClientResult:
+    tensors: dict[str, torch.Tensor]  # final trainable tensors, on the CPU
+    loss: float
+    seen: int
+
+
+class _Call(nn.Module):
+    """What one client's step computes, as a module ``functional_call`` can reparametrise."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, exit_onehot: Optional[torch.Tensor],
+                last_exit: Optional[int]) -> torch.Tensor:
+        if last_exit is None:
+            return self.model.training_loss(x, y)
+        if exit_onehot is None:  # every client of the bucket at the same exit
+            logits = self.model.exit_logits(x, last_exit=last_exit, all_exits=False)[-1]
+            return F.cross_entropy(logits, y)
+        # anytime: clients drew different exits; run to the deepest and take each one's own
+        # (exit e's logits depend on blocks 0..e only, so this is exact)
+        every = torch.stack(self.model.exit_logits(x, last_exit=last_exit, all_exits=True))
+        return F.cross_entropy(torch.einsum("e,ebc->bc", exit_onehot, every), y)
+
+
+class StackedOptimizer:
+    """Per-client SGD (momentum, weight decay) / Adam / AdamW over ``[K, ...]`` tensors, torch's
+    update rules; ``step(used)`` updates client k's slice of tensor n only where
+    ``used[n][k]``, as torch skips a tensor without a gradient (its state untouched too)."""
+
+    def __init__(self, stacked: dict[str, torch.Tensor], train: TrainConfig, lr: float) -> None:
+        self.tensors, self.train, self.lr = stacked, train, lr
+        self.state: dict[str, dict[str, torch.Tensor]] = {}
+
+    def zero_grad(self) -> None:
+        for t in self.tensors.values():
+            t.grad = None
+
+    @torch.no_grad()
+    def step(self, used: dict[str, torch.Tensor]) -> None:
+        for name, p in self.tensors.items():
+            mask = used[name]
+            if p.grad is None or not bool(mask.any()):
+                continue
+            shape = (-1,) + (1,) * (p.dim() - 1)
+            m = mask.view(shape)
+            new = self._sgd(name, p, m) if self.train.optimizer == "sgd" else \
+                self._adam(name, p, m, shape)
+            p.copy_(torch.where(m, new, p))
+
+    def _sgd(self, name: str, p: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        t = self.train
+        d_p = p.grad if t.weight_decay == 0 else p.grad + t.weight_decay * p
+        if t.momentum:
+            st = self.state.setdefault(name, {"buf": torch.zeros_like(p),
+                                              "started": torch.zeros_like(m)})
+            buf = torch.where(st["started"], st["buf"] * t.momentum + d_p, d_p)
+            st["buf"] = torch.where(m, buf, st["buf"])
+            st["started"] = st["started"] | m
+            d_p = buf
+        return p - self.lr * d_p
+
+    def _adam(self, name: str, p: torch.Tensor, m: torch.Tensor, shape) -> torch.Tensor:
+        t = self.train
+        beta1, beta2 = t.betas
+        st = self.state.setdefault(name, {"exp_avg": torch.zeros_like(p),
+                                          "exp_avg_sq": torch.zeros_like(p),
+                                          "step": torch.zeros(p.shape[0], device=p.device)})
+        step = st["step"] + m.view(-1).to(st["step"].dtype)
+        grad, base = p.grad, p
+        if t.weight_decay and t.optimizer == "adamw":
+            base = p * (1 - self.lr * t.weight_decay)
+        elif t.weight_decay:
+            grad = grad + t.weight_decay * p
+        exp_avg = torch.where(m, st["exp_avg"].lerp(grad, 1 - beta1), st["exp_avg"])
+        exp_avg_sq = torch.where(m, st["exp_avg_sq"] * beta2 + (1 - beta2) * grad * grad,
+                                 st["exp_avg_sq"])
+        st.update(exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=step)
+        safe = step.clamp(min=1).view(shape)
+        bias1, bias2 = 1 - beta1 ** safe, 1 - beta2 ** safe
+        denom = exp_avg_sq.sqrt() / bias2.sqrt() + t.eps
+        return base - (self.lr / bias1) * exp_avg / denom
+
+
+def _clip(stacked: dict[str, torch.Tensor], max_norm: float) -> None:
+    """Each client's gradient norm over all its tensors clipped to ``max_norm``, as
+    ``torch.nn.utils.clip_grad_norm_`` does for one client."""
+    grads = [t.grad for t in stacked.values() if t.grad is not None]
+    if not grads:
+        return
+    sq = sum(g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads)
+    coef = (max_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(coef.view((-1,) + (1,) * (g.dim() - 1)))
+
+
+@dataclass
+class _Schedule:
+    """One client's batches and exit draws, as ``train_local`` would draw them."""
+
+    batches: list[np.ndarray]
+    exits: list[Optional[int]]
+
+
+def _schedule(job: ClientJob, train: TrainConfig) -> _Schedule:
+    gen = torch.Generator().manual_seed(job.seed)
+    batches = batches_of(job.indices, train.batch_size, train.local_epochs, gen)
+    exit_gen = torch.Generator().manual_seed(derive_seed(job.seed, 0xE817))
+    exits = [None if job.exits is None else
+             job.exits[int(torch.randint(len(job.exits), (1,), generator=exit_gen))]
+             for _ in batches]
+    return _Schedule(batches, exits)
+
+
+def _plan(scheds: list[_Schedule]) -> list[tuple[int, list[int]]]:
+    """``(step, clients)`` buckets: at each step the clients with a batch left, split by batch
+    size (a client's last batch of an epoch may be smaller)."""
+    out = []
+    for t in range(max((len(s.batches) for s in scheds), default=0)):
+        by_size: dict[int, list[int]] = {}
+        for k, s in enumerate(scheds):
+            if t < len(s.batches):
+                by_size.setdefault(len(s.batches[t]), []).append(k)
+        out += [(t, ks) for _, ks in sorted(by_size.items(), reverse=True)]
+    return out
+
+
+class UsedTensors:
+    """Which trainable tensors a training step at a given exit gives a gradient (found once per
+    exit with a one-sample step: torch leaves the others' gradients None)."""
+
+    def __init__(self, model: nn.Module, source: DataSource, sample_index: int,
+                 precision: str = "fp32") -> None:
+        self.model, self.source, self.index, self.cache = model, source, sample_index, {}
+        self.precision = precision
+
+    def __call__(self, exit_: Optional[int]) -> frozenset[str]:
+        if exit_ not in self.cache:
+            model = self.model
+            dev = next(model.parameters()).device
+            x, y = self.source.get(np.array([self.index]), dev)
+            from fedadapt.devices import autocast
+
+            model.zero_grad(set_to_none=True)
+            with torch.enable_grad(), autocast(dev.type, self.precision):
+                loss = _Call(model)(x, y, None, exit_)
+            loss.float().backward()
+            self.cache[exit_] = frozenset(n for n, p in model.named_parameters()
+                                          if p.requires_grad and p.grad is not None)
+            model.zero_grad(set_to_none=True)
+        return self.cache[exit_]
+
+
+def train_group(model: nn.Module, source: DataSource, jobs: list[ClientJob], train: TrainConfig,
+                *, lr: float, precision: str = "fp32", proximal_mu: float = 0.0,
+                used: Optional[UsedTensors] = None) -> list[ClientResult]:
+    """Train ``jobs`` side by side (see the module docstring); one result per job, in order."""
+    dev = next(model.parameters()).device
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    frozen = {f"model.{n}": p for n, p in model.named_parameters() if not p.requires_grad}
+    frozen.update({f"model.{n}": b for n, b in model.named_buffers()})
+    stacked = {n: torch.stack([j.tensors[n].to(dev, torch.float32) for j in jobs])
+               .requires_grad_(True) for n in names}
+    start = {n: t.detach().clone() for n, t in stacked.items()} if proximal_mu > 0 else None
+    opt = StackedOptimizer(stacked, train, lr)
+    scheds = [_schedule(j, train) for j in jobs]
+    plan = _plan(scheds)
+    used = used or UsedTensors(model, source, _first_index(jobs), precision)
+    loss_sum, seen = np.zeros(len(jobs)), np.zeros(len(jobs), dtype=np.int64)
+    results: list[Optional[ClientResult]] = [None] * len(jobs)
+    call = _Call(model)
+    torch.manual_seed(derive_seed(jobs[0].seed, len(jobs), 0xD809))  # dropout (see docstring)
+    model.train()
+    batches = [np.concatenate([scheds[k].batches[t] for k in ks]) for t, ks in plan]
+    crops = _crops(jobs, scheds, plan, train, source)
+    step_of = [t for t, _ in plan]
+    for i, (x, y) in enumerate(source.stream(batches, dev, crops)):
+        t, ks = plan[i]
+        if i == 0 or step_of[i - 1] != t:
+            opt.zero_grad()
+            mask = {n: torch.zeros(len(jobs), dtype=torch.bool, device=dev) for n in names}
+        exits = [scheds[k].exits[t] for k in ks]
+        losses = _bucket_losses(call, stacked, frozen, ks, x, y, exits, precision, dev)
+        if start is not None:
+            pos = torch.tensor(ks, device=dev)
+            losses = losses + 0.5 * proximal_mu * sum(
+                (stacked[n][pos] - start[n][pos]).pow(2).reshape(len(ks), -1).sum(1)
+                for n in names)
+        losses.sum().backward()
+        for j, k in enumerate(ks):
+            loss_sum[k] += float(losses[j].detach()) * len(scheds[k].batches[t])
+            seen[k] += len(scheds[k].batches[t])
+            step_used = used(exits[j]) if start is None else names
+            for n in step_used:
+                mask[n][k] = True
+        if i + 1 == len(plan) or step_of[i + 1] != t:  # the step's last bucket: update
+            if train.clip_grad_norm is not None:
+                _clip(stacked, train.clip_grad_norm)
+            opt.step(mask)
+            for k in range(len(jobs)):
+                if results[k] is None and len(scheds[k].batches) == t + 1:
+                    results[k] = ClientResult(
+                        {n: stacked[n][k].detach().cpu().clone() for n in names},
+                        loss_sum[k] / max(seen[k], 1), int(seen[k]))
+    return [r if r is not None else ClientResult(
+        {n: j.tensors[n].detach().cpu().clone() for n in names}, 0.0, 0)
+        for r, j in zip(results, jobs)]
+
+
+def _first_index(jobs: list[ClientJob]) -> int:
+    return next((int(j.indices[0]) for j in jobs if len(j.indices)), 0)
+
+
+def _crops(jobs, scheds, plan, train: TrainConfig, source: DataSource):
+    if train.crop_scale is None or source.kind != "images":
+        return None
+    scale = (float(train.crop_scale[0]), float(train.crop_scale[1]))
+    return [(scale, np.concatenate([np.full(len(scheds[k].batches[t]), jobs[k].crop_seed,
+                                            dtype=np.uint64) for k in ks]))
+            if all(jobs[k].crop_seed is not None for k in ks) else None for t, ks in plan]
+
+
+def _bucket_losses(call: _Call, stacked: dict, frozen: dict, ks: list[int], x: torch.Tensor,
+                   y: torch.Tensor, exits: list[Optional[int]], precision: str,
+                   dev: torch.device) -> torch.Tensor:
+    """``[len(ks)]`` losses of one bucket: its clients' batches through the model at once."""
+    from fedadapt.devices import autocast
+
+    kb = len(ks)
+    pos = torch.tensor(ks, device=dev)
+    params = {f"model.{n}": t.index_select(0, pos) for n, t in stacked.items()}
+    xs, ys = x.reshape(kb, -1, *x.shape[1:]), y.reshape(kb, -1)
+    if exits[0] is None or len(set(exits)) == 1:
+        last, onehot = exits[0], None
+    else:
+        last = max(exits)
+        onehot = F.one_hot(torch.tensor(exits, device=dev), last + 1).to(torch.float32)
+
+    def one(p, xk, yk, hk):  # one client: its tensors, its batch
+        return functional_call(call, {**frozen, **p}, (xk, yk, hk, last), strict=False)
+
+    with autocast(dev.type, precision), _attention_for_vmap(dev):
+        out = vmap(one, in_dims=(0, 0, 0, None if onehot is None else 0),
+                   randomness="different")(params, xs, ys, onehot)
+    return out.float()
+
+
+def _attention_for_vmap(dev: torch.device):
+    """On the CPU, scaled-dot-product attention's fused kernel has no vmap batching rule (torch
+    would loop over the clients); its math form batches into one matmul."""
+    import contextlib
+
+    if dev.type != "cpu":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
+
+
+__all__ = ["ClientJob", "ClientResult", "StackedOptimizer", "UsedTensors", "train_group"]

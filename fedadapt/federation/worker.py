@@ -1,0 +1,295 @@
+"""What a Flower node does with a message: train, evaluate or serve the clients it names.
+
+In simulation a node is a *worker*: one process holding the frozen backbone once, which trains
+the clients a message lists in groups of ``group-size`` side by side
+(:mod:`fedadapt.federation.grouped`); with a group size of 1 it trains them one after another
+with :func:`~fedadapt.federation.training.train_local`. On the deployment engine a node is one
+client and a message names just it. Each client's outcome is packed into the reply under its own
+prefix (:mod:`fedadapt.federation.records`): its arrays and metrics, or an error, so a client
+that fails is dropped alone, not its group.
+
+What a client sends is what it trained: the communicated tensors that its exits give a gradient
+(a tier-3 client of a layer-wise model sends exit 3's head, not the other eleven), the same set
+the server expects and aggregates (:func:`sent_names`). Personal tensors never leave: the client
+keeps them in ``<state_dir>/<client>/`` (any worker reads the newest, with a per-process cache),
+or, without a state folder (a deployment client), in its ``context.state``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from flwr.app import ArrayRecord, Context, MetricRecord, RecordDict
+
+from fedadapt.federation import records
+from fedadapt.federation.checkpoint import client_rounds, load_client_state, save_client_state
+from fedadapt.federation.faults import TENSOR_FAULTS, corrupt, injected_fault
+from fedadapt.federation.grouped import ClientJob, ClientResult, UsedTensors, train_group
+from fedadapt.federation.training import (
+    RunSpec,
+    cached_model,
+    derive_seed,
+    evaluate,
+    evaluate_exits,
+    initial_personal,
+    train_local,
+)
+from fedadapt.settings import step_exits
+
+#: ``context.state`` key of a deployment client's personal tensors.
+PERSONAL_KEY = "personal"
+_PERSONAL: dict[tuple[str, int], tuple[int, dict[str, torch.Tensor]]] = {}
+_PERSONAL_CACHE = 4096
+_USED: dict[str, UsedTensors] = {}
+
+
+def client_exits(spec: RunSpec, cid: int) -> Optional[list[int]]:
+    """The exits client ``cid`` trains and is evaluated at (None: the model's own forward)."""
+    if not spec.num_exits:  # a model without exits (its own forward), whatever the setting
+        return None
+    exit_of = spec.client_exits[cid] if spec.client_exits else 0
+    return step_exits(spec.setting, exit_of, spec.num_exits)
+
+
+def used_tensors(spec: RunSpec, model=None) -> UsedTensors:
+    """Which trainable tensors a step at each exit trains (found once per process and run)."""
+    if spec.run_id not in _USED:
+        _USED.clear()
+        model = cached_model(spec) if model is None else model
+        sample = next((int(c.train[0]) for c in spec.clients if len(c.train)), 0)
+        _USED[spec.run_id] = UsedTensors(model, spec.train_source, sample, spec.precision)
+    return _USED[spec.run_id]
+
+
+def sent_names(spec: RunSpec, cid: int, model=None) -> list[str]:
+    """The communicated tensors client ``cid`` trains, hence receives and sends back."""
+    model = cached_model(spec) if model is None else model
+    used = used_tensors(spec, model)
+    trained = set().union(*(used(e) for e in (client_exits(spec, cid) or [None])))
+    return [n for n in model.communicated_names() if n in trained]
+
+
+# -- personal tensors -------------------------------------------------------------------------
+
+def _state_dir(spec: RunSpec, cid: int) -> Optional[Path]:
+    return Path(spec.state_dir) / str(cid) if spec.state_dir else None
+
+
+def load_personal(spec: RunSpec, model, cid: int, up_to: int, context: Context
+                  ) -> dict[str, torch.Tensor]:
+    """The client's personal tensors as they were after its last training up to round
+    ``up_to``; the run's seeded initial values before its first."""
+    if not model.personal_names():
+        return {}
+    folder = _state_dir(spec, cid)
+    if folder is None:  # a deployment client: its own context
+        if PERSONAL_KEY in context.state.array_records:
+            return dict(context.state.array_records[PERSONAL_KEY].to_torch_state_dict())
+        return initial_personal(spec)
+    rounds = [r for r in client_rounds(folder) if r <= up_to]
+    if not rounds:
+        return initial_personal(spec)
+    cached = _PERSONAL.get((spec.run_id, cid))
+    if cached is not None and cached[0] == rounds[-1]:
+        return cached[1]
+    return load_client_state(folder, up_to)
+
+
+def keep_personal(spec: RunSpec, cid: int, rnd: int, tensors: dict[str, torch.Tensor],
+                  checkpoint_round: int, context: Context) -> None:
+    folder = _state_dir(spec, cid)
+    if folder is None:
+        context.state[PERSONAL_KEY] = ArrayRecord(tensors)
+        return
+    save_client_state(folder, rnd, tensors, checkpoint_round)
+    if len(_PERSONAL) >= _PERSONAL_CACHE:
+        _PERSONAL.pop(next(iter(_PERSONAL)))
+    _PERSONAL[(spec.run_id, cid)] = (rnd, tensors)
+
+
+def received_arrays(content: RecordDict, cid: Optional[int] = None
+                    ) -> dict[str, torch.Tensor]:
+    """The global arrays a client received: the message's shared ``arrays``, or its own
+    (``c<id>/arrays``: a deployment client gets only what it trains)."""
+    mine = content if cid is None else records.view(content, cid)
+    arrays = mine.array_records.get("arrays")
+    return dict(arrays.to_torch_state_dict()) if arrays is not None else {}
+
+
+def client_tensors(spec: RunSpec, model, cid: int, received: dict[str, torch.Tensor],
+                   up_to: int, context: Context) -> dict[str, torch.Tensor]:
+    """Every trainable tensor of the client's model: what it needs from the server, its
+    personal ones, and (unused by it) the process model's current values for the rest."""
+    needed = sent_names(spec, cid, model)
+    missing = sorted(set(needed) - set(received))
+    unknown = sorted(set(received) - set(model.communicated_names()))
+    if missing or unknown:
+        raise ValueError(f"client {cid}: the server sent tensors {sorted(received)[:4]}..., "
+                         f"expected {needed[:4]}... (missing {missing[:3]}, unknown "
+                         f"{unknown[:3]})")
+    out = model.tensors(model.trainable_names())
+    out.update({n: received[n] for n in needed})
+    out.update(load_personal(spec, model, cid, up_to, context))
+    return out
+
+
+# -- training ---------------------------------------------------------------------------------
+
+def _injected(spec: RunSpec, server_round: int, cid: int, where: str) -> Optional[str]:
+    """The seeded fault this client injects (``faults.*``); a ``raise`` fault raises here."""
+    fault = injected_fault(spec.seed, server_round, cid, spec.faults.fraction, spec.faults.kinds)
+    if fault == "raise":
+        raise RuntimeError(f"injected fault (faults.fraction={spec.faults.fraction}): "
+                           f"client {cid} raises {where}")
+    return fault
+
+
+def _reason(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
+
+
+def _run_group(spec: RunSpec, model, jobs: list[ClientJob], lr: float, mu: float
+               ) -> list[ClientResult]:
+    if len(jobs) > 1:
+        return train_group(model, spec.train_source, jobs, spec.train, lr=lr,
+                           precision=spec.precision, proximal_mu=mu, used=used_tensors(spec))
+    (job,) = jobs
+    model.load_tensors(job.tensors)
+    loss, seen = train_local(model, spec.train_source, job.indices, spec.train, lr=lr,
+                             seed=job.seed, proximal_mu=mu, exits=job.exits,
+                             crop_seed=job.crop_seed, precision=spec.precision)
+    return [ClientResult(model.tensors(model.trainable_names()), loss, seen)]
+
+
+def _groups(jobs: list[ClientJob], size: int) -> list[list[ClientJob]]:
+    """Clients with the same exits (a tier) train together, ``size`` at a time."""
+    by_exits: dict[tuple, list[ClientJob]] = {}
+    for job in jobs:
+        by_exits.setdefault(tuple(job.exits or ()), []).append(job)
+    return [group[i:i + size] for group in by_exits.values()
+            for i in range(0, len(group), max(1, size))]
+
+
+def _train_groups(spec: RunSpec, model, jobs: list[ClientJob], size: int, lr: float,
+                  mu: float) -> dict[int, ClientResult | str]:
+    """Each client's result, or the reason it failed: a group that raises is retried one client
+    at a time, so only the client at fault fails."""
+    out: dict[int, ClientResult | str] = {}
+    for group in _groups(jobs, size):
+        try:
+            out.update(zip((j.cid for j in group), _run_group(spec, model, group, lr, mu)))
+            continue
+        except torch.cuda.OutOfMemoryError as err:
+            reason = (f"a group of {len(group)} clients does not fit in GPU memory ({err}); "
+                      f"set federation.clients_per_worker to fewer")
+            if len(group) == 1:
+                out[group[0].cid] = reason
+                continue
+        except Exception as err:  # isolate the client at fault below
+            if len(group) == 1:
+                out[group[0].cid] = _reason(err)
+                continue
+        for job in group:
+            try:
+                out[job.cid] = _run_group(spec, model, [job], lr, mu)[0]
+            except Exception as err:
+                out[job.cid] = _reason(err)
+    return out
+
+
+def train_clients(spec: RunSpec, content: RecordDict, context: Context) -> RecordDict:
+    """A TRAIN message: every named client trains from the global arrays; one record set per
+    client in the reply."""
+    config = content.config_records["config"]
+    rnd, lr = int(config["server-round"]), float(config["lr"])
+    mu = float(config.get("proximal-mu", 0.0))
+    checkpoint_round = int(config.get("checkpoint-round", 0))
+    model = cached_model(spec)
+    replies: dict[int, RecordDict] = {}
+    jobs, faults = [], {}
+    for cid in records.clients_of(content):
+        try:
+            faults[cid] = _injected(spec, rnd, cid, f"in round {rnd}")
+            tensors = client_tensors(spec, model, cid, received_arrays(content, cid), rnd - 1,
+                                     context)
+        except Exception as err:
+            replies[cid] = records.error(_reason(err))
+            continue
+        jobs.append(ClientJob(cid=cid, indices=spec.clients[cid].train, tensors=tensors,
+                              seed=derive_seed(spec.seed, rnd, cid),
+                              crop_seed=derive_seed(spec.seed, rnd, cid, 7),
+                              exits=client_exits(spec, cid)))
+    results = _train_groups(spec, model, jobs, int(config.get("group-size", 1)), lr, mu)
+    deployment = config.get("nodes", "workers") == "clients"
+    for cid, res in results.items():
+        if isinstance(res, str):
+            replies[cid] = records.error(res)
+            continue
+        personal = model.personal_names()
+        if personal:
+            keep_personal(spec, cid, rnd, {n: res.tensors[n] for n in personal},
+                          checkpoint_round, context)
+        sent = {n: res.tensors[n] for n in sent_names(spec, cid, model)}
+        if faults[cid] in TENSOR_FAULTS:
+            sent = corrupt(sent, faults[cid])
+        elif faults[cid] == "timeout":
+            if not deployment:
+                continue  # the client's record misses the reply: it answered too late
+            time.sleep(spec.faults.delay_s or float(config.get("round-timeout", 0)) + 2.0)
+        replies[cid] = RecordDict({"arrays": ArrayRecord(sent), "metrics": MetricRecord(
+            {"num-examples": len(spec.clients[cid].train), records.UNIFORM_KEY: 1.0,
+             "train_loss": res.loss})})
+    return records.pack(replies)
+
+
+# -- evaluation and per-client phases ---------------------------------------------------------
+
+def local_accuracy(model, spec: RunSpec, indices, exits, source=None):
+    """(loss, accuracy, n) of the client's model on ``indices`` of its data; with ``exits``
+    the mean over them (anytime: all; multi-tier: its tier)."""
+    source = spec.train_source if source is None else source
+    if exits is None:
+        return evaluate(model, source, indices, precision=spec.precision)
+    losses, accs, n = evaluate_exits(model, source, exits, indices, precision=spec.precision)
+    return sum(losses) / len(losses), sum(accs) / len(accs), n
+
+
+def evaluate_one(spec: RunSpec, cid: int, content: RecordDict, context: Context) -> RecordDict:
+    """One client's accuracy on its local test split (and validation split, when the run
+    selects rounds by validation) with the global arrays and its personal tensors."""
+    config = content.config_records["config"]
+    model = cached_model(spec)
+    up_to = int(config.get("server-round", 0))
+    model.load_tensors(client_tensors(spec, model, cid, received_arrays(content), up_to,
+                                      context))
+    exits = client_exits(spec, cid)
+    loss, acc, n = local_accuracy(model, spec, spec.clients[cid].test, exits)
+    # the same keys from every client (Flower checks that); NaN when there is no test data
+    metrics = {"num-examples": n, "accuracy": acc, "loss": loss}
+    if spec.evaluate_val:  # model selection by validation accuracy (federation.select)
+        metrics["val_accuracy"] = local_accuracy(model, spec, spec.clients[cid].val, exits)[1]
+    if spec.client_exits:
+        metrics["tier"] = spec.client_exits[cid]
+    return RecordDict({"metrics": MetricRecord(metrics)})
+
+
+def for_each_client(content: RecordDict,
+                    one: Callable[[int, RecordDict], Optional[RecordDict]]) -> RecordDict:
+    """``one(cid, that client's records)`` for every client the message names; an exception
+    becomes that client's error record, None leaves it out (it answered too late)."""
+    replies = {}
+    for cid in records.clients_of(content):
+        try:
+            out = one(cid, records.view(content, cid))
+        except Exception as err:
+            out = records.error(_reason(err))
+        if out is not None:
+            replies[cid] = out
+    return records.pack(replies)
+
+
+__all__ = ["PERSONAL_KEY", "client_exits", "evaluate_one", "for_each_client", "keep_personal",
+           "load_personal", "local_accuracy", "sent_names", "train_clients"]
