@@ -22,20 +22,17 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedadapt.federation.faults import TENSOR_FAULTS, corrupt
-from fedadapt.federation.training import RunSpec, cached_model, derive_seed, make_optimizer
+from fedadapt.federation.training import RunSpec, cached_model, make_optimizer
 from fedadapt.federation.worker import (
     PERSONAL_KEY,
     _injected,
     client_exits,
-    client_tensors,
     evaluate_one,
     for_each_client,
-    local_accuracy,
-    received_arrays,
+    personalize_clients,
     train_clients,
     used_tensors,
 )
-from fedadapt.settings import only_training, part_names
 
 __all__ = ["PERSONAL_KEY", "make_client_app", "partition_id"]
 
@@ -85,9 +82,7 @@ def make_client_app(get_spec: Callable[[Context], RunSpec]) -> ClientApp:
         spec = get_spec(context)
         config = msg.content.config_records["config"]
         if config.get("phase") == "personalize":
-            content = for_each_client(
-                msg.content, lambda cid, mine: personalize(spec, cid, mine, context))
-            return Message(content, reply_to=msg)
+            return Message(personalize_clients(spec, msg.content, context), reply_to=msg)
         return Message(train_clients(spec, msg.content, context), reply_to=msg)
 
     @app.evaluate()
@@ -138,53 +133,3 @@ def session_predict(spec: RunSpec, cid: int, mine: RecordDict) -> RecordDict:
     if scores is not None:
         content["scores"] = ArrayRecord(scores)
     return content
-
-
-def personalize(spec: RunSpec, cid: int, mine: RecordDict, context: Context) -> RecordDict:
-    """The personalization step: from the global model, fine-tune ``setting.personalize`` for
-    ``setting.epochs`` epochs on this client's (corrupted, if it has a corruption) training split
-    at its tier's exit (if the model has exits); accuracy on its test split before and after.
-    The personalized tensors stay on the client (``<state_dir>/<client>/personalized/``); the
-    reply carries metrics only."""
-    from dataclasses import replace
-
-    from fedadapt.federation.checkpoint import save_client_state
-    from fedadapt.federation.training import train_local
-    from fedadapt.federation.worker import _state_dir
-
-    st = spec.setting
-    config = mine.config_records["config"]
-    rnd = int(config["server-round"])
-    model = cached_model(spec)
-    model.load_tensors(client_tensors(spec, model, cid, received_arrays(mine), rnd - 1,
-                                      context))
-    kind, severity = spec.client_corruptions[cid] if spec.client_corruptions else ("none", 0)
-    source = spec.train_source
-    if severity > 0:
-        source = source.corrupted(kind, severity, derive_seed(spec.seed, 0xC0, cid))
-    split = spec.clients[cid]
-    tier = spec.client_exits[cid] if spec.client_exits else None  # None: a model without exits
-    exits = None if tier is None else [tier]
-    _, before, _ = local_accuracy(model, spec, split.test, exits, source)
-    names = part_names(model, st.personalize)
-    # The process's model is shared by the clients it runs: frozen tensors this step changes
-    # (setting.personalize=full) are put back afterwards.
-    frozen = model.tensors(sorted(set(names) - set(model.trainable_names())))
-    train = replace(spec.train, local_epochs=st.epochs, lr=st.lr or spec.train.lr)
-    with only_training(model, names):
-        loss, _ = train_local(model, source, split.train, train, lr=train.lr,
-                              seed=derive_seed(spec.seed, 0xC1, cid), exits=exits,
-                              crop_seed=derive_seed(spec.seed, 0xC2, cid),
-                              precision=spec.precision)
-    tensors = model.tensors(names)
-    _, after, n = local_accuracy(model, spec, split.test, exits, source)
-    model.load_tensors(frozen)
-    if (folder := _state_dir(spec, cid)) is not None:
-        save_client_state(folder / "personalized", rnd, tensors)
-    metrics = {"num-examples": n, "tier": -1 if tier is None else tier, "severity": severity,
-               "acc_before": before, "acc_after": after,
-               "train_loss": loss, "personalized_params": sum(t.numel() for t in
-                                                               tensors.values())}
-    return RecordDict({"metrics": MetricRecord(metrics)})
-
-

@@ -232,55 +232,55 @@ class _Utilisation:
         return statistics.mean(self.samples) if self.samples else None
 
 
-def throughput(cfg, *, steps: int, repeats: int, data_only: bool = False) -> dict:
-    """Images/s of one client's local training three ways (see the module docstring)."""
+def throughput(cfg, *, steps: int, repeats: int, data_only: bool = False,
+               clients: int = 1) -> dict:
+    """Images/s of local training three ways (see the module docstring); with ``clients`` K > 1
+    fedadapt trains K clients side by side (each ``steps`` batches) and the bare loop steps
+    at the same total batch, K x ``train.batch_size``."""
     from dataclasses import replace
 
     from fedadapt.config import ConfigError
-    from fedadapt.devices import autocast
-    from fedadapt.experiment import prepare_run
+    from fedadapt.federation.grouped import ClientJob, train_group
     from fedadapt.federation.training import batches_of, make_optimizer, train_local
 
-    prep = prepare_run(cfg, quiet=True)
+    prep = prepare_run_quiet(cfg)
     spec, model, src = prep.spec, prep.model, prep.spec.train_source
     bs, dev = cfg.train.batch_size, torch.device(spec.device)
-    idx = spec.clients[0].train[:steps * bs]
-    if len(idx) < steps * bs:
-        raise ConfigError(f"--steps={steps} is invalid: client 0 has only "
-                          f"{len(spec.clients[0].train)} training images at batch {bs}")
+    pool = np.concatenate([c.train for c in spec.clients])
+    if len(pool) < clients * steps * bs:
+        raise ConfigError(f"--steps={steps} x --clients={clients} x batch {bs} images is more "
+                          f"than the {len(pool)} training images")
+    idx = [pool[k * steps * bs:(k + 1) * steps * bs] for k in range(clients)]
     train = replace(cfg.train, local_epochs=1)
-    batches = batches_of(idx, bs, 1, torch.Generator().manual_seed(0))
     scale = tuple(cfg.train.crop_scale) if cfg.train.crop_scale and src.kind == "images" \
         else None
+    batches = batches_of(np.concatenate(idx), bs * clients, 1, torch.Generator().manual_seed(0))
     crops = None if scale is None else [(scale, np.full(len(b), 7, np.uint64)) for b in batches]
+    start = model.tensors(model.trainable_names())
+    jobs = [ClientJob(cid=k, indices=idx[k], tensors=start, seed=k,
+                      crop_seed=None if scale is None else 7) for k in range(clients)]
 
     def data() -> None:
         for _ in src.stream(batches, dev, crops):
             pass
 
     def ours() -> None:
-        train_local(model, src, idx, train, lr=train.lr, seed=0, precision=spec.precision,
-                    crop_seed=None if scale is None else 7)
+        if clients > 1:
+            train_group(model, src, jobs, train, lr=train.lr, precision=spec.precision)
+        else:
+            train_local(model, src, idx[0], train, lr=train.lr, seed=0,
+                        precision=spec.precision, crop_seed=jobs[0].crop_seed)
 
-    x, y = src.get(batches[0], dev, None if crops is None else crops[0])
-    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], train, train.lr)
-
-    def bare() -> None:
-        model.train()
-        for _ in range(steps):
-            with autocast(dev.type, spec.precision):
-                loss = model.training_loss(x, y)
-            opt.zero_grad(set_to_none=True)
-            loss.float().backward()
-            opt.step()
-
+    bare = _bare_loop(model, src.get(batches[0], dev, None if crops is None else crops[0]),
+                      make_optimizer([p for p in model.parameters() if p.requires_grad], train,
+                                     train.lr), steps, dev, spec.precision)
     loops = {"data": data} if data_only else {"data": data, "fedadapt": ours, "bare": bare}
-    rates: dict[str, list[float]] = {k: [] for k in loops}
+    rates: dict[str, list[float]] = {}
     util = None
     for name, fn in loops.items():
         fn()  # warm-up: kernels, allocator, the store's pages
         with _Utilisation(dev) as u:
-            rates[name] = [_rate(fn, len(idx), dev) for _ in range(repeats)]
+            rates[name] = [_rate(fn, clients * steps * bs, dev) for _ in range(repeats)]
         if name == "fedadapt":
             util = u.mean
     med = {k: statistics.median(v) for k, v in rates.items()}
@@ -288,8 +288,33 @@ def throughput(cfg, *, steps: int, repeats: int, data_only: bool = False) -> dic
             "data_images_per_s": med["data"],
             "ratio": med["fedadapt"] / med["bare"] if "bare" in med else None,
             "device": spec.device, "precision": spec.precision, "batch_size": bs,
-            "image_size": cfg.backbone.image_size, "steps": steps, "repeats": repeats,
-            "gpu_utilisation_mean": util, "runs": rates, "machine": _machine()}
+            "clients": clients, "image_size": cfg.backbone.image_size, "steps": steps,
+            "repeats": repeats, "gpu_utilisation_mean": util, "runs": rates,
+            "machine": _machine()}
+
+
+def prepare_run_quiet(cfg):
+    from fedadapt.experiment import prepare_run
+
+    return prepare_run(cfg, quiet=True)
+
+
+def _bare_loop(model, batch, opt, steps: int, dev: torch.device, precision: str):
+    """A bare PyTorch training loop on one batch already on the device (the ceiling)."""
+    from fedadapt.devices import autocast
+
+    x, y = batch
+
+    def bare() -> None:
+        model.train()
+        for _ in range(steps):
+            with autocast(dev.type, precision):
+                loss = model.training_loss(x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.float().backward()
+            opt.step()
+
+    return bare
 
 
 def _machine() -> str:
@@ -325,6 +350,9 @@ def _parser() -> argparse.ArgumentParser:
                                                 "(Fashion-MNIST, 100 clients)")
     parser.add_argument("--data-only", action="store_true",
                         help="--throughput: only the data path")
+    parser.add_argument("--clients", type=int, default=1,
+                        help="--throughput: clients trained side by side (the bare loop steps "
+                             "at the same total batch)")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides")
     return parser
 
@@ -343,13 +371,15 @@ def _run_throughput(args) -> None:
     from fedadapt.entry import compose_config, to_run_config
 
     cfg = to_run_config(compose_config(THROUGHPUT_BASE + list(args.overrides)))
-    res = throughput(cfg, steps=args.steps, repeats=args.repeats, data_only=args.data_only)
+    res = throughput(cfg, steps=args.steps, repeats=args.repeats, data_only=args.data_only,
+                     clients=args.clients)
     path = _write(args.out, "bench-throughput", {**res, "config": THROUGHPUT_BASE + args.overrides})
     fmt = {k: ("—" if res[k] is None else f"{res[k]:,.0f}")
            for k in ("fedadapt_images_per_s", "bare_images_per_s", "data_images_per_s")}
     ratio = "—" if res["ratio"] is None else f"{res['ratio']:.2f}"
-    print(f"\n| images/s ({res['device']}, {res['precision']}, batch {res['batch_size']}, "
-          f"{res['image_size']} px) | fedadapt | bare loop | data path | ratio |\n"
+    print(f"\n| images/s ({res['device']}, {res['precision']}, {res['clients']} client(s) x "
+          f"batch {res['batch_size']}, {res['image_size']} px) | fedadapt | bare loop | "
+          f"data path | ratio |\n"
           f"|---|---|---|---|---|\n| median of {res['repeats']} x {res['steps']} steps | "
           f"{fmt['fedadapt_images_per_s']} | {fmt['bare_images_per_s']} | "
           f"{fmt['data_images_per_s']} | "

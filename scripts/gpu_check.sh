@@ -46,20 +46,23 @@ rc=$?
   echo '```'
 } >> "$report"
 
-echo "[gpu_check] 2/3 throughput at batch 10 and 64" >&2
+echo "[gpu_check] 2/3 throughput: one client at batch 10 and 64, ten clients x 10 side by side" >&2
 {
   echo
-  echo "## Throughput: one client's local training (\`fedadapt-bench --throughput\`)"
+  echo "## Throughput of local training (\`fedadapt-bench --throughput\`)"
   echo
-  echo "Command: \`fedadapt-bench --throughput --steps 16 ${paper[*]} partition.num_clients=1 train.batch_size=B\`"
+  echo "Command: \`fedadapt-bench --throughput --steps 8 --clients K ${paper[*]} partition.num_clients=1 train.batch_size=B\`"
+  echo "(K clients side by side: the bare loop steps at K x B)"
   echo
-  echo "| batch | fedadapt img/s | bare loop img/s | data path img/s | ratio | GPU util % | precision |"
+  echo "| clients x batch | fedadapt img/s | bare loop img/s | data path img/s | ratio | GPU util % | precision |"
   echo "|---|---|---|---|---|---|---|"
 } >> "$report"
-for bs in 10 64; do
-  fedadapt-bench --throughput --steps 16 --repeats 5 --out "$out/throughput-b$bs.json" \
-    "${paper[@]}" partition.num_clients=1 train.batch_size=$bs > "$out/throughput-b$bs.log" 2>&1
-  python - "$out/throughput-b$bs.json" "$bs" >> "$report" <<'PY' || echo "| $bs | failed: see throughput-b$bs.log | | | | | |" >> "$report"
+for kb in 1:10 1:64 10:10; do
+  k=${kb%%:*}; bs=${kb##*:}
+  fedadapt-bench --throughput --steps 8 --repeats 5 --clients "$k" \
+    --out "$out/throughput-k$k-b$bs.json" "${paper[@]}" partition.num_clients=1 \
+    train.batch_size="$bs" > "$out/throughput-k$k-b$bs.log" 2>&1
+  python - "$out/throughput-k$k-b$bs.json" "$k x $bs" >> "$report" <<'PY' || echo "| $k x $bs | failed: see throughput-k$k-b$bs.log | | | | | |" >> "$report"
 import json, sys
 r = json.load(open(sys.argv[1]))
 f = lambda v, d=0: "—" if v is None else f"{v:,.{d}f}"

@@ -137,3 +137,38 @@ def test_dropout_draws_depend_on_the_group_but_not_their_distribution(cache_dir)
     assert not np.allclose(a, g)
     sem = np.sqrt(a.var(ddof=1) / len(a) + g.var(ddof=1) / len(g))
     assert abs(a.mean() - g.mean()) < 3 * sem + 1e-6
+
+
+def test_personalization_side_by_side_equals_one_after_another(cache_dir, flower_task):
+    """Clients with their own corruptions personalize their part side by side (K = 3) as they
+    would one after another (K = 1): same accuracies and personalized tensors."""
+    from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
+
+    from fedadapt.federation import records
+    from fedadapt.federation.checkpoint import load_client_state
+    from fedadapt.federation.worker import personalize_clients
+
+    prep = prepared(cache_dir, AccumulatorConfig(head_hidden=[16]), backbone=TINY_VIT,
+                    setting=SettingConfig(name="personalization", personalize="accumulator",
+                                          epochs=1, severities=[0, 3, 5]))
+    spec, model = prep.spec, prep.model
+    arrays = ArrayRecord(model.tensors(model.communicated_names()))
+    outs, states = [], []
+    for k in (1, 3):
+        spec.state_dir = f"{cache_dir}/pers-{k}"
+        ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 0}, state=RecordDict(),
+                      run_config={})
+        content = RecordDict({"arrays": arrays, "config": ConfigRecord(
+            {"phase": "personalize", "server-round": 3, "clients": [0, 1, 2],
+             "group-size": k})})
+        outs.append(records.unpack(personalize_clients(spec, content, ctx)))
+        states.append([load_client_state(f"{spec.state_dir}/{c}/personalized", 3)
+                       for c in range(3)])
+    assert {c for c in range(3) if spec.client_corruptions[c][1] > 0}  # corrupted data in play
+    for c in range(3):
+        one, side = (o[c].metric_records["metrics"] for o in outs)
+        assert one["acc_before"] == side["acc_before"]
+        assert one["acc_after"] == pytest.approx(side["acc_after"], abs=1 / 30)
+        assert one["train_loss"] == pytest.approx(side["train_loss"], rel=1e-4)
+        for name, t in states[0][c].items():
+            torch.testing.assert_close(states[1][c][name], t, atol=2e-5, rtol=1e-4)

@@ -92,19 +92,36 @@ class DataSource:
             return iter(())
         if self.kind == "features":
             return _feature_stream(self, batches, device)
-        if crops is not None and any(c is not None for c in crops) and self.preprocess is None:
-            raise ValueError("training crops need an image source")
-        labels = self.labels()
+        return stream_parts([[(self, b)] for b in batches], device, crops)
 
-        def make(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-            idx = batches[i]
-            rows = _to_device(torch.from_numpy(self.images(idx)), device)
-            y = _to_device(torch.from_numpy(labels[idx]), device)
-            crop = crops[i] if crops is not None else None
-            return model_input(rows, self.preprocess,
-                               None if crop is None else (crop[0], crop[1], idx)), y
 
-        return prefetched(len(batches), make, device)
+def stream_parts(batches: Sequence[Sequence[tuple[DataSource, np.ndarray]]],
+                 device: str | torch.device, crops: Optional[Sequence[Crop]] = None
+                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Image batches each assembled from parts ``(source, indices)`` of one split, e.g. clients
+    trained side by side whose data carry their own corruptions; otherwise as
+    :meth:`DataSource.stream`."""
+    device = torch.device(device)
+    first = batches[0][0][0] if batches else None
+    if first is None:
+        return iter(())
+    if crops is not None and any(c is not None for c in crops) and first.preprocess is None:
+        raise ValueError("training crops need an image source")
+    labels = first.labels()
+
+    def make(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = batches[i]
+        idx = np.concatenate([ix for _, ix in parts])
+        rows = [src.images(ix) for src, ix in parts]
+        if len({r.shape[-1] for r in rows}) > 1:  # clean grey beside corrupted RGB rows
+            rows = [np.repeat(r, 3, axis=-1) if r.shape[-1] == 1 else r for r in rows]
+        x = _to_device(torch.from_numpy(np.concatenate(rows)), device)
+        y = _to_device(torch.from_numpy(labels[idx]), device)
+        crop = crops[i] if crops is not None else None
+        return model_input(x, first.preprocess,
+                           None if crop is None else (crop[0], crop[1], idx)), y
+
+    return prefetched(len(batches), make, device)
 
 
 def _feature_stream(source: DataSource, batches: list[np.ndarray], device: torch.device

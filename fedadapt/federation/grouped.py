@@ -55,6 +55,9 @@ class ClientJob:
     crop_seed: Optional[int] = None
     #: The exits a step draws from (None: the model's own forward).
     exits: Optional[list[int]] = None
+    #: The client's own data when it differs from the group's (a personalizing client's
+    #: corrupted images); None = the shared source.
+    source: Optional[DataSource] = None
 
 
 @dataclass
@@ -196,8 +199,9 @@ class UsedTensors:
         self.precision = precision
 
     def __call__(self, exit_: Optional[int]) -> frozenset[str]:
-        if exit_ not in self.cache:
-            model = self.model
+        model = self.model
+        key = (exit_, tuple(n for n, p in model.named_parameters() if p.requires_grad))
+        if key not in self.cache:  # per exit and trainable set (personalization changes it)
             dev = next(model.parameters()).device
             x, y = self.source.get(np.array([self.index]), dev)
             from fedadapt.devices import autocast
@@ -206,10 +210,10 @@ class UsedTensors:
             with torch.enable_grad(), autocast(dev.type, self.precision):
                 loss = _Call(model)(x, y, None, exit_)
             loss.float().backward()
-            self.cache[exit_] = frozenset(n for n, p in model.named_parameters()
-                                          if p.requires_grad and p.grad is not None)
+            self.cache[key] = frozenset(n for n, p in model.named_parameters()
+                                        if p.requires_grad and p.grad is not None)
             model.zero_grad(set_to_none=True)
-        return self.cache[exit_]
+        return self.cache[key]
 
 
 def train_group(model: nn.Module, source: DataSource, jobs: list[ClientJob], train: TrainConfig,
@@ -232,10 +236,9 @@ def train_group(model: nn.Module, source: DataSource, jobs: list[ClientJob], tra
     call = _Call(model)
     torch.manual_seed(derive_seed(jobs[0].seed, len(jobs), 0xD809))  # dropout (see docstring)
     model.train()
-    batches = [np.concatenate([scheds[k].batches[t] for k in ks]) for t, ks in plan]
     crops = _crops(jobs, scheds, plan, train, source)
     step_of = [t for t, _ in plan]
-    for i, (x, y) in enumerate(source.stream(batches, dev, crops)):
+    for i, (x, y) in enumerate(_stream(source, jobs, scheds, plan, dev, crops)):
         t, ks = plan[i]
         if i == 0 or step_of[i - 1] != t:
             opt.zero_grad()
@@ -266,6 +269,19 @@ def train_group(model: nn.Module, source: DataSource, jobs: list[ClientJob], tra
     return [r if r is not None else ClientResult(
         {n: j.tensors[n].detach().cpu().clone() for n in names}, 0.0, 0)
         for r, j in zip(results, jobs)]
+
+
+def _stream(source: DataSource, jobs: list[ClientJob], scheds: list[_Schedule], plan, dev,
+            crops):
+    """The buckets' batches on the device: from the shared source, or assembled from each
+    client's own source when clients bring their own (corrupted) data."""
+    if all(j.source is None for j in jobs):
+        batches = [np.concatenate([scheds[k].batches[t] for k in ks]) for t, ks in plan]
+        return source.stream(batches, dev, crops)
+    from fedadapt.data.sources import stream_parts
+
+    return stream_parts([[(jobs[k].source or source, scheds[k].batches[t]) for k in ks]
+                         for t, ks in plan], dev, crops)
 
 
 def _first_index(jobs: list[ClientJob]) -> int:

@@ -351,7 +351,7 @@ def personalize_clients(grid: Grid, nodes: Nodes, state: ServerState, plan: Serv
     the replies carry metrics only. Returns one row per client that answered."""
     server_round = state.num_rounds + 1
     payload = _payload(nodes, state, plan, ConfigRecord(
-        {"phase": "personalize", "server-round": server_round}))
+        {"phase": "personalize", "server-round": server_round, "group-size": plan.group_size}))
     rows, down, up = ask_every_client(grid, nodes, plan, payload["shared"], MessageType.TRAIN,
                                       "personalization", server_round,
                                       per_client=payload.get("per_client"))

@@ -17,7 +17,9 @@ or, without a state folder (a deployment client), in its ``context.state``.
 
 from __future__ import annotations
 
+import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -37,7 +39,8 @@ from fedadapt.federation.training import (
     initial_personal,
     train_local,
 )
-from fedadapt.settings import step_exits
+from fedadapt.log import log
+from fedadapt.settings import only_training, part_names, step_exits
 
 #: ``context.state`` key of a deployment client's personal tensors.
 PERSONAL_KEY = "personal"
@@ -151,14 +154,14 @@ def _reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-def _run_group(spec: RunSpec, model, jobs: list[ClientJob], lr: float, mu: float
+def _run_group(spec: RunSpec, model, jobs: list[ClientJob], lr: float, mu: float, train
                ) -> list[ClientResult]:
     if len(jobs) > 1:
-        return train_group(model, spec.train_source, jobs, spec.train, lr=lr,
+        return train_group(model, spec.train_source, jobs, train, lr=lr,
                            precision=spec.precision, proximal_mu=mu, used=used_tensors(spec))
     (job,) = jobs
     model.load_tensors(job.tensors)
-    loss, seen = train_local(model, spec.train_source, job.indices, spec.train, lr=lr,
+    loss, seen = train_local(model, job.source or spec.train_source, job.indices, train, lr=lr,
                              seed=job.seed, proximal_mu=mu, exits=job.exits,
                              crop_seed=job.crop_seed, precision=spec.precision)
     return [ClientResult(model.tensors(model.trainable_names()), loss, seen)]
@@ -174,29 +177,36 @@ def _groups(jobs: list[ClientJob], size: int) -> list[list[ClientJob]]:
 
 
 def _train_groups(spec: RunSpec, model, jobs: list[ClientJob], size: int, lr: float,
-                  mu: float) -> dict[int, ClientResult | str]:
+                  mu: float, train=None) -> dict[int, ClientResult | str]:
     """Each client's result, or the reason it failed: a group that raises is retried one client
-    at a time, so only the client at fault fails."""
+    at a time, so only the client at fault fails; a group that does not fit in GPU memory is
+    split in halves until it does (with a warning naming the size that fits)."""
+    train = train or spec.train
     out: dict[int, ClientResult | str] = {}
-    for group in _groups(jobs, size):
+    pending = _groups(jobs, size)
+    while pending:
+        group = pending.pop(0)
         try:
-            out.update(zip((j.cid for j in group), _run_group(spec, model, group, lr, mu)))
-            continue
+            out.update(zip((j.cid for j in group), _run_group(spec, model, group, lr, mu, train)))
         except torch.cuda.OutOfMemoryError as err:
-            reason = (f"a group of {len(group)} clients does not fit in GPU memory ({err}); "
-                      f"set federation.clients_per_worker to fewer")
+            torch.cuda.empty_cache()
             if len(group) == 1:
-                out[group[0].cid] = reason
+                out[group[0].cid] = (f"one client's step does not fit in GPU memory at "
+                                     f"train.batch_size={train.batch_size} ({err})")
                 continue
-        except Exception as err:  # isolate the client at fault below
+            half = (len(group) + 1) // 2
+            log(f"[worker] a group of {len(group)} clients does not fit in GPU memory: training "
+                f"groups of {half} (set federation.clients_per_worker={half})")
+            pending[:0] = [group[:half], group[half:]]
+        except Exception:  # isolate the client at fault
             if len(group) == 1:
-                out[group[0].cid] = _reason(err)
+                out[group[0].cid] = _reason(sys.exc_info()[1])
                 continue
-        for job in group:
-            try:
-                out[job.cid] = _run_group(spec, model, [job], lr, mu)[0]
-            except Exception as err:
-                out[job.cid] = _reason(err)
+            for job in group:
+                try:
+                    out[job.cid] = _run_group(spec, model, [job], lr, mu, train)[0]
+                except Exception as err:
+                    out[job.cid] = _reason(err)
     return out
 
 
@@ -243,6 +253,70 @@ def train_clients(spec: RunSpec, content: RecordDict, context: Context) -> Recor
             {"num-examples": len(spec.clients[cid].train), records.UNIFORM_KEY: 1.0,
              "train_loss": res.loss})})
     return records.pack(replies)
+
+
+def personalize_clients(spec: RunSpec, content: RecordDict, context: Context) -> RecordDict:
+    """The personalization step for every named client: from the global model, fine-tune
+    ``setting.personalize`` for ``setting.epochs`` epochs on its own (corrupted, if it has a
+    corruption) training split at its tier's exit, side by side like training; accuracy on its
+    test split before and after. The personalized tensors stay on the client
+    (``<state_dir>/<client>/personalized/``); the reply carries metrics only."""
+    st, config = spec.setting, content.config_records["config"]
+    rnd = int(config["server-round"])
+    model = cached_model(spec)
+    names = part_names(model, st.personalize)
+    # the process's model serves every client: frozen tensors a part trains (personalize=full)
+    # are put back afterwards
+    frozen = model.tensors(sorted(set(names) - set(model.trainable_names())))
+    train = replace(spec.train, local_epochs=st.epochs, lr=st.lr or spec.train.lr)
+    replies, jobs, before, start = {}, [], {}, {}
+    for cid in records.clients_of(content):
+        try:
+            start[cid] = {**frozen, **client_tensors(spec, model, cid,
+                                                     received_arrays(content, cid), rnd - 1,
+                                                     context)}
+            model.load_tensors(start[cid])
+            source, exits = _personal_data(spec, cid)
+            before[cid] = local_accuracy(model, spec, spec.clients[cid].test, exits, source)[1]
+            jobs.append(ClientJob(cid=cid, indices=spec.clients[cid].train,
+                                  tensors=model.tensors(names),
+                                  seed=derive_seed(spec.seed, 0xC1, cid),
+                                  crop_seed=derive_seed(spec.seed, 0xC2, cid), exits=exits,
+                                  source=source))
+        except Exception as err:
+            replies[cid] = records.error(_reason(err))
+    with only_training(model, names):
+        results = _train_groups(spec, model, jobs, int(config.get("group-size", 1)), train.lr,
+                                0.0, train)
+    for job in jobs:
+        res = results[job.cid]
+        if isinstance(res, str):
+            replies[job.cid] = records.error(res)
+            continue
+        model.load_tensors({**start[job.cid], **res.tensors})
+        source, exits = _personal_data(spec, job.cid)
+        _, after, n = local_accuracy(model, spec, spec.clients[job.cid].test, exits, source)
+        if (folder := _state_dir(spec, job.cid)) is not None:
+            save_client_state(folder / "personalized", rnd, res.tensors)
+        tier = spec.client_exits[job.cid] if spec.client_exits else -1
+        replies[job.cid] = RecordDict({"metrics": MetricRecord({
+            "num-examples": n, "tier": tier, "severity": _personal_data(spec, job.cid, True),
+            "acc_before": before[job.cid], "acc_after": after, "train_loss": res.loss,
+            "personalized_params": sum(t.numel() for t in res.tensors.values())})})
+    model.load_tensors(frozen)
+    return records.pack(replies)
+
+
+def _personal_data(spec: RunSpec, cid: int, severity_only: bool = False):
+    """A personalizing client's data (corrupted with its kind and severity) and exits."""
+    kind, severity = spec.client_corruptions[cid] if spec.client_corruptions else ("none", 0)
+    if severity_only:
+        return severity
+    source = spec.train_source
+    if severity > 0:
+        source = source.corrupted(kind, severity, derive_seed(spec.seed, 0xC0, cid))
+    tier = spec.client_exits[cid] if spec.client_exits else None  # None: no exits
+    return source, None if tier is None else [tier]
 
 
 # -- evaluation and per-client phases ---------------------------------------------------------
@@ -292,4 +366,5 @@ def for_each_client(content: RecordDict,
 
 
 __all__ = ["PERSONAL_KEY", "client_exits", "evaluate_one", "for_each_client", "keep_personal",
-           "load_personal", "local_accuracy", "sent_names", "train_clients"]
+           "load_personal", "local_accuracy", "personalize_clients", "sent_names",
+           "train_clients"]
