@@ -323,15 +323,16 @@ def _bucket_losses(call: _Call, stacked: dict, frozen: dict, ks: list[int], x: t
 
 
 def _attention_for_vmap(dev: torch.device):
-    """On the CPU, scaled-dot-product attention's fused kernel has no vmap batching rule (torch
-    would loop over the clients); its math form batches into one matmul."""
-    import contextlib
-
-    if dev.type != "cpu":
-        return contextlib.nullcontext()
+    """Attention kernels that ``vmap`` batches into one call: on the CPU the math form (the
+    fused CPU kernel has no batching rule, so torch would loop over the clients); on CUDA the
+    flash and memory-efficient kernels, which have batching rules, or the math form (cuDNN's
+    kernel, which torch may prefer on Hopper, has none)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel(SDPBackend.MATH)
+    if dev.type != "cuda":
+        return sdpa_kernel(SDPBackend.MATH)
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                        SDPBackend.MATH])
 
 
 __all__ = ["ClientJob", "ClientResult", "StackedOptimizer", "UsedTensors", "train_group"]
