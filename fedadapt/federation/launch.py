@@ -1,4 +1,5 @@
-"""Launch a run on Flower's simulation engine (Ray backend)."""
+"""Launch a run on Flower's simulation engine (Ray backend); the Ray cluster part lives in
+:mod:`fedadapt.federation.cluster`."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import torch
 
 from fedadapt.config import FederationConfig
+from fedadapt.federation import cluster
 from fedadapt.federation.server import ServerPlan, ServerState, make_server_app
 
 
@@ -32,10 +34,17 @@ def run_simulation(plan: ServerPlan, client_app, fed: FederationConfig) -> Serve
     flwr_logger.propagate = False  # it has its own handler; Hydra's root handler would repeat it
     backend_config = {
         "client_resources": client_resources(fed),
-        "init_args": {"logging_level": level, "log_to_driver": True,
-                      "include_dashboard": False},
+        # the Ray cluster: a private local instance or a running one (federation.ray_*)
+        "init_args": cluster.init_args(fed, logging_level=level),
     }
-    flwr_run_simulation(server_app=make_server_app(plan), client_app=client_app,
+    server_app = make_server_app(plan)
+
+    @server_app.lifespan()
+    def _placement(context):  # after the rounds, while the actors still exist
+        yield
+        cluster.log_placement("ray", fed.ray_address)
+
+    flwr_run_simulation(server_app=server_app, client_app=client_app,
                         num_supernodes=plan.num_clients, backend_config=backend_config,
                         verbose_logging=fed.verbose)
     if plan.error is not None:
