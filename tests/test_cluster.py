@@ -14,11 +14,10 @@ import threading
 import time
 
 import pytest
+from conftest import tiny_run
 
 from fedadapt.config import ConfigError, FederationConfig, validate
 from fedadapt.federation import cluster
-
-from conftest import tiny_run
 
 
 def _free_port() -> int:
