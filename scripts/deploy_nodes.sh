@@ -202,9 +202,11 @@ pid=$(spawn localhost "$d/supernode.log" "exec '$SL_BIN/flower-supernode' --supe
 --max-retries 0")
 for _ in $(seq 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
 if kill -0 "$pid" 2>/dev/null; then die "a SuperNode with an unregistered key kept running"; fi
-log "a SuperNode with an unregistered key was refused: $(grep -m1 -io \
-    'unauthenticated\|not registered\|permission denied\|unauthorized[^.]*' "$d/supernode.log" \
-    || tail -n1 "$d/supernode.log")"
+grep -q "No SuperNode found with the given public key" "$WORK/superlink.log" \
+    || die "the SuperLink did not log refusing the unregistered key"
+log "a SuperNode with an unregistered key was refused: $(grep -m1 -o \
+    'Failed to activate SuperNode' "$d/supernode.log" || true) (SuperLink: No SuperNode found \
+with the given public key)"
 
 # 6. The same config on the simulation engine, for comparison.
 if [[ "$COMPARE" == 1 ]]; then
