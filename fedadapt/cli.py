@@ -191,7 +191,7 @@ def missing_launcher(argv: list[str], installed=None) -> str | None:
     def found(module: str) -> bool:
         try:
             return importlib.util.find_spec(module) is not None
-        except ModuleNotFoundError:
+        except (ImportError, ValueError):  # a parent package missing, or blocked
             return False
 
     installed = installed or found

@@ -56,11 +56,15 @@ def _owner() -> dict:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host still runs (a zombie does not)."""
     try:
         os.kill(pid, 0)
     except OSError as err:
         return err.errno == errno.EPERM
-    return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _holder(lock: Path) -> dict | None:
