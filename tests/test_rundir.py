@@ -53,6 +53,17 @@ def test_lock_refuses_a_live_holder_and_an_existing_job(tmp_path):
     rundir.unlock_run_dir(run)
 
 
+def test_a_run_into_a_directory_holding_a_job_is_refused(tmp_path, cache_dir):
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / rundir.JOB).write_text('{"overrides": []}')
+    proc = _fedadapt([*TINY, f"hydra.run.dir={taken}", f"output_dir={tmp_path}"], cache_dir)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in err
+    assert f"run directory {taken} holds a job already" in err.strip().splitlines()[-1]
+    assert sorted(p.name for p in taken.iterdir()) == [rundir.JOB]
+
+
 def _compose(overrides, tmp_path):
     from hydra import compose, initialize_config_module
 
