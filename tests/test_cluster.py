@@ -104,6 +104,9 @@ def test_flower_actor_pool_spreads_over_every_node():
     try:
         two.add_node(num_cpus=1, object_store_memory=80 * 2**20)
         two.wait_for_nodes()
+        fed = FederationConfig(ray_address=two.address)
+        assert cluster.cluster_nodes(fed) == [{"CPU": 1.0, "GPU": 0.0}] * 2  # for sizing
+        assert not ray.is_initialized()
         ray.init(address=two.address, logging_level="ERROR", include_dashboard=False)
         pool = BasicActorPool(actor_type=ClientAppActor,
                               client_resources={"num_cpus": 1, "num_gpus": 0.0},

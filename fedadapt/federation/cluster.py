@@ -113,6 +113,32 @@ def check_reachable(fed: FederationConfig) -> None:
         probe(address, fed.ray_address or address)
 
 
+def cluster_nodes(fed: FederationConfig) -> Optional[list[dict[str, float]]]:
+    """``[{"CPU": c, "GPU": g}, ...]``, one entry per live node of the cluster at
+    ``federation.ray_address``; None for a private local instance (then this machine's
+    resources, or ``federation.ray_*``, are what there is). For sizing a run's workers to a
+    cluster before the simulation starts; connects briefly when Ray is not connected yet."""
+    import logging
+
+    address = resolve_address(fed.ray_address)
+    if address is None:
+        return None
+    import ray
+
+    connected = ray.is_initialized()
+    if not connected:
+        probe(address, fed.ray_address or address)
+        ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False,
+                 include_dashboard=False)
+    try:
+        return [{"CPU": float(n["Resources"].get("CPU", 0)),
+                 "GPU": float(n["Resources"].get("GPU", 0))}
+                for n in ray.nodes() if n.get("Alive") and n.get("Resources")]
+    finally:
+        if not connected:
+            ray.shutdown()
+
+
 def init_args(fed: FederationConfig, *, logging_level: int) -> dict[str, Any]:
     """The ``ray.init`` keyword arguments for ``fed`` (Flower's ``backend_config["init_args"]``).
 
