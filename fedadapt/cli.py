@@ -15,7 +15,9 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -24,6 +26,7 @@ import fedadapt  # noqa: F401  (torchvision shim first)
 from fedadapt.config import ConfigError, FedadaptError, RunConfig
 from fedadapt.entry import register_configs, to_run_config
 from fedadapt.paths import CONF_PATH
+from fedadapt.results import rundir
 
 register_configs()
 
@@ -55,7 +58,7 @@ def _remove_if_empty(run_dir: Path, root: Path) -> None:
         d = d.parent
 
 
-JOB = "job.json"
+JOB = rundir.JOB
 
 
 def resume_target(path: str) -> tuple[Path, list[str]]:
@@ -74,6 +77,7 @@ def resume_target(path: str) -> tuple[Path, list[str]]:
 def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
             resume: bool = False) -> list[dict]:
     from fedadapt.experiment import prepare_run, run_experiment
+    from fedadapt.federation.cluster import check_reachable
     from fedadapt.results.plots import plot_curves
     from fedadapt.results.store import SUMMARY, atomic_write, read_jsonl, write_json
     from fedadapt.results.tables import run_tables
@@ -84,6 +88,8 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
     done = {name: json.loads((d / SUMMARY).read_text()) for name, d in dirs.items()
             if resume and (d / SUMMARY).is_file()}
     # Everything that can fail on bad input happens before the first file is written.
+    for _, run, _ in jobs:  # a Ray cluster named but not answering: fail in seconds
+        check_reachable(run.federation)
     prepared = {name: prepare_run(run, quiet=i > 0) for i, (name, run, _) in enumerate(jobs)
                 if name not in done}
     if not resume:
@@ -119,6 +125,16 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
     return summaries
 
 
+@contextmanager
+def _holding(run_dir: Path, *, resume: bool = False) -> Iterator[None]:
+    """Hold ``run_dir``'s lock for the job (see :mod:`fedadapt.results.rundir`)."""
+    rundir.lock_run_dir(run_dir, resume=resume)
+    try:
+        yield
+    finally:
+        rundir.unlock_run_dir(run_dir)
+
+
 @hydra.main(version_base=None, config_path=CONF_PATH, config_name="config")
 def _main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
@@ -137,9 +153,11 @@ def _main(cfg: DictConfig) -> None:
             _remove_if_empty(run_dir, root)
             job_dir, overrides = resume_target(cfg.resume)
             cfg = compose(config_name="config", overrides=overrides)
-            run_job(cfg, job_dir, overrides, resume=True)
+            with _holding(job_dir, resume=True):
+                run_job(cfg, job_dir, overrides, resume=True)
         else:
-            run_job(cfg, run_dir, overrides)
+            with _holding(run_dir):  # before anything is written: one run per directory
+                run_job(cfg, run_dir, overrides)
     except FedadaptError as err:
         print(f"fedadapt: error: {err}", file=sys.stderr)
         _remove_if_empty(run_dir, root)
@@ -150,8 +168,52 @@ def _main(cfg: DictConfig) -> None:
         raise
 
 
+#: Hydra launchers that come from a plugin: ``hydra/launcher=NAME`` -> (module, pip package).
+LAUNCHER_PLUGINS = {
+    "joblib": ("hydra_plugins.hydra_joblib_launcher", "hydra-joblib-launcher"),
+    "slurm": ("hydra_plugins.hydra_submitit_launcher", "hydra-submitit-launcher"),
+    "submitit_slurm": ("hydra_plugins.hydra_submitit_launcher", "hydra-submitit-launcher"),
+    "submitit_local": ("hydra_plugins.hydra_submitit_launcher", "hydra-submitit-launcher"),
+    "ray": ("hydra_plugins.hydra_ray_launcher", "hydra-ray-launcher"),
+    "rq": ("hydra_plugins.hydra_rq_launcher", "hydra-rq-launcher"),
+}
+#: fedadapt's optional extra that installs a launcher plugin.
+LAUNCHER_EXTRAS = {"hydra-joblib-launcher": "joblib", "hydra-submitit-launcher": "slurm"}
+
+
+def missing_launcher(argv: list[str], installed=None) -> str | None:
+    """The one-line error for a ``hydra/launcher=NAME`` whose plugin is not installed, or None.
+
+    ``installed(module) -> bool`` defaults to an import-system lookup (nothing is imported).
+    """
+    import importlib.util
+
+    def found(module: str) -> bool:
+        try:
+            return importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a parent package missing, or blocked
+            return False
+
+    installed = installed or found
+    for arg in argv:
+        key, _, name = arg.partition("=")
+        if key.lstrip("+~") != "hydra/launcher" or name not in LAUNCHER_PLUGINS:
+            continue
+        module, package = LAUNCHER_PLUGINS[name]
+        if not installed(module):
+            extra = LAUNCHER_EXTRAS.get(package)
+            hint = f" (or pip install 'fedadapt[{extra}]')" if extra else ""
+            return (f"hydra/launcher={name} needs the Hydra plugin {package}, which is not "
+                    f"installed: pip install {package}{hint}")
+    return None
+
+
 def main() -> None:
     """Console-script entry point."""
+    problem = missing_launcher(sys.argv[1:])
+    if problem:
+        print(f"fedadapt: error: {problem}", file=sys.stderr)
+        sys.exit(2)
     _main()
 
 

@@ -200,6 +200,20 @@ class FederationConfig:
     checkpoint_every: int = 5
     #: Show Flower's own INFO logs.
     verbose: bool = False
+    #: The Ray cluster the simulated clients run on (see fedadapt.federation.cluster): null =
+    #: a private local Ray instance for this run (ignores ``$RAY_ADDRESS`` and clusters left
+    #: by ``ray start``); ``HOST:PORT`` = a running cluster's GCS address (what ``ray start
+    #: --head`` prints); ``auto`` = Ray's own discovery (``$RAY_ADDRESS``, else the last ``ray
+    #: start`` on this machine). An address where no cluster answers fails within seconds.
+    ray_address: Optional[str] = None
+    #: CPUs / GPUs of the private local instance (``ray.init``); null = all that Ray detects
+    #: (CPUs inside a Slurm job: ``$SLURM_CPUS_PER_TASK``).
+    #: With ``ray_address`` they must stay null: each node's ``ray start`` sets its resources.
+    ray_num_cpus: Optional[int] = None
+    ray_num_gpus: Optional[int] = None
+    #: Object store of the private local instance, in bytes (Ray's minimum: 78643200);
+    #: null = Ray's default (30% of the memory).
+    ray_object_store_memory: Optional[int] = None
     #: Which evaluated round the summary reports: ``last``, or ``best_val`` (the round with the
     #: best mean validation accuracy of the clients, as FedCLIP's authors select; clients then
     #: also evaluate their validation split).
@@ -261,6 +275,28 @@ def check(ok: bool, key: str, value: Any, rule: str) -> None:
     """Raise :class:`ConfigError` ``"<key>=<value> is invalid: <rule>"`` unless ``ok``."""
     if not ok:
         raise ConfigError(f"{key}={value!r} is invalid: {rule}")
+
+
+#: Ray's smallest object store (``ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES``).
+RAY_MIN_OBJECT_STORE = 75 * 1024 * 1024
+
+
+def _validate_ray(f: FederationConfig) -> None:
+    """The ``federation.ray_*`` keys: local resources only for a private instance."""
+    check(f.ray_num_cpus is None or f.ray_num_cpus >= 1, "federation.ray_num_cpus",
+          f.ray_num_cpus, "must be >= 1 or null")
+    check(f.ray_num_gpus is None or f.ray_num_gpus >= 0, "federation.ray_num_gpus",
+          f.ray_num_gpus, "must be >= 0 or null")
+    check(f.ray_object_store_memory is None or f.ray_object_store_memory
+          >= RAY_MIN_OBJECT_STORE, "federation.ray_object_store_memory",
+          f.ray_object_store_memory, f"bytes, at least {RAY_MIN_OBJECT_STORE} (75 MiB), or null")
+    check(f.ray_address is None or f.ray_address.strip() != "", "federation.ray_address",
+          f.ray_address, "HOST:PORT, 'auto', or null for a private local instance")
+    if f.ray_address not in (None, "local"):
+        for key in ("ray_num_cpus", "ray_num_gpus", "ray_object_store_memory"):
+            check(getattr(f, key) is None, f"federation.{key}", getattr(f, key),
+                  f"must be null with federation.ray_address={f.ray_address!r}: a running "
+                  f"cluster's resources are set by each node's `ray start`")
 
 
 def validate(cfg: RunConfig) -> RunConfig:
@@ -347,6 +383,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     check(f.num_gpus is None or f.num_gpus >= 0, "federation.num_gpus", f.num_gpus,
            "must be >= 0 or null")
     check(f.eval_every >= 1, "federation.eval_every", f.eval_every, "must be >= 1")
+    _validate_ray(f)
     check(f.round_timeout is None or f.round_timeout > 0, "federation.round_timeout",
            f.round_timeout, "must be > 0 or null")
     check(0 < f.min_reply_fraction <= 1, "federation.min_reply_fraction",

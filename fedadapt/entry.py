@@ -25,6 +25,7 @@ def register_configs() -> None:
         SettingConfig,
     )
 
+    register_resolvers()
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     cs.store(group="dataset", name="dataset_schema", node=DatasetConfig)
@@ -33,6 +34,15 @@ def register_configs() -> None:
     cs.store(group="setting", name="setting_schema", node=SettingConfig)
     for name, spec in METHODS.items():
         cs.store(group="method", name=f"{name}_schema", node=spec.config_cls)
+
+
+def register_resolvers() -> None:
+    """OmegaConf resolvers of the shipped config: ``${unique_dir:PATH}`` claims a new run or
+    sweep folder (see :mod:`fedadapt.results.rundir`); cached, so a sweep claims one."""
+    from fedadapt.results.rundir import claim_new_dir
+
+    if not OmegaConf.has_resolver("unique_dir"):
+        OmegaConf.register_new_resolver("unique_dir", claim_new_dir, use_cache=True)
 
 
 def to_run_config(cfg: DictConfig) -> RunConfig:

@@ -28,6 +28,7 @@ from fedadapt.experiment import PreparedRun, prepare_run, run_experiment
 from fedadapt.federation.server import execute_plan
 from fedadapt.federation.training import RunSpec
 from fedadapt.log import log
+from fedadapt.results.rundir import claim_new_dir
 
 #: Run config keys (``[tool.flwr.app.config]``; ``flwr run --run-config 'overrides="..."'``).
 OVERRIDES_KEY = "overrides"
@@ -83,9 +84,10 @@ def main(grid: Grid, context: Context) -> None:
     cfg = to_run_config(composed)
     if cfg.compare:
         log(f"[deploy] ignoring compare={cfg.compare}: deployment runs method={cfg.method.name}")
-    run_dir = (Path(cfg.output_dir).resolve() / cfg.experiment
-               / f"deploy_{time.strftime('%Y-%m-%d_%H-%M-%S')}")
     prep = prepare_run(cfg)
+    # claimed (exclusive mkdir; `_2`, ... if another run took the name in the same second)
+    run_dir = Path(claim_new_dir(Path(cfg.output_dir).resolve() / cfg.experiment
+                                 / f"deploy_{time.strftime('%Y-%m-%d_%H-%M-%S')}"))
     log(f"[deploy] Flower run {context.run_id}: {cfg.method.name}, {cfg.rounds} rounds, "
         f"waiting for {cfg.partition.num_clients} SuperNodes; run directory {run_dir}")
     run_experiment(cfg, run_dir, config_yaml=OmegaConf.to_yaml(composed, resolve=True),

@@ -4,6 +4,7 @@ The simulated Flower nodes are the run's *workers* (``plan.num_nodes``, see
 :mod:`fedadapt.federation.sizing`), each a Ray actor with ``plan.resources``; the clients are
 named in the messages. With no GPU asked for (``federation.num_gpus=0``, or none present) the
 GPUs are hidden from the driver's Ray session and its actors, so CUDA is never initialised.
+The Ray cluster part lives in :mod:`fedadapt.federation.cluster`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import warnings
 
 from fedadapt.config import FederationConfig
+from fedadapt.federation import cluster
 from fedadapt.federation.server import ServerPlan, ServerState, make_server_app
 
 
@@ -47,15 +49,22 @@ def run_simulation(plan: ServerPlan, client_app, fed: FederationConfig) -> Serve
     resources = dict(plan.resources)
     backend_config = {
         "client_resources": resources,
-        "init_args": {"logging_level": level, "log_to_driver": True,
-                      "include_dashboard": False},
+        # the Ray cluster: a private local instance or a running one (federation.ray_*)
+        "init_args": cluster.init_args(fed, logging_level=level),
     }
+    server_app = make_server_app(plan)
+
+    @server_app.lifespan()
+    def _placement(context):  # after the rounds, while the actors still exist
+        yield
+        cluster.log_placement("ray", fed.ray_address)
+
     cpu_only = not resources.get("num_gpus")
     with _gpus_hidden(cpu_only), warnings.catch_warnings():
         # Ray's notice that it hides GPUs from actors that ask for none: fedadapt relies on it
         warnings.filterwarnings("ignore", message="Tip: In future versions of Ray",
                                 category=FutureWarning)
-        flwr_run_simulation(server_app=make_server_app(plan), client_app=client_app,
+        flwr_run_simulation(server_app=server_app, client_app=client_app,
                             num_supernodes=plan.num_nodes, backend_config=backend_config,
                             verbose_logging=fed.verbose)
     if plan.error is not None:

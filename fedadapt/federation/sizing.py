@@ -1,7 +1,8 @@
 """How many workers a simulation runs and how many clients each trains side by side
 (``federation.workers``, ``federation.clients_per_worker``).
 
-* **Workers** (``auto``): one per GPU; on the CPU one per two cores. Each is a Ray actor holding
+* **Workers** (``auto``): one per GPU; on the CPU one per two cores (of this machine, of
+  ``federation.ray_num_*``, or of every live node at ``federation.ray_address``). Each is a Ray actor holding
   the frozen backbone once; a round's sampled clients split evenly over them.
 * **Clients per worker** ``K`` (``auto``): on a GPU, from the measured memory of one client's
   training step: a group of one and of two clients are each stepped once on the device and
@@ -18,7 +19,6 @@ help when one worker cannot use the device (or on CPUs with many cores).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from fedadapt.config import ConfigError, FederationConfig
+from fedadapt.federation import cluster
 from fedadapt.log import log
 
 #: A CPU group's step holds at most this many images (``K x batch``).
@@ -61,8 +62,7 @@ def size_simulation(fed: FederationConfig, device: str, sampled: int, batch_size
                     measure=None) -> Sizing:
     """Workers, K and each worker's Ray resources for a round of ``sampled`` clients;
     ``measure()`` returns ``(per_client, common)`` bytes of a group step on the GPU."""
-    cpus = os.cpu_count() or 1
-    gpus = torch.cuda.device_count() if device == "cuda" else 0
+    cpus, gpus = cluster.capacity(fed, device)
     workers = parse_count(fed.workers, "federation.workers")
     if workers is None:
         workers = max(1, gpus) if device == "cuda" else max(1, cpus // 2)
