@@ -2,8 +2,9 @@
 (``federation.workers``, ``federation.clients_per_worker``).
 
 * **Workers** (``auto``): one per GPU; on the CPU one per two cores (of this machine, of
-  ``federation.ray_num_*``, or of every live node at ``federation.ray_address``). Each is a Ray actor holding
-  the frozen backbone once; a round's sampled clients split evenly over them.
+  ``federation.ray_num_*``, or of every live node at ``federation.ray_address``).
+  Each is a Ray actor holding the frozen backbone once; a round's sampled clients split evenly
+  over them.
 * **Clients per worker** ``K`` (``auto``): on a GPU, from the measured memory of one client's
   training step: a group of one and of two clients are each stepped once on the device and
   their peak allocations give the memory a group needs per client and in common; K is what fits
