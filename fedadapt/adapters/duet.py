@@ -98,6 +98,9 @@ class DuetConfig(SessionPluginConfig):
     embed: int = 64
     generator_hidden: int = 64
 
+    def check(self) -> None:
+        _check(self)
+
 
 def layer_shapes(dim: int, hidden: list[int], num_classes: int) -> list[tuple[int, int]]:
     """``(out, in)`` of every dynamic layer: ``D -> hidden... -> C``."""
