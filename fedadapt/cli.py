@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import hydra
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 import fedadapt  # noqa: F401  (torchvision shim first)
@@ -66,9 +67,55 @@ def resume_target(path: str) -> tuple[Path, list[str]]:
     p = Path(path).expanduser().resolve()
     for job_dir in (p, p.parent):
         if (job_dir / JOB).is_file():
-            return job_dir, list(json.loads((job_dir / JOB).read_text())["overrides"])
+            return job_dir, read_job(job_dir / JOB, path)
     raise ConfigError(f"resume={path!r} is invalid: neither it nor its parent holds {JOB} "
                       f"(a folder written by `fedadapt`)")
+
+
+def read_job(job: Path, resume: str) -> list[str]:
+    """The ``overrides`` of a ``job.json``; a garbled file is refused with one line."""
+    try:
+        overrides = json.loads(job.read_text())["overrides"]
+        if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+            raise ValueError(f"'overrides' is {type(overrides).__name__}, not a list of strings")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        why = f"no key {err}" if isinstance(err, KeyError) else str(err).splitlines()[0]
+        raise ConfigError(f"resume={resume!r} is invalid: {job} is unreadable ({why}); it holds "
+                          f'{{"overrides": [...]}} as `fedadapt` wrote it') from err
+    return overrides
+
+
+def read_summary(path: Path) -> dict:
+    """A finished run's ``summary.json`` (resume keeps it); a garbled one is refused."""
+    try:
+        summary = json.loads(path.read_text())
+        if not isinstance(summary, dict):
+            raise ValueError(f"a JSON {type(summary).__name__}, not an object")
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{path} is unreadable ({str(err).splitlines()[0]}): delete it to run "
+                          f"that method again on resume") from err
+    return summary
+
+
+class OutputDirCheck(Callback):
+    """Hydra callback (``hydra.callbacks`` in conf/config.yaml): an ``output_dir`` that cannot
+    be written is refused with one line before Hydra creates the job folder in it."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        self._check(config)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        self._check(config)
+
+    @staticmethod
+    def _check(config: DictConfig) -> None:
+        from fedadapt.results.store import check_writable
+
+        try:
+            check_writable(str(config.output_dir), "output_dir")
+        except FedadaptError as err:
+            print(f"fedadapt: error: {err}", file=sys.stderr)
+            sys.exit(2)
 
 
 def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
@@ -81,7 +128,7 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
     jobs = job_configs(cfg, overrides)
     compare = len(jobs) > 1
     dirs = {name: run_dir / name if compare else run_dir for name, _, _ in jobs}
-    done = {name: json.loads((d / SUMMARY).read_text()) for name, d in dirs.items()
+    done = {name: read_summary(d / SUMMARY) for name, d in dirs.items()
             if resume and (d / SUMMARY).is_file()}
     # Everything that can fail on bad input happens before the first file is written.
     prepared = {name: prepare_run(run, quiet=i > 0) for i, (name, run, _) in enumerate(jobs)
@@ -144,10 +191,25 @@ def _main(cfg: DictConfig) -> None:
         print(f"fedadapt: error: {err}", file=sys.stderr)
         _remove_if_empty(run_dir, root)
         sys.exit(2)
+    except OSError as err:  # a full disk, a read-only or vanished folder: name the file
+        print(f"fedadapt: error: {os_error_line(err)}", file=sys.stderr)
+        _remove_if_empty(run_dir, root)
+        sys.exit(1)
     except BaseException:
         # A run that stopped leaves no summary.json, so no result; drop an empty folder.
         _remove_if_empty(run_dir, root)
         raise
+
+
+def os_error_line(err: OSError) -> str:
+    """One line for an operating-system error: what failed and on which file."""
+    import errno
+
+    where = f": {err.filename}" if err.filename else ""
+    hint = {errno.ENOSPC: " (free some space, then continue with `fedadapt resume=<run dir>`)",
+            errno.EROFS: " (point output_dir / FEDADAPT_CACHE at a writable folder)",
+            errno.EACCES: " (check the folder's permissions)"}.get(err.errno, "")
+    return f"{err.strerror or type(err).__name__}{where}{hint}"
 
 
 def main() -> None:

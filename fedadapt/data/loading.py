@@ -155,8 +155,6 @@ def load_domain_folders(path: str, card: DatasetCard):
     folder name, spelled as in the card's ``domains`` when it matches one). Each file is opened
     with PIL to check that it is an image.
     """
-    from PIL import Image as PILImage
-
     from datasets import ClassLabel, Dataset, DatasetDict, Features, Image, Value
 
     root = Path(path).expanduser()
@@ -177,15 +175,7 @@ def load_domain_folders(path: str, card: DatasetCard):
                 raise ConfigError(
                     f"dataset.path={path!r}: class folder {cdir.name!r} in {ddir} is not one of "
                     f"dataset={card.name}'s classes ({', '.join(names)})")
-            for f in sorted(cdir.rglob("*")):
-                if not (f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES):
-                    continue
-                try:
-                    with PILImage.open(f) as im:
-                        im.verify()
-                except (OSError, SyntaxError, ValueError) as err:  # PIL's "broken file"
-                    raise ConfigError(f"dataset.path={path!r}: {f} is not a readable image "
-                                      f"({err})") from err
+            for f in _image_files(cdir, path):
                 cols["image"].append(str(f))
                 cols["label"].append(label)
                 cols["domain"].append(domain)
@@ -197,24 +187,68 @@ def load_domain_folders(path: str, card: DatasetCard):
     return DatasetDict(train=Dataset.from_dict(cols, features=features))
 
 
-def _load_local(path: str, card: DatasetCard):
-    from datasets import DatasetDict, load_dataset, load_from_disk
+def _image_files(folder: Path, path: str) -> list[Path]:
+    """The image files below ``folder`` (by suffix), each opened with PIL to check that it is
+    one; a broken file is refused naming it."""
+    from PIL import Image as PILImage
 
+    files = [f for f in sorted(folder.rglob("*"))
+             if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES]
+    for f in files:
+        try:
+            with PILImage.open(f) as im:
+                im.verify()
+        except (OSError, SyntaxError, ValueError) as err:  # PIL's "broken file"
+            raise ConfigError(f"dataset.path={path!r}: {f} is not a readable image "
+                              f"({err})") from err
+    return files
+
+
+def _load_image_folder(p: Path, path: str):
+    """``<path>/<class>/<image>`` through datasets' ``imagefolder``, checked first: a folder
+    with no image files (empty, or other files only) is refused with one line."""
+    from datasets import load_dataset
+
+    if not _image_files(p, path):
+        others = sum(1 for f in p.rglob("*") if f.is_file())
+        raise ConfigError(
+            f"dataset.path={path!r} is invalid: no image files ({', '.join(IMAGE_SUFFIXES)}) "
+            f"in {p} ({others} other file(s)); it takes a save_to_disk folder, IDX files, "
+            f"<class>/<image> folders or <domain>/<class>/<image> folders")
+    try:
+        return load_dataset("imagefolder", data_dir=str(p))
+    except Exception as err:  # datasets' own errors, deep inside its builder
+        raise ConfigError(f"dataset.path={path!r}: datasets' imagefolder cannot read {p} "
+                          f"({type(err).__name__}: {str(err).splitlines()[0][:200]})") from err
+
+
+def _load_saved(p: Path, path: str):
+    """A ``save_to_disk`` folder (a ``DatasetDict`` or one ``Dataset``)."""
+    from datasets import DatasetDict, load_from_disk
+
+    try:
+        ds = load_from_disk(str(p))
+    except Exception as err:  # a garbled or partial save_to_disk folder
+        raise ConfigError(f"dataset.path={path!r}: {p} is not a readable save_to_disk folder "
+                          f"({type(err).__name__}: {str(err).splitlines()[0][:200]})") from err
+    return ds if isinstance(ds, DatasetDict) else DatasetDict(train=ds)
+
+
+def _load_local(path: str, card: DatasetCard):
     p = Path(path).expanduser()
     if not p.exists():
         recipe = (f" (build it with the recipe in datasets/{card.name}.md)"
                   if card.source == "local" else "")
         raise ConfigError(f"dataset.path={path!r} is invalid: no such file or folder{recipe}")
     if (p / "dataset_dict.json").exists() or (p / "state.json").exists():
-        ds = load_from_disk(str(p))
-        return ds if isinstance(ds, DatasetDict) else DatasetDict(train=ds)
+        return _load_saved(p, path)
     if any(p.glob("*idx*-ubyte*")):
         return load_idx_folder(str(p), card)
     has_domains = bool(card.domains) or card.client_key == "domain"
     if p.is_dir() and has_domains and is_domain_folder(str(p)):
         return load_domain_folders(str(p), card)
     if p.is_dir():
-        return load_dataset("imagefolder", data_dir=str(p))
+        return _load_image_folder(p, path)
     raise ConfigError(f"dataset.path={path!r}: not a save_to_disk folder, IDX folder or image "
                       f"folder")
 

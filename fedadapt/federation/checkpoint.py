@@ -105,7 +105,17 @@ def latest_checkpoint(run_dir: Path) -> Optional[Path]:
     pointer = Path(run_dir) / CHECKPOINTS / LATEST
     if not pointer.is_file():
         return None
-    folder = pointer.parent / pointer.read_text().strip()
+    try:
+        name = pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError) as err:
+        name = f"<unreadable: {err}>"
+    folder = pointer.parent / name
+    if not re.fullmatch(r"round-\d{6}", name):
+        found = sorted(d.name for d in pointer.parent.glob("round-*") if d.is_dir())
+        raise CheckpointError(
+            f"{pointer} is garbled ({name[:40]!r} names no checkpoint folder round-<r>); "
+            f"checkpoints there: {', '.join(found) or 'none'}; write the one to continue from "
+            f"into it, or delete {pointer.parent} to start the run over")
     if not folder.is_dir():
         raise CheckpointError(f"{pointer} points at {folder.name}, which does not exist")
     return folder

@@ -37,6 +37,25 @@ def atomic_write(path: str | Path, write: Callable[[Any], None], mode: str = "w"
         raise
 
 
+def check_writable(folder: str | Path, key: str) -> None:
+    """Raise :class:`~fedadapt.config.ConfigError` naming ``key`` unless ``folder`` can be
+    created and written (a read-only file system, a path through a file, no permission)."""
+    import errno
+
+    from fedadapt.config import ConfigError
+
+    path = Path(folder).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path, prefix=".fedadapt-probe-"):
+            pass
+    except OSError as err:
+        why = err.strerror or str(err)
+        hint = " (the disk is full)" if err.errno == errno.ENOSPC else ""
+        raise ConfigError(f"{key}={str(folder)!r} is not writable: {why}{hint}: "
+                          f"{err.filename or path}") from err
+
+
 def _clean(obj):
     """JSON-safe: NaN/inf become null."""
     if isinstance(obj, float) and not math.isfinite(obj):
