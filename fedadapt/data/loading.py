@@ -25,8 +25,9 @@ from typing import Optional
 import numpy as np
 
 from fedadapt.backbones.base import MissingAssetError, prefetch_hint
-from fedadapt.config import ConfigError, DatasetConfig
+from fedadapt.config import ConfigError, DatasetConfig, FedadaptError
 from fedadapt.data.catalogue import DatasetCard, load_card
+from fedadapt.data.integrity import CacheIntegrityError
 
 # Bump when the preparation below changes, so stale prepared copies are not reused.
 _PREP_VERSION = 1
@@ -54,9 +55,14 @@ _OPEN: dict[str, object] = {}
 
 
 def _open(path: str):
+    """The prepared ``DatasetDict`` at ``path``. :func:`prepare_dataset` checked every file's
+    digest before the run; other processes (Ray workers, decoding workers) check that the
+    files are all there at their recorded sizes, once."""
     if path not in _OPEN:
         from datasets import load_from_disk
+        from fedadapt.data.integrity import check_folder
 
+        check_folder(path, "prepared data set", digests=False)
         _OPEN[path] = load_from_disk(path)
     return _OPEN[path]
 
@@ -386,19 +392,32 @@ def standardise(raw, card: DatasetCard, cfg: DatasetConfig, seed: int):
     return DatasetDict(out)
 
 
-def prepare_dataset(cfg: DatasetConfig, cache_dir: str, seed: int) -> PreparedDataset:
-    """Load, standardise and save the data set once; later calls reuse the saved copy."""
-    card = load_card(cfg.name)
-    key = hashlib.sha256(json.dumps(
-        {"v": _PREP_VERSION, "card": card.__dict__, "path": cfg.path,
-         "test_fraction": cfg.test_fraction, "max_samples": cfg.max_samples, "seed": seed},
-        sort_keys=True, default=str).encode()).hexdigest()[:16]
-    folder = Path(cache_dir).expanduser() / "data" / f"{card.name}-{key}"
-    meta_path = folder / "fedadapt_meta.json"
-    if not meta_path.is_file():
-        dsd = standardise(load_source(card, cfg.path), card, cfg, seed)
-        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
+def _failed_check(folder: Path) -> Optional[str]:
+    """Check a prepared copy against its seal (every file's size and SHA-256); one that fails
+    (or predates the seal) is deleted so that it is rebuilt. Returns what failed, or None."""
+    from fedadapt.data.integrity import folder_problem
+    from fedadapt.log import log
+
+    if not folder.exists():
+        return None
+    bad = folder_problem(folder)
+    if bad is not None:
+        log(f"[cache] prepared data set {folder}: {bad}; rebuilding it")
+        shutil.rmtree(folder, ignore_errors=True)
+        _OPEN.pop(str(folder), None)
+    return bad
+
+
+def _build_prepared(card: DatasetCard, cfg: DatasetConfig, seed: int, key: str,
+                    folder: Path) -> None:
+    """Load, standardise and save the data set under a temporary name, seal it (size and
+    SHA-256 of every file), then rename it to ``folder``."""
+    from fedadapt.data.integrity import seal_folder
+
+    dsd = standardise(load_source(card, cfg.path), card, cfg, seed)
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
         # An empty split (dataset.test_fraction=0) needs num_shards: datasets' size estimate
         # divides by its length.
         dsd.save_to_disk(str(tmp), num_shards={k: 1 for k, d in dsd.items() if len(d) == 0})
@@ -408,10 +427,33 @@ def prepare_dataset(cfg: DatasetConfig, cache_dir: str, seed: int) -> PreparedDa
                 "num_train": len(dsd["train"]), "num_test": len(dsd["test"]),
                 "columns": dsd["train"].column_names}
         (tmp / "fedadapt_meta.json").write_text(json.dumps(meta))
+        seal_folder(tmp)
+        os.replace(tmp, folder)
+    except OSError:
+        if not (folder / "fedadapt_meta.json").is_file():  # not: another process finished first
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def prepare_dataset(cfg: DatasetConfig, cache_dir: str, seed: int) -> PreparedDataset:
+    """Load, standardise and save the data set once; later calls reuse the saved copy."""
+    card = load_card(cfg.name)
+    key = hashlib.sha256(json.dumps(
+        {"v": _PREP_VERSION, "card": card.__dict__, "path": cfg.path,
+         "test_fraction": cfg.test_fraction, "max_samples": cfg.max_samples, "seed": seed},
+        sort_keys=True, default=str).encode()).hexdigest()[:16]
+    folder = Path(cache_dir).expanduser() / "data" / f"{card.name}-{key}"
+    meta_path = folder / "fedadapt_meta.json"
+    bad = _failed_check(folder)
+    if not meta_path.is_file():
         try:
-            os.replace(tmp, folder)
-        except OSError:  # another process finished first
-            shutil.rmtree(tmp, ignore_errors=True)
+            _build_prepared(card, cfg, seed, key, folder)
+        except FedadaptError as err:
+            if bad is None:
+                raise
+            raise CacheIntegrityError(f"prepared data set {folder} failed its check ({bad}) and "
+                                      f"cannot be rebuilt: {err}") from err
     meta = json.loads(meta_path.read_text())
     if meta["num_classes"] != card.num_classes and card.source != "local":
         raise ConfigError(f"dataset={card.name}: the data has {meta['num_classes']} classes, the "
