@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from fedadapt.config import FAULT_KINDS, FedadaptError
 
-__all__ = ["FAULT_KINDS", "TENSOR_FAULTS", "RoundFailed", "Screened", "corrupt", "injected_fault",
-           "require_enough", "screen_replies"]
+__all__ = ["FAULT_KINDS", "TENSOR_FAULTS", "RoundFailed", "Screened", "corrupt", "error_cause",
+           "injected_fault", "require_enough", "screen_replies"]
 #: The kinds that :func:`corrupt` applies to a reply's tensors.
 TENSOR_FAULTS = ("nan", "wrong_keys", "wrong_shape")
 
@@ -39,8 +40,11 @@ class Screened:
     dropped: list[tuple[int, str, str]] = field(default_factory=list)
 
     def describe(self, limit: int = 6) -> str:
-        return "; ".join(f"client {who}: {kind} ({msg})" for who, kind, msg in
-                         self.dropped[:limit])
+        shown = "; ".join(f"client {who}: {kind} ({msg})" for who, kind, msg in
+                          self.dropped[:limit])
+        more = len(self.dropped) - limit
+        return shown + (f"; and {more} more (metrics.jsonl counts them by kind)"
+                        if more > 0 else "")
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -63,7 +67,7 @@ def screen_replies(sent: list, replies: list, expected: dict[str, tuple] | None,
         answered.add(node)
         who = partition_of.get(node, node)
         if msg.has_error():
-            out.dropped.append((who, "error", str(msg.error.reason)[:200]))
+            out.dropped.append((who, "error", error_cause(str(msg.error.reason))))
             continue
         if expected is not None:
             problem = _check_arrays(msg, expected)
@@ -74,8 +78,37 @@ def screen_replies(sent: list, replies: list, expected: dict[str, tuple] | None,
     for msg in sent:
         node = msg.metadata.dst_node_id
         if node not in answered:
-            out.dropped.append((partition_of.get(node, node), "timeout", "no reply in time"))
+            out.dropped.append((partition_of.get(node, node), "timeout",
+                                "no reply within federation.round_timeout"))
     return out
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+#: ``Type: message`` as a traceback ends, the type possibly dotted (``ray.exceptions.X``).
+_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:\([\w.]+\))?): ?(.*)$")
+#: Wrappers around a client's own exception (Ray's, Flower's) that say nothing about it.
+_WRAPPERS = ("RayTaskError", "ClientAppException", "RayActorError")
+
+
+def error_cause(reason: str, limit: int = 300) -> str:
+    """The cause in a failed client's error reply, as ``Type: message``.
+
+    Flower's simulation engine sends ``<class ...>:<'...'>`` with Ray's whole remote traceback
+    inside, the client's own exception in the middle of it; this returns that exception's
+    line (the root of the chain), not the wrappers around it, or the reason's last line."""
+    text = _ANSI.sub("", reason)
+    lines = [ln.rstrip() for ln in text.splitlines()]
+    for ln in lines:  # tracebacks print the root cause of a chain first
+        m = _EXC_LINE.match(ln)
+        if m and not ln.startswith((" ", "\t")) and not any(w in m.group(1) for w in _WRAPPERS) \
+                and (m.group(1).endswith(("Error", "Exception", "Interrupt", "Exit", "Warning"))
+                     or "." in m.group(1)):
+            return f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2)}"[:limit]
+    marker = "occurred. Message: "
+    if marker in text:
+        return text.split(marker, 1)[1].strip().splitlines()[0][:limit]
+    tail = [ln.strip() for ln in lines if ln.strip()]
+    return (tail[-1] if tail else "no reason given")[:limit]
 
 
 def _check_arrays(msg, expected: dict[str, tuple]) -> tuple[str, str] | None:
