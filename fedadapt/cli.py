@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 import fedadapt  # noqa: F401  (torchvision shim first)
 from fedadapt.config import ConfigError, FedadaptError, RunConfig
 from fedadapt.entry import register_configs, to_run_config
+from fedadapt.federation.interrupt import RunInterrupted, exit_stopped, stop_on_signals
 from fedadapt.paths import CONF_PATH
 
 register_configs()
@@ -174,19 +175,25 @@ def _main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     root = Path(cfg.output_dir).resolve().parent  # before resume swaps cfg for the job's config
     overrides = list(HydraConfig.get().overrides.task)
+    job_dir = run_dir
     try:
-        if cfg.resume:
-            from hydra import compose
+        with stop_on_signals():  # Ctrl-C / SIGTERM: RunInterrupted, handled below
+            if cfg.resume:
+                from hydra import compose
 
-            if any(o.split("=")[0] != "resume" for o in overrides):
-                raise ConfigError("resume=DIR takes no other overrides: the run continues with "
-                                  "the config it was started with")
-            _remove_if_empty(run_dir, root)
-            job_dir, overrides = resume_target(cfg.resume)
-            cfg = compose(config_name="config", overrides=overrides)
-            run_job(cfg, job_dir, overrides, resume=True)
-        else:
-            run_job(cfg, run_dir, overrides)
+                if any(o.split("=")[0] != "resume" for o in overrides):
+                    raise ConfigError("resume=DIR takes no other overrides: the run continues "
+                                      "with the config it was started with")
+                _remove_if_empty(run_dir, root)
+                job_dir, overrides = resume_target(cfg.resume)
+                cfg = compose(config_name="config", overrides=overrides)
+                run_job(cfg, job_dir, overrides, resume=True)
+            else:
+                run_job(cfg, run_dir, overrides)
+    except RunInterrupted as stop:
+        print(f"fedadapt: {stop}; {resume_hint(job_dir)}", file=sys.stderr)
+        _remove_if_empty(run_dir, root)
+        exit_stopped(stop)
     except FedadaptError as err:
         print(f"fedadapt: error: {err}", file=sys.stderr)
         _remove_if_empty(run_dir, root)
@@ -199,6 +206,28 @@ def _main(cfg: DictConfig) -> None:
         # A run that stopped leaves no summary.json, so no result; drop an empty folder.
         _remove_if_empty(run_dir, root)
         raise
+
+
+def resume_hint(job_dir: Path) -> str:
+    """How to continue a stopped job, and from which checkpoint of each of its runs."""
+    from fedadapt.federation.checkpoint import CheckpointError, latest_checkpoint
+    from fedadapt.results.store import SUMMARY
+
+    if not (job_dir / JOB).is_file():
+        return "it stopped before writing anything"
+    runs = sorted({p.parent for p in job_dir.rglob("config.yaml")})
+    states = []
+    for run in runs:
+        name = run.name if run != job_dir else "the run"
+        try:
+            folder = None if (run / SUMMARY).is_file() else latest_checkpoint(run)
+        except CheckpointError:
+            folder = None
+        states.append(f"{name}: complete" if (run / SUMMARY).is_file() else
+                      f"{name}: from its checkpoint of round {int(folder.name[6:])}" if folder
+                      else f"{name}: from the start (no checkpoint yet)")
+    where = f" ({'; '.join(states)})" if states else ""
+    return f"continue with: fedadapt resume={job_dir}{where}"
 
 
 def os_error_line(err: OSError) -> str:

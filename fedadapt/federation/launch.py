@@ -8,6 +8,7 @@ import os
 import torch
 
 from fedadapt.config import FederationConfig
+from fedadapt.federation.interrupt import from_ray_exit, reinstall
 from fedadapt.federation.server import ServerPlan, ServerState, make_server_app
 
 
@@ -24,6 +25,9 @@ def run_simulation(plan: ServerPlan, client_app, fed: FederationConfig) -> Serve
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    # Ray's C++ failure handler would catch SIGTERM first: dump a stack, then abort at exit
+    # instead of the clean stop of fedadapt.federation.interrupt
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     from flwr.simulation import run_simulation as flwr_run_simulation
 
     level = logging.INFO if fed.verbose else logging.WARNING
@@ -35,9 +39,16 @@ def run_simulation(plan: ServerPlan, client_app, fed: FederationConfig) -> Serve
         "init_args": {"logging_level": level, "log_to_driver": True,
                       "include_dashboard": False},
     }
-    flwr_run_simulation(server_app=make_server_app(plan), client_app=client_app,
-                        num_supernodes=plan.num_clients, backend_config=backend_config,
-                        verbose_logging=fed.verbose)
+    try:
+        flwr_run_simulation(server_app=make_server_app(plan), client_app=client_app,
+                            num_supernodes=plan.num_clients, backend_config=backend_config,
+                            verbose_logging=fed.verbose)
+    except SystemExit as err:  # ray.init's SIGTERM handler: a SIGTERM, not an exit request
+        if (stop := from_ray_exit(err)) is None:
+            raise
+        raise stop from None
+    finally:
+        reinstall()  # ours again (ray.init took SIGTERM's)
     if plan.error is not None:
         raise plan.error
     if plan.result is None:
