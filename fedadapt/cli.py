@@ -131,6 +131,12 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
     dirs = {name: run_dir / name if compare else run_dir for name, _, _ in jobs}
     done = {name: read_summary(d / SUMMARY) for name, d in dirs.items()
             if resume and (d / SUMMARY).is_file()}
+    if resume:  # a garbled checkpoint pointer fails now, not after the data is prepared
+        from fedadapt.federation.checkpoint import latest_checkpoint
+
+        for name, d in dirs.items():
+            if name not in done:
+                latest_checkpoint(d)
     # Everything that can fail on bad input happens before the first file is written.
     prepared = {name: prepare_run(run, quiet=i > 0) for i, (name, run, _) in enumerate(jobs)
                 if name not in done}

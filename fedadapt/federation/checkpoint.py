@@ -82,14 +82,18 @@ def save_checkpoint(run_dir: Path, *, server_round: int, arrays: dict[str, torch
     final = root / f"round-{server_round:06d}"
     tmp = root / f".round-{server_round:06d}.tmp{os.getpid()}"
     tmp.mkdir()
-    tensors = {k: v.detach().cpu().contiguous() for k, v in arrays.items()}
-    _fsync_write(tmp / ARRAYS, save(tensors))
-    body = {"round": server_round, "config_sha256": config_sha, **state}
-    _fsync_write(tmp / STATE, json.dumps(body).encode())
-    manifest = {"round": server_round,
-                "files": {name: sha256_file(tmp / name) for name in (ARRAYS, STATE)}}
-    _fsync_write(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
-    _fsync_dir(tmp)
+    try:  # a full disk or a stop mid-write leaves no partial folder, and LATEST as it was
+        tensors = {k: v.detach().cpu().contiguous() for k, v in arrays.items()}
+        _fsync_write(tmp / ARRAYS, save(tensors))
+        body = {"round": server_round, "config_sha256": config_sha, **state}
+        _fsync_write(tmp / STATE, json.dumps(body).encode())
+        manifest = {"round": server_round,
+                    "files": {name: sha256_file(tmp / name) for name in (ARRAYS, STATE)}}
+        _fsync_write(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        _fsync_dir(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     atomic_write(root / LATEST, lambda fh: fh.write(final.name))
