@@ -205,7 +205,7 @@ def _main(cfg: DictConfig) -> None:
         _remove_if_empty(run_dir, root)
         sys.exit(2)
     except OSError as err:  # a full disk, a read-only or vanished folder: name the file
-        print(f"fedadapt: error: {os_error_line(err)}", file=sys.stderr)
+        print(f"fedadapt: error: {os_error_line(err, job_dir)}", file=sys.stderr)
         _remove_if_empty(run_dir, root)
         sys.exit(1)
     except BaseException:
@@ -236,12 +236,13 @@ def resume_hint(job_dir: Path) -> str:
     return f"continue with: fedadapt resume={job_dir}{where}"
 
 
-def os_error_line(err: OSError) -> str:
-    """One line for an operating-system error: what failed and on which file."""
+def os_error_line(err: OSError, job_dir: Path | None = None) -> str:
+    """One line for an operating-system error: what failed, on which file, what to do."""
     import errno
 
     where = f": {err.filename}" if err.filename else ""
-    hint = {errno.ENOSPC: " (free some space, then continue with `fedadapt resume=<run dir>`)",
+    job = job_dir if job_dir is not None and (job_dir / JOB).is_file() else "<job folder>"
+    hint = {errno.ENOSPC: f" (free some space, then continue with `fedadapt resume={job}`)",
             errno.EROFS: " (point output_dir / FEDADAPT_CACHE at a writable folder)",
             errno.EACCES: " (check the folder's permissions)"}.get(err.errno, "")
     return f"{err.strerror or type(err).__name__}{where}{hint}"

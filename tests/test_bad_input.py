@@ -112,7 +112,7 @@ def test_full_disk_at_the_first_checkpoint_leaves_nothing_half_written(tmp_path,
     with pytest.raises(OSError) as err:
         run_experiment(tiny_run(cache_dir, LinearHeadConfig()), run_dir, config_yaml="x\n",
                        execute=run_in_process)
-    line = os_error_line(err.value)
+    line = os_error_line(err.value, run_dir)
     assert line.startswith("No space left on device: ") and "arrays.safetensors" in line
     assert "fedadapt resume=" in line and "\n" not in line
     assert not (run_dir / "summary.json").exists()

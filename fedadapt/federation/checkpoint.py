@@ -56,10 +56,15 @@ def sha256_file(path: Path) -> str:
 
 
 def _fsync_write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
+    try:
+        with open(path, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as err:  # a failed write names no file: name it (a full disk)
+        if err.filename is None:
+            raise OSError(err.errno, err.strerror, str(path)) from err
+        raise
 
 
 def _fsync_dir(path: Path) -> None:

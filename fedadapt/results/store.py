@@ -32,6 +32,11 @@ def atomic_write(path: str | Path, write: Callable[[Any], None], mode: str = "w"
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+    except OSError as err:  # a failed write names no file (a full disk): name it
+        Path(tmp).unlink(missing_ok=True)
+        if err.filename is None:
+            raise OSError(err.errno, err.strerror, str(path)) from err
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -72,10 +77,15 @@ def write_json(path: str | Path, obj) -> None:
 
 
 def append_jsonl(path: str | Path, row: dict) -> None:
-    with open(path, "a") as fh:
-        fh.write(json.dumps(_clean(row)) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
+    try:
+        with open(path, "a") as fh:
+            fh.write(json.dumps(_clean(row)) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as err:  # name the file (a full disk)
+        if err.filename is None:
+            raise OSError(err.errno, err.strerror, str(path)) from err
+        raise
 
 
 def write_jsonl(path: str | Path, rows: list[dict]) -> None:
