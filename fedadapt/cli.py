@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import Iterator
 
 import hydra
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 import fedadapt  # noqa: F401  (torchvision shim first)
 from fedadapt.config import ConfigError, FedadaptError, RunConfig
 from fedadapt.entry import register_configs, to_run_config
+from fedadapt.federation.interrupt import RunInterrupted, exit_stopped, stop_on_signals
 from fedadapt.paths import CONF_PATH
 from fedadapt.results import rundir
 
@@ -69,9 +71,55 @@ def resume_target(path: str) -> tuple[Path, list[str]]:
     p = Path(path).expanduser().resolve()
     for job_dir in (p, p.parent):
         if (job_dir / JOB).is_file():
-            return job_dir, list(json.loads((job_dir / JOB).read_text())["overrides"])
+            return job_dir, read_job(job_dir / JOB, path)
     raise ConfigError(f"resume={path!r} is invalid: neither it nor its parent holds {JOB} "
                       f"(a folder written by `fedadapt`)")
+
+
+def read_job(job: Path, resume: str) -> list[str]:
+    """The ``overrides`` of a ``job.json``; a garbled file is refused with one line."""
+    try:
+        overrides = json.loads(job.read_text())["overrides"]
+        if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+            raise ValueError(f"'overrides' is {type(overrides).__name__}, not a list of strings")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        why = f"no key {err}" if isinstance(err, KeyError) else str(err).splitlines()[0]
+        raise ConfigError(f"resume={resume!r} is invalid: {job} is unreadable ({why}); it holds "
+                          f'{{"overrides": [...]}} as `fedadapt` wrote it') from err
+    return overrides
+
+
+def read_summary(path: Path) -> dict:
+    """A finished run's ``summary.json`` (resume keeps it); a garbled one is refused."""
+    try:
+        summary = json.loads(path.read_text())
+        if not isinstance(summary, dict):
+            raise ValueError(f"a JSON {type(summary).__name__}, not an object")
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{path} is unreadable ({str(err).splitlines()[0]}): delete it to run "
+                          f"that method again on resume") from err
+    return summary
+
+
+class OutputDirCheck(Callback):
+    """Hydra callback (``hydra.callbacks`` in conf/config.yaml): an ``output_dir`` that cannot
+    be written is refused with one line before Hydra creates the job folder in it."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        self._check(config)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        self._check(config)
+
+    @staticmethod
+    def _check(config: DictConfig) -> None:
+        from fedadapt.results.store import check_writable
+
+        try:
+            check_writable(str(config.output_dir), "output_dir")
+        except FedadaptError as err:
+            print(f"fedadapt: error: {err}", file=sys.stderr)
+            sys.exit(2)
 
 
 def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
@@ -85,8 +133,14 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
     jobs = job_configs(cfg, overrides)
     compare = len(jobs) > 1
     dirs = {name: run_dir / name if compare else run_dir for name, _, _ in jobs}
-    done = {name: json.loads((d / SUMMARY).read_text()) for name, d in dirs.items()
+    done = {name: read_summary(d / SUMMARY) for name, d in dirs.items()
             if resume and (d / SUMMARY).is_file()}
+    if resume:  # a garbled checkpoint pointer fails now, not after the data is prepared
+        from fedadapt.federation.checkpoint import latest_checkpoint
+
+        for name, d in dirs.items():
+            if name not in done:
+                latest_checkpoint(d)
     # Everything that can fail on bad input happens before the first file is written.
     for _, run, _ in jobs:  # a Ray cluster named but not answering: fail in seconds
         check_reachable(run.federation)
@@ -143,25 +197,35 @@ def _main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     root = Path(cfg.output_dir).resolve().parent  # before resume swaps cfg for the job's config
     overrides = list(HydraConfig.get().overrides.task)
+    job_dir = run_dir
     try:
-        if cfg.resume:
-            from hydra import compose
+        with stop_on_signals():  # Ctrl-C / SIGTERM: RunInterrupted, handled below
+            if cfg.resume:
+                from hydra import compose
 
-            if any(o.split("=")[0] != "resume" for o in overrides):
-                raise ConfigError("resume=DIR takes no other overrides: the run continues with "
-                                  "the config it was started with")
-            _remove_if_empty(run_dir, root)
-            job_dir, overrides = resume_target(cfg.resume)
-            cfg = compose(config_name="config", overrides=overrides)
-            with _holding(job_dir, resume=True):
-                run_job(cfg, job_dir, overrides, resume=True)
-        else:
-            with _holding(run_dir):  # before anything is written: one run per directory
-                run_job(cfg, run_dir, overrides)
+                if any(o.split("=")[0] != "resume" for o in overrides):
+                    raise ConfigError("resume=DIR takes no other overrides: the run continues "
+                                      "with the config it was started with")
+                _remove_if_empty(run_dir, root)
+                job_dir, overrides = resume_target(cfg.resume)
+                cfg = compose(config_name="config", overrides=overrides)
+                with _holding(job_dir, resume=True):
+                    run_job(cfg, job_dir, overrides, resume=True)
+            else:
+                with _holding(run_dir):  # before anything is written: one run per directory
+                    run_job(cfg, run_dir, overrides)
+    except RunInterrupted as stop:
+        print(f"fedadapt: {stop}; {resume_hint(job_dir)}", file=sys.stderr)
+        _remove_if_empty(run_dir, root)
+        exit_stopped(stop)
     except FedadaptError as err:
         print(f"fedadapt: error: {err}", file=sys.stderr)
         _remove_if_empty(run_dir, root)
         sys.exit(2)
+    except OSError as err:  # a full disk, a read-only or vanished folder: name the file
+        print(f"fedadapt: error: {os_error_line(err, job_dir)}", file=sys.stderr)
+        _remove_if_empty(run_dir, root)
+        sys.exit(1)
     except BaseException:
         # A run that stopped leaves no summary.json, so no result; drop an empty folder.
         _remove_if_empty(run_dir, root)
@@ -206,6 +270,40 @@ def missing_launcher(argv: list[str], installed=None) -> str | None:
             return (f"hydra/launcher={name} needs the Hydra plugin {package}, which is not "
                     f"installed: pip install {package}{hint}")
     return None
+
+
+def resume_hint(job_dir: Path) -> str:
+    """How to continue a stopped job, and from which checkpoint of each of its runs."""
+    from fedadapt.federation.checkpoint import CheckpointError, latest_checkpoint
+    from fedadapt.results.store import SUMMARY
+
+    if not (job_dir / JOB).is_file():
+        return "it stopped before writing anything"
+    runs = sorted({p.parent for p in job_dir.rglob("config.yaml")})
+    states = []
+    for run in runs:
+        name = run.name if run != job_dir else "the run"
+        try:
+            folder = None if (run / SUMMARY).is_file() else latest_checkpoint(run)
+        except CheckpointError:
+            folder = None
+        states.append(f"{name}: complete" if (run / SUMMARY).is_file() else
+                      f"{name}: from its checkpoint of round {int(folder.name[6:])}" if folder
+                      else f"{name}: from the start (no checkpoint yet)")
+    where = f" ({'; '.join(states)})" if states else ""
+    return f"continue with: fedadapt resume={job_dir}{where}"
+
+
+def os_error_line(err: OSError, job_dir: Path | None = None) -> str:
+    """One line for an operating-system error: what failed, on which file, what to do."""
+    import errno
+
+    where = f": {err.filename}" if err.filename else ""
+    job = job_dir if job_dir is not None and (job_dir / JOB).is_file() else "<job folder>"
+    hint = {errno.ENOSPC: f" (free some space, then continue with `fedadapt resume={job}`)",
+            errno.EROFS: " (point output_dir / FEDADAPT_CACHE at a writable folder)",
+            errno.EACCES: " (check the folder's permissions)"}.get(err.errno, "")
+    return f"{err.strerror or type(err).__name__}{where}{hint}"
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ a valid key for ``method=mlp_head`` and an error for ``method=linear_head``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -76,6 +77,11 @@ class MethodConfig:
     weighting: str = "examples"
     #: Train on cached pooled features (methods that only see the pooled feature).
     use_cache: bool = True
+
+    def check(self) -> None:
+        """The domains of this method's own keys (a method's schema overrides it; raise
+        :class:`ConfigError` naming ``method.<key>``). :func:`validate` calls it, so a bad value
+        fails before any data is loaded."""
 
 
 @dataclass
@@ -399,4 +405,53 @@ def validate(cfg: RunConfig) -> RunConfig:
            "a 'timeout' fault needs federation.round_timeout to be set")
     check(cfg.backbone.image_size >= 8, "backbone.image_size", cfg.backbone.image_size,
            "must be >= 8")
+    _check_domains(cfg)
+    check_numbers(cfg)
+    cfg.method.check()
     return cfg
+
+
+#: Seeds feed numpy's SeedSequence and torch.manual_seed, which take unsigned 64-bit values.
+MAX_SEED = 2**63 - 1
+
+
+def _check_domains(cfg: RunConfig) -> None:
+    """The numeric keys :func:`validate`'s first checks leave open (finiteness, upper bounds)."""
+    check(0 <= cfg.seed <= MAX_SEED, "seed", cfg.seed,
+          f"must be in 0..{MAX_SEED} (numpy and torch seeds are unsigned)")
+    b, t, f, fl = cfg.backbone, cfg.train, cfg.federation, cfg.faults
+    check(b.crop_pct is None or 0 < b.crop_pct <= 1, "backbone.crop_pct", b.crop_pct,
+          "must be in (0, 1] (the centre crop's share of the resized image) or null")
+    for key, val in (("train.eps", t.eps), ("train.weight_decay", t.weight_decay),
+                     ("federation.num_cpus", f.num_cpus),
+                     ("method.proximal_mu", cfg.method.proximal_mu)):
+        check(val is None or math.isfinite(val), key, val, "must be finite")
+    check(f.num_gpus is None or math.isfinite(f.num_gpus), "federation.num_gpus", f.num_gpus,
+          "must be finite or null")
+    check(f.round_timeout is None or math.isfinite(f.round_timeout), "federation.round_timeout",
+          f.round_timeout, "must be a finite number of seconds, or null for no limit")
+    check(fl.delay_s is None or (math.isfinite(fl.delay_s) and fl.delay_s >= 0),
+          "faults.delay_s", fl.delay_s, "must be >= 0 seconds or null")
+
+
+def _numbers(obj: Any, prefix: str):
+    """``(key, value)`` of every number (and list of numbers) in a config dataclass, nested
+    dataclasses included (free-form dicts such as ``backbone.arch`` are left to their owner)."""
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), prefix + f.name
+        if dataclasses.is_dataclass(value):
+            yield from _numbers(value, key + ".")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            yield key, value, [value]
+        elif isinstance(value, (list, tuple)) and value and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            yield key, list(value), list(value)
+
+
+def check_numbers(cfg: RunConfig) -> None:
+    """Every numeric key of the config, the method's own included, is a finite number >= 0
+    (no key of fedadapt takes a negative, NaN or infinite value); stricter domains are checked
+    key by key in :func:`validate` and :meth:`MethodConfig.check`."""
+    for key, shown, values in _numbers(cfg, ""):
+        check(all(math.isfinite(v) and v >= 0 for v in values), key, shown,
+              "must be a finite number >= 0")

@@ -98,7 +98,8 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
                    class_text=class_text, evaluate_val=cfg.federation.select == "best_val",
                    image_source=(images("train")
                                  if getattr(cfg.method, "upload", None) == "samples" else None),
-                   query_feature=query_feature, device=dev, precision=precision)
+                   query_feature=query_feature, device=dev, precision=precision,
+                   client_threads=max(1, int(cfg.federation.num_cpus or 1)))
     model = build_run_model(spec, backbone)
     _apply_setting(cfg, spec, model)
     counts = {
@@ -368,6 +369,7 @@ def _node_layout(cfg: RunConfig, prep: PreparedRun, execute: Optional[Callable],
     sizing = size_simulation(cfg.federation, spec.device, sampled, cfg.train.batch_size,
                              measure)
     announce(sizing)
+    spec.client_threads = max(1, int(sizing.num_cpus))  # each worker's torch threads
     return {"nodes": "workers", "num_nodes": sizing.workers, "group_size": sizing.group_size,
             "resources": {"num_cpus": sizing.num_cpus, "num_gpus": sizing.num_gpus}}
 
@@ -501,7 +503,30 @@ def _summary_tail(prep: PreparedRun) -> dict:
     return {"partition_stats": {k: prep.partition.stats[k] for k in
                                 ("num_clients", "samples_per_client", "classes_per_client")},
             "versions": versions(), "git_commit": git_commit(), "device": prep.spec.device,
-            "precision": prep.spec.precision}
+            "precision": prep.spec.precision, "reproducibility": reproducibility(prep.spec)}
+
+
+def reproducibility(spec) -> dict:
+    """What, besides the config and seed, decides a run's numbers to the last bit: the CPU
+    kernels torch dispatches to (its instruction set), torch's thread counts (the server's
+    evaluation; each client's, pinned to ``federation.num_cpus``), the GPU and whether its
+    kernels were deterministic (``train.deterministic``: cuDNN convolutions and some backward
+    passes are not by default), and the precision. Two runs whose metrics differ can be
+    compared here; dropped clients are in ``metrics.jsonl`` (``failures``)."""
+    import os
+
+    import torch
+
+    out = {"cpu_capability": torch.backends.cpu.get_cpu_capability(),
+           "torch_threads_server": torch.get_num_threads(),
+           "torch_threads_client": spec.client_threads,
+           "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
+           "device": spec.device, "precision": spec.precision,
+           "deterministic": bool(spec.train.deterministic)}
+    if spec.device == "cuda":
+        out.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda,
+                   cudnn=torch.backends.cudnn.version())
+    return out
 
 
 def _server_run(cfg: RunConfig, run_dir: Path, prep: PreparedRun, config_yaml: str,

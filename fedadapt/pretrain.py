@@ -184,8 +184,10 @@ def train_backbone(run: RunConfig, *, epochs: int, lr: float, batch_size: int,
 def save_backbone(backbone, info: dict, out: Path, *, force: bool = False) -> Path:
     """Write ``backbone.model`` (Hugging Face format) and ``pretrain.json`` to ``out`` atomically.
 
-    ``out`` must not exist unless ``force`` (then it is replaced).
+    ``out`` must not exist unless ``force`` (then it is replaced). The folder is sealed
+    (:func:`fedadapt.data.integrity.seal_folder`): a file changed later is refused on load.
     """
+    from fedadapt.data.integrity import seal_folder
     from fedadapt.results.store import write_json
 
     out = Path(out).expanduser()
@@ -200,6 +202,7 @@ def save_backbone(backbone, info: dict, out: Path, *, force: bool = False) -> Pa
         backbone.model.save_pretrained(tmp)
         image_processor(backbone).save_pretrained(tmp)  # the preprocessing it was trained with
         write_json(tmp / PRETRAIN_JSON, info)
+        seal_folder(tmp)  # checked whenever the weights are loaded (fedadapt.backbones)
         if out.exists():  # force
             old = out.parent / f"{out.name}.old-{os.getpid()}"
             os.replace(out, old)

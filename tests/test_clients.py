@@ -169,3 +169,22 @@ def test_data_never_crosses_between_clients(cache_dir):
     assert not any(a & b for i, a in enumerate(train_sets) for b in train_sets[i + 1:])
     assert np.all(np.concatenate([c.train for c in prep.spec.clients]) < prep.spec.train_source
                   .prepared.num_train)
+
+
+def test_client_process_pins_its_torch_threads(cache_dir):
+    """A client's process runs torch with ``federation.num_cpus`` threads, whatever
+    OMP_NUM_THREADS says: CPU results depend on the thread count."""
+    from dataclasses import replace
+
+    from fedadapt.federation import training
+
+    prep = prepare_run(tiny_run(cache_dir, LinearHeadConfig()), quiet=True)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        training._MODELS.clear()
+        training.cached_model(replace(prep.spec, run_id="pinned", client_threads=1))
+        assert torch.get_num_threads() == 1
+    finally:
+        training._MODELS.clear()
+        torch.set_num_threads(before)

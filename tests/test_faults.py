@@ -110,3 +110,42 @@ def test_run_with_20_percent_faulty_clients_completes(cache_dir, tmp_path):
     assert sum(r["clients_failed"] for r in rows) == faulty["client_failures"] > 0
     assert all(r["clients_failed"] == 0 for r in clean_rows)
     assert abs(faulty["final"]["global_acc"] - clean["final"]["global_acc"]) < 0.1
+
+
+#: An error reply's reason as Flower's simulation engine builds it from Ray's exception (the
+#: shape of a real one, logged by a run with faults.kinds=[raise]).
+RAY_REASON = (
+    "<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'\x1b[36mray::ClientAppActor.run()"
+    "\x1b[39m (pid=2029, ip=192.0.2.2, actor_id=0f25646455efb4990b071c6901000000, repr=<flwr."
+    "simulation.ray_transport.ray_actor.ClientAppActor object at 0x7f1a0ed5e490>)\n"
+    "                  ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^\n"
+    '  File "/work/.venv/lib/python3.11/site-packages/flwr/clientapp/client_app.py", line 161, '
+    "in __call__\n    return self._registered_funcs[full_name](message, context)\n"
+    '  File "/work/clients/app.py", line 193, in _injected\n'
+    "    raise RuntimeError(f\"injected fault ...\")\n"
+    "RuntimeError: injected fault (faults.fraction=0.5): client 1 raises in round 2\n\n"
+    "The above exception was the direct cause of the following exception:\n\n"
+    "\x1b[36mray::ClientAppActor.run()\x1b[39m (pid=2029, ip=192.0.2.2)\n"
+    '  File "/work/.venv/lib/python3.11/site-packages/flwr/simulation/ray_transport/'
+    'ray_actor.py", line 65, in run\n    raise ClientAppException(str(ex)) from ex\n'
+    "flwr.clientapp.client_app.ClientAppException: \n"
+    "Exception ClientAppException occurred. Message: injected fault (faults.fraction=0.5): "
+    "client 1 raises in round 2'>")
+
+
+def test_dropped_client_warning_names_the_exception_and_its_message():
+    from fedadapt.federation.faults import error_cause
+
+    assert error_cause(RAY_REASON) == ("RuntimeError: injected fault (faults.fraction=0.5): "
+                                       "client 1 raises in round 2")
+    assert error_cause("ValueError: boom") == "ValueError: boom"
+    wide = {**good(), "head.weight": np.ones((3, 3), np.float32)}
+    out = screen_clients([0, 1, 2], {0: RAY_REASON, 1: reply(wide)},  # 0: its message failed
+                         lambda cid: EXPECTED)
+    text = out.describe()
+    assert ("client 0: error (RuntimeError: injected fault (faults.fraction=0.5): client 1 "
+            "raises in round 2)") in text
+    assert "client 1: wrong_shape (head.weight: (3, 3) != (2, 3))" in text
+    assert "client 2: timeout (no reply within federation.round_timeout)" in text
+    many = screen_clients(list(range(9)), {}, lambda cid: EXPECTED)
+    assert many.describe(limit=6).endswith("; and 3 more (metrics.jsonl counts them by kind)")

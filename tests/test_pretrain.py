@@ -96,3 +96,22 @@ def test_bad_options_fail_naming_the_option(cache_dir, tmp_path, extra, kwargs, 
     with pytest.raises(ConfigError, match=needle):
         pretrain(run, out=tmp_path / "vit", **opts)
     assert not any(tmp_path.iterdir())
+
+
+def test_altered_weights_are_refused_naming_the_file(trained, tmp_path):
+    """The saved folder is sealed: a weight file changed in place (same size) is refused on
+    load with one line naming it, before any run uses it."""
+    import shutil
+
+    from fedadapt.data.integrity import SEAL, CacheIntegrityError
+
+    _, _, out = trained
+    assert (out / SEAL).is_file()
+    copy = shutil.copytree(out, tmp_path / "tiny_vit")
+    weights = copy / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    cfg = BackboneConfig(name="tiny_vit", family="vit", weights=str(copy), image_size=32)
+    with pytest.raises(CacheIntegrityError, match="model.safetensors: content differs"):
+        build_backbone(cfg)

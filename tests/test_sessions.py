@@ -146,20 +146,46 @@ def test_session_experiments_compose_with_their_rows(experiment):
         assert jobs["cdc_mmpg"].session == 3
 
 
-def test_binary_task_reports_auc_over_all_clients():
-    """With two classes the clients send their scores; the AUC is computed over all of them."""
-    from fedadapt.federation.sessions import summarize_sessions
+def test_binary_task_reports_auc_without_labels_leaving_the_clients():
+    """With two classes each client reports its own AUC (``auc``: their mean) and, with
+    ``method.auc_bins``, per-class histograms of its scores; the server pools those into the AUC
+    over all clients' samples, which equals the exact pooled AUC when no positive and negative
+    share a bin, and is within the reported tie bound otherwise."""
+    from fedadapt.federation.sessions import (
+        binary_auc,
+        margin,
+        score_histograms,
+        summarize_sessions,
+    )
 
-    rows = [{"client": c, "num-examples": 2, "acc_original": 0.5, "acc_finetune": 0.5,
-             "acc_generated": 1.0} for c in range(2)]
-    scores = [{"labels": torch.tensor([1.0, 0.0]), "generated": torch.tensor([0.9, 0.1]),
-               "original": torch.tensor([0.4, 0.6]), "finetune": torch.tensor([0.5, 0.5])},
-              {"labels": torch.tensor([0.0, 1.0]), "generated": torch.tensor([0.2, 0.8]),
-               "original": torch.tensor([0.3, 0.7]), "finetune": torch.tensor([0.5, 0.5])}]
-    auc = summarize_sessions(rows, [], scores)["auc"]
-    assert auc["generated"] == 1.0 and auc["finetune"] == 0.5
-    # every positive against every negative, across clients: 0.4 < 0.6 loses; 3 of 4 pairs
-    assert auc["original"] == 0.75
+    gen = torch.Generator().manual_seed(0)
+    clients = []
+    for n in (40, 25, 60):
+        y = (torch.rand(n, generator=gen) < 0.4).long()
+        logits = torch.randn(n, 2, generator=gen) + 1.5 * torch.nn.functional.one_hot(y, 2)
+        clients.append((y, logits))
+    for bins, exact in ((4096, True), (8, False)):
+        rows, scores = [], []
+        for cid, (y, logits) in enumerate(clients):
+            s_ = margin(logits)
+            rows.append({"client": cid, "num-examples": len(y), "acc_generated": 0.5,
+                         "auc_generated": binary_auc(s_, y)})
+            hist = score_histograms("generated", s_, y, bins)
+            assert set(hist) == {"generated.negative", "generated.positive"}
+            assert all(h.shape == (bins,) for h in hist.values())  # counts, not samples
+            scores.append(hist)
+        out = summarize_sessions(rows, [], scores)
+        y_all = torch.cat([y for y, _ in clients])
+        s_all = torch.cat([margin(lg) for _, lg in clients])
+        pooled = binary_auc(s_all, y_all)
+        assert out["auc"]["generated"] == pytest.approx(np.mean([r["auc_generated"]
+                                                                 for r in rows]))
+        bound = out["auc_tie_bound"]["generated"]
+        assert abs(out["auc_pooled"]["generated"] - pooled) <= bound + 1e-12
+        if exact:  # fine bins: nearly no positive-negative pair shares a bin
+            assert bound < 1e-3
+        else:
+            assert bound > 0.01
 
 
 def test_unseen_test_clients_are_served_but_never_trained_on(cache_dir):

@@ -76,6 +76,9 @@ class CdcMmpgConfig(SessionPluginConfig):
     #: by the backbone's text tower (a CLIP backbone); None: image sessions.
     query: Optional[str] = None
 
+    def check(self) -> None:
+        _check(self)
+
 
 def fuse(frames: torch.Tensor, query: Optional[torch.Tensor]) -> torch.Tensor:
     """``[..., K, D]`` frames with a ``[..., Dq]`` query: ``[..., K, D + Dq]``."""

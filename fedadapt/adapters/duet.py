@@ -68,6 +68,13 @@ class SessionPluginConfig(MethodConfig):
     classifier_lr: float = 0.01
     finetune_steps: int = 10
     finetune_lr: float = 0.01
+    #: Binary tasks: every client reports its own AUC (the summary's ``auc``: their mean).
+    #: With ``auc_bins`` > 0 it also sends, per class, a histogram of its scores' log-odds in
+    #: that many bins over [-16, 16], and the server pools them into the AUC over all clients'
+    #: samples (``auc_pooled``; scores sharing a bin count as ties, ``auc_tie_bound`` bounds the
+    #: error). 0: no histograms (a server that can recompute the scores could read the class
+    #: of a sample alone in its bin from them).
+    auc_bins: int = 0
 
 
 def check_session_plugin(cfg: SessionPluginConfig) -> None:
@@ -77,6 +84,8 @@ def check_session_plugin(cfg: SessionPluginConfig) -> None:
         check(getattr(cfg, key) > 0, f"method.{key}", getattr(cfg, key), "must be > 0")
     check(cfg.weight_decay >= 0, "method.weight_decay", cfg.weight_decay, "must be >= 0")
     check(cfg.finetune_steps >= 0, "method.finetune_steps", cfg.finetune_steps, "must be >= 0")
+    check(cfg.auc_bins == 0 or cfg.auc_bins >= 2, "method.auc_bins", cfg.auc_bins,
+          "0 (no histograms) or >= 2")
     check(cfg.upload in UPLOADS, "method.upload", cfg.upload, f"one of {UPLOADS}")
     check(cfg.use_cache, "method.use_cache", cfg.use_cache,
           "session plug-ins train on the foundation's cached features")
@@ -97,6 +106,9 @@ class DuetConfig(SessionPluginConfig):
     neck: int = 256
     embed: int = 64
     generator_hidden: int = 64
+
+    def check(self) -> None:
+        _check(self)
 
 
 def layer_shapes(dim: int, hidden: list[int], num_classes: int) -> list[tuple[int, int]]:

@@ -48,6 +48,11 @@ class ExitMethodConfig(MethodConfig):
     #: "Fine-tuning" baseline (DeiT-S + layer-wise MLP heads, Table 5: 30.62M).
     train_backbone: bool = False
 
+    def check(self) -> None:
+        if self.adapter_bottleneck < 1:
+            raise ConfigError(f"method.adapter_bottleneck={self.adapter_bottleneck} is invalid: "
+                              f"must be >= 1")
+
 
 @dataclass
 class LwLinearConfig(ExitMethodConfig):
@@ -63,6 +68,13 @@ class LwMlpConfig(ExitMethodConfig):
     hidden_dim: Optional[int] = None
     dropout: float = 0.1
     head_norm: bool = True
+
+    def check(self) -> None:
+        super().check()
+        check_dropout(self.dropout)
+        if self.hidden_dim is not None and self.hidden_dim < 1:
+            raise ConfigError(f"method.hidden_dim={self.hidden_dim} is invalid: must be >= 1 "
+                              f"or null (4 x the backbone's width)")
 
 
 @dataclass
@@ -80,6 +92,19 @@ class AccumulatorConfig(ExitMethodConfig):
     head_hidden: Optional[list[int]] = None
     token_replace: bool = True
     residual: bool = True
+
+    def check(self) -> None:
+        super().check()
+        check_dropout(self.dropout)
+        if self.depth < 1:
+            raise ConfigError(f"method.depth={self.depth} is invalid: must be >= 1")
+        if not self.mlp_ratio > 0:
+            raise ConfigError(f"method.mlp_ratio={self.mlp_ratio} is invalid: must be > 0")
+        if self.head not in ("mlp", "linear"):
+            raise ConfigError(f"method.head={self.head!r} is invalid: 'mlp' or 'linear'")
+        if self.head_hidden is not None and not all(h >= 1 for h in self.head_hidden):
+            raise ConfigError(f"method.head_hidden={list(self.head_hidden)} is invalid: widths "
+                              f">= 1, or null for [4 D, D]")
 
 
 class ParallelAdapter(nn.Module):

@@ -57,6 +57,11 @@ class FedClipConfig(MethodConfig):
     #: ``contrastive`` (the authors' symmetric CLIP loss) or ``ce`` (cross-entropy over classes).
     loss: str = "contrastive"
 
+    def check(self) -> None:
+        check(self.classifier in CLASSIFIERS, "method.classifier", self.classifier,
+              f"one of {CLASSIFIERS}")
+        check(self.loss in LOSSES, "method.loss", self.loss, f"one of {LOSSES}")
+
 
 class AttAI(nn.Module):
     """``a = Softmax(Linear(Tanh(Linear(f))))``; ``forward(f) = a * f`` (Eq. 5)."""

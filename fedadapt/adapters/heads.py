@@ -22,6 +22,9 @@ class MlpHeadConfig(MethodConfig):
     hidden_dim: int = 256
     dropout: float = 0.0
 
+    def check(self) -> None:
+        check_head("mlp", self.hidden_dim, self.dropout)
+
 
 @dataclass
 class FinetuneConfig(MethodConfig):
@@ -33,6 +36,9 @@ class FinetuneConfig(MethodConfig):
     dropout: float = 0.0
     use_cache: bool = False
 
+    def check(self) -> None:
+        check_head(self.head, self.hidden_dim, self.dropout)
+
 
 @dataclass
 class LocalOnlyConfig(MethodConfig):
@@ -43,10 +49,22 @@ class LocalOnlyConfig(MethodConfig):
     hidden_dim: int = 256
     dropout: float = 0.0
 
+    def check(self) -> None:
+        check_head(self.head, self.hidden_dim, self.dropout)
+
 
 def check_dropout(dropout: float) -> None:
     if not 0 <= dropout < 1:
         raise ConfigError(f"method.dropout={dropout} is invalid: must be in [0, 1)")
+
+
+def check_head(kind: str, hidden_dim: int, dropout: float) -> None:
+    """The domains of a head's keys (``method.head``, ``method.hidden_dim``, ``method.dropout``)."""
+    if kind not in ("linear", "mlp"):
+        raise ConfigError(f"method.head={kind!r} is invalid: 'linear' or 'mlp'")
+    if hidden_dim < 1:
+        raise ConfigError(f"method.hidden_dim={hidden_dim} is invalid: must be >= 1")
+    check_dropout(dropout)
 
 
 def make_head(kind: str, dim: int, num_classes: int, hidden_dim: int = 256,

@@ -300,6 +300,9 @@ class IciiaConfig(MethodConfig):
     #: fedadapt-inspect: count for this D instead of the backbone's (Table 1's backbones).
     feature_dim: Optional[int] = None
 
+    def check(self) -> None:
+        _check_config(self)
+
 
 class IciiaHead(nn.Module):
     """The module on pooled features ``[B, D]``: the batch is ONE client's sequence."""
@@ -316,21 +319,31 @@ class IciiaHead(nn.Module):
 def build_iciia(cfg: IciiaConfig, backbone, num_classes, with_backbone):
     from fedadapt.adapters.model import AdaptedModel
 
-    for key in ("images", "max_epochs", "patience", "sequences_per_step", "classifier_epochs"):
-        check(getattr(cfg, key) >= 1, f"method.{key}", getattr(cfg, key), "must be >= 1")
-    for key in ("lr", "clip"):
-        check(getattr(cfg, key) > 0, f"method.{key}", getattr(cfg, key), "must be > 0")
-    check(0 <= cfg.momentum < 1, "method.momentum", cfg.momentum, "must be in [0, 1)")
-    check(0 <= cfg.min_history <= cfg.images - 1, "method.min_history", cfg.min_history,
-          f"must be in 0..method.images-1 ({cfg.images - 1} cached features)")
-    check(all(h >= 0 for h in cfg.history_sweep), "method.history_sweep",
-          list(cfg.history_sweep), "numbers of cached features >= 0")
-    check(cfg.use_cache, "method.use_cache", cfg.use_cache,
-          "ICIIA trains on the foundation's cached features")
+    _check_config(cfg)
     dim = cfg.feature_dim or backbone.embed_dim  # Iciia checks mixing, groups and heads
     module = Iciia(dim, num_classes, layers=cfg.layers, groups=cfg.groups, heads=cfg.heads,
                    dropout=cfg.dropout, mixing=cfg.mixing, shuffle=cfg.shuffle)
     return AdaptedModel(head=IciiaHead(module), backbone=backbone if with_backbone else None)
+
+
+def _check_config(cfg: IciiaConfig) -> None:
+    """The domains of ICIIA's keys (the module's own shape rules: :class:`Iciia`)."""
+    for key in ("layers", "groups", "heads", "images", "max_epochs", "patience",
+                "sequences_per_step", "classifier_epochs"):
+        check(getattr(cfg, key) >= 1, f"method.{key}", getattr(cfg, key), "must be >= 1")
+    for key in ("lr", "clip"):
+        check(getattr(cfg, key) > 0, f"method.{key}", getattr(cfg, key), "must be > 0")
+    check(0 <= cfg.momentum < 1, "method.momentum", cfg.momentum, "must be in [0, 1)")
+    check_dropout(cfg.dropout)
+    check(cfg.mixing in MIXINGS, "method.mixing", cfg.mixing, f"one of {MIXINGS}")
+    check(0 <= cfg.min_history <= cfg.images - 1, "method.min_history", cfg.min_history,
+          f"must be in 0..method.images-1 ({cfg.images - 1} cached features)")
+    check(all(h >= 0 for h in cfg.history_sweep), "method.history_sweep",
+          list(cfg.history_sweep), "numbers of cached features >= 0")
+    check(cfg.feature_dim is None or cfg.feature_dim >= 1, "method.feature_dim",
+          cfg.feature_dim, "must be >= 1 or null (the backbone's width)")
+    check(cfg.use_cache, "method.use_cache", cfg.use_cache,
+          "ICIIA trains on the foundation's cached features")
 
 
 def _counts(cfg: IciiaConfig, embed_dim: int) -> dict:

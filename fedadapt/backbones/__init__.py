@@ -32,6 +32,7 @@ def build_backbone(cfg: BackboneConfig, *, load_weights: bool = True) -> Backbon
         )
     import torch
 
+    _check_sealed_weights(cfg, load_weights)
     # Random weights (tests, inspect, weights=null) must be the same in every process: the
     # server's evaluation and every Ray worker build their own copy.
     with torch.random.fork_rng(devices=[]):
@@ -45,3 +46,18 @@ def build_backbone(cfg: BackboneConfig, *, load_weights: bool = True) -> Backbon
 
 
 __all__ = ["Backbone", "MissingAssetError", "build_backbone", "register_family"]
+
+
+def _check_sealed_weights(cfg: BackboneConfig, load_weights: bool) -> None:
+    """Weights in a folder that fedadapt wrote (``fedadapt-pretrain`` seals its output) are
+    checked against their recorded digests once per process; others are loaded as they are."""
+    from pathlib import Path
+
+    from fedadapt.data.integrity import SEAL, check_folder
+
+    if not (load_weights and cfg.weights):
+        return
+    folder = Path(str(cfg.weights)).expanduser()
+    if (folder / SEAL).is_file():
+        check_folder(folder, f"backbone.weights={cfg.weights!r}: pretrained backbone",
+                     fix="rebuild it with fedadapt-pretrain --force")

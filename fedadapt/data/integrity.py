@@ -1,6 +1,7 @@
 """Cache files that prove their content: every array fedadapt caches on disk (decoded images,
 features) is written with a sidecar ``<file>.sha256`` holding its size and SHA-256, recorded at
-write time, and checked before it is used.
+write time, and checked before it is used. Cached folders (a prepared data set, a pretrained
+backbone) carry one record for all their files (:func:`seal_folder`, :func:`folder_problem`).
 
 The full digest is checked once per process and file (a file is identified by its path, size,
 modification time and inode; a Ray worker that opens a file the driver already checked checks it
@@ -156,5 +157,62 @@ def valid_or_removed(path: str | Path) -> bool:
     return False
 
 
-__all__ = ["CacheIntegrityError", "check", "digest", "load_npy", "mapped", "problem", "remove",
-           "save_npy", "seal", "seal_and_rename", "sidecar", "valid_or_removed"]
+# -- folders (a prepared data set, a pretrained backbone) ------------------------------------
+#: A sealed folder's record: ``{"files": {relative path: {"size", "sha256"}}}``.
+SEAL = "fedadapt_seal.json"
+
+
+def seal_folder(folder: str | Path) -> None:
+    """Record the size and digest of every file below ``folder`` in ``<folder>/SEAL`` (written
+    last, atomically); call it on the finished folder before renaming it into place."""
+    from fedadapt.results.store import atomic_write
+
+    folder = Path(folder)
+    files = {str(f.relative_to(folder)): {"size": f.stat().st_size, "sha256": digest(f)}
+             for f in sorted(folder.rglob("*")) if f.is_file() and f.name != SEAL}
+    atomic_write(folder / SEAL, lambda fh: json.dump({"files": files}, fh, indent=1))
+
+
+def folder_problem(folder: str | Path, *, digests: bool = True) -> Optional[str]:
+    """None when every file ``<folder>/SEAL`` lists is there with its recorded size (and, with
+    ``digests``, content), else what is wrong, naming the file. Files added later (a library's
+    own cache files) are not checked. The digests are checked once per process and folder
+    version."""
+    folder = Path(folder)
+    try:
+        files = json.loads((folder / SEAL).read_text())["files"]
+        records = {name: (int(r["size"]), str(r["sha256"])) for name, r in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return f"no readable digest record {SEAL}"
+    idents = []
+    for name, (size, _) in sorted(records.items()):
+        path = folder / name
+        if not path.is_file():
+            return f"{path} is missing"
+        ident = _identity(path)
+        if ident[1] != size:
+            return f"{path} is {ident[1]} bytes, {size} recorded when it was written (truncated?)"
+        idents.append(ident)
+    key = ("folder", str(folder), tuple(idents))
+    if not digests or key in _CHECKED:
+        return None
+    for name, (_, expected) in sorted(records.items()):
+        if digest(folder / name) != expected:
+            return (f"{folder / name}: content differs from the SHA-256 recorded when it was "
+                    f"written (modified?)")
+    _CHECKED.add(key)
+    return None
+
+
+def check_folder(folder: str | Path, what: str, *, digests: bool = True,
+                 fix: str = "delete it to rebuild it") -> None:
+    """Raise :class:`CacheIntegrityError` naming the file unless ``folder`` matches its
+    :data:`SEAL`."""
+    bad = folder_problem(folder, digests=digests)
+    if bad is not None:
+        raise CacheIntegrityError(f"{what} {folder}: {bad}; {fix}")
+
+
+__all__ = ["SEAL", "CacheIntegrityError", "check", "check_folder", "digest", "folder_problem",
+           "load_npy", "mapped", "problem", "remove", "save_npy", "seal", "seal_and_rename",
+           "seal_folder", "sidecar", "valid_or_removed"]

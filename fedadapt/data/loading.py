@@ -25,8 +25,9 @@ from typing import Optional
 import numpy as np
 
 from fedadapt.backbones.base import MissingAssetError, prefetch_hint
-from fedadapt.config import ConfigError, DatasetConfig
+from fedadapt.config import ConfigError, DatasetConfig, FedadaptError
 from fedadapt.data.catalogue import DatasetCard, load_card
+from fedadapt.data.integrity import CacheIntegrityError
 
 # Bump when the preparation below changes, so stale prepared copies are not reused.
 _PREP_VERSION = 1
@@ -54,9 +55,14 @@ _OPEN: dict[str, object] = {}
 
 
 def _open(path: str):
+    """The prepared ``DatasetDict`` at ``path``. :func:`prepare_dataset` checked every file's
+    digest before the run; other processes (Ray workers, decoding workers) check that the
+    files are all there at their recorded sizes, once."""
     if path not in _OPEN:
         from datasets import load_from_disk
+        from fedadapt.data.integrity import check_folder
 
+        check_folder(path, "prepared data set", digests=False)
         _OPEN[path] = load_from_disk(path)
     return _OPEN[path]
 
@@ -155,8 +161,6 @@ def load_domain_folders(path: str, card: DatasetCard):
     folder name, spelled as in the card's ``domains`` when it matches one). Each file is opened
     with PIL to check that it is an image.
     """
-    from PIL import Image as PILImage
-
     from datasets import ClassLabel, Dataset, DatasetDict, Features, Image, Value
 
     root = Path(path).expanduser()
@@ -177,15 +181,7 @@ def load_domain_folders(path: str, card: DatasetCard):
                 raise ConfigError(
                     f"dataset.path={path!r}: class folder {cdir.name!r} in {ddir} is not one of "
                     f"dataset={card.name}'s classes ({', '.join(names)})")
-            for f in sorted(cdir.rglob("*")):
-                if not (f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES):
-                    continue
-                try:
-                    with PILImage.open(f) as im:
-                        im.verify()
-                except (OSError, SyntaxError, ValueError) as err:  # PIL's "broken file"
-                    raise ConfigError(f"dataset.path={path!r}: {f} is not a readable image "
-                                      f"({err})") from err
+            for f in _image_files(cdir, path):
                 cols["image"].append(str(f))
                 cols["label"].append(label)
                 cols["domain"].append(domain)
@@ -197,24 +193,68 @@ def load_domain_folders(path: str, card: DatasetCard):
     return DatasetDict(train=Dataset.from_dict(cols, features=features))
 
 
-def _load_local(path: str, card: DatasetCard):
-    from datasets import DatasetDict, load_dataset, load_from_disk
+def _image_files(folder: Path, path: str) -> list[Path]:
+    """The image files below ``folder`` (by suffix), each opened with PIL to check that it is
+    one; a broken file is refused naming it."""
+    from PIL import Image as PILImage
 
+    files = [f for f in sorted(folder.rglob("*"))
+             if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES]
+    for f in files:
+        try:
+            with PILImage.open(f) as im:
+                im.verify()
+        except (OSError, SyntaxError, ValueError) as err:  # PIL's "broken file"
+            raise ConfigError(f"dataset.path={path!r}: {f} is not a readable image "
+                              f"({err})") from err
+    return files
+
+
+def _load_image_folder(p: Path, path: str):
+    """``<path>/<class>/<image>`` through datasets' ``imagefolder``, checked first: a folder
+    with no image files (empty, or other files only) is refused with one line."""
+    from datasets import load_dataset
+
+    if not _image_files(p, path):
+        others = sum(1 for f in p.rglob("*") if f.is_file())
+        raise ConfigError(
+            f"dataset.path={path!r} is invalid: no image files ({', '.join(IMAGE_SUFFIXES)}) "
+            f"in {p} ({others} other file(s)); it takes a save_to_disk folder, IDX files, "
+            f"<class>/<image> folders or <domain>/<class>/<image> folders")
+    try:
+        return load_dataset("imagefolder", data_dir=str(p))
+    except Exception as err:  # datasets' own errors, deep inside its builder
+        raise ConfigError(f"dataset.path={path!r}: datasets' imagefolder cannot read {p} "
+                          f"({type(err).__name__}: {str(err).splitlines()[0][:200]})") from err
+
+
+def _load_saved(p: Path, path: str):
+    """A ``save_to_disk`` folder (a ``DatasetDict`` or one ``Dataset``)."""
+    from datasets import DatasetDict, load_from_disk
+
+    try:
+        ds = load_from_disk(str(p))
+    except Exception as err:  # a garbled or partial save_to_disk folder
+        raise ConfigError(f"dataset.path={path!r}: {p} is not a readable save_to_disk folder "
+                          f"({type(err).__name__}: {str(err).splitlines()[0][:200]})") from err
+    return ds if isinstance(ds, DatasetDict) else DatasetDict(train=ds)
+
+
+def _load_local(path: str, card: DatasetCard):
     p = Path(path).expanduser()
     if not p.exists():
         recipe = (f" (build it with the recipe in datasets/{card.name}.md)"
                   if card.source == "local" else "")
         raise ConfigError(f"dataset.path={path!r} is invalid: no such file or folder{recipe}")
     if (p / "dataset_dict.json").exists() or (p / "state.json").exists():
-        ds = load_from_disk(str(p))
-        return ds if isinstance(ds, DatasetDict) else DatasetDict(train=ds)
+        return _load_saved(p, path)
     if any(p.glob("*idx*-ubyte*")):
         return load_idx_folder(str(p), card)
     has_domains = bool(card.domains) or card.client_key == "domain"
     if p.is_dir() and has_domains and is_domain_folder(str(p)):
         return load_domain_folders(str(p), card)
     if p.is_dir():
-        return load_dataset("imagefolder", data_dir=str(p))
+        return _load_image_folder(p, path)
     raise ConfigError(f"dataset.path={path!r}: not a save_to_disk folder, IDX folder or image "
                       f"folder")
 
@@ -352,19 +392,32 @@ def standardise(raw, card: DatasetCard, cfg: DatasetConfig, seed: int):
     return DatasetDict(out)
 
 
-def prepare_dataset(cfg: DatasetConfig, cache_dir: str, seed: int) -> PreparedDataset:
-    """Load, standardise and save the data set once; later calls reuse the saved copy."""
-    card = load_card(cfg.name)
-    key = hashlib.sha256(json.dumps(
-        {"v": _PREP_VERSION, "card": card.__dict__, "path": cfg.path,
-         "test_fraction": cfg.test_fraction, "max_samples": cfg.max_samples, "seed": seed},
-        sort_keys=True, default=str).encode()).hexdigest()[:16]
-    folder = Path(cache_dir).expanduser() / "data" / f"{card.name}-{key}"
-    meta_path = folder / "fedadapt_meta.json"
-    if not meta_path.is_file():
-        dsd = standardise(load_source(card, cfg.path), card, cfg, seed)
-        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
+def _failed_check(folder: Path) -> Optional[str]:
+    """Check a prepared copy against its seal (every file's size and SHA-256); one that fails
+    (or predates the seal) is deleted so that it is rebuilt. Returns what failed, or None."""
+    from fedadapt.data.integrity import folder_problem
+    from fedadapt.log import log
+
+    if not folder.exists():
+        return None
+    bad = folder_problem(folder)
+    if bad is not None:
+        log(f"[cache] prepared data set {folder}: {bad}; rebuilding it")
+        shutil.rmtree(folder, ignore_errors=True)
+        _OPEN.pop(str(folder), None)
+    return bad
+
+
+def _build_prepared(card: DatasetCard, cfg: DatasetConfig, seed: int, key: str,
+                    folder: Path) -> None:
+    """Load, standardise and save the data set under a temporary name, seal it (size and
+    SHA-256 of every file), then rename it to ``folder``."""
+    from fedadapt.data.integrity import seal_folder
+
+    dsd = standardise(load_source(card, cfg.path), card, cfg, seed)
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
         # An empty split (dataset.test_fraction=0) needs num_shards: datasets' size estimate
         # divides by its length.
         dsd.save_to_disk(str(tmp), num_shards={k: 1 for k, d in dsd.items() if len(d) == 0})
@@ -374,10 +427,33 @@ def prepare_dataset(cfg: DatasetConfig, cache_dir: str, seed: int) -> PreparedDa
                 "num_train": len(dsd["train"]), "num_test": len(dsd["test"]),
                 "columns": dsd["train"].column_names}
         (tmp / "fedadapt_meta.json").write_text(json.dumps(meta))
+        seal_folder(tmp)
+        os.replace(tmp, folder)
+    except OSError:
+        if not (folder / "fedadapt_meta.json").is_file():  # not: another process finished first
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def prepare_dataset(cfg: DatasetConfig, cache_dir: str, seed: int) -> PreparedDataset:
+    """Load, standardise and save the data set once; later calls reuse the saved copy."""
+    card = load_card(cfg.name)
+    key = hashlib.sha256(json.dumps(
+        {"v": _PREP_VERSION, "card": card.__dict__, "path": cfg.path,
+         "test_fraction": cfg.test_fraction, "max_samples": cfg.max_samples, "seed": seed},
+        sort_keys=True, default=str).encode()).hexdigest()[:16]
+    folder = Path(cache_dir).expanduser() / "data" / f"{card.name}-{key}"
+    meta_path = folder / "fedadapt_meta.json"
+    bad = _failed_check(folder)
+    if not meta_path.is_file():
         try:
-            os.replace(tmp, folder)
-        except OSError:  # another process finished first
-            shutil.rmtree(tmp, ignore_errors=True)
+            _build_prepared(card, cfg, seed, key, folder)
+        except FedadaptError as err:
+            if bad is None:
+                raise
+            raise CacheIntegrityError(f"prepared data set {folder} failed its check ({bad}) and "
+                                      f"cannot be rebuilt: {err}") from err
     meta = json.loads(meta_path.read_text())
     if meta["num_classes"] != card.num_classes and card.source != "local":
         raise ConfigError(f"dataset={card.name}: the data has {meta['num_classes']} classes, the "

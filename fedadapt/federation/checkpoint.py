@@ -56,10 +56,15 @@ def sha256_file(path: Path) -> str:
 
 
 def _fsync_write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
+    try:
+        with open(path, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as err:  # a failed write names no file: name it (a full disk)
+        if err.filename is None:
+            raise OSError(err.errno, err.strerror, str(path)) from err
+        raise
 
 
 def _fsync_dir(path: Path) -> None:
@@ -82,14 +87,18 @@ def save_checkpoint(run_dir: Path, *, server_round: int, arrays: dict[str, torch
     final = root / f"round-{server_round:06d}"
     tmp = root / f".round-{server_round:06d}.tmp{os.getpid()}"
     tmp.mkdir()
-    tensors = {k: v.detach().cpu().contiguous() for k, v in arrays.items()}
-    _fsync_write(tmp / ARRAYS, save(tensors))
-    body = {"round": server_round, "config_sha256": config_sha, **state}
-    _fsync_write(tmp / STATE, json.dumps(body).encode())
-    manifest = {"round": server_round,
-                "files": {name: sha256_file(tmp / name) for name in (ARRAYS, STATE)}}
-    _fsync_write(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
-    _fsync_dir(tmp)
+    try:  # a full disk or a stop mid-write leaves no partial folder, and LATEST as it was
+        tensors = {k: v.detach().cpu().contiguous() for k, v in arrays.items()}
+        _fsync_write(tmp / ARRAYS, save(tensors))
+        body = {"round": server_round, "config_sha256": config_sha, **state}
+        _fsync_write(tmp / STATE, json.dumps(body).encode())
+        manifest = {"round": server_round,
+                    "files": {name: sha256_file(tmp / name) for name in (ARRAYS, STATE)}}
+        _fsync_write(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        _fsync_dir(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     atomic_write(root / LATEST, lambda fh: fh.write(final.name))
@@ -105,7 +114,17 @@ def latest_checkpoint(run_dir: Path) -> Optional[Path]:
     pointer = Path(run_dir) / CHECKPOINTS / LATEST
     if not pointer.is_file():
         return None
-    folder = pointer.parent / pointer.read_text().strip()
+    try:
+        name = pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError) as err:
+        name = f"<unreadable: {err}>"
+    folder = pointer.parent / name
+    if not re.fullmatch(r"round-\d{6}", name):
+        found = sorted(d.name for d in pointer.parent.glob("round-*") if d.is_dir())
+        raise CheckpointError(
+            f"{pointer} is garbled ({name[:40]!r} names no checkpoint folder round-<r>); "
+            f"checkpoints there: {', '.join(found) or 'none'}; write the one to continue from "
+            f"into it, or delete {pointer.parent} to start the run over")
     if not folder.is_dir():
         raise CheckpointError(f"{pointer} points at {folder.name}, which does not exist")
     return folder

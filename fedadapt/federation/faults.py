@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -24,8 +25,8 @@ from flwr.app import RecordDict
 from fedadapt.config import FAULT_KINDS, FedadaptError
 from fedadapt.federation import records
 
-__all__ = ["FAULT_KINDS", "TENSOR_FAULTS", "RoundFailed", "Screened", "corrupt", "injected_fault",
-           "require_enough", "screen_clients"]
+__all__ = ["FAULT_KINDS", "TENSOR_FAULTS", "RoundFailed", "Screened", "corrupt", "error_cause",
+           "injected_fault", "require_enough", "screen_clients"]
 #: The kinds that :func:`corrupt` applies to a reply's tensors.
 TENSOR_FAULTS = ("nan", "wrong_keys", "wrong_shape")
 
@@ -44,8 +45,11 @@ class Screened:
     dropped: list[tuple[int, str, str]] = field(default_factory=list)
 
     def describe(self, limit: int = 6) -> str:
-        return "; ".join(f"client {who}: {kind} ({msg})" for who, kind, msg in
-                         self.dropped[:limit])
+        shown = "; ".join(f"client {who}: {kind} ({msg})" for who, kind, msg in
+                          self.dropped[:limit])
+        more = len(self.dropped) - limit
+        return shown + (f"; and {more} more (metrics.jsonl counts them by kind)"
+                        if more > 0 else "")
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -68,9 +72,10 @@ def screen_clients(sent: Sequence[int], replies: dict[int, RecordDict | str],
     for cid in sorted(sent):
         content = replies.get(cid)
         if content is None:
-            out.dropped.append((cid, "timeout", "no reply in time"))
+            out.dropped.append((cid, "timeout", "no reply within federation.round_timeout"))
             continue
-        reason = content if isinstance(content, str) else records.error_of(content)
+        reason = (error_cause(content) if isinstance(content, str)
+                  else records.error_of(content))
         if reason is not None:
             out.dropped.append((cid, "error", reason))
             continue
@@ -81,6 +86,34 @@ def screen_clients(sent: Sequence[int], replies: dict[int, RecordDict | str],
                 continue
         out.good.append((cid, content))
     return out
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+#: ``Type: message`` as a traceback ends, the type possibly dotted (``ray.exceptions.X``).
+_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:\([\w.]+\))?): ?(.*)$")
+#: Wrappers around a client's own exception (Ray's, Flower's) that say nothing about it.
+_WRAPPERS = ("RayTaskError", "ClientAppException", "RayActorError")
+
+
+def error_cause(reason: str, limit: int = 300) -> str:
+    """The cause in a failed client's error reply, as ``Type: message``.
+
+    Flower's simulation engine sends ``<class ...>:<'...'>`` with Ray's whole remote traceback
+    inside, the client's own exception in the middle of it; this returns that exception's
+    line (the root of the chain), not the wrappers around it, or the reason's last line."""
+    text = _ANSI.sub("", reason)
+    lines = [ln.rstrip() for ln in text.splitlines()]
+    for ln in lines:  # tracebacks print the root cause of a chain first
+        m = _EXC_LINE.match(ln)
+        if m and not ln.startswith((" ", "\t")) and not any(w in m.group(1) for w in _WRAPPERS) \
+                and (m.group(1).endswith(("Error", "Exception", "Interrupt", "Exit", "Warning"))
+                     or "." in m.group(1)):
+            return f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2)}"[:limit]
+    marker = "occurred. Message: "
+    if marker in text:
+        return text.split(marker, 1)[1].strip().splitlines()[0][:limit]
+    tail = [ln.strip() for ln in lines if ln.strip()]
+    return (tail[-1] if tail else "no reason given")[:limit]
 
 
 def _check_arrays(content: RecordDict, expected: dict[str, tuple]) -> tuple[str, str] | None:

@@ -16,6 +16,7 @@ import warnings
 
 from fedadapt.config import FederationConfig
 from fedadapt.federation import cluster
+from fedadapt.federation.interrupt import from_ray_exit, reinstall
 from fedadapt.federation.server import ServerPlan, ServerState, make_server_app
 
 
@@ -40,6 +41,9 @@ def run_simulation(plan: ServerPlan, client_app, fed: FederationConfig) -> Serve
     """Run ``plan`` against ``plan.num_nodes`` simulated workers; return the final state."""
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # Ray's C++ failure handler would catch SIGTERM first: dump a stack, then abort at exit
+    # instead of the clean stop of fedadapt.federation.interrupt
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     from flwr.simulation import run_simulation as flwr_run_simulation
 
     level = logging.INFO if fed.verbose else logging.WARNING
@@ -60,13 +64,21 @@ def run_simulation(plan: ServerPlan, client_app, fed: FederationConfig) -> Serve
         cluster.log_placement("ray", fed.ray_address)
 
     cpu_only = not resources.get("num_gpus")
-    with _gpus_hidden(cpu_only), warnings.catch_warnings():
-        # Ray's notice that it hides GPUs from actors that ask for none: fedadapt relies on it
-        warnings.filterwarnings("ignore", message="Tip: In future versions of Ray",
-                                category=FutureWarning)
-        flwr_run_simulation(server_app=server_app, client_app=client_app,
-                            num_supernodes=plan.num_nodes, backend_config=backend_config,
-                            verbose_logging=fed.verbose)
+    try:
+        with _gpus_hidden(cpu_only), warnings.catch_warnings():
+            # Ray's notice that it hides GPUs from actors that ask for none: fedadapt relies
+            # on it
+            warnings.filterwarnings("ignore", message="Tip: In future versions of Ray",
+                                    category=FutureWarning)
+            flwr_run_simulation(server_app=server_app, client_app=client_app,
+                                num_supernodes=plan.num_nodes, backend_config=backend_config,
+                                verbose_logging=fed.verbose)
+    except SystemExit as err:  # ray.init's SIGTERM handler: a SIGTERM, not an exit request
+        if (stop := from_ray_exit(err)) is None:
+            raise
+        raise stop from None
+    finally:
+        reinstall()  # ours again (ray.init took SIGTERM's)
     if plan.error is not None:
         raise plan.error
     if plan.result is None:

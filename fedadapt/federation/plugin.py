@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedadapt.adapters.iciia import Iciia, recognize_stream
+from fedadapt.data.partition import ClientSplit
 from fedadapt.federation.training import RunSpec, derive_seed
 from fedadapt.log import log
 
@@ -110,30 +111,41 @@ CLASSIFIER_BATCH = 64
 
 @dataclass
 class ServerData:
-    """The training clients' cached features as the server holds them."""
+    """What the server holds: the training clients' training and validation features and labels
+    (the uploads the protocol provides for server training), never a test sample. Rows are the
+    server's own: ``clients[c]`` indexes client ``c``'s rows, ``owner`` gives each row's
+    client."""
 
     feats: torch.Tensor
     labels: torch.Tensor
     train_idx: np.ndarray
     val_idx: np.ndarray
-    #: The client of every sample (-1: none).
     owner: np.ndarray
+    #: Each client's rows (``test`` empty: the server has none).
+    clients: list[ClientSplit]
 
     @classmethod
     def of(cls, spec: RunSpec) -> "ServerData":
-        n = len(spec.train_source.labels())
-        feats, labels = spec.train_source.get(np.arange(n))
-        owner = np.full(n, -1)
-        for cid, split in enumerate(spec.clients):
-            owner[np.concatenate([split.train, split.val, split.test])] = cid
-        val_idx = np.concatenate([c.val for c in spec.clients])
-        if len(val_idx) == 0:
+        """Read only the clients' ``train`` and ``val`` rows of the cached features (unseen
+        test clients hold neither)."""
+        if sum(len(c.val) for c in spec.clients) == 0:
             from fedadapt.config import ConfigError
 
             raise ConfigError(f"method={spec.method.name} trains with early stopping on the "
                               f"clients' validation splits: partition.val_fraction must be > 0")
-        return cls(feats, labels, np.concatenate([c.train for c in spec.clients]), val_idx,
-                   owner)
+        held = np.concatenate([np.concatenate([c.train, c.val]) for c in spec.clients])
+        feats, labels = spec.train_source.get(held.astype(np.int64))  # [R, D], [R]
+        clients, owner, start = [], [], 0
+        for cid, c in enumerate(spec.clients):
+            n_train, n_val = len(c.train), len(c.val)
+            clients.append(ClientSplit(train=np.arange(start, start + n_train),
+                                       val=np.arange(start + n_train, start + n_train + n_val),
+                                       test=np.empty(0, dtype=np.int64)))
+            owner += [cid] * (n_train + n_val)
+            start += n_train + n_val
+        return cls(feats, labels, np.concatenate([c.train for c in clients]),
+                   np.concatenate([c.val for c in clients]), np.asarray(owner, dtype=np.int64),
+                   clients)
 
 
 def train_original(spec: RunSpec, data: ServerData, rng: np.random.Generator, *, lr: float
@@ -168,7 +180,7 @@ def train_on_server(spec: RunSpec) -> dict:
         return np.random.default_rng([spec.seed, 0x1C11A, stage])
 
     data = ServerData.of(spec)
-    feats, labels, clients = data.feats, data.labels, spec.clients
+    feats, labels, clients = data.feats, data.labels, data.clients
     train_idx, val_idx, owner = data.train_idx, data.val_idx, data.owner
 
     # 1. the original model: the classifier on the mixture of the clients' training features

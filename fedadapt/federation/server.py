@@ -32,6 +32,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedadapt.federation import records
 from fedadapt.federation.faults import Screened, require_enough, screen_clients
+from fedadapt.federation.interrupt import StoppableGrid
 from fedadapt.settings import per_tier_accuracy
 
 #: How often the ServerApp polls the in-process simulation for replies (Flower's default is
@@ -468,8 +469,8 @@ def make_server_app(plan: ServerPlan) -> ServerApp:
 
     @app.main()
     def main(grid: Grid, context) -> None:
-        try:
-            plan.result = execute_plan(grid, plan)
+        try:  # a stopped run ends at the next message (fedadapt.federation.interrupt)
+            plan.result = execute_plan(StoppableGrid(grid), plan)
         except BaseException as err:  # handed back to the launcher, which re-raises
             plan.error = err
 

@@ -99,7 +99,7 @@ def train_generator(spec: RunSpec) -> dict:
     rng = stage_rng(2)
     generator = build_generator(spec)
     k = m.session
-    val_sessions = [s for c in spec.clients for s in sequences(c.val, k, rng)]
+    val_sessions = [s for c in data.clients for s in sequences(c.val, k, rng)]
     val_anchors = [int(rng.integers(len(s))) for s in val_sessions]
     gamma = getattr(m, "gamma", 1.0)
 
@@ -111,7 +111,7 @@ def train_generator(spec: RunSpec) -> dict:
     def steps():
         """One epoch of training sessions (each from ONE client), ``sessions_per_step``
         sessions per step; yields ``(frames, mask, labels, anchor)``."""
-        sessions = [s for c in spec.clients for s in sequences(c.train, k, rng)]
+        sessions = [s for c in data.clients for s in sequences(c.train, k, rng)]
         order = rng.permutation(len(sessions))
         for i in range(0, len(order), m.sessions_per_step):
             group = [sessions[j] for j in order[i:i + m.sessions_per_step]]
@@ -236,10 +236,35 @@ def session_predict(spec: RunSpec, cid: int, arrays: dict[str, dict[str, torch.T
                **{f"acc_{k}": _accuracy(v, y) if len(v) == len(y) else float("nan")
                   for k, v in cat.items()}}
     scores = None
-    if spec.num_classes == 2:  # AUC needs every score: the server computes it over all clients
-        scores = {"labels": y.float(), **{k: v.softmax(-1)[:, 1] for k, v in cat.items()
-                                          if len(v) == len(y)}}
+    if spec.num_classes == 2:  # labels stay here: the client's own AUC (and score histograms)
+        scored = {k: v for k, v in cat.items() if len(v) == len(y)}
+        metrics.update({f"auc_{k}": binary_auc(margin(v), y) for k, v in scored.items()})
+        if m.auc_bins:
+            scores = {}
+            for k, v in scored.items():
+                scores.update(score_histograms(k, margin(v), y, m.auc_bins))
     return metrics, scores
+
+
+#: The score axis of the AUC histograms: the logit margin ``l_1 - l_0`` (the log-odds of the
+#: positive class, a monotone function of the softmax score) clipped to +-AUC_RANGE.
+AUC_RANGE = 16.0
+
+
+def margin(logits: torch.Tensor) -> torch.Tensor:
+    """``[N, 2]`` logits -> ``[N]`` log-odds of class 1 (ranks samples as the softmax does)."""
+    return (logits[:, 1] - logits[:, 0]).float()
+
+
+def score_histograms(key: str, scores: torch.Tensor, labels: torch.Tensor, bins: int
+                     ) -> dict[str, torch.Tensor]:
+    """What a client shares for the pooled AUC of model ``key``: per class, how many of its
+    test samples' scores fall into each of ``bins`` equal bins of ``[-AUC_RANGE, AUC_RANGE]``
+    (outside: the end bins). No per-sample value leaves the device."""
+    idx = ((scores.clamp(-AUC_RANGE, AUC_RANGE) + AUC_RANGE) * (bins / (2 * AUC_RANGE))).long()
+    idx = idx.clamp(0, bins - 1)  # [N]
+    return {f"{key}.{name}": torch.bincount(idx[labels == c], minlength=bins).float()
+            for c, name in ((0, "negative"), (1, "positive"))}
 
 
 def _finetune(original: nn.Linear, x: torch.Tensor, y: torch.Tensor, m) -> nn.Linear:
@@ -344,13 +369,32 @@ def tensor_bytes(arrays: dict[str, torch.Tensor]) -> int:
 
 
 def binary_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    """ROC AUC as the Mann-Whitney statistic (ties count one half)."""
-    pos, neg = scores[labels == 1], scores[labels == 0]
-    if len(pos) == 0 or len(neg) == 0:
+    """ROC AUC (scikit-learn's ``roc_auc_score``: the Mann-Whitney statistic, ties count one
+    half); NaN unless both classes occur."""
+    from sklearn.metrics import roc_auc_score
+
+    labels = np.asarray(labels)
+    if len(np.unique(labels)) < 2:
         return float("nan")
-    greater = (pos[:, None] > neg[None, :]).double().sum()
-    ties = (pos[:, None] == neg[None, :]).double().sum()
-    return float((greater + 0.5 * ties) / (len(pos) * len(neg)))
+    return float(roc_auc_score(labels, np.asarray(scores, dtype=np.float64)))
+
+
+def histogram_auc(negative: np.ndarray, positive: np.ndarray) -> dict:
+    """The pooled AUC from the clients' summed score histograms (``roc_auc_score`` with the bin
+    as the score and the counts as sample weights), and how exact it is: scores that share a
+    bin count as ties (one half), so the exact AUC of the underlying scores lies within
+    ``tie_bound`` = 0.5 x (positive-negative pairs in one bin) / (all pairs) of it."""
+    from sklearn.metrics import roc_auc_score
+
+    neg, pos = np.asarray(negative, np.float64), np.asarray(positive, np.float64)
+    pairs = neg.sum() * pos.sum()
+    if pairs == 0:
+        return {"auc": float("nan"), "tie_bound": float("nan")}
+    bins = np.arange(len(neg), dtype=np.float64)
+    keep = np.concatenate([neg, pos]) > 0
+    auc = roc_auc_score(np.r_[np.zeros(len(neg)), np.ones(len(pos))][keep],
+                        np.r_[bins, bins][keep], sample_weight=np.r_[neg, pos][keep])
+    return {"auc": float(auc), "tie_bound": float(0.5 * (neg * pos).sum() / pairs)}
 
 
 RESULT_KEYS = ("acc_original", "acc_finetune", "acc_generated")
@@ -358,15 +402,25 @@ RESULT_KEYS = ("acc_original", "acc_finetune", "acc_generated")
 
 def summarize_sessions(rows: list[dict], records: list[dict],
                        scores: list[dict[str, torch.Tensor]]) -> dict:
-    """Accuracy over all clients' test images (example-weighted) and the client mean; AUC for a
-    binary task; per-session payloads and generation time; the delay table."""
+    """Accuracy over all clients' test images (example-weighted) and the client mean; for a
+    binary task the mean of the clients' own AUCs (``auc``) and, from the score histograms in
+    ``scores`` (``method.auc_bins``), the AUC pooled over every client's samples
+    (``auc_pooled``, within ``auc_tie_bound``); per-session payloads and generation time; the
+    delay table. Nothing here sees a label: the clients computed what needs them."""
     out: dict = {key: acc for key in RESULT_KEYS
                  if (acc := accuracy_over_clients(rows, key)) is not None}
-    if scores:
-        labels = torch.cat([s["labels"] for s in scores])
-        out["auc"] = {k: binary_auc(torch.cat([s[k] for s in scores]), labels)
-                      for k in ("generated", "original", "finetune")
-                      if all(k in s for s in scores)}
+    aucs = {k: [r[f"auc_{k}"] for r in rows if f"auc_{k}" in r and np.isfinite(r[f"auc_{k}"])]
+            for k in ("generated", "original", "finetune")}
+    if any(aucs.values()):  # binary task: the mean of the clients' own AUCs
+        out["auc"] = {k: float(np.mean(v)) for k, v in aucs.items() if v}
+        out["auc_clients"] = {k: len(v) for k, v in aucs.items() if v}
+    if scores:  # pooled over every client's test samples, from their summed histograms
+        pooled = {k: histogram_auc(sum(s[f"{k}.negative"] for s in scores),
+                                   sum(s[f"{k}.positive"] for s in scores))
+                  for k in ("generated", "original", "finetune")
+                  if all(f"{k}.negative" in s for s in scores)}
+        out["auc_pooled"] = {k: v["auc"] for k, v in pooled.items()}
+        out["auc_tie_bound"] = {k: v["tie_bound"] for k, v in pooled.items()}
     if records:
         up = [r["up_bytes"] for r in records]
         down = [r["down_bytes"] for r in records if "down_bytes" in r]

@@ -76,6 +76,10 @@ class RunSpec:
     #: resolved once in the driver (:mod:`fedadapt.devices`).
     device: str = "cpu"
     precision: str = "fp32"
+    #: torch's intra-op threads in each client process (``federation.num_cpus``, at least 1),
+    #: set explicitly: CPU results depend on it, and Ray sets it (through OMP_NUM_THREADS)
+    #: only where the environment does not.
+    client_threads: int = 1
 
     @property
     def num_clients(self) -> int:
@@ -130,6 +134,7 @@ def initial_personal(spec: RunSpec) -> dict[str, torch.Tensor]:
 def _cached(spec: RunSpec) -> tuple[AdaptedModel, dict]:
     if spec.run_id not in _MODELS:
         _MODELS.clear()
+        torch.set_num_threads(spec.client_threads)  # the client's process: as every run's
         model = build_run_model(spec)
         _MODELS[spec.run_id] = (model, model.tensors(model.personal_names()))
     return _MODELS[spec.run_id]

@@ -278,7 +278,8 @@ def sessions_table(runs: list[dict]) -> str:
                     "generated layers", "generator params", "up / session",
                     "down / session", "generation ms"], body)
     if aucs:
-        out += "\nAUC (binary task), mean ± std over seeds:\n\n" + markdown(
+        out += ("\nAUC (binary task; the mean of the clients' own AUCs), mean ± std over "
+                "seeds:\n\n") + markdown(
             ["method", "original model", "fine-tuning (labels)", "generated layers"], aucs)
     return out + ("\n" + delay_markdown(delays) if delays else "")
 

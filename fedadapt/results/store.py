@@ -32,9 +32,33 @@ def atomic_write(path: str | Path, write: Callable[[Any], None], mode: str = "w"
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+    except OSError as err:  # a failed write names no file (a full disk): name it
+        Path(tmp).unlink(missing_ok=True)
+        if err.filename is None:
+            raise OSError(err.errno, err.strerror, str(path)) from err
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def check_writable(folder: str | Path, key: str) -> None:
+    """Raise :class:`~fedadapt.config.ConfigError` naming ``key`` unless ``folder`` can be
+    created and written (a read-only file system, a path through a file, no permission)."""
+    import errno
+
+    from fedadapt.config import ConfigError
+
+    path = Path(folder).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path, prefix=".fedadapt-probe-"):
+            pass
+    except OSError as err:
+        why = err.strerror or str(err)
+        hint = " (the disk is full)" if err.errno == errno.ENOSPC else ""
+        raise ConfigError(f"{key}={str(folder)!r} is not writable: {why}{hint}: "
+                          f"{err.filename or path}") from err
 
 
 def _clean(obj):
@@ -53,10 +77,15 @@ def write_json(path: str | Path, obj) -> None:
 
 
 def append_jsonl(path: str | Path, row: dict) -> None:
-    with open(path, "a") as fh:
-        fh.write(json.dumps(_clean(row)) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
+    try:
+        with open(path, "a") as fh:
+            fh.write(json.dumps(_clean(row)) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as err:  # name the file (a full disk)
+        if err.filename is None:
+            raise OSError(err.errno, err.strerror, str(path)) from err
+        raise
 
 
 def write_jsonl(path: str | Path, rows: list[dict]) -> None:

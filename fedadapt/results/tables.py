@@ -167,8 +167,16 @@ def sessions_table(summaries: list[dict]) -> str:
         body = [[s["method"], *("—" if (v := s["sessions"]["auc"].get(k)) is None
                                 else f"{v:.4f}" for k in ("original", "finetune", "generated"))]
                 for s in rows if "auc" in s["sessions"]]
-        out += "\nAUC (binary task):\n\n" + markdown(
+        out += "\nAUC (binary task; the mean of the clients' own AUCs):\n\n" + markdown(
             ["method", "original model", "fine-tuning", "generated layers"], body)
+    if any("auc_pooled" in s["sessions"] for s in rows):
+        body = [[s["method"], *("—" if (v := s["sessions"]["auc_pooled"].get(k)) is None else
+                                f"{v:.4f} ± {s['sessions']['auc_tie_bound'][k]:.4f}"
+                                for k in ("original", "finetune", "generated"))]
+                for s in rows if "auc_pooled" in s["sessions"]]
+        out += ("\nAUC over all clients' samples, from their score histograms (± the bound on "
+                "the binning's error):\n\n" + markdown(
+                    ["method", "original model", "fine-tuning", "generated layers"], body))
     delays = [(s["method"], s["sessions"]["delay"]) for s in rows if s["sessions"].get("delay")]
     return out + ("\n" + delay_markdown(delays) if delays else "")
 

@@ -1,0 +1,97 @@
+"""Run a plan with every client in this process, one message at a time: no Ray, no simulation
+engine. The server code (:func:`fedadapt.federation.server.execute_plan`) and the ClientApp are
+the real ones; messages are copied on the way there and back, as a transport would, and every
+exchange can be watched (``on_reply``). For tests and debugging: a tiny run takes seconds.
+
+Usage: ``run_experiment(cfg, run_dir, config_yaml=..., execute=run_in_process)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import time
+import uuid
+from typing import Callable, Iterable, Iterator, Optional
+
+from flwr.app import Context, Error, Message, RecordDict
+
+from fedadapt.federation.server import ServerPlan, ServerState, execute_plan
+
+#: ``on_reply(sent, reply, context)``: called for every exchange, ``context`` being the
+#: replying node's (its ``state`` as the ClientApp left it).
+OnReply = Callable[[Message, Message, Context], None]
+
+
+class InProcessGrid:
+    """The part of Flower's ``Grid`` the server uses, with one ClientApp per node called in this
+    process. Node ids are not partition ids (the server learns the mapping in its handshake, as
+    on Flower's engines). A reply that took longer than the call's ``timeout`` is dropped, as a
+    late one would be."""
+
+    def __init__(self, client_app, num_nodes: int, *, on_reply: Optional[OnReply] = None,
+                 first_node_id: int = 1001) -> None:
+        self.app = client_app
+        self.on_reply = on_reply
+        self.contexts = {
+            first_node_id + 7 * pid: Context(run_id=1, node_id=first_node_id + 7 * pid,
+                                             node_config={"partition-id": pid,
+                                                          "num-partitions": num_nodes},
+                                             state=RecordDict(), run_config={})
+            for pid in range(num_nodes)}
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.contexts)
+
+    def send_and_receive(self, messages: Iterable[Message], *,
+                         timeout: Optional[float] = None) -> list[Message]:
+        replies = []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            context = self.contexts[msg.metadata.dst_node_id]
+            t0 = time.monotonic()
+            try:
+                reply = self.app(copy.deepcopy(msg), context)
+            except Exception as err:  # as the engines report a raising ClientApp
+                reply = Message(Error(code=0, reason=f"{type(err).__name__}: {err}"),
+                                reply_to=msg)
+            if timeout is not None and time.monotonic() - t0 > timeout:
+                continue  # too late: the server never sees it
+            reply = copy.deepcopy(reply)
+            if self.on_reply is not None:
+                self.on_reply(msg, reply, context)
+            replies.append(reply)
+        return replies
+
+
+@contextlib.contextmanager
+def _task_identity() -> Iterator[None]:
+    """Flower builds a Message only inside a run: give this process one while the plan runs."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    if saved[0] is None:
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
+    try:
+        yield
+    finally:
+        TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+def run_in_process(plan: ServerPlan, client_app, *,
+                   on_reply: Optional[OnReply] = None) -> ServerState:
+    """Execute ``plan`` against ``plan.num_nodes`` in-process nodes; the final state."""
+    import torch
+
+    threads = torch.get_num_threads()  # a client pins its process's threads: this one's
+    flwr_logger = logging.getLogger("flwr")
+    level = flwr_logger.level
+    flwr_logger.setLevel(logging.WARNING)  # as on the simulation engine (federation.verbose)
+    try:
+        with _task_identity():
+            return execute_plan(InProcessGrid(client_app, plan.num_nodes, on_reply=on_reply),
+                                plan)
+    finally:
+        torch.set_num_threads(threads)
+        flwr_logger.setLevel(level)

@@ -1,0 +1,154 @@
+"""Clean stops: Ctrl-C (SIGINT) and SIGTERM end a run without a traceback, a hang or a damaged
+checkpoint.
+
+Within :func:`stop_on_signals` (the ``fedadapt`` command wraps every job in it) the first
+SIGINT or SIGTERM sets :data:`STOP` and raises :class:`RunInterrupted` in the main thread, the
+way Ctrl-C raises ``KeyboardInterrupt``; everything on the way out runs its ``finally`` blocks
+(Flower's simulation engine terminates its Ray actors and shuts Ray down). The ServerApp runs in
+a thread of its own, which a signal does not interrupt: its grid (:class:`StoppableGrid`)
+raises :class:`RunStopped` at the next message it would send or wait for, so a checkpoint being
+written is finished first, and no new round starts. Checkpoints are written under a temporary
+name and renamed (:mod:`fedadapt.federation.checkpoint`), so the last complete one stays valid
+whenever the process ends. :func:`exit_stopped` then gives the remaining threads a few seconds
+and ends the process with 128 + the signal's number. A second signal ends the process at once.
+
+``ray.init`` replaces the driver's SIGTERM handler by its own (``sys.exit(15)``);
+:func:`reinstall` puts ours back after the simulation, and :func:`from_ray_exit` reads Ray's
+exit as the SIGTERM it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Iterable, Iterator, Optional
+
+from fedadapt.config import FedadaptError
+
+#: Set by the first SIGINT / SIGTERM of a run: every loop that can wait checks it.
+STOP = threading.Event()
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_ACTIVE: list[bool] = [False]
+#: The seconds a stop may take in all (the simulation's shutdown included).
+GRACE_S = 12.0
+
+
+class RunInterrupted(BaseException):
+    """A run stopped by a signal (a ``BaseException``, as ``KeyboardInterrupt``: code that
+    handles ``Exception`` lets it through). ``exit_code`` is 128 + the signal's number."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+        self.exit_code = 128 + signum
+        self.at = time.monotonic()
+
+
+class RunStopped(FedadaptError, RuntimeError):
+    """Raised in the ServerApp's thread when the run has been told to stop."""
+
+
+def _handler(signum: int, frame) -> None:
+    if STOP.is_set():  # a second signal: no more waiting
+        os.write(2, f"fedadapt: {signal.Signals(signum).name} again: exiting now\n".encode())
+        os._exit(128 + signum)
+    STOP.set()
+    raise RunInterrupted(signum)
+
+
+def reinstall() -> None:
+    """Put the handlers back (``ray.init`` replaces SIGTERM's); main thread only."""
+    if _ACTIVE[0] and threading.current_thread() is threading.main_thread():
+        for sig in SIGNALS:
+            signal.signal(sig, _handler)
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Within: SIGINT / SIGTERM stop the run cleanly (see the module docstring). A no-op
+    outside the main thread, where Python delivers no signal."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    STOP.clear()
+    old = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    _ACTIVE[0] = True
+    reinstall()
+    try:
+        yield
+    finally:
+        _ACTIVE[0] = False
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def from_ray_exit(err: SystemExit) -> Optional[RunInterrupted]:
+    """The :class:`RunInterrupted` that ``ray.init``'s SIGTERM handler (``sys.exit(15)``)
+    stands for during a run, or None for any other exit."""
+    if _ACTIVE[0] and err.code == signal.SIGTERM:
+        STOP.set()
+        return RunInterrupted(signal.SIGTERM)
+    return None
+
+
+def check_stop() -> None:
+    """Raise :class:`RunStopped` when the run has been told to stop (for worker threads)."""
+    if STOP.is_set():
+        raise RunStopped("the run was stopped by a signal")
+
+
+class StoppableGrid:
+    """A Flower ``Grid`` whose waits end when the run is told to stop: ``send_and_receive``
+    pushes the messages and polls for the replies (as Flower's own grids do), checking
+    :data:`STOP` between polls; everything else is the wrapped grid's."""
+
+    #: Seconds between polls for replies.
+    poll_s = 0.05
+
+    def __init__(self, grid) -> None:
+        self._grid = grid
+
+    def __getattr__(self, name: str):
+        return getattr(self._grid, name)
+
+    def get_node_ids(self) -> Iterable[int]:
+        check_stop()
+        return self._grid.get_node_ids()
+
+    def send_and_receive(self, messages: Iterable, *, timeout: Optional[float] = None) -> list:
+        check_stop()
+        pending = set(self._grid.push_messages(messages))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        replies: list = []
+        while pending and (deadline is None or time.monotonic() < deadline):
+            got = list(self._grid.pull_messages(pending))
+            replies += got
+            pending -= {m.metadata.reply_to_message_id for m in got}
+            if pending:
+                check_stop()
+                time.sleep(self.poll_s)
+        return replies
+
+
+def exit_stopped(interrupted: RunInterrupted) -> None:
+    """End the process with ``interrupted.exit_code`` (130 for SIGINT, 143 for SIGTERM).
+
+    The run's other threads (the ServerApp finishing a checkpoint, Flower's workers) get until
+    :data:`GRACE_S` after the signal; then the process ends without the interpreter's exit
+    sequence, which would wait for a thread that still hangs, and in which Ray's C++ signal
+    handler, having seen a SIGTERM, aborts the process. Every file is complete by then or
+    under a temporary name."""
+    import logging
+
+    for t in threading.enumerate():
+        if t is threading.main_thread() or t.daemon:
+            continue
+        t.join(timeout=max(0.0, interrupted.at + GRACE_S - time.monotonic()))
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(interrupted.exit_code)

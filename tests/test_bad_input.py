@@ -1,0 +1,119 @@
+"""Bad input ends in one line that names the setting or file, a non-zero exit, and nothing
+half-written (each fails before any data is prepared; the README gives the times): seed=-1, a
+garbled checkpoints/LATEST, a garbled job.json (or one without overrides), an empty
+dataset.path or one of non-images, a read-only output_dir, a full disk at the first
+checkpoint."""
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import tiny_run
+
+from fedadapt.adapters.heads import LinearHeadConfig
+from fedadapt.experiment import run_experiment
+from fedadapt.federation import checkpoint
+from fedadapt.federation.inprocess import run_in_process
+
+
+def fedadapt(args, cache_dir, cwd, timeout=120):
+    """``fedadapt ARGS`` run from ``cwd`` (where its default output_dir would go)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "FEDADAPT_CACHE": cache_dir}
+    out = subprocess.run([sys.executable, "-m", "fedadapt.cli", *args], env=env, cwd=cwd,
+                         capture_output=True, text=True, timeout=timeout)
+    return out
+
+
+def one_line(out, needle: str) -> str:
+    err = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert out.returncode != 0 and len(err) == 1, out.stderr[-3000:]
+    assert err[0].startswith("fedadapt: error: ") and needle in err[0], err[0]
+    return err[0]
+
+
+def job_folder(tmp_path: Path) -> Path:
+    """A one-method job folder as `fedadapt` writes it (it is the run directory too), with a
+    checkpoint."""
+    job = tmp_path / "job"
+    (job / "checkpoints" / "round-000002").mkdir(parents=True)
+    (job / "config.yaml").write_text("x: 1\n")
+    overrides = ["method=linear_head", "backbone=small_cnn", "backbone.image_size=16",
+                 "dataset.max_samples=100", "partition.num_clients=3", "rounds=2"]
+    (job / "job.json").write_text(json.dumps({"overrides": overrides, "argv": []}))
+    return job
+
+
+def test_bad_inputs_fail_with_one_line(tmp_path, cache_dir):
+    """Each case as a user meets it, through the `fedadapt` command."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    texts = tmp_path / "texts" / "cat"
+    texts.mkdir(parents=True)
+    (texts / "a.jpg").write_text("not an image")
+    no_overrides = tmp_path / "no_overrides"
+    no_overrides.mkdir()
+    (no_overrides / "job.json").write_text(json.dumps({"argv": ["fedadapt"]}))
+    garbled_job = tmp_path / "garbled_job"
+    garbled_job.mkdir()
+    (garbled_job / "job.json").write_text('{"overrides": [')
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    cases = [
+        (["seed=-1"], "seed=-1 is invalid"),
+        ([f"dataset.path={empty}"], f"dataset.path='{empty}' is invalid: no image files"),
+        ([f"dataset.path={texts.parent}"], "a.jpg is not a readable image"),
+        ([f"resume={no_overrides}"], "job.json is unreadable (no key 'overrides')"),
+        ([f"resume={garbled_job}"], "job.json is unreadable (Expecting value"),
+        (["output_dir=/proc/fedadapt/out"], "output_dir='/proc/fedadapt/out' is not writable"),
+    ]
+    for args, needle in cases:
+        res = fedadapt(args, cache_dir, cwd)
+        one_line(res, needle)
+        assert not any(p.is_file() for p in cwd.rglob("*")), args  # nothing written
+
+
+def test_garbled_latest_is_refused_naming_it(tmp_path, cache_dir):
+    job = job_folder(tmp_path)
+    latest = job / "checkpoints" / "LATEST"
+    latest.write_bytes(b"\x00\xffround-??")
+    res = fedadapt([f"resume={job}"], cache_dir, tmp_path)
+    line = one_line(res, f"{latest} is garbled")
+    assert "checkpoints there: round-000002" in line
+
+
+def test_read_only_output_dir_as_a_user_meets_it(tmp_path, cache_dir):
+    """A folder without write permission (for root, whom permissions do not bind, a path
+    through a file is as unwritable)."""
+    if os.geteuid() == 0:
+        blocker = tmp_path / "file"
+        blocker.write_text("")
+        target, needle = blocker / "out", "is not writable: Not a directory"
+    else:
+        target = tmp_path / "ro"
+        target.mkdir(mode=0o555)
+        needle = "is not writable: Permission denied"
+    res = fedadapt([f"output_dir={target}"], cache_dir, tmp_path)
+    one_line(res, needle)
+
+
+def test_full_disk_at_the_first_checkpoint_leaves_nothing_half_written(tmp_path, cache_dir,
+                                                                       monkeypatch):
+    from fedadapt.cli import os_error_line
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(checkpoint, "_fsync_write", full)
+    run_dir = tmp_path / "run"
+    with pytest.raises(OSError) as err:
+        run_experiment(tiny_run(cache_dir, LinearHeadConfig()), run_dir, config_yaml="x\n",
+                       execute=run_in_process)
+    line = os_error_line(err.value, run_dir)
+    assert line.startswith("No space left on device: ") and "arrays.safetensors" in line
+    assert "fedadapt resume=" in line and "\n" not in line
+    assert not (run_dir / "summary.json").exists()
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == []  # no partial folder

@@ -1,0 +1,133 @@
+"""Ctrl-C (SIGINT) and SIGTERM stop a run cleanly: one line that says how to resume, exit code
+130 / 143 with no hang (the README gives the seconds), Ray gone, the last checkpoint valid; the
+resumed run ends with the metrics of a run that was never interrupted."""
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from test_resume import TINY, fedadapt, metrics
+
+from fedadapt.federation.checkpoint import latest_checkpoint, load_checkpoint
+from fedadapt.federation.interrupt import STOP, RunStopped, StoppableGrid
+
+
+def started(out: Path, rounds: int, proc, timeout: float = 300) -> Path:
+    """The run directory once ``rounds`` rounds are in its metrics.jsonl."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        found = list(out.rglob("metrics.jsonl"))
+        if found and len(found[0].read_text().splitlines()) >= rounds:
+            return found[0].parent
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(0.05)
+    raise AssertionError(f"the run never reached round {rounds}")
+
+
+def stop(proc, sig, *, group: bool) -> tuple[int, str]:
+    (os.killpg if group else os.kill)(proc.pid, sig)
+    try:
+        rc = proc.wait(timeout=120)  # a guard against a hang, not a timing
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("the run hung after the signal") from None
+    return rc, proc.stderr.read()
+
+
+def left_in_group(pgid: int, wait: float = 15.0) -> list[str]:
+    """Processes of the run's process group (Ray's workers) still alive after ``wait`` s."""
+    deadline = time.time() + wait
+    while True:
+        ps = subprocess.run(["ps", "-eo", "pgid=,pid=,args="], capture_output=True, text=True)
+        alive = [ln for ln in ps.stdout.splitlines() if ln.split()[0] == str(pgid)]
+        if not alive or time.time() > deadline:
+            return alive
+        time.sleep(0.5)
+
+
+def one_line(err: str, sig: str) -> str:
+    assert "Traceback" not in err, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("fedadapt: ")]
+    assert len(lines) == 1, err[-3000:]
+    assert lines[0].startswith(f"fedadapt: stopped by {sig}; continue with: fedadapt resume=")
+    return lines[0]
+
+
+def test_sigint_at_round_3_exits_130_and_resumes_to_the_same_metrics(tmp_path, cache_dir):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "FEDADAPT_CACHE": cache_dir}
+    args = ["method=linear_head", *TINY, "partition.fraction_fit=0.5"]  # 10 rounds
+    ref = fedadapt(args + [f"output_dir={tmp_path}/ref"], env)
+    assert ref.wait(timeout=300) == 0, ref.stderr.read()[-3000:]
+
+    victim = fedadapt(args + [f"output_dir={tmp_path}/stopped"], env)
+    run_dir = started(tmp_path / "stopped", 3, victim)
+    rc, err = stop(victim, signal.SIGINT, group=True)  # Ctrl-C: the whole group
+    assert rc == 130, (rc, err[-3000:])
+    line = one_line(err, "SIGINT")
+    assert str(run_dir) in line and "from its checkpoint of round" in line
+    assert left_in_group(victim.pid) == []  # Ray and its workers are gone
+    assert not (run_dir / "summary.json").exists()
+    load_checkpoint(latest_checkpoint(run_dir))  # the last complete checkpoint is valid
+    assert len(metrics(run_dir)) < 10
+
+    resumed = fedadapt([f"resume={run_dir}"], env)
+    assert resumed.wait(timeout=300) == 0, resumed.stderr.read()[-3000:]
+    ref_dir = next((tmp_path / "ref").rglob("summary.json")).parent
+    assert metrics(run_dir) == metrics(ref_dir)
+
+
+def test_sigterm_to_the_process_exits_143_with_one_line(tmp_path, cache_dir):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "FEDADAPT_CACHE": cache_dir}
+    proc = fedadapt(["method=linear_head", *TINY, f"output_dir={tmp_path}/out"], env)
+    run_dir = started(tmp_path / "out", 2, proc)
+    rc, err = stop(proc, signal.SIGTERM, group=False)  # `kill PID`, `timeout`, ...
+    assert rc == 143, (rc, err[-3000:])
+    assert str(run_dir) in one_line(err, "SIGTERM")
+    assert left_in_group(proc.pid) == []
+
+
+def test_sigint_before_the_run_writes_anything(tmp_path, cache_dir):
+    """Stopped while it loads (no job.json yet): nothing is left behind."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "FEDADAPT_CACHE": cache_dir}
+    proc = fedadapt(["method=linear_head", *TINY, f"output_dir={tmp_path}/out"], env)
+    deadline = time.time() + 120
+    while not list((tmp_path / "out").rglob("*")) and time.time() < deadline:
+        time.sleep(0.02)  # Hydra made the job folder: the job is being prepared
+    rc, err = stop(proc, signal.SIGINT, group=True)
+    assert rc == 130, (rc, err[-3000:])
+    if "before writing anything" in err:  # (or it was quicker: then resumable as above)
+        assert not any(p.is_file() for p in (tmp_path / "out").rglob("*"))
+    assert "Traceback" not in err
+
+
+class NeverAnswers:
+    """A grid whose clients never reply."""
+
+    def push_messages(self, messages):
+        return [str(i) for i, _ in enumerate(messages)]
+
+    def pull_messages(self, ids):
+        return []
+
+    def get_node_ids(self):
+        return [1, 2]
+
+
+def test_the_server_thread_stops_waiting_when_told():
+    grid = StoppableGrid(NeverAnswers())
+    assert grid.get_node_ids() == [1, 2]
+    STOP.clear()
+    timer = threading.Timer(0.3, STOP.set)
+    timer.start()
+    t0 = time.time()
+    try:
+        with pytest.raises(RunStopped):
+            grid.send_and_receive([object(), object()])
+    finally:
+        STOP.clear()
+    assert time.time() - t0 < 2
+    assert grid.send_and_receive([object()], timeout=0.2) == []  # a timeout still ends it
