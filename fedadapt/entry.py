@@ -72,6 +72,9 @@ def run_cli(fn: Callable[[list[str]], int], argv: list[str] | None = None) -> No
     from omegaconf.errors import OmegaConfBaseException
 
     from fedadapt.config import FedadaptError
+    from fedadapt.progress import configure_output
+
+    configure_output()  # bars on a terminal, plain lines without escape codes elsewhere
     try:
         sys.exit(fn(sys.argv[1:] if argv is None else argv))
     except (FedadaptError, HydraException, OmegaConfBaseException) as err:

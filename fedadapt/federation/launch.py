@@ -9,6 +9,7 @@ import torch
 
 from fedadapt.config import FederationConfig
 from fedadapt.federation.server import ServerPlan, ServerState, make_server_app
+from fedadapt.progress import quiet_flower_banner
 
 
 def client_resources(fed: FederationConfig) -> dict:
@@ -30,6 +31,7 @@ def run_simulation(plan: ServerPlan, client_app, fed: FederationConfig) -> Serve
     flwr_logger = logging.getLogger("flwr")
     flwr_logger.setLevel(level)
     flwr_logger.propagate = False  # it has its own handler; Hydra's root handler would repeat it
+    quiet_flower_banner()  # run_simulation's deprecation notice: once per process, one line
     backend_config = {
         "client_resources": client_resources(fed),
         "init_args": {"logging_level": level, "log_to_driver": True,
