@@ -191,6 +191,8 @@ def main() -> None:
               "pip install 'fedadapt[search]'", file=sys.stderr)
         sys.exit(2)
     configure_output()  # a live display on a terminal, plain lines (no escape codes) elsewhere
+    # Alembic (under the Optuna sweeper's and MLflow's SQLAlchemy) announces every plugin it loads
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     _main()
 
 

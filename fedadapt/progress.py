@@ -358,7 +358,7 @@ class Job:
         return left + sum(startup + mean_per * (self.units[m] - 1) for m in todo)
 
     def short(self) -> str:
-        eta = self.eta
+        eta = self.eta if len(self.finished) < len(self.units) else None
         left = f", ~{fmt_seconds(eta)} left" if eta is not None else ""
         return f"job {len(self.finished)}/{len(self.units)} methods{left}"
 

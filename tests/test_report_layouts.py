@@ -100,3 +100,10 @@ def test_runs_report_states_the_convention_and_writes_intervals(tmp_path):
     row = next(csv.DictReader(open(tmp_path / "report.csv")))
     assert float(row["final global acc std"]) == pytest.approx(10.0)
     assert float(row["final global acc ci95 low"]) == pytest.approx(60 - 24.8414, abs=1e-3)
+
+
+def test_mlflow_artifact_copies_are_not_runs(tmp_path):
+    make_run(tmp_path, "quickstart/run", label="linear_head", alpha=0.5, seed=0, accs=[0.5])
+    make_run(tmp_path, "mlartifacts/1/abc/artifacts", label="linear_head", alpha=0.5, seed=0,
+             accs=[0.5])  # what tracking.mlflow copies of the run directory
+    assert [r["dir"] for r in find_runs([str(tmp_path)])] == [str(tmp_path / "quickstart/run")]

@@ -26,6 +26,8 @@ from fedadapt.results.store import SUMMARY, atomic_write
 from fedadapt.results.tables import delay_markdown, fmt_bytes, fmt_count, markdown
 
 IGNORED = ("seed", "output_dir", "cache_dir", "compare", "hydra")
+#: MLflow's stores (``tracking.mlflow``) hold copies of run directories as artifacts: not runs.
+TRACKING_STORES = ("mlartifacts", "mlruns")
 METRICS = [("final global acc", ("final", "global_acc"), 100.0),
            ("best global acc", ("best", "global_acc"), 100.0),
            ("final client-mean acc", ("final", "client_acc"), 100.0),
@@ -50,7 +52,8 @@ def find_runs(folders: list[str]) -> list[dict]:
         for summary_path in sorted(Path(folder).rglob(SUMMARY)):
             run_dir = summary_path.parent
             cfg_path = run_dir / "config.yaml"
-            if not cfg_path.is_file():
+            inside = run_dir.relative_to(folder).parts
+            if not cfg_path.is_file() or any(part in TRACKING_STORES for part in inside):
                 continue
             summary = yaml.safe_load(summary_path.read_text())
             config = flatten(yaml.safe_load(cfg_path.read_text()) or {})
