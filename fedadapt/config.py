@@ -341,7 +341,6 @@ def validate(cfg: RunConfig) -> RunConfig:
            "must be in [0, 1)")
     check(p.min_partition_size >= 1, "partition.min_partition_size", p.min_partition_size,
            "must be >= 1")
-    _validate_partitioners(p)
     for key, val in (("partition.val_fraction", p.val_fraction),
                      ("partition.test_fraction", p.test_fraction)):
         check(0 <= val < 1, key, val, "must be in [0, 1)")
@@ -409,11 +408,16 @@ def validate(cfg: RunConfig) -> RunConfig:
            "a 'timeout' fault needs federation.round_timeout to be set")
     check(cfg.backbone.image_size >= 8, "backbone.image_size", cfg.backbone.image_size,
            "must be >= 8")
+    _validate_partitioners(p)
+    _validate_objective(cfg)
+    return cfg
+
+
+def _validate_objective(cfg: RunConfig) -> None:
     check(cfg.objective is None or cfg.objective in OBJECTIVES, "objective", cfg.objective,
           f"one of {OBJECTIVES} or null")
-    check(cfg.objective is None or p.val_fraction > 0, "objective", cfg.objective,
+    check(cfg.objective is None or cfg.partition.val_fraction > 0, "objective", cfg.objective,
           "a validation objective needs validation data: partition.val_fraction > 0")
-    return cfg
 
 
 def _validate_partitioners(p: PartitionConfig) -> None:

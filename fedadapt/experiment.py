@@ -50,18 +50,7 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
     precision = resolve_precision(cfg.train.precision, dev)
     card = load_card(cfg.dataset.name)
     prepared = prepare_dataset(cfg.dataset, cfg.cache_dir, cfg.seed)
-    if cfg.partition.test_clients > 0 and method_spec(cfg.method).trainer == "clients":
-        raise ConfigError(f"partition.test_clients={cfg.partition.test_clients} is invalid for "
-                          f"method={cfg.method.name}: unseen test clients have no training "
-                          f"data, only server-trained methods (iciia_b, duet, cdc_mmpg, ...) can "
-                          f"serve them")
-    if cfg.objective is not None and method_spec(cfg.method).trainer != "clients":
-        raise ConfigError(f"objective={cfg.objective} is invalid for method={cfg.method.name}: "
-                          f"a validation objective is measured on the clients' validation "
-                          f"splits during the rounds; this method is trained on the server")
-    if cfg.federation.select == "best_val" and cfg.partition.val_fraction == 0:
-        raise ConfigError("federation.select=best_val picks the round by the clients' "
-                          "validation accuracy: it needs partition.val_fraction > 0")
+    _check_method_settings(cfg)
     partition = partition_dataset(prepared.load()["train"], cfg.partition, card, cfg.seed)
     if not quiet:
         log(f"[data] {card.name}: {prepared.num_train} train / {prepared.num_test} test samples, "
@@ -115,6 +104,22 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
         "communicated_params": model.count(model.communicated_names()),
     }
     return PreparedRun(spec=spec, partition=partition, model=model, counts=counts)
+
+
+def _check_method_settings(cfg: RunConfig) -> None:
+    """Settings that hold only for some methods (before anything is loaded)."""
+    if cfg.partition.test_clients > 0 and method_spec(cfg.method).trainer == "clients":
+        raise ConfigError(f"partition.test_clients={cfg.partition.test_clients} is invalid for "
+                          f"method={cfg.method.name}: unseen test clients have no training "
+                          f"data, only server-trained methods (iciia_b, duet, cdc_mmpg, ...) can "
+                          f"serve them")
+    if cfg.objective is not None and method_spec(cfg.method).trainer != "clients":
+        raise ConfigError(f"objective={cfg.objective} is invalid for method={cfg.method.name}: "
+                          f"a validation objective is measured on the clients' validation "
+                          f"splits during the rounds; this method is trained on the server")
+    if cfg.federation.select == "best_val" and cfg.partition.val_fraction == 0:
+        raise ConfigError("federation.select=best_val picks the round by the clients' "
+                          "validation accuracy: it needs partition.val_fraction > 0")
 
 
 def _apply_setting(cfg: RunConfig, spec: RunSpec, model: AdaptedModel) -> None:
