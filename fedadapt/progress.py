@@ -229,7 +229,7 @@ class Bar:
     def _show(self, final: bool = False) -> None:
         if _STATE.rich is not None and self._id is not None:
             _STATE.rich.update(self._id, completed=self.completed, total=self.total,
-                               info=self.info, eta=_eta_text(self))
+                               info=self.info)
             return
         now = time.time()
         finished = self.total is not None and self.completed >= self.total
@@ -238,6 +238,11 @@ class Bar:
                 return  # the last advance already printed the final line
             self._printed = now
             _emit(self.line())
+
+
+def _job_eta_text(job: "Job") -> str:
+    eta = job.eta if len(job.finished) < len(job.units) else None
+    return f"~{fmt_seconds(eta)} left" if eta is not None else ""
 
 
 def _eta_text(bar: Bar) -> str:
@@ -252,12 +257,26 @@ def _emit(text: str) -> None:
 
 def _start_live() -> None:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        ProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+    from rich.text import Text
+
+    class Eta(ProgressColumn):
+        """The estimate, computed at each refresh (it keeps falling between updates)."""
+
+        def render(self, task) -> Text:
+            return Text(task.fields["eta"]())
 
     # markup off: "[linear_head] round" is a label, not rich markup
-    live = Progress(TextColumn("{task.description}", markup=False), BarColumn(bar_width=30),
+    live = Progress(TextColumn("{task.description}", markup=False), BarColumn(bar_width=24),
                     MofNCompleteColumn(), TextColumn("{task.fields[info]}", markup=False),
-                    TimeElapsedColumn(), TextColumn("{task.fields[eta]}", markup=False),
+                    TimeElapsedColumn(), Eta(),
                     console=Console(stderr=True), transient=False)
     live.start()
     _STATE.rich = live
@@ -292,7 +311,8 @@ def task(description: str, total: Optional[int] = None, *, unit: str = "",
         if interactive():
             if _STATE.rich is None:
                 _start_live()
-            bar._id = _STATE.rich.add_task(description, total=total, info="", eta="")
+            bar._id = _STATE.rich.add_task(description, total=total, info="",
+                                           eta=lambda: _eta_text(bar))
         _STATE.open_tasks += 1
     try:
         yield bar
@@ -396,10 +416,8 @@ class Job:
     def _refresh(self) -> None:
         if _STATE.rich is not None and self._id is not None:
             current = f" | {self.current}" if self.current else ""
-            eta = self.eta
             _STATE.rich.update(self._id, completed=len(self.finished),
-                               info=f"{self.completed}/{self.total} rounds{current}",
-                               eta=f"~{fmt_seconds(eta)} left" if eta is not None else "")
+                               info=f"{self.completed}/{self.total} rounds{current}")
 
 
 @contextmanager
@@ -412,7 +430,8 @@ def job(name: str, units: dict[str, int]) -> Iterator[Job]:
         if interactive():
             if _STATE.rich is None:
                 _start_live()
-            j._id = _STATE.rich.add_task(f"job {name}", total=len(units), info="", eta="")
+            j._id = _STATE.rich.add_task(f"job {name}", total=len(units), info="",
+                                         eta=lambda: _job_eta_text(j))
     try:
         yield j
     finally:
