@@ -17,7 +17,7 @@ import logging
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import hydra
 from hydra.experimental.callback import Callback
@@ -124,6 +124,8 @@ class OutputDirCheck(Callback):
 
 def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
             resume: bool = False) -> list[dict]:
+    from fedadapt import progress
+    from fedadapt.adapters import method_spec
     from fedadapt.experiment import prepare_run, run_experiment
     from fedadapt.federation.cluster import check_reachable
     from fedadapt.results.plots import plot_curves
@@ -149,13 +151,19 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
     if not resume:
         write_json(run_dir / JOB, {"overrides": overrides, "argv": sys.argv})
     summaries = []
-    for name, run, yaml in jobs:
-        if name in done:
-            print(f"[{name}] complete already ({dirs[name] / SUMMARY})", file=sys.stderr)
-            summaries.append(done[name])
-            continue
-        summaries.append(run_experiment(run, dirs[name], config_yaml=yaml, label=name,
-                                        prepared=prepared[name], resume=resume))
+    units = {name: run.rounds if method_spec(run.method).trainer == "clients" else 1
+             for name, run, _ in jobs}
+    with progress.job(jobs[0][1].experiment, units) as shown:
+        for name, run, yaml in jobs:
+            if name in done:
+                print(f"[{name}] complete already ({dirs[name] / SUMMARY})", file=sys.stderr)
+                summaries.append(done[name])
+                shown.finish(name, skipped=True)
+                continue
+            shown.start(name)
+            summaries.append(run_experiment(run, dirs[name], config_yaml=yaml, label=name,
+                                            prepared=prepared[name], resume=resume))
+            shown.finish(name)
     if not compare:
         print("\n" + (run_dir / "table.md").read_text())
         print(f"Run directory: {run_dir}")
@@ -189,8 +197,27 @@ def _holding(run_dir: Path, *, resume: bool = False) -> Iterator[None]:
         rundir.unlock_run_dir(run_dir)
 
 
+def objective_value(cfg: DictConfig, summaries: list[dict]) -> Optional[float]:
+    """What the task function returns to a sweeper that searches (``objective``): the clients'
+    mean validation accuracy at the reported round (``summary["selected"]["val_acc"]``, the
+    last evaluated round unless ``federation.select=best_val``); None without an objective."""
+    if cfg.get("objective") is None:
+        return None
+    if len(summaries) != 1:
+        raise ConfigError(f"objective={cfg.objective} needs one method per job (it names the "
+                          f"value a sweeper optimises); this job runs {len(summaries)}: name one "
+                          f"with method=NAME")
+    selected = summaries[0].get("selected") or {}
+    value = selected.get("val_acc")
+    if value is None:
+        raise ConfigError(f"objective={cfg.objective}: the run has no validation accuracy "
+                          f"(no client evaluated a validation split)")
+    return float(value)
+
+
 @hydra.main(version_base=None, config_path=CONF_PATH, config_name="config")
-def _main(cfg: DictConfig) -> None:
+def _main(cfg: DictConfig) -> Optional[float]:
+    """Hydra's task function: runs the job; returns the ``objective`` (None without one)."""
     from hydra.core.hydra_config import HydraConfig
 
     logging.getLogger().setLevel(logging.WARNING)  # Hydra's stdout config says INFO
@@ -210,10 +237,11 @@ def _main(cfg: DictConfig) -> None:
                 job_dir, overrides = resume_target(cfg.resume)
                 cfg = compose(config_name="config", overrides=overrides)
                 with _holding(job_dir, resume=True):
-                    run_job(cfg, job_dir, overrides, resume=True)
-            else:
-                with _holding(run_dir):  # before anything is written: one run per directory
-                    run_job(cfg, run_dir, overrides)
+                    return objective_value(cfg, run_job(cfg, job_dir, overrides, resume=True))
+            if cfg.get("objective") is not None and len(job_configs(cfg, overrides)) != 1:
+                objective_value(cfg, [])  # refused before anything runs
+            with _holding(run_dir):  # before anything is written: one run per directory
+                return objective_value(cfg, run_job(cfg, run_dir, overrides))
     except RunInterrupted as stop:
         print(f"fedadapt: {stop}; {resume_hint(job_dir)}", file=sys.stderr)
         _remove_if_empty(run_dir, root)
@@ -312,6 +340,19 @@ def main() -> None:
     if problem:
         print(f"fedadapt: error: {problem}", file=sys.stderr)
         sys.exit(2)
+
+    from importlib.util import find_spec
+
+    from fedadapt.progress import configure_output
+
+    if (any(a.lstrip("+").startswith("search=") for a in sys.argv[1:])
+            and find_spec("hydra_plugins.hydra_optuna_sweeper") is None):
+        print("fedadapt: error: search=... runs Hydra's Optuna sweeper, which is not installed: "
+              "pip install 'fedadapt[search]'", file=sys.stderr)
+        sys.exit(2)
+    configure_output()  # a live display on a terminal, plain lines (no escape codes) elsewhere
+    # Alembic (under the Optuna sweeper's and MLflow's SQLAlchemy) announces every plugin it loads
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     _main()
 
 

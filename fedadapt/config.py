@@ -86,9 +86,24 @@ class MethodConfig:
 
 @dataclass
 class PartitionConfig:
-    """How the training split is divided into clients (flwr-datasets partitioners)."""
+    """How the training split is divided into clients (flwr-datasets partitioners).
 
-    #: ``dirichlet`` (over the label), ``iid``, ``natural`` (the card's client key) or ``domain``.
+    ``kind`` picks the partitioner (``conf/partition/<kind>.yaml`` presets each one):
+    ``dirichlet`` (``DirichletPartitioner`` over the label, ``alpha``), ``iid``, ``natural`` (one
+    client per value of the card's client key, ``NaturalIdPartitioner``; ``ids_per_client`` > 1
+    groups them, ``GroupedNaturalIdPartitioner``), ``domain``, ``superclass``, ``shard``
+    (``ShardPartitioner``: the data sorted by label, cut into shards, ``shards_per_client``
+    shards per client, as FedAvg's pathological non-IID split), ``pathological``
+    (``PathologicalPartitioner``: ``classes_per_client`` classes per client), ``inner_dirichlet``
+    (``InnerDirichletPartitioner``: client sizes fixed by ``sizes`` or equal, the classes inside
+    each client drawn from Dirichlet(``alpha``)), ``size`` (``SizePartitioner``: client i gets
+    ``sizes[i]`` samples), ``exponential`` / ``linear`` / ``square`` (client i's size grows as
+    exp(i), i or i^2: ``ExponentialPartitioner``, ``LinearPartitioner``, ``SquarePartitioner``).
+    The size-based kinds and ``iid`` shuffle the data with the seed first (flwr-datasets cuts
+    them in order).
+    """
+
+    #: The partitioner (see above).
     kind: str = "dirichlet"
     num_clients: int = 10
     alpha: float = 0.5
@@ -113,6 +128,23 @@ class PartitionConfig:
     #: Fraction of the clients held out whole as unseen test clients (ICIIA's "by client"
     #: split: iNaturalist); their data is all test data. Server-trained methods only.
     test_clients: float = 0.0
+    #: shard: shards per client (FedAvg: 2) ...
+    shards_per_client: Optional[int] = 2
+    #: ... and samples per shard; None = as many as fill ``num_clients x shards_per_client``
+    #: shards from the data (give one of the two, or both).
+    shard_size: Optional[int] = None
+    #: shard: keep the last, incomplete shard (only with ``shards_per_client=null``).
+    keep_incomplete_shard: bool = False
+    #: pathological: classes per client ...
+    classes_per_client: int = 2
+    #: ... chosen ``random``-ly, ``deterministic``-ally (client i: classes i, i+1, ...) or
+    #: ``first-deterministic`` (the first class deterministic, the others random).
+    class_assignment: str = "random"
+    #: size: samples per client (one per client; required); inner_dirichlet: the same, or
+    #: None for equal shares of the data.
+    sizes: Optional[list[int]] = None
+    #: natural: natural ids (e.g. writers) grouped into one client; 1 = one id per client.
+    ids_per_client: int = 1
 
 
 @dataclass
@@ -239,6 +271,22 @@ class FaultConfig:
 
 
 @dataclass
+class TrackingConfig:
+    """Experiment tracking, fed by the per-round hook (optional extra ``fedadapt[tracking]``;
+    see :mod:`fedadapt.tracking`). Both off by default; both work offline."""
+
+    #: TensorBoard event files under ``<run dir>/tensorboard`` (per-round scalars, the config).
+    tensorboard: bool = False
+    #: One MLflow run per run directory (the same scalars, the config as params, the run
+    #: directory's files as artifacts).
+    mlflow: bool = False
+    #: MLflow tracking URI; None = the local store ``sqlite:///<output_dir>/mlflow.db``.
+    mlflow_uri: Optional[str] = None
+    #: MLflow experiment; None = the config's ``experiment``.
+    mlflow_experiment: Optional[str] = None
+
+
+@dataclass
 class RunConfig:
     """The root of the composed configuration."""
 
@@ -250,6 +298,12 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     federation: FederationConfig = field(default_factory=FederationConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    #: What the ``fedadapt`` task function returns to a Hydra sweeper that searches
+    #: (``hydra/sweeper=optuna``, preset ``search=lr``): ``val_acc``, the clients' mean accuracy
+    #: on their validation splits at the reported round (never the test split); None = nothing.
+    #: Needs one method trained by the clients in rounds, and ``partition.val_fraction > 0``.
+    objective: Optional[str] = None
     #: Continue the run (or compare job) in this directory from its last checkpoint.
     resume: Optional[str] = None
     #: Name of the experiment (set by ``conf/experiment/*.yaml``).
@@ -264,7 +318,12 @@ class RunConfig:
     cache_dir: str = "${oc.env:FEDADAPT_CACHE,${oc.env:HOME}/.cache/fedadapt}"
 
 
-KNOWN_PARTITIONS = ("dirichlet", "iid", "natural", "domain", "superclass")
+KNOWN_PARTITIONS = ("dirichlet", "iid", "natural", "domain", "superclass", "shard",
+                    "pathological", "inner_dirichlet", "size", "exponential", "linear", "square")
+#: ``partition.class_assignment`` (flwr-datasets' PathologicalPartitioner modes).
+CLASS_ASSIGNMENTS = ("random", "deterministic", "first-deterministic")
+#: ``objective``: what the task function can return to a searching sweeper.
+OBJECTIVES = ("val_acc",)
 KNOWN_SETTINGS = ("conventional", "anytime", "multitier", "personalization")
 PERSONALIZE_PARTS = ("trainable", "full", "adapters", "accumulator", "client_token")
 KNOWN_OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -408,6 +467,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check_domains(cfg)
     check_numbers(cfg)
     cfg.method.check()
+    _validate_partitioners(p)
+    _validate_objective(cfg)
     return cfg
 
 
@@ -455,3 +516,32 @@ def check_numbers(cfg: RunConfig) -> None:
     for key, shown, values in _numbers(cfg, ""):
         check(all(math.isfinite(v) and v >= 0 for v in values), key, shown,
               "must be a finite number >= 0")
+
+
+def _validate_objective(cfg: RunConfig) -> None:
+    check(cfg.objective is None or cfg.objective in OBJECTIVES, "objective", cfg.objective,
+          f"one of {OBJECTIVES} or null")
+    check(cfg.objective is None or cfg.partition.val_fraction > 0, "objective", cfg.objective,
+          "a validation objective needs validation data: partition.val_fraction > 0")
+
+
+def _validate_partitioners(p: PartitionConfig) -> None:
+    """The keys of the shard, pathological and size-based partitioners."""
+    check(p.shards_per_client is None or p.shards_per_client >= 1, "partition.shards_per_client",
+          p.shards_per_client, "must be >= 1 or null")
+    check(p.shard_size is None or p.shard_size >= 1, "partition.shard_size", p.shard_size,
+          "must be >= 1 or null")
+    check(p.kind != "shard" or p.shards_per_client is not None or p.shard_size is not None,
+          "partition.shard_size", p.shard_size,
+          "partition=shard needs partition.shards_per_client or partition.shard_size")
+    check(p.classes_per_client >= 1, "partition.classes_per_client", p.classes_per_client,
+          "must be >= 1")
+    check(p.class_assignment in CLASS_ASSIGNMENTS, "partition.class_assignment",
+          p.class_assignment, f"one of {CLASS_ASSIGNMENTS}")
+    check(p.ids_per_client >= 1, "partition.ids_per_client", p.ids_per_client, "must be >= 1")
+    check(p.kind != "size" or p.sizes is not None, "partition.sizes", p.sizes,
+          "partition=size needs the samples of each client: partition.sizes=[n0,n1,...]")
+    if p.sizes is not None and p.kind in ("size", "inner_dirichlet"):
+        check(len(p.sizes) == p.num_clients and all(n >= 1 for n in p.sizes), "partition.sizes",
+              list(p.sizes), f"one size >= 1 per client ({p.num_clients} = "
+                             f"partition.num_clients)")

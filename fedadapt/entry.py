@@ -12,9 +12,18 @@ from omegaconf import DictConfig, OmegaConf
 
 from fedadapt.config import RunConfig, validate
 
+#: ConfigStore group of the schemas (never a group the root config selects).
+SCHEMA_GROUP = "schema"
+
 
 def register_configs() -> None:
-    """Register the schemas with Hydra's ConfigStore (every entry point calls this first)."""
+    """Register the schemas with Hydra's ConfigStore (every entry point calls this first).
+
+    The group schemas live in their own group ``schema/`` (``schema/dataset``,
+    ``schema/method/<name>``, ...), which the root config never selects: a group's options (what
+    ``method=`` accepts, what Hydra lists for an unknown value, what ``glob(*)`` sweeps) are its
+    YAML presets only. Each preset extends its schema with ``- /schema/<group>[/<name>]@_here_``.
+    """
     from hydra.core.config_store import ConfigStore
 
     from fedadapt.adapters import METHODS
@@ -28,12 +37,12 @@ def register_configs() -> None:
     register_resolvers()
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
-    cs.store(group="dataset", name="dataset_schema", node=DatasetConfig)
-    cs.store(group="backbone", name="backbone_schema", node=BackboneConfig)
-    cs.store(group="partition", name="partition_schema", node=PartitionConfig)
-    cs.store(group="setting", name="setting_schema", node=SettingConfig)
+    cs.store(group=SCHEMA_GROUP, name="dataset", node=DatasetConfig)
+    cs.store(group=SCHEMA_GROUP, name="backbone", node=BackboneConfig)
+    cs.store(group=SCHEMA_GROUP, name="partition", node=PartitionConfig)
+    cs.store(group=SCHEMA_GROUP, name="setting", node=SettingConfig)
     for name, spec in METHODS.items():
-        cs.store(group="method", name=f"{name}_schema", node=spec.config_cls)
+        cs.store(group=f"{SCHEMA_GROUP}/method", name=name, node=spec.config_cls)
 
 
 def register_resolvers() -> None:
@@ -73,7 +82,9 @@ def run_cli(fn: Callable[[list[str]], int], argv: list[str] | None = None) -> No
     from omegaconf.errors import OmegaConfBaseException
 
     from fedadapt.config import FedadaptError
+    from fedadapt.progress import configure_output
 
+    configure_output()  # bars on a terminal, plain lines without escape codes elsewhere
     try:
         sys.exit(fn(sys.argv[1:] if argv is None else argv))
     except (FedadaptError, HydraException, OmegaConfBaseException) as err:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from fedadapt import progress
 from fedadapt.adapters import AdaptedModel, method_spec
 from fedadapt.config import ConfigError, RunConfig
 from fedadapt.data.partition import Partition
@@ -41,20 +42,15 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
     from fedadapt.data.transforms import Preprocess
     from fedadapt.devices import resolve_precision, run_device
     from fedadapt.federation.training import build_run_model
+    from fedadapt.tracking import check_available
 
+    check_available(cfg.tracking)
     datasets.disable_progress_bars()
     dev = run_device(cfg.federation.num_gpus)
     precision = resolve_precision(cfg.train.precision, dev)
     card = load_card(cfg.dataset.name)
     prepared = prepare_dataset(cfg.dataset, cfg.cache_dir, cfg.seed)
-    if cfg.partition.test_clients > 0 and method_spec(cfg.method).trainer == "clients":
-        raise ConfigError(f"partition.test_clients={cfg.partition.test_clients} is invalid for "
-                          f"method={cfg.method.name}: unseen test clients have no training "
-                          f"data, only server-trained methods (iciia_b, duet, cdc_mmpg, ...) can "
-                          f"serve them")
-    if cfg.federation.select == "best_val" and cfg.partition.val_fraction == 0:
-        raise ConfigError("federation.select=best_val picks the round by the clients' "
-                          "validation accuracy: it needs partition.val_fraction > 0")
+    _check_method_settings(cfg)
     partition = partition_dataset(prepared.load()["train"], cfg.partition, card, cfg.seed)
     if not quiet:
         log(f"[data] {card.name}: {prepared.num_train} train / {prepared.num_test} test samples, "
@@ -95,7 +91,8 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
                    test_source=(source("test") if method_spec(cfg.method).trainer == "clients"
                                 else None),
                    clients=partition.clients, faults=cfg.faults, setting=cfg.setting,
-                   class_text=class_text, evaluate_val=cfg.federation.select == "best_val",
+                   class_text=class_text,
+                   evaluate_val=cfg.federation.select == "best_val" or cfg.objective is not None,
                    image_source=(images("train")
                                  if getattr(cfg.method, "upload", None) == "samples" else None),
                    query_feature=query_feature, device=dev, precision=precision,
@@ -108,6 +105,22 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
         "communicated_params": model.count(model.communicated_names()),
     }
     return PreparedRun(spec=spec, partition=partition, model=model, counts=counts)
+
+
+def _check_method_settings(cfg: RunConfig) -> None:
+    """Settings that hold only for some methods (before anything is loaded)."""
+    if cfg.partition.test_clients > 0 and method_spec(cfg.method).trainer == "clients":
+        raise ConfigError(f"partition.test_clients={cfg.partition.test_clients} is invalid for "
+                          f"method={cfg.method.name}: unseen test clients have no training "
+                          f"data, only server-trained methods (iciia_b, duet, cdc_mmpg, ...) can "
+                          f"serve them")
+    if cfg.objective is not None and method_spec(cfg.method).trainer != "clients":
+        raise ConfigError(f"objective={cfg.objective} is invalid for method={cfg.method.name}: "
+                          f"a validation objective is measured on the clients' validation "
+                          f"splits during the rounds; this method is trained on the server")
+    if cfg.federation.select == "best_val" and cfg.partition.val_fraction == 0:
+        raise ConfigError("federation.select=best_val picks the round by the clients' "
+                          "validation accuracy: it needs partition.val_fraction > 0")
 
 
 def _apply_setting(cfg: RunConfig, spec: RunSpec, model: AdaptedModel) -> None:
@@ -203,22 +216,53 @@ def _tier_counts(exits: list[int]) -> Optional[dict[str, int]]:
     return {str(e): exits.count(e) for e in sorted(set(exits))}
 
 
-def _progress(label: str, total: int):
+def _progress(label: str, total: int, bar: Optional[progress.Bar] = None):
+    """The round hook's progress part: the round bar's text (loss, accuracies, bytes, time), or
+    a status line per round without a bar."""
     def on_round(state) -> None:
         row = state.history[-1]
-        done = state.server_round
-        per_round = row["wall_s"] / done
         acc = ""
         if row["global_acc"] is not None:
             acc += f" | global {100 * row['global_acc']:.1f}%"
         if row["client_acc"] is not None:
             acc += f" | client-mean {100 * row['client_acc']:.1f}%"
         loss = f"{row['train_loss']:.3f}" if row["train_loss"] is not None else "—"
-        log(f"[{label}] round {done}/{total} | loss {loss}{acc} | "
-            f"up {row['bytes_up'] / 1e3:.1f} kB down {row['bytes_down'] / 1e3:.1f} kB | "
-            f"{row['round_s']:.2f} s | ~{per_round * (total - done):.0f} s left")
+        info = (f"loss {loss}{acc} | up {row['bytes_up'] / 1e3:.1f} kB down "
+                f"{row['bytes_down'] / 1e3:.1f} kB | {row['round_s']:.2f} s")
+        if bar is not None:
+            bar.update(completed=state.server_round, info=info)
+        else:
+            log(f"[{label}] round {state.server_round}/{total} | {info}")
 
     return on_round
+
+
+def _write_partition(run_dir: Path, cfg: RunConfig, prep: PreparedRun) -> None:
+    """``partition.json`` (statistics) and ``partition.png`` (classes per client)."""
+    from fedadapt.results.plots import write_partition_plot
+    from fedadapt.results.store import write_json
+
+    write_json(run_dir / "partition.json", prep.partition.stats)
+    source = prep.spec.train_source
+    write_partition_plot(cfg, prep.partition, source.labels(), run_dir / "partition.png",
+                         class_names=list(source.prepared.class_names))
+
+
+def _open_tracker(cfg: RunConfig, run_dir: Path, config_yaml: str, label: str,
+                  resume_round: int = 0):
+    """The run's :class:`fedadapt.tracking.Tracker` (no-op unless ``tracking.*`` is on)."""
+    from fedadapt.results.store import git_commit
+    from fedadapt.tracking import open_tracker
+
+    if not (cfg.tracking.tensorboard or cfg.tracking.mlflow):
+        return open_tracker(cfg.tracking, run_dir=run_dir, config_yaml=config_yaml, name=label,
+                            experiment=cfg.experiment, output_dir=cfg.output_dir)
+    tags = {"fedadapt.method": label, "fedadapt.dataset": cfg.dataset.name,
+            "fedadapt.backbone": cfg.backbone.name, "fedadapt.seed": str(cfg.seed),
+            "fedadapt.git_commit": git_commit() or "none"}
+    return open_tracker(cfg.tracking, run_dir=run_dir, config_yaml=config_yaml,
+                        name=f"{label} seed={cfg.seed}", experiment=cfg.experiment,
+                        output_dir=cfg.output_dir, tags=tags, resume_round=resume_round)
 
 
 def _resume_point(run_dir: Path, config_yaml: str, config_sha: str
@@ -260,7 +304,7 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
     from flwr.app import ArrayRecord
 
     from fedadapt.clients.app import make_client_app
-    from fedadapt.results.store import METRICS, atomic_write, write_json, write_jsonl
+    from fedadapt.results.store import METRICS, atomic_write, write_jsonl
 
     label = label or cfg.method.name
     t0 = time.time()
@@ -279,7 +323,7 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
     num_rounds = 0 if start is not None else cfg.rounds
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(run_dir / "config.yaml", lambda fh: fh.write(config_yaml))
-    write_json(run_dir / "partition.json", prep.partition.stats)
+    _write_partition(run_dir, cfg, prep)
     spec.state_dir = str(run_dir / "clients")
     metrics_path = run_dir / METRICS
     resume_state = None
@@ -293,12 +337,26 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
         metrics_path.unlink(missing_ok=True)
     if start is not None:
         log(f"[{label}] personalizing the final model of {cfg.setting.init_from}")
-    plan = _rounds_plan(cfg, prep, ArrayRecord(initial), num_rounds, execute,
-                        on_round=_round_hook(cfg, run_dir, label, config_sha),
-                        resume=resume_state)
-    state = (execute or _simulation(cfg))(plan, make_client_app(lambda context: spec))
-    return _finish_rounds(cfg, run_dir, prep, state, label=label, t0=t0,
-                          num_rounds=num_rounds, resume_state=resume_state)
+    resumed_round = resume_state["round"] if resume_state else 0
+    tracker = _open_tracker(cfg, run_dir, config_yaml, label, resumed_round)
+    show = [None]  # the round bar's hook, set once the bar exists (below)
+    try:
+        plan = _rounds_plan(cfg, prep, ArrayRecord(initial), num_rounds, execute,
+                            on_round=_round_hook(cfg, run_dir, config_sha, tracker, show),
+                            resume=resume_state)
+        with progress.task(f"[{label}] round", total=max(num_rounds, 1), interval=0,
+                           for_job=True) as bar:
+            if resumed_round:  # the bar starts where the checkpoint left off
+                bar.update(completed=resumed_round)
+            show[0] = _progress(label, cfg.rounds, bar)
+            state = (execute or _simulation(cfg))(plan, make_client_app(lambda context: spec))
+        summary = _finish_rounds(cfg, run_dir, prep, state, label=label, t0=t0,
+                                 num_rounds=num_rounds, resume_state=resume_state)
+    except BaseException:
+        tracker.close(run_dir, failed=True)
+        raise
+    tracker.close(run_dir)
+    return summary
 
 
 def _global_eval(prep: PreparedRun) -> Callable:
@@ -329,18 +387,18 @@ def _global_eval(prep: PreparedRun) -> Callable:
     return global_eval
 
 
-def _round_hook(cfg: RunConfig, run_dir: Path, label: str, config_sha: str) -> Callable:
-    """After each round: the metrics row, progress, and every ``checkpoint_every`` rounds (and
-    after the last) a checkpoint."""
+def _round_hook(cfg: RunConfig, run_dir: Path, config_sha: str, tracker, show: list) -> Callable:
+    """After each round: the metrics row, progress (``show[0]``, the round bar's hook), the
+    tracker, and every ``checkpoint_every`` rounds (and after the last) a checkpoint."""
     from fedadapt.federation.checkpoint import save_checkpoint
     from fedadapt.results.store import METRICS, append_jsonl
 
-    progress = _progress(label, cfg.rounds)
     every = cfg.federation.checkpoint_every
 
     def on_round(state) -> None:
         append_jsonl(run_dir / METRICS, state.history[-1])
-        progress(state)
+        show[0](state)
+        tracker.log_round(state.history[-1])
         rnd = state.server_round
         if (every and rnd % every == 0) or rnd == state.num_rounds:
             save_checkpoint(run_dir, server_round=rnd,
@@ -431,7 +489,8 @@ def _finish_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, state, *, l
         **_summary_head(cfg, label, prep, rounds=num_rounds, setting=cfg.setting.name),
         "final": {k: final.get(k) for k in ("round", "global_acc", "client_acc",
                                             "client_acc_weighted", "train_loss",
-                                            "global_acc_last", "exit_acc", "tier_acc")},
+                                            "global_acc_last", "exit_acc", "tier_acc",
+                                            "val_acc")},
         "selection": cfg.federation.select,
         "selected": ({k: selected.get(k) for k in ("round", "val_acc", "global_acc", "client_acc",
                                                    "unseen_acc")} if selected else None),
@@ -538,13 +597,13 @@ def _server_run(cfg: RunConfig, run_dir: Path, prep: PreparedRun, config_yaml: s
 
     from fedadapt.clients.app import make_client_app
     from fedadapt.federation.server import ServerPlan
-    from fedadapt.results.store import atomic_write, write_json
+    from fedadapt.results.store import atomic_write
     from fedadapt.strategies.fedavg import build_strategy
 
     spec = prep.spec
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(run_dir / "config.yaml", lambda fh: fh.write(config_yaml))
-    write_json(run_dir / "partition.json", prep.partition.stats)
+    _write_partition(run_dir, cfg, prep)
     plan = ServerPlan(
         num_clients=spec.num_clients,
         make_strategy=lambda: build_strategy("fedavg", federated=True,
@@ -582,6 +641,10 @@ def _finish_server_run(cfg: RunConfig, run_dir: Path, prep: PreparedRun, state, 
     table = run_tables([summary], title=f"## {cfg.experiment}: {label} on {cfg.dataset.name}")
     atomic_write(run_dir / "table.md", lambda fh: fh.write(table))
     write_json(run_dir / SUMMARY, summary)  # last: marks the run directory complete
+    tracker = _open_tracker(cfg, run_dir, (run_dir / "config.yaml").read_text(), label)
+    for row in state.history:  # its one phase with the clients
+        tracker.log_round(row)
+    tracker.close(run_dir)
     return summary
 
 

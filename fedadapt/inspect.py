@@ -11,11 +11,17 @@ comes from the dataset card). Counts are exact integers from the built modules.
   (embeddings + blocks 0..l) and the FLOPs of running them on one image at ``image_size``,
   counted by ``torch.utils.flop_counter`` (2 FLOPs per multiply-accumulate; matmuls,
   convolutions and attention; elementwise ops not counted).
+
+``fedadapt-inspect --partition [--out FILE] dataset=... partition=...`` instead loads the data
+set (offline: from the cache or a package), partitions it as a run would, prints the partition's
+statistics as JSON (samples and classes per client) and draws ``partition.png`` (classes per
+client; ``--out`` names another file). No backbone is built.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 
 def inspect_run(run, *, flops: bool = True) -> dict:
@@ -59,11 +65,48 @@ def inspect_run(run, *, flops: bool = True) -> dict:
     return result
 
 
+def inspect_partition(run, out: str | Path) -> dict:
+    """Partition ``run``'s training split as a run would; draw ``out`` (``partition.png``) and
+    return the statistics."""
+    from fedadapt.data.catalogue import load_card
+    from fedadapt.data.loading import prepare_dataset
+    from fedadapt.data.partition import partition_dataset
+    from fedadapt.results.plots import write_partition_plot
+
+    prepared = prepare_dataset(run.dataset, run.cache_dir, run.seed)
+    train = prepared.load()["train"]
+    partition = partition_dataset(train, run.partition, load_card(run.dataset.name), run.seed)
+    write_partition_plot(run, partition, train["label"], out,
+                         class_names=list(prepared.class_names))
+    return {"dataset": run.dataset.name, "partition": run.partition.kind, "seed": run.seed,
+            "figure": str(Path(out).resolve()), **partition.stats}
+
+
+def _options(argv: list[str]) -> tuple[list[str], bool, str]:
+    """``(Hydra overrides, --partition given, --out FILE)``."""
+    from fedadapt.config import ConfigError
+
+    rest, partition, out = [], False, "partition.png"
+    args = iter(argv)
+    for a in args:
+        if a == "--partition":
+            partition = True
+        elif a == "--out" or a.startswith("--out="):
+            out = a.split("=", 1)[1] if "=" in a else next(args, "")
+            if not out:
+                raise ConfigError("--out needs a file name (e.g. --out partition.png)")
+        else:
+            rest.append(a)
+    return rest, partition, out
+
+
 def _main(argv: list[str]) -> int:
     from fedadapt.entry import compose_config, to_run_config
 
-    run = to_run_config(compose_config(argv))
-    print(json.dumps(inspect_run(run), indent=2))
+    overrides, partition, out = _options(argv)
+    run = to_run_config(compose_config(overrides))
+    result = inspect_partition(run, out) if partition else inspect_run(run)
+    print(json.dumps(result, indent=2))
     return 0
 
 

@@ -5,23 +5,35 @@ from __future__ import annotations
 
 
 def prefetch(run) -> list[str]:
-    """Download the data set and backbone weights ``run`` names; return what was fetched."""
+    """Download the data set and backbone weights ``run`` names; return what was fetched.
+
+    Progress is one :func:`fedadapt.progress.task` bar over the steps (data set, weights);
+    Hugging Face's own download bars are off, so the display (or a log file) stays clean.
+    """
+    from huggingface_hub.utils import disable_progress_bars
+
+    import datasets
+    from fedadapt import progress
     from fedadapt.backbones import build_backbone
     from fedadapt.data.catalogue import load_card
 
+    datasets.disable_progress_bars()
+    disable_progress_bars()
     done = []
     card = load_card(run.dataset.name)
-    if run.dataset.path:
-        done.append(f"dataset {card.name}: local path {run.dataset.path}, nothing to fetch")
-    elif card.hub_id and not card.source.startswith(("sklearn:", "idx:")):
-        from datasets import load_dataset
-
-        load_dataset(card.hub_id)
-        done.append(f"dataset {card.name}: {card.hub_id}")
-    else:
-        done.append(f"dataset {card.name}: {card.source} (ships with a package or a recipe)")
-    build_backbone(run.backbone, load_weights=True)  # from_pretrained / open_clip download
-    done.append(f"backbone {run.backbone.name}: {run.backbone.weights or 'random (nothing)'}")
+    with progress.task("prefetch", total=2, unit="steps", interval=0) as bar:
+        if run.dataset.path:
+            done.append(f"dataset {card.name}: local path {run.dataset.path}, nothing to fetch")
+        elif card.hub_id and not card.source.startswith(("sklearn:", "idx:")):
+            bar.update(info=f"downloading dataset {card.hub_id}")
+            datasets.load_dataset(card.hub_id)
+            done.append(f"dataset {card.name}: {card.hub_id}")
+        else:
+            done.append(f"dataset {card.name}: {card.source} (ships with a package or a recipe)")
+        bar.advance(1, info=f"backbone {run.backbone.name}: {run.backbone.weights or 'random'}")
+        build_backbone(run.backbone, load_weights=True)  # from_pretrained / open_clip download
+        done.append(f"backbone {run.backbone.name}: {run.backbone.weights or 'random (nothing)'}")
+        bar.advance(1, info="done")
     return done
 
 

@@ -28,6 +28,9 @@ def run(args, tmp_path, cache_dir, timeout=300):
     ("method.hiden_dim=3", "hiden_dim"),
     ("partition.fraction_fit=1.5", "partition.fraction_fit"),
     ("train.lr=fast", "train.lr"),
+    ("method=linear_head_schema", "Could not find 'method/linear_head_schema'"),
+    ("partition=size", "partition.sizes=None is invalid"),
+    ("objective=val_acc", "needs one method per job"),  # the quickstart compares four
 ])
 def test_bad_input_fails_fast_naming_the_key(override, needle, tmp_path, cache_dir):
     out = run([override], tmp_path, cache_dir, timeout=60)
@@ -86,3 +89,26 @@ def test_inspect_counts_from_architecture_alone():
     assert exits[-1]["params"] == 21_665_664
     assert exits[1]["params"] - exits[0]["params"] == 1_774_464  # one DeiT-S block
     assert all(a["flops"] < b["flops"] for a, b in zip(exits, exits[1:]))
+
+
+def test_group_options_are_the_presets_only():
+    """An unknown value lists the real options (no internal schema) and a schema cannot be
+    chosen; every preset of a typed group extends its schema."""
+    from pathlib import Path
+
+    from hydra.errors import MissingConfigException
+
+    from fedadapt.entry import compose_config
+
+    for group, real in (("method", "linear_head"), ("dataset", "digits"),
+                        ("partition", "shard"), ("backbone", "small_cnn")):
+        with pytest.raises(MissingConfigException) as err:
+            compose_config([f"{group}=nope"])
+        listed = str(err.value).split(f"Available options in '{group}':")[1]
+        listed = listed.split("Config search path")[0].split()
+        assert real in listed and not any("schema" in o for o in listed), listed
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    for group in ("method", "dataset", "partition", "backbone", "setting"):
+        for preset in (conf / group).glob("*.yaml"):
+            head = preset.read_text().split("_self_")[0]
+            assert f"- /schema/{group}" in head, preset

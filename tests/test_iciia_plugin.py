@@ -49,6 +49,7 @@ def test_server_training_then_delivery_end_to_end(cache_dir, tmp_path):
     token0, token1 = (client_arrays(trained, c)["prompt.token"] for c in (0, 1))
     assert not torch.equal(token0, token1)
     assert (tmp_path / "iciia" / "summary.json").is_file()
+    assert (tmp_path / "iciia" / "partition.png").is_file()  # server-trained runs too
     table = (tmp_path / "iciia" / "table.md").read_text()
     assert "module, one by one" in table and "2 cached" in table
 

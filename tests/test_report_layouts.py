@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import yaml
 
 from fedadapt.results.report import (
@@ -50,8 +51,9 @@ def test_paper_and_communication_layouts(tmp_path):
     table = paper_table(runs)
     lines = table.splitlines()
     assert "partition.alpha=0.1" in lines[0] and "partition.alpha=1000" in lines[0]
-    assert "| lw_linear | 35.00 ± 5.00 | — |" in table  # final acc, mean ± std over 2 seeds
-    assert "| accumulator | 70.00 ± 0.00 | 90.00 ± 0.00 |" in table
+    # final acc, mean ± sample std (ddof = 1) over 2 seeds: 40 and 30
+    assert "| lw_linear | 35.00 ± 7.07 | — |" in table
+    assert "| accumulator | 70.00 | 90.00 |" in table  # one seed: its value alone
     comm = communication_table(runs, "lw_linear")
     # target = mean of lw_linear's best (0.5, 0.3) = 0.4; the accumulator reaches it in round 1
     assert "target 40.00%" in comm
@@ -67,5 +69,41 @@ def test_personalization_layout(tmp_path):
     make_run(tmp_path, "b", label="accumulator_pa", alpha=0.1, seed=0, accs=[0.4],
              part="adapters")
     table = personalization_table(find_runs([str(tmp_path)]))
-    assert "| accumulator_pa [client_token] | 50.00 ± 0.00 (+30.00) |" in table
-    assert "| accumulator_pa [adapters] | 40.00 ± 0.00 (+20.00) |" in table
+    assert "| accumulator_pa [client_token] | 50.00 (+30.00) |" in table
+    assert "| accumulator_pa [adapters] | 40.00 (+20.00) |" in table
+
+
+def test_seed_statistics_sample_std_and_t_interval():
+    from fedadapt.results.stats import CONVENTION, describe, fmt
+
+    s = describe([1.0, 2.0, 3.0])  # s = 1; t(0.975, 2) = 4.3027; half = 4.3027 / sqrt(3)
+    assert s.std == 1.0 and s.ci == pytest.approx((2 - 2.48414, 2 + 2.48414), abs=1e-4)
+    assert fmt(s) == "2.00 ± 1.00 [-0.48, 4.48]"
+    assert fmt(describe([40.0, 30.0])) == "35.00 ± 7.07"  # ddof = 1; no interval below 3
+    assert fmt(describe([70.0])) == "70.00" and fmt(describe([])) == "—"
+    assert "ddof = 1" in CONVENTION
+
+
+def test_runs_report_states_the_convention_and_writes_intervals(tmp_path):
+    import csv
+    import subprocess
+    import sys
+
+    for seed, acc in enumerate([0.5, 0.6, 0.7]):
+        make_run(tmp_path, f"s{seed}", label="linear_head", alpha=0.5, seed=seed, accs=[acc])
+    out = subprocess.run([sys.executable, "-m", "fedadapt.results.report", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    md = (tmp_path / "report.md").read_text()
+    assert "sample standard deviation over seeds (ddof = 1" in md
+    assert "| 60.00 ± 10.00 [35.16, 84.84] |" in md
+    row = next(csv.DictReader(open(tmp_path / "report.csv")))
+    assert float(row["final global acc std"]) == pytest.approx(10.0)
+    assert float(row["final global acc ci95 low"]) == pytest.approx(60 - 24.8414, abs=1e-3)
+
+
+def test_mlflow_artifact_copies_are_not_runs(tmp_path):
+    make_run(tmp_path, "quickstart/run", label="linear_head", alpha=0.5, seed=0, accs=[0.5])
+    make_run(tmp_path, "mlartifacts/1/abc/artifacts", label="linear_head", alpha=0.5, seed=0,
+             accs=[0.5])  # what tracking.mlflow copies of the run directory
+    assert [r["dir"] for r in find_runs([str(tmp_path)])] == [str(tmp_path / "quickstart/run")]

@@ -13,8 +13,8 @@ def test_three_clients_two_rounds(cache_dir, tmp_path):
     cfg = tiny_run(cache_dir, LinearHeadConfig())
     summary = run_experiment(cfg, tmp_path / "run", config_yaml="test: true\n")
     run = tmp_path / "run"
-    for name in ("config.yaml", "partition.json", "metrics.jsonl", "summary.json", "table.md",
-                 "curves.png"):
+    for name in ("config.yaml", "partition.json", "partition.png", "metrics.jsonl", "summary.json",
+                 "table.md", "curves.png"):
         assert (run / name).is_file(), name
     rows = read_jsonl(run / "metrics.jsonl")
     assert [r["round"] for r in rows] == [1, 2]

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from fedadapt import progress
 from fedadapt.data.loading import PreparedDataset
 from fedadapt.data.transforms import Preprocess
-from fedadapt.log import log
 
 
 def backbone_fingerprint(backbone) -> str:
@@ -52,17 +51,12 @@ def extract_features(backbone, source, *, batch_size: int = 256, device: str = "
     n = len(source.labels())
     out = np.empty((n, backbone.embed_dim), dtype=np.float32)
     batches = [np.arange(s, min(n, s + batch_size)) for s in range(0, n, batch_size)]
-    t0, last, done = time.time(), 0.0, 0
-    for idx, (x, _) in zip(batches, source.stream(batches, device)):
-        with autocast(device, precision):
-            feats = backbone(x)
-        out[idx[0]:idx[-1] + 1] = feats.float().cpu().numpy()
-        done += len(idx)
-        if time.time() - last > 5 or done == n:
-            last = time.time()
-            rate = done / max(last - t0, 1e-9)
-            log(f"  features {label}: {done}/{n} images, {rate:.0f} img/s, "
-                f"~{(n - done) / max(rate, 1e-9):.0f} s left")
+    with progress.task(f"features {label}", total=n, unit="images") as bar:
+        for idx, (x, _) in zip(batches, source.stream(batches, device)):
+            with autocast(device, precision):
+                feats = backbone(x)
+            out[idx[0]:idx[-1] + 1] = feats.float().cpu().numpy()
+            bar.advance(len(idx))
     return out
 
 

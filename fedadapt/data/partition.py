@@ -3,6 +3,7 @@ train / val / test with the seed, and describe the result (ICIIA's Table 3 stati
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -10,6 +11,7 @@ import numpy as np
 
 from fedadapt.config import ConfigError, PartitionConfig
 from fedadapt.data.catalogue import DatasetCard
+from fedadapt.log import log
 
 
 @dataclass(frozen=True)
@@ -35,27 +37,69 @@ class Partition:
     stats: dict = field(default_factory=dict)
 
 
-def _partitioner(cfg: PartitionConfig, card: DatasetCard, seed: int, mixed: int = 0):
-    from flwr_datasets.partitioner import (
-        DirichletPartitioner,
-        IidPartitioner,
-        NaturalIdPartitioner,
-        PathologicalPartitioner,
-    )
+#: Kinds whose flwr-datasets partitioner cuts the data in order (shuffled with the seed first).
+IN_ORDER = ("iid", "size", "exponential", "linear", "square")
+#: Kinds that split the data by its label.
+BY_LABEL = ("dirichlet", "shard", "pathological", "inner_dirichlet")
 
+
+def _partitioner(cfg: PartitionConfig, card: DatasetCard, seed: int, mixed: int = 0,
+                 n: int = 0):
+    """The flwr-datasets partitioner for ``cfg.kind`` (``n``: samples to partition)."""
+    from flwr_datasets import partitioner as fp
+
+    k = cfg.num_clients
     if cfg.kind == "iid":
-        return IidPartitioner(num_partitions=cfg.num_clients)
+        return fp.IidPartitioner(num_partitions=k)
     if cfg.kind == "superclass":  # one superclass (coarse label) per client
-        return PathologicalPartitioner(
-            num_partitions=cfg.num_clients - mixed, partition_by=cfg.superclass_key,
+        return fp.PathologicalPartitioner(
+            num_partitions=k - mixed, partition_by=cfg.superclass_key,
             num_classes_per_partition=1, class_assignment_mode="first-deterministic",
             shuffle=True, seed=seed)
     if cfg.kind == "dirichlet":
-        return DirichletPartitioner(
-            num_partitions=cfg.num_clients, partition_by="label", alpha=cfg.alpha,
+        return fp.DirichletPartitioner(
+            num_partitions=k, partition_by="label", alpha=cfg.alpha,
             min_partition_size=cfg.min_partition_size, self_balancing=False, shuffle=True,
             seed=seed)
-    return NaturalIdPartitioner(partition_by="client" if cfg.kind == "natural" else "domain")
+    if cfg.kind == "shard":
+        return fp.ShardPartitioner(
+            num_partitions=k, partition_by="label", num_shards_per_partition=cfg.shards_per_client,
+            shard_size=cfg.shard_size, keep_incomplete_shard=cfg.keep_incomplete_shard,
+            shuffle=True, seed=seed)
+    if cfg.kind == "pathological":
+        return fp.PathologicalPartitioner(
+            num_partitions=k, partition_by="label",
+            num_classes_per_partition=cfg.classes_per_client,
+            class_assignment_mode=cfg.class_assignment, shuffle=True, seed=seed)
+    if cfg.kind == "inner_dirichlet":
+        sizes = list(cfg.sizes) if cfg.sizes else [n // k + (i < n % k) for i in range(k)]
+        return fp.InnerDirichletPartitioner(partition_sizes=sizes, partition_by="label",
+                                            alpha=cfg.alpha, shuffle=True, seed=seed)
+    if cfg.kind == "size":
+        return fp.SizePartitioner(partition_sizes=[int(x) for x in cfg.sizes])
+    if cfg.kind in ("exponential", "linear", "square"):
+        return {"exponential": fp.ExponentialPartitioner, "linear": fp.LinearPartitioner,
+                "square": fp.SquarePartitioner}[cfg.kind](num_partitions=k)
+    key = "client" if cfg.kind == "natural" else "domain"
+    if cfg.kind == "natural" and cfg.ids_per_client > 1:
+        return fp.GroupedNaturalIdPartitioner(partition_by=key, group_size=cfg.ids_per_client,
+                                              mode="allow-smaller", sort_unique_ids=True)
+    return fp.NaturalIdPartitioner(partition_by=key)
+
+
+def _refused(cfg: PartitionConfig, err: Exception) -> ConfigError:
+    """flwr-datasets' refusal of a partition, as one line naming the settings."""
+    if cfg.kind == "dirichlet":
+        return ConfigError(
+            f"partition.alpha={cfg.alpha} with partition.num_clients={cfg.num_clients}: "
+            f"flwr-datasets could not give every client partition.min_partition_size="
+            f"{cfg.min_partition_size} samples ({err}); lower min_partition_size or num_clients")
+    keys = {"shard": "partition.shards_per_client / partition.shard_size",
+            "pathological": "partition.classes_per_client",
+            "inner_dirichlet": "partition.sizes / partition.alpha",
+            "size": "partition.sizes"}.get(cfg.kind, "partition.num_clients")
+    return ConfigError(f"partition={cfg.kind} with partition.num_clients={cfg.num_clients} is "
+                       f"invalid: flwr-datasets refused it ({err}); change {keys}")
 
 
 def split_client(indices: np.ndarray, cfg: PartitionConfig, seed: int, client: int) -> ClientSplit:
@@ -76,7 +120,7 @@ def partition_dataset(train_ds, cfg: PartitionConfig, card: DatasetCard, seed: i
     """Partition ``train_ds`` (standard columns) into clients as ``cfg`` says."""
     n = len(train_ds)
     columns = train_ds.column_names
-    if cfg.kind in ("iid", "dirichlet"):
+    if cfg.kind in ("iid", *BY_LABEL, *IN_ORDER):
         if cfg.num_clients > n:
             raise ConfigError(f"partition.num_clients={cfg.num_clients} is invalid: the training "
                               f"split of dataset={card.name} has only {n} samples")
@@ -92,22 +136,30 @@ def partition_dataset(train_ds, cfg: PartitionConfig, card: DatasetCard, seed: i
                           f"'{key}' column (the card maps none)")
     light = train_ds.select_columns([c for c in ("label", key) if c]).add_column(
         "__idx__", np.arange(n))
-    if cfg.kind == "iid":  # IidPartitioner shards contiguously: shuffle first, with the seed
+    if cfg.kind in IN_ORDER:  # these partitioners cut contiguously: shuffle first, with the seed
         light = light.shuffle(seed=seed)
     mixed: list = []
     if cfg.kind == "superclass" and cfg.mixed_fraction > 0:
         light, mixed = _mixed_clients(light, cfg, seed)
-    partitioner = _partitioner(cfg, card, seed, len(mixed))
-    partitioner.dataset = light
     try:
-        parts = [] if len(light) == 0 else [partitioner.load_partition(i)
-                                            for i in range(partitioner.num_partitions)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            partitioner = _partitioner(cfg, card, seed, len(mixed), n=len(light))
+            partitioner.dataset = light
+            parts = [] if len(light) == 0 else [partitioner.load_partition(i)
+                                                for i in range(partitioner.num_partitions)]
     except ValueError as err:
-        raise ConfigError(
-            f"partition.alpha={cfg.alpha} with partition.num_clients={cfg.num_clients}: "
-            f"flwr-datasets could not give every client partition.min_partition_size="
-            f"{cfg.min_partition_size} samples ({err}); lower min_partition_size or num_clients"
-        ) from err
+        raise _refused(cfg, err) from err
+    # flwr-datasets' notes (e.g. "sizes do not sum to the data set") as one line each;
+    # library deprecation chatter (pyarrow's, via datasets' sort) dropped
+    for note in dict.fromkeys(str(w.message) for w in caught
+                              if not issubclass(w.category, (DeprecationWarning, FutureWarning))):
+        log(f"[data] flwr-datasets: {note}")
+    empty = [i for i, part in enumerate(parts) if len(part) == 0]
+    if empty and cfg.kind not in ("natural", "domain"):
+        raise ConfigError(f"partition={cfg.kind} with partition.num_clients={cfg.num_clients} "
+                          f"is invalid for dataset={card.name}: client(s) {empty[:5]} get no "
+                          f"sample; use fewer clients")
     if cfg.kind == "superclass":  # the mixed clients take the first partition ids
         parts = mixed + parts
         names = [f"client-{i}" for i in range(len(parts))]

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Optional
 
 import numpy as np
 
+from fedadapt import progress
 from fedadapt.config import ConfigError
 from fedadapt.data.loading import PreparedDataset
 from fedadapt.log import log
@@ -108,31 +108,20 @@ def _build(prepared: PreparedDataset, split: str, geo: Geometry, path: Path, sha
     label = f"{prepared.name}/{split}"
     log(f"[images] decoding {shape[0]} images of {label} once into {path.name} "
         f"({'native' if geo.native else geo.height} px, {workers} process(es))")
-    t0, done, last = time.time(), 0, 0.0
     args = [(prepared.path, split, geo, str(tmp), a, b) for a, b in chunks]
     try:
-        if workers > 1 and len(chunks) > 1:
-            with ProcessPoolExecutor(max_workers=workers) as pool:
-                for n in pool.map(_decode_chunk, args):
-                    done += n
-                    last = _progress(label, done, shape[0], t0, last)
-        else:
-            for a in args:
-                done += _decode_chunk(a)
-                last = _progress(label, done, shape[0], t0, last)
+        with progress.task(f"images {label}", total=shape[0], unit="images") as bar:
+            if workers > 1 and len(chunks) > 1:
+                with ProcessPoolExecutor(max_workers=workers) as pool:
+                    for n in pool.map(_decode_chunk, args):
+                        bar.advance(n)
+            else:
+                for a in args:
+                    bar.advance(_decode_chunk(a))
         seal_and_rename(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-
-
-def _progress(label: str, done: int, total: int, t0: float, last: float) -> float:
-    now = time.time()
-    if now - last > 5 or done == total:
-        rate = done / max(now - t0, 1e-9)
-        log(f"  images {label}: {done}/{total}, {rate:.0f} img/s")
-        return now
-    return last
 
 
 def _decode_chunk(args) -> int:

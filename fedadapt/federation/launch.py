@@ -18,6 +18,7 @@ from fedadapt.config import FederationConfig
 from fedadapt.federation import cluster
 from fedadapt.federation.interrupt import from_ray_exit, reinstall
 from fedadapt.federation.server import ServerPlan, ServerState, make_server_app
+from fedadapt.progress import quiet_flower_banner
 
 
 @contextlib.contextmanager
@@ -51,6 +52,7 @@ def run_simulation(plan: ServerPlan, client_app, fed: FederationConfig) -> Serve
     flwr_logger.setLevel(level)
     flwr_logger.propagate = False  # it has its own handler; Hydra's root handler would repeat it
     resources = dict(plan.resources)
+    quiet_flower_banner()  # run_simulation's deprecation notice: once per process, one line
     backend_config = {
         "client_resources": resources,
         # the Ray cluster: a private local instance or a running one (federation.ray_*)

@@ -7,20 +7,23 @@ held-out domain (``generalization``), each client's test-split accuracy (``perso
 and their joint mean (``overall``). Summaries without it (other experiments) are skipped with a
 note.
 
-Runs that differ only in ``seed`` form one cell: the mean over seeds, with `` ± std``
-(population) when there is more than one. Accuracies are printed in percent with 2 decimals.
+Runs that differ only in ``seed`` form one cell: the mean over seeds, with `` ± std`` (the
+sample std, ddof = 1) when there is more than one and the 95% confidence interval of the mean
+from 3 seeds on (:mod:`fedadapt.results.stats`). Accuracies are printed in percent with 2
+decimals.
 """
 
 from __future__ import annotations
 
 import statistics
 
+from fedadapt.results.stats import CONVENTION, fmt_values
 from fedadapt.results.tables import markdown
 
 CLIENT = "client:"  # prefix of the per-client accuracy keys in domain_rows()
 ROUND_NOTE = ("Reported round: per run, the one `federation.select` chose (`best_val`: the best "
               "mean validation accuracy, as FedCLIP's authors report; `last`: the last "
-              "evaluation); accuracy in %, mean ± population std over seeds.")
+              "evaluation); accuracy in %. " + CONVENTION)
 STAR_NOTE = ("AVG values marked * are computed over the available cells only "
              "(— = no run for that combination).")
 
@@ -74,9 +77,7 @@ def _values(rows: list[dict], key: str) -> list[float]:
 def _cell(vals: list[float]) -> str:
     if not vals:
         return "—"
-    if len(vals) == 1:
-        return f"{vals[0]:.2f}"
-    return f"{statistics.fmean(vals):.2f} ± {statistics.pstdev(vals):.2f}"
+    return fmt_values(vals)
 
 
 def _avg(cell_means: list[float | None]) -> tuple[str, bool]:

@@ -41,3 +41,73 @@ def plot_curves(runs: dict[str, list[dict]], path: str | Path, title: str = "") 
     fig.tight_layout()
     atomic_write(path, lambda fh: fig.savefig(fh, format="png", dpi=110), mode="wb")
     plt.close(fig)
+
+
+#: At most this many clients are drawn in ``partition.png`` (the first ones, by client id).
+MAX_PLOTTED_CLIENTS = 60
+
+
+def plot_partition(partition, labels, path: str | Path, *, class_names: list[str] | None = None,
+                   title: str = "") -> None:
+    """``partition.png``: samples of each class on each client (train + val + test), drawn by
+    ``flwr_datasets.visualization.plot_label_distributions`` from the final partition (after
+    held-out domains, grouping and sub-sampling). Stacked bars with a legend up to 20 classes, a
+    heatmap above; the first :data:`MAX_PLOTTED_CLIENTS` clients. Written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from flwr_datasets.partitioner import Partitioner
+    from flwr_datasets.visualization import plot_label_distributions
+
+    from datasets import ClassLabel, Dataset, Features
+    from fedadapt.results.store import atomic_write
+
+    class Fixed(Partitioner):
+        """The partition already made, as a flwr-datasets Partitioner."""
+
+        def __init__(self, indices: list) -> None:
+            super().__init__()
+            self._indices = indices
+
+        def load_partition(self, partition_id: int):
+            return self.dataset.select(self._indices[partition_id])
+
+        @property
+        def num_partitions(self) -> int:
+            return len(self._indices)
+
+    labels = np.asarray(labels, dtype=np.int64)
+    num_classes = int(labels.max()) + 1 if len(labels) else 1
+    names = list(class_names or [])[:num_classes]
+    names += [str(i) for i in range(len(names), num_classes)]
+    fixed = Fixed([np.concatenate([c.train, c.val, c.test]) for c in partition.clients])
+    fixed.dataset = Dataset.from_dict({"label": labels.tolist()},
+                                      features=Features({"label": ClassLabel(names=names)}))
+    shown = min(len(partition.clients), MAX_PLOTTED_CLIENTS)
+    few = num_classes <= 20
+    size = ((min(16.0, 4.0 + 0.25 * shown), 4.5) if few  # clients along x
+            else (min(16.0, 4.0 + 0.12 * num_classes), max(4.5, 1.5 + 0.18 * shown)))
+    fig, ax = plt.subplots(figsize=size)
+    more = f" (first {shown} of {len(partition.clients)} clients)" if shown < len(
+        partition.clients) else ""
+    plot_label_distributions(fixed, label_name="label", plot_type="bar" if few else "heatmap",
+                             max_num_partitions=shown, axis=ax, legend=few,
+                             legend_title="class", title=(title or "classes per client") + more,
+                             partition_id_axis="x" if few else "y")
+    fig.tight_layout()
+    atomic_write(path, lambda fh: fig.savefig(fh, format="png", dpi=100, bbox_inches="tight"),
+                 mode="wb")  # the legend sits outside the axes
+    plt.close(fig)
+
+
+def write_partition_plot(run, partition, labels, path: str | Path,
+                         class_names: list[str] | None = None) -> None:
+    """:func:`plot_partition` titled with the run's data set, partitioner, clients and seed
+    (``run``: a :class:`~fedadapt.config.RunConfig`)."""
+    p = run.partition
+    alpha = f" alpha={p.alpha}" if p.kind in ("dirichlet", "inner_dirichlet") else ""
+    plot_partition(partition, labels, path, class_names=class_names,
+                   title=f"{run.dataset.name}: partition={p.kind}{alpha}, "
+                         f"{len(partition.clients)} clients, seed {run.seed}")

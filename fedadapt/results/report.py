@@ -2,8 +2,10 @@
 
 Every run directory below the given folders that has a ``summary.json`` (a complete run) becomes
 one row; rows whose resolved configs differ only in ``seed`` are grouped and reported as mean
-± std over seeds. The columns that identify a group are the config keys that vary across the
-runs (e.g. ``method`` and ``partition.alpha`` for a sweep). Writes ``report.md`` and
+± sample std over seeds (ddof = 1), with the 95% confidence interval of the mean from 3 seeds on
+(:mod:`fedadapt.results.stats`; the header of every report says so). The columns that
+identify a group are the config keys that vary across the runs (e.g. ``method`` and
+``partition.alpha`` for a sweep). Writes ``report.md`` and
 ``report.csv`` (atomically) into ``--out`` (default: the first folder) and prints the table.
 """
 
@@ -19,10 +21,13 @@ from pathlib import Path
 import yaml
 
 from fedadapt.results.domain_tables import domain_tables
+from fedadapt.results.stats import CONVENTION, describe, fmt, fmt_values
 from fedadapt.results.store import SUMMARY, atomic_write
 from fedadapt.results.tables import delay_markdown, fmt_bytes, fmt_count, markdown
 
 IGNORED = ("seed", "output_dir", "cache_dir", "compare", "hydra")
+#: MLflow's stores (``tracking.mlflow``) hold copies of run directories as artifacts: not runs.
+TRACKING_STORES = ("mlartifacts", "mlruns")
 METRICS = [("final global acc", ("final", "global_acc"), 100.0),
            ("best global acc", ("best", "global_acc"), 100.0),
            ("final client-mean acc", ("final", "client_acc"), 100.0),
@@ -47,7 +52,8 @@ def find_runs(folders: list[str]) -> list[dict]:
         for summary_path in sorted(Path(folder).rglob(SUMMARY)):
             run_dir = summary_path.parent
             cfg_path = run_dir / "config.yaml"
-            if not cfg_path.is_file():
+            inside = run_dir.relative_to(folder).parts
+            if not cfg_path.is_file() or any(part in TRACKING_STORES for part in inside):
                 continue
             summary = yaml.safe_load(summary_path.read_text())
             config = flatten(yaml.safe_load(cfg_path.read_text()) or {})
@@ -87,23 +93,28 @@ def aggregate(runs: list[dict]) -> tuple[list[str], list[dict]]:
         row["communicated"] = members[0]["summary"]["params"]["communicated_params"]
         for name, path, scale in METRICS:
             vals = [v for v in (_get(m["summary"], path) for m in members) if v is not None]
-            vals = [v * scale for v in vals] if scale else vals
-            row[name] = (statistics.fmean(vals) if vals else None,
-                         statistics.pstdev(vals) if len(vals) > 1 else 0.0 if vals else None)
+            row[name] = describe([v * scale for v in vals] if scale else vals)
         rows.append(row)
     rows.sort(key=lambda r: [repr(r[k]) for k in varying])
     return varying, rows
 
 
 def _cell(name: str, value) -> str:
-    mean, std = value
-    if mean is None:
+    if value is None:
         return "—"
     if name == "total bytes":
-        return fmt_bytes(mean)
+        return fmt_bytes(value.mean)
     if name == "s/round":
-        return f"{mean:.2f}"
-    return f"{mean:.2f} ± {std:.2f}"
+        return f"{value.mean:.2f}"
+    return fmt(value)
+
+
+def _csv_cells(value) -> list:
+    """mean, sample std, CI low, CI high (empty where undefined)."""
+    if value is None:
+        return ["", "", "", ""]
+    lo, hi = value.ci if value.ci is not None else ("", "")
+    return [value.mean, "" if value.std is None else value.std, lo, hi]
 
 
 def render(varying: list[str], rows: list[dict]) -> tuple[str, str]:
@@ -115,11 +126,11 @@ def render(varying: list[str], rows: list[dict]) -> tuple[str, str]:
     writer = csv.writer(buf)
     csv_header = [*varying, "seeds", "trainable", "communicated"]
     for m in METRICS:
-        csv_header += [f"{m[0]} mean", f"{m[0]} std"]
+        csv_header += [f"{m[0]} mean", f"{m[0]} std", f"{m[0]} ci95 low", f"{m[0]} ci95 high"]
     writer.writerow(csv_header)
     for r in rows:
         writer.writerow([r[k] for k in varying] + [r["seeds"], r["trainable"], r["communicated"]]
-                        + [x for m in METRICS for x in r[m[0]]])
+                        + [x for m in METRICS for x in _csv_cells(r[m[0]])])
     return markdown(header, md_rows), buf.getvalue()
 
 
@@ -142,10 +153,8 @@ def _columns(runs: list[dict], exclude: tuple[str, ...] = ()
 
 
 def _mean_std(vals: list[float]) -> str:
-    if not vals:
-        return "—"
-    std = statistics.pstdev(vals) if len(vals) > 1 else 0.0
-    return f"{statistics.fmean(vals):.2f} ± {std:.2f}"
+    """A report cell over seeds (:func:`fedadapt.results.stats.fmt_values`)."""
+    return fmt_values(vals)
 
 
 def _pivot(runs: list[dict], cell, exclude: tuple[str, ...] = ()) -> str:
@@ -312,14 +321,16 @@ def main(argv: list[str] | None = None) -> None:
               "domains": lambda rs: domain_tables([r["summary"] for r in rs]),
               "sessions": sessions_table,
               }[args.layout](runs)
-        title = f"# fedadapt report ({args.layout}): {len(runs)} runs, mean ± std over seeds\n\n"
+        title = (f"# fedadapt report ({args.layout}): {len(runs)} runs, mean ± std over seeds"
+                 f"\n\n{CONVENTION}\n\n")
         atomic_write(out / f"report-{args.layout}.md", lambda fh: fh.write(title + md))
         print(title + md)
         print(f"Wrote {out / f'report-{args.layout}.md'}")
         return
     varying, rows = aggregate(runs)
     md, csv_text = render(varying, rows)
-    title = f"# fedadapt report: {len(runs)} runs in {len(rows)} groups (mean ± std over seeds)\n\n"
+    title = (f"# fedadapt report: {len(runs)} runs in {len(rows)} groups (mean ± std over "
+             f"seeds)\n\n{CONVENTION}\n\n")
     atomic_write(out / "report.md", lambda fh: fh.write(title + md))
     atomic_write(out / "report.csv", lambda fh: fh.write(csv_text))
     print(title + md)

@@ -1,0 +1,117 @@
+"""flwr-datasets' partitioners behind partition= (shard, pathological, inner Dirichlet,
+size-based, grouped natural ids), partition.png and fedadapt-inspect --partition."""
+
+import numpy as np
+import pytest
+from test_data import CARD, labelled
+
+from fedadapt.config import ConfigError, PartitionConfig
+from fedadapt.data.partition import partition_dataset
+from fedadapt.results.plots import plot_partition
+
+
+def sizes(part) -> list[int]:
+    return [len(c) for c in part.clients]
+
+
+def classes(part, labels) -> list[int]:
+    return [len(np.unique(labels[np.concatenate([c.train, c.val, c.test])]))
+            for c in part.clients]
+
+
+KINDS = {
+    "shard": {"shards_per_client": 2},
+    "pathological": {"classes_per_client": 3, "class_assignment": "deterministic"},
+    "inner_dirichlet": {"alpha": 0.1},
+    "size": {"sizes": [30, 60, 90, 120]},
+    "exponential": {},
+    "linear": {},
+    "square": {},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_partitioner(kind):
+    ds = labelled(400)
+    labels = np.asarray(ds["label"])
+    cfg = PartitionConfig(kind=kind, num_clients=4, **KINDS[kind])
+    part = partition_dataset(ds, cfg, CARD, seed=0)
+    assert len(part.clients) == 4 and min(sizes(part)) > 0
+    idx = np.concatenate([np.concatenate([c.train, c.val, c.test]) for c in part.clients])
+    assert len(idx) == len(np.unique(idx))  # disjoint
+    again = partition_dataset(ds, cfg, CARD, seed=0)
+    assert all(np.array_equal(a.train, b.train) for a, b in zip(part.clients, again.clients))
+    if kind == "shard":  # 8 shards of 50 samples, sorted by label: at most 2 classes per shard
+        assert sizes(part) == [100] * 4 and max(classes(part, labels)) <= 4
+    elif kind == "pathological":
+        assert classes(part, labels) == [3, 3, 3, 3]
+    elif kind == "inner_dirichlet":  # equal sizes, few classes each at alpha 0.1
+        assert sizes(part) == [100] * 4 and np.mean(classes(part, labels)) < 10
+    elif kind == "size":
+        assert sizes(part) == [30, 60, 90, 120]
+    else:  # client i's share grows with i (exp(i), i, i^2); the data is shuffled first
+        assert sizes(part) == sorted(sizes(part)) and sum(sizes(part)) == 400
+        assert min(classes(part, labels)) > 1
+
+
+def test_partitioner_settings_fail_naming_the_key():
+    from fedadapt.entry import compose_config, to_run_config
+
+    def check(*overrides):
+        return to_run_config(compose_config(list(overrides)))
+
+    assert check("partition=shard").partition.shards_per_client == 2  # the preset
+    with pytest.raises(ConfigError, match="partition.sizes=None is invalid"):
+        check("partition=size", "partition.num_clients=2")
+    with pytest.raises(ConfigError, match="one size >= 1 per client"):
+        check("partition=size", "partition.num_clients=3", "partition.sizes=[10,20]")
+    with pytest.raises(ConfigError, match="partition.class_assignment"):
+        check("partition=pathological", "partition.class_assignment=greedy")
+    with pytest.raises(ConfigError, match="partition.shard_size"):
+        check("partition=shard", "partition.shards_per_client=null")
+    ds = labelled(100)
+    with pytest.raises(ConfigError, match="partition=shard .*shards_per_client"):
+        partition_dataset(ds, PartitionConfig(kind="shard", num_clients=10,
+                                              shards_per_client=5, shard_size=10), CARD, seed=0)
+    with pytest.raises(ConfigError, match="partition=pathological .*classes_per_client"):
+        partition_dataset(ds, PartitionConfig(kind="pathological", num_clients=2,
+                                              classes_per_client=11), CARD, seed=0)
+    with pytest.raises(ConfigError, match="partition=exponential with partition.num_clients=8 "
+                                          "is invalid"):  # client 1's share e / sum e^i < 1
+        partition_dataset(ds, PartitionConfig(kind="exponential", num_clients=8), CARD, seed=0)
+
+
+def test_grouped_natural_ids():
+    writers = [f"w{i % 9}" for i in range(90)]
+    part = partition_dataset(labelled(90, extra={"client": writers}),
+                             PartitionConfig(kind="natural", ids_per_client=4), CARD, seed=0)
+    assert sizes(part) == [40, 40, 10]  # 4 + 4 + 1 writers (allow-smaller)
+
+
+def test_partition_png(tmp_path):
+    ds = labelled(300)
+    part = partition_dataset(ds, PartitionConfig(kind="pathological", num_clients=5), CARD,
+                             seed=0)
+    plot_partition(part, np.asarray(ds["label"]), tmp_path / "p.png",
+                   class_names=[f"digit {i}" for i in range(10)], title="toy")
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    many = labelled(600, num_classes=30)  # > 20 classes: a heatmap
+    part = partition_dataset(many, PartitionConfig(kind="dirichlet", num_clients=70,
+                                                   min_partition_size=1), CARD, seed=0)
+    plot_partition(part, np.asarray(many["label"]), tmp_path / "h.png")
+    assert (tmp_path / "h.png").stat().st_size > 1000
+    assert not list(tmp_path.glob(".*.tmp"))  # written atomically
+
+
+def test_inspect_partition(tmp_path, cache_dir):
+    from fedadapt.entry import compose_config, to_run_config
+    from fedadapt.inspect import _options, inspect_partition
+
+    overrides, partition, out = _options(["--partition", "--out", str(tmp_path / "x.png"),
+                                          "partition=shard", "partition.num_clients=5"])
+    assert partition and out == str(tmp_path / "x.png")
+    run = to_run_config(compose_config(overrides + [f"cache_dir={cache_dir}"]))
+    info = inspect_partition(run, out)
+    assert info["partition"] == "shard" and info["num_clients"] == 5
+    assert info["classes_per_client"]["max"] <= 4  # two label-sorted shards each
+    assert (tmp_path / "x.png").stat().st_size > 1000

@@ -1,0 +1,112 @@
+"""fedadapt.progress: plain lines without escape codes, the job's methods and estimate, and
+Flower's deprecation notice once per process."""
+
+import io
+import logging
+
+import pytest
+
+from fedadapt import progress
+
+
+class Captured:
+    def __init__(self, capsys) -> None:
+        self.capsys, self.text = capsys, ""
+
+    def getvalue(self) -> str:
+        self.text += self.capsys.readouterr().err
+        return self.text
+
+
+@pytest.fixture
+def plain(monkeypatch, capsys):
+    """Plain mode, standard error captured."""
+    monkeypatch.setattr(progress._STATE, "interactive", False)
+    monkeypatch.setattr(progress._STATE, "job", None)
+    return Captured(capsys)
+
+
+def test_plain_stream_drops_escape_codes():
+    raw = io.StringIO()
+    out = progress.PlainStream(raw)
+    out.write("\x1b[93mWARNING \x1b[0m: x\n")
+    out.write("\x1b]8;;http://a\x1b\\link\x1b]8;;\x1b\\ \x1b[2K\x1b[1Adone\n")
+    assert raw.getvalue() == "WARNING : x\nlink done\n"
+    assert out.getvalue() == raw.getvalue()  # everything else is the raw stream's
+
+
+def test_task_lines_every_interval_and_at_the_end(plain, monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(progress.time, "time", lambda: now[0])
+    with progress.task("features digits/train", total=1000, unit="images", interval=5) as bar:
+        for _ in range(10):
+            now[0] += 1.0
+            bar.advance(100)
+    lines = plain.getvalue().splitlines()
+    # the first advance, one after 5 s, and the last (1000/1000): not one per advance
+    assert [ln.split(" | ")[0] for ln in lines] == [
+        "features digits/train 100/1000 images", "features digits/train 600/1000 images",
+        "features digits/train 1000/1000 images"]
+    assert "100 images/s" in lines[1] and "~4 s left" in lines[1]
+    assert "\x1b" not in plain.getvalue()
+
+
+def test_unfinished_task_still_says_where_it_stopped(plain):
+    with pytest.raises(RuntimeError):
+        with progress.task("images x", total=10, interval=60) as bar:
+            bar.advance(3)
+            bar.advance(3)
+            raise RuntimeError("stop")
+    assert plain.getvalue().splitlines()[-1].startswith("images x 6/10")
+
+
+def test_job_counts_methods_and_estimates_the_whole_job(plain, monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(progress.time, "time", lambda: now[0])
+    with progress.job("quickstart", {"a": 4, "b": 4, "c": 1}) as job:
+        job.start("a")
+        with progress.task("[a] round", total=4, interval=0, for_job=True) as bar:
+            now[0] += 10.0  # start-up + round 1
+            bar.update(completed=1, info="loss 2.000")
+            for r in (2, 3, 4):
+                now[0] += 1.0
+                bar.update(completed=r, info="loss 1.000")
+                if r == 2:  # 2 rounds left at 1 s; b: start-up 10 s + 3 rounds; c: 10 s
+                    assert job.eta == pytest.approx(2 + 13 + 10)
+        job.finish("a")
+        assert job.completed == 4 and job.total == 9
+        job.start("b")
+        job.finish("b", skipped=True)
+    text = plain.getvalue()
+    assert "[job] method 1/3: a starts" in text
+    assert "[a] round 2/4 | loss 1.000 | ~2 s left | job 0/3 methods, ~25 s left" in text
+    assert "[job] method 1/3: a done" in text and "[job] method 2/3: b complete already" in text
+
+
+def test_flower_deprecation_banner_once_and_on_one_line(monkeypatch):
+    monkeypatch.setattr(progress._OnceFilter, "shown", False)
+    progress.quiet_flower_banner()
+    progress.quiet_flower_banner()  # idempotent
+    logger = logging.getLogger("flwr")
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        from flwr.common.logger import warn_deprecated_feature
+
+        for _ in range(3):
+            warn_deprecated_feature("The `run_simulation` function is deprecated ...")
+        warn_deprecated_feature("something else")
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["DEPRECATED FEATURE: The `run_simulation` function is deprecated ...",
+                    seen[-1]]
+    assert "something else" in seen[-1]  # other notices pass untouched
+
+
+def test_fmt_seconds():
+    assert progress.fmt_seconds(None) == "?"
+    assert progress.fmt_seconds(42.4) == "42 s"
+    assert progress.fmt_seconds(185) == "3 min 05 s"
+    assert progress.fmt_seconds(3720) == "1 h 02 min"
