@@ -145,6 +145,13 @@ class PartitionConfig:
     sizes: Optional[list[int]] = None
     #: natural: natural ids (e.g. writers) grouped into one client; 1 = one id per client.
     ids_per_client: int = 1
+    #: Keep only a seeded selection of this many natural ids (the card's client key, e.g.
+    #: FEMNIST's writers) and their samples, before partitioning: ``natural`` then makes one
+    #: client of each selected id (``num_clients`` must equal it), ``iid`` / ``dirichlet``
+    #: spread the selected ids' pooled samples over ``num_clients``, so both partitions hold
+    #: the same data (the Accumulator paper's FEMNIST: 381 writers, IID and by writer).
+    #: None = every id (``natural`` keeps a seeded ``num_clients`` of them).
+    select_ids: Optional[int] = None
 
 
 @dataclass
@@ -172,6 +179,12 @@ class SettingConfig:
     epochs: int = 10
     #: personalization: learning rate (None = train.lr).
     lr: Optional[float] = None
+    #: personalization: the client's split the personalization step fine-tunes on (it is
+    #: tested on the client's test split): ``train`` (the data it trained on in FL: FedCLIP's
+    #: local fine-tuning) or ``val`` (held out from FL: the Accumulator paper's personal set,
+    #: "10,000 images from the original training set", split in two for personalization and
+    #: the final test).
+    personal_split: str = "train"
     #: personalization: corruption kinds assigned to clients (CIFAR-100-C style), with their
     #: severities (0 = clean); each client gets one (kind, severity), seeded and balanced.
     corruptions: list[str] = field(default_factory=lambda: [
@@ -388,6 +401,12 @@ def validate(cfg: RunConfig) -> RunConfig:
            "must be in [0, 1]")
     check(0 <= p.test_clients < 1, "partition.test_clients", p.test_clients,
            "must be in [0, 1)")
+    check(p.select_ids is None or p.select_ids >= 1, "partition.select_ids", p.select_ids,
+          "must be >= 1 or null")
+    check(p.select_ids is None or p.kind != "natural" or p.num_clients == p.select_ids,
+          "partition.num_clients", p.num_clients,
+          f"partition=natural with partition.select_ids={p.select_ids} makes one client per "
+          f"selected id: set both to the same number")
     check(p.min_partition_size >= 1, "partition.min_partition_size", p.min_partition_size,
            "must be >= 1")
     for key, val in (("partition.val_fraction", p.val_fraction),
@@ -408,6 +427,12 @@ def validate(cfg: RunConfig) -> RunConfig:
     check(st.epochs >= 1, "setting.epochs", st.epochs, "must be >= 1")
     check(st.lr is None or (st.lr > 0 and math.isfinite(st.lr)), "setting.lr", st.lr,
            "must be > 0 or null")
+    check(st.personal_split in ("train", "val"), "setting.personal_split", st.personal_split,
+          "'train' or 'val'")
+    check(not (st.name == "personalization" and st.personal_split == "val"
+               and p.val_fraction == 0), "setting.personal_split", st.personal_split,
+          "'val' fine-tunes on the clients' validation split: it needs partition.val_fraction "
+          "> 0")
     check(len(st.corruptions) > 0, "setting.corruptions", st.corruptions, "must not be empty")
     check(len(st.severities) > 0 and all(0 <= s <= 5 for s in st.severities),
            "setting.severities", st.severities, "a non-empty list of severities in 0..5")

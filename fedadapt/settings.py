@@ -23,6 +23,7 @@ from typing import Optional
 import numpy as np
 
 from fedadapt.config import ConfigError, SettingConfig
+from fedadapt.data.partition import ClientSplit
 
 EXIT_SETTINGS = ("anytime", "multitier", "personalization")
 
@@ -106,6 +107,19 @@ def only_training(model, names: list[str]):
     finally:
         for n, p in params.items():
             p.requires_grad_(before[n])
+
+
+def personal_indices(setting: SettingConfig, split: ClientSplit
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """``(fine-tune, test)`` indices of a client's personalization step.
+
+    ``setting.personal_split=val``: the client's validation split, held out from FL (the
+    Accumulator paper's personal set: with ``partition.val_fraction`` = ``test_fraction`` = 0.1
+    the clients hold out 20% of CIFAR-100's training images, its 10,000, half to fine-tune on and
+    half as the final test); ``train``: the split it trained on in FL.
+    """
+    fit = split.val if setting.personal_split == "val" else split.train
+    return fit, split.test
 
 
 def assign_client_corruptions(setting: SettingConfig, num_clients: int, seed: int

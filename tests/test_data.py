@@ -137,3 +137,55 @@ def test_iid_is_shuffled_and_seeded():
     b = partition_dataset(ds, PartitionConfig(kind="iid", num_clients=4), CARD, seed=1)
     assert a.stats["classes_per_client"]["min"] == 10  # not one class block per client
     assert any(not np.array_equal(x.train, y.train) for x, y in zip(a.clients, b.clients))
+
+
+def writers_data(num_writers: int = 40, seed: int = 0) -> Dataset:
+    """A generated natural-id data set: writers holding 5..40 samples each (FEMNIST-like)."""
+    sizes = np.random.default_rng(seed).integers(5, 41, num_writers)
+    writers = [f"f{w:04d}" for w, size in enumerate(sizes) for _ in range(size)]
+    order = np.random.default_rng(seed + 1).permutation(len(writers))  # rows not by writer
+    return labelled(len(writers), extra={"client": [writers[i] for i in order]})
+
+
+def test_a_seeded_selection_of_writers_for_the_natural_and_iid_partitions():
+    """Accumulator paper, FEMNIST: the same seeded writers (and only their samples) for the
+    by-writer and the IID partition."""
+    ds = writers_data()
+    writer = np.asarray(ds["client"])
+    natural = partition_dataset(ds, PartitionConfig(kind="natural", num_clients=12,
+                                                    select_ids=12, val_fraction=0,
+                                                    test_fraction=0), CARD, seed=5)
+    iid = partition_dataset(ds, PartitionConfig(kind="iid", num_clients=12, select_ids=12,
+                                                val_fraction=0, test_fraction=0), CARD, seed=5)
+    chosen = set(natural.names)
+    assert len(chosen) == 12
+    for name, c in zip(natural.names, natural.clients):  # one client per writer, all of it
+        assert set(writer[c.train]) == {name}
+        assert len(c.train) == int((writer == name).sum())
+    rows = np.flatnonzero(np.isin(writer, sorted(chosen)))
+    for part in (natural, iid):
+        got = np.concatenate([c.train for c in part.clients])
+        assert np.array_equal(np.sort(got), rows)  # the selected writers' samples, each once
+        assert part.stats["selected_ids"] == {"ids": 12, "samples": len(rows)}
+    assert {len(c.train) for c in iid.clients} <= {len(rows) // 12, len(rows) // 12 + 1}
+    # seeded: the same seed selects the same writers whatever the row order, another seed not
+    shuffled = ds.select(np.random.default_rng(9).permutation(len(ds)))
+    again = partition_dataset(shuffled, PartitionConfig(kind="natural", num_clients=12,
+                                                        select_ids=12), CARD, seed=5)
+    other = partition_dataset(ds, PartitionConfig(kind="natural", num_clients=12,
+                                                  select_ids=12), CARD, seed=6)
+    assert set(again.names) == chosen and set(other.names) != chosen
+
+
+def test_bad_writer_selections_name_the_setting():
+    ds = writers_data(num_writers=8)
+    with pytest.raises(ConfigError, match="partition.select_ids=9 .*only 8"):
+        partition_dataset(ds, PartitionConfig(kind="iid", num_clients=3, select_ids=9), CARD, 0)
+    with pytest.raises(ConfigError, match="partition.select_ids=3 .*no natural id"):
+        partition_dataset(labelled(50), PartitionConfig(kind="iid", num_clients=3,
+                                                        select_ids=3), CARD, 0)
+    from fedadapt.entry import compose_config, to_run_config
+
+    with pytest.raises(ConfigError, match="partition.num_clients=100 .*select_ids=381"):
+        to_run_config(compose_config(["dataset=femnist", "partition=natural",
+                                      "partition.num_clients=100", "partition.select_ids=381"]))

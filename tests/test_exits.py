@@ -116,6 +116,37 @@ def test_zero_adapters_leave_the_backbone_unchanged():
             torch.testing.assert_close(a, b)  # up-projections start at zero
 
 
+def test_adapter_scale_multiplies_the_adapter_branch():
+    """He et al.'s s: ``mlp(x) + s * adapter(x)``; the default (the Accumulator paper) is 1."""
+    outs = {}
+    for scale in (1.0, 4.0):
+        m = model(LwLinearConfig(parallel_adapter=True, adapter_bottleneck=4,
+                                 adapter_scale=scale)).eval()
+        adapter = m.backbone.blocks[0].mlp.adapter
+        assert adapter.scale == scale
+        torch.manual_seed(1)
+        with torch.no_grad():
+            adapter.up.weight.normal_()
+            tokens = torch.randn(2, 17, 32)
+            outs[scale] = (m.backbone.blocks[0].mlp(tokens) - m.backbone.blocks[0].mlp.mlp(tokens))
+    torch.testing.assert_close(outs[4.0], 4 * outs[1.0])
+    assert LwLinearConfig().adapter_scale == 1.0
+    with pytest.raises(ConfigError, match="method.adapter_scale=0"):
+        model(LwLinearConfig(parallel_adapter=True, adapter_scale=0.0))
+
+
+def test_layerwise_linear_heads_read_the_final_layernormed_cls():
+    """As DeiT's own classifier: the last exit's linear head on the pooled (final-LN) CLS."""
+    m = model(LwLinearConfig()).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        logits = m.exit_logits(x)
+        tokens = m.backbone.forward_exits(x)
+        torch.testing.assert_close(logits[-1], m.head.heads[-1](m.backbone(x)))
+        for head, token, out in zip(m.head.heads, tokens, logits):
+            torch.testing.assert_close(out, head(m.backbone.model.layernorm(token)))
+
+
 def test_exit_methods_need_a_vit():
     with pytest.raises(ConfigError, match="needs a backbone with exits"):
         build_model(LwMlpConfig(), build_backbone(BackboneConfig(

@@ -100,6 +100,32 @@ def test_personalization_parts(cache_dir):
         part_names(lw, "client_token")
 
 
+def test_accumulator_presets_train_on_all_client_data_and_keep_the_personal_split():
+    """Accumulator paper: the global test set evaluates, so FL clients train on all their data;
+    personalization holds out 10,000 of CIFAR-100's 50,000 training images (20% of every client),
+    half to fine-tune on and half to test."""
+    from fedadapt.data.partition import ClientSplit
+    from fedadapt.entry import compose_config, to_run_config
+    from fedadapt.settings import personal_indices
+
+    for name in ("acc_conventional", "acc_anytime", "acc_multitier", "acc_ablation",
+                 "acc_communication", "acc_femnist_multitier", "acc_offline"):
+        p = to_run_config(compose_config([f"experiment={name}"])).partition
+        assert (p.val_fraction, p.test_fraction, p.fraction_evaluate) == (0, 0, 0), name
+    run = to_run_config(compose_config(["experiment=acc_personalization"]))
+    p, st = run.partition, run.setting
+    assert (p.val_fraction, p.test_fraction, st.personal_split) == (0.1, 0.1, "val")
+    assert 50_000 * (p.val_fraction + p.test_fraction) == 10_000
+    split = ClientSplit(train=np.arange(8), val=np.arange(8, 9), test=np.arange(9, 10))
+    fit, test = personal_indices(st, split)
+    assert fit.tolist() == [8] and test.tolist() == [9]  # never the FL training data
+    fit, _ = personal_indices(SettingConfig(name="personalization"), split)
+    assert fit.tolist() == list(range(8))  # FedCLIP's local fine-tuning: its own training data
+    with pytest.raises(ConfigError, match="setting.personal_split='val'.*val_fraction"):
+        to_run_config(compose_config(["experiment=acc_personalization",
+                                      "partition.val_fraction=0"]))
+
+
 def test_settings_with_exits_need_an_exit_method(cache_dir):
     from fedadapt.adapters.heads import LinearHeadConfig
 

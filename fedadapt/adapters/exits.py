@@ -8,7 +8,9 @@ Token indexing (0-based blocks): ``c_0`` is the CLS token of the embedding outpu
 the CLS token a block ``k`` outputs. Exit ``e`` sits after block ``e`` (the paper's exits 1..12,
 numbered 0..11 as in its Sec. 5 and Table 7).
 
-* **Layer-wise linear / MLP** (``lw_linear``, ``lw_mlp``): one head per exit on ``c_{e+1}``.
+* **Layer-wise linear / MLP** (``lw_linear``, ``lw_mlp``): one head per exit on ``c_{e+1}``;
+  a linear head reads it through the backbone's own (frozen) final LayerNorm, as DeiT's
+  classifier does, an MLP head through its own LayerNorm.
 * **Accumulator** (``accumulator``): before block ``k`` a small transformer reads
   ``[client token, c_0 + p'_0, ..., c_k + p'_k]`` (``p'``: learnable layer embeddings); its output
   at position ``k + 1`` replaces the CLS token that enters block ``k`` (token replace, Eq. 7),
@@ -16,7 +18,7 @@ numbered 0..11 as in its Sec. 5 and Table 7).
   Eq. 8).
   The same call serves both, so the Accumulator runs once per block.
 * Parallel adapters (He et al. 2021) beside every block's MLP combine with all of them
-  (``method.parallel_adapter=true``).
+  (``method.parallel_adapter=true``; ``method.adapter_scale`` is He et al.'s ``s``).
 
 The settings (conventional, anytime, multi-tier, personalization; :mod:`fedadapt.settings`)
 choose which exit a training step uses and which exits are evaluated, through
@@ -25,6 +27,7 @@ choose which exit a training step uses and which exits are evaluated, through
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -44,6 +47,10 @@ class ExitMethodConfig(MethodConfig):
     use_cache: bool = False
     parallel_adapter: bool = False
     adapter_bottleneck: int = 64
+    #: The parallel adapters' output scale ``s``: a block's MLP computes ``mlp(x) + s *
+    #: adapter(x)``. He et al. (2021) scale their FFN parallel adapter by s = 4; the Accumulator
+    #: paper names no scale, so the default 1 adds the adapter as it is.
+    adapter_scale: float = 1.0
     #: Train (and federate) the whole backbone too: with ``lw_mlp`` this is the paper's
     #: "Fine-tuning" baseline (DeiT-S + layer-wise MLP heads, Table 5: 30.62M).
     train_backbone: bool = False
@@ -56,6 +63,9 @@ class ExitMethodConfig(MethodConfig):
 
 @dataclass
 class LwLinearConfig(ExitMethodConfig):
+    """Per exit: ``Linear(D, C)`` on that exit's CLS token after the backbone's own final
+    LayerNorm (frozen), the input DeiT's classifier reads."""
+
     name: str = "lw_linear"
 
 
@@ -108,20 +118,23 @@ class AccumulatorConfig(ExitMethodConfig):
 
 
 class ParallelAdapter(nn.Module):
-    """``Linear(D, r) -> ReLU -> Linear(r, D)``, added beside a frozen MLP (He et al. 2021).
+    """``s * Linear(r, D)(ReLU(Linear(D, r)(x)))``, added beside a frozen MLP.
 
+    He et al. (2021), "Towards a unified view of parameter-efficient transfer learning": the
+    parallel adapter at the FFN, with scale ``s`` (4 in their best configuration).
     The up-projection starts at zero, so the adapted backbone starts as the pretrained one.
     """
 
-    def __init__(self, *, dim: int, bottleneck: int) -> None:
+    def __init__(self, *, dim: int, bottleneck: int, scale: float = 1.0) -> None:
         super().__init__()
         self.down = nn.Linear(dim, bottleneck)
         self.up = nn.Linear(bottleneck, dim)
+        self.scale = float(scale)
         nn.init.zeros_(self.up.weight)
         nn.init.zeros_(self.up.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
-        return self.up(torch.relu(self.down(x)))
+        return self.scale * self.up(torch.relu(self.down(x)))
 
 
 def mlp(dim: int, hidden: list[int], num_classes: int, *, norm: bool, dropout: float = 0.0
@@ -137,15 +150,19 @@ def mlp(dim: int, hidden: list[int], num_classes: int, *, norm: bool, dropout: f
 
 
 class LayerwiseHeads(nn.Module):
-    """One head per exit on that exit's CLS token."""
+    """One head per exit on that exit's CLS token (after the backbone's final LayerNorm with
+    ``final_norm``, as DeiT's own classifier sees its CLS token)."""
 
-    def __init__(self, heads: list[nn.Module]) -> None:
+    def __init__(self, heads: list[nn.Module], *, final_norm: bool = False) -> None:
         super().__init__()
         self.heads = nn.ModuleList(heads)
+        self.final_norm = final_norm
 
     def run(self, backbone, images: torch.Tensor, last_exit: int, all_exits: bool = True
             ) -> list[torch.Tensor]:
         tokens = backbone.forward_exits(images, last_exit=last_exit)  # [B, D] per exit
+        if self.final_norm:
+            tokens = [backbone.final_norm(t) for t in tokens]
         if not all_exits:
             return [self.heads[last_exit](tokens[-1])]
         return [head(t) for head, t in zip(self.heads, tokens)]
@@ -216,11 +233,12 @@ class ExitModel(AdaptedModel):
     """
 
     def __init__(self, *, backbone, heads: nn.Module, parallel_adapter: bool,
-                 adapter_bottleneck: int, train_backbone: bool = False) -> None:
+                 adapter_bottleneck: int, adapter_scale: float = 1.0,
+                 train_backbone: bool = False) -> None:
         super().__init__(head=heads, backbone=backbone, train_backbone=train_backbone)
         if parallel_adapter:  # trainable, added after the backbone was frozen
-            backbone.insert_mlp_adapters(
-                lambda i, d: ParallelAdapter(dim=d, bottleneck=adapter_bottleneck))
+            backbone.insert_mlp_adapters(lambda i, d: ParallelAdapter(
+                dim=d, bottleneck=adapter_bottleneck, scale=adapter_scale))
         self.exit = backbone.num_layers - 1
 
     @property
@@ -254,15 +272,19 @@ def _exit_model(cfg, backbone, heads: nn.Module) -> ExitModel:
     if cfg.adapter_bottleneck < 1:
         raise ConfigError(f"method.adapter_bottleneck={cfg.adapter_bottleneck} is invalid: "
                           f"must be >= 1")
+    if not (math.isfinite(cfg.adapter_scale) and cfg.adapter_scale > 0):
+        raise ConfigError(f"method.adapter_scale={cfg.adapter_scale} is invalid: must be > 0 "
+                          f"(He et al. use 4)")
     return ExitModel(backbone=backbone, heads=heads, parallel_adapter=cfg.parallel_adapter,
-                     adapter_bottleneck=cfg.adapter_bottleneck, train_backbone=cfg.train_backbone)
+                     adapter_bottleneck=cfg.adapter_bottleneck, adapter_scale=cfg.adapter_scale,
+                     train_backbone=cfg.train_backbone)
 
 
 @register_method("lw_linear", LwLinearConfig)
 def build_lw_linear(cfg, backbone, num_classes, with_backbone):
     _needs_exits(backbone, cfg.name)
     heads = [nn.Linear(backbone.embed_dim, num_classes) for _ in range(backbone.num_layers)]
-    return _exit_model(cfg, backbone, LayerwiseHeads(heads))
+    return _exit_model(cfg, backbone, LayerwiseHeads(heads, final_norm=True))
 
 
 @register_method("lw_mlp", LwMlpConfig)

@@ -98,7 +98,7 @@ class ViTBackbone(Backbone):
 
         Returns a list of ``[B, D]`` tensors: the residual stream's CLS token as each block
         outputs it. No exit applies the final LayerNorm (all exits are treated alike; the heads
-        normalise where the method says so).
+        normalise where the method says so: :meth:`final_norm` is the backbone's own).
         """
         last = self.num_layers - 1 if last_exit is None else last_exit
         if not 0 <= last < self.num_layers:
@@ -116,7 +116,11 @@ class ViTBackbone(Backbone):
         h = self.embed(images)
         for block in self.blocks:
             h = block(h)
-        return self.model.layernorm(h)[:, 0]
+        return self.final_norm(h[:, 0])
+
+    def final_norm(self, tokens: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., D]
+        """The backbone's own final LayerNorm (what DeiT's classifier reads), on any tokens."""
+        return self.model.layernorm(tokens)
 
     def insert_mlp_adapters(self, make_adapter: Callable[[int, int], nn.Module]) -> nn.ModuleList:
         """Put ``make_adapter(layer_index, dim)`` beside every block's MLP; return the adapters.

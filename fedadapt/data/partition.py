@@ -116,10 +116,35 @@ def split_client(indices: np.ndarray, cfg: PartitionConfig, seed: int, client: i
                        val=np.sort(perm[n_test:n_test + n_val]), test=np.sort(perm[:n_test]))
 
 
+def select_ids(ids: np.ndarray, k: int, seed: int, card: DatasetCard) -> np.ndarray:
+    """Rows (ascending) of a seeded selection of ``k`` distinct natural ids.
+
+    The ids are drawn from their sorted unique values, so the selection depends on the seed and
+    the set of ids only, never on the order of the rows.
+    """
+    uniq = np.unique(ids)
+    if k > len(uniq):
+        raise ConfigError(f"partition.select_ids={k} is invalid: dataset={card.name} has only "
+                          f"{len(uniq)} natural ids ({card.client_key or 'client'})")
+    chosen = uniq[np.random.default_rng([seed, 0x5E1D]).choice(len(uniq), k, replace=False)]
+    return np.flatnonzero(np.isin(ids, chosen))
+
+
 def partition_dataset(train_ds, cfg: PartitionConfig, card: DatasetCard, seed: int) -> Partition:
     """Partition ``train_ds`` (standard columns) into clients as ``cfg`` says."""
-    n = len(train_ds)
     columns = train_ds.column_names
+    rows = None  # partition.select_ids: the selected natural ids' rows
+    if cfg.select_ids is not None:
+        if cfg.kind not in ("natural", "iid", "dirichlet"):
+            raise ConfigError(f"partition.select_ids={cfg.select_ids} is invalid for "
+                              f"partition={cfg.kind}: it selects natural ids for the natural, "
+                              f"iid and dirichlet partitions")
+        if "client" not in columns:
+            raise ConfigError(f"partition.select_ids={cfg.select_ids} is invalid for "
+                              f"dataset={card.name}: it has no natural id ('client') column "
+                              f"(the card maps none)")
+        rows = select_ids(np.asarray(train_ds["client"]), cfg.select_ids, seed, card)
+    n = len(train_ds) if rows is None else len(rows)
     if cfg.kind in ("iid", *BY_LABEL, *IN_ORDER):
         if cfg.num_clients > n:
             raise ConfigError(f"partition.num_clients={cfg.num_clients} is invalid: the training "
@@ -135,7 +160,9 @@ def partition_dataset(train_ds, cfg: PartitionConfig, card: DatasetCard, seed: i
         raise ConfigError(f"partition={cfg.kind} is invalid for dataset={card.name}: it has no "
                           f"'{key}' column (the card maps none)")
     light = train_ds.select_columns([c for c in ("label", key) if c]).add_column(
-        "__idx__", np.arange(n))
+        "__idx__", np.arange(len(train_ds)))
+    if rows is not None:
+        light = light.select(rows)
     if cfg.kind in IN_ORDER:  # these partitioners cut contiguously: shuffle first, with the seed
         light = light.shuffle(seed=seed)
     mixed: list = []
@@ -194,6 +221,8 @@ def partition_dataset(train_ds, cfg: PartitionConfig, card: DatasetCard, seed: i
             clients[j] = ClientSplit(train=whole[:0], val=whole[:0], test=whole)
     part = Partition(clients=clients, names=names, unseen=unseen, unseen_name=unseen_name)
     part.stats = partition_stats(part, np.asarray(train_ds["label"]))
+    if rows is not None:
+        part.stats["selected_ids"] = {"ids": int(cfg.select_ids), "samples": int(n)}
     return part
 
 
@@ -239,6 +268,9 @@ def format_stats(stats: dict) -> str:
     s, c = stats["samples_per_client"], stats["classes_per_client"]
     line = (f"{stats['num_clients']} clients | samples/client {s['mean']:.1f} ± {s['std']:.1f} "
             f"(min {s['min']}, max {s['max']}) | classes/client {c['mean']:.2f} ± {c['std']:.2f}")
+    if "selected_ids" in stats:
+        line += (f" | {stats['selected_ids']['ids']} natural ids selected "
+                 f"({stats['selected_ids']['samples']} samples)")
     if "unseen" in stats:
         line += f" | unseen: {stats['unseen']['name']} ({stats['unseen']['samples']} samples)"
     return line
