@@ -76,6 +76,11 @@ class MethodConfig:
     weighting: str = "examples"
     #: Train on cached pooled features (methods that only see the pooled feature).
     use_cache: bool = True
+    #: This method's own local training, over the run's ``train.*`` (any ``train`` key, e.g.
+    #: ``{optimizer: sgd, lr: 0.01}``): a baseline keeps its paper's optimiser beside the
+    #: adapter's in one ``compare`` job. Applied when the config is composed
+    #: (:func:`fedadapt.entry.to_run_config`); empty = the run's ``train``.
+    train: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
