@@ -112,6 +112,10 @@ class PartitionConfig:
     #: Fraction of the clients held out whole as unseen test clients (ICIIA's "by client"
     #: split: iNaturalist); their data is all test data. Server-trained methods only.
     test_clients: float = 0.0
+    #: Fraction of the training clients held out whole as validation clients (all their data
+    #: is validation data: ICIIA's iNaturalist, "we leave out 20% of the users originally for
+    #: training now for validation"). Server-trained methods only.
+    val_clients: float = 0.0
 
 
 @dataclass
@@ -217,6 +221,40 @@ class FaultConfig:
 
 
 @dataclass
+class OriginalConfig:
+    """The *original model* of the server-trained methods (ICIIA, DUET, CDC-MMPG): the backbone's
+    classifier they start from and are compared with, trained on the server from the training
+    clients' pooled data (never the validation or test clients'), by
+    :mod:`fedadapt.federation.original` and :func:`fedadapt.federation.plugin.train_original`.
+
+    ``train_backbone=false`` (the offline stand-ins): a linear classifier on the frozen
+    backbone's cached features (the method's ``classifier_epochs`` / lr). ``true`` (the papers'
+    original model: ICIIA's LEAF CNN trained from scratch on FEMNIST, EfficientNet-B0 fine-tuned
+    from ImageNet on iNaturalist): first the backbone and its classifier are trained together
+    on the pooled images, SGD with early stopping on the clients' validation data; the trained
+    backbone is saved under ``<cache_dir>/original/`` (keyed by backbone, data, clients, these
+    settings and the seed, so every method of a job reuses it), its features are cached and
+    serve every method, and its classifier is the original model.
+    """
+
+    train_backbone: bool = False
+    #: SGD learning rate of the classifier; the backbone's is ``lr * backbone_lr_scale``
+    #: (ICIIA's authors fine-tune a pretrained EfficientNet at a tenth of the head's).
+    lr: float = 0.01
+    backbone_lr_scale: float = 1.0
+    momentum: float = 0.0
+    weight_decay: float = 5e-4
+    batch_size: int = 32
+    #: Up to ``max_epochs``, stopped after ``patience`` epochs without a better validation
+    #: accuracy; the best epoch's weights are kept.
+    max_epochs: int = 100
+    patience: int = 10
+    #: The learning rates are multiplied by ``lr_decay`` every ``decay_every`` epochs.
+    lr_decay: float = 1.0
+    decay_every: int = 1
+
+
+@dataclass
 class RunConfig:
     """The root of the composed configuration."""
 
@@ -228,6 +266,8 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     federation: FederationConfig = field(default_factory=FederationConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
+    #: The server-trained methods' original model (ICIIA, DUET, CDC-MMPG).
+    original: OriginalConfig = field(default_factory=OriginalConfig)
     #: Continue the run (or compare job) in this directory from its last checkpoint.
     resume: Optional[str] = None
     #: Name of the experiment (set by ``conf/experiment/*.yaml``).
@@ -285,6 +325,7 @@ def validate(cfg: RunConfig) -> RunConfig:
            "must be in [0, 1]")
     check(0 <= p.test_clients < 1, "partition.test_clients", p.test_clients,
            "must be in [0, 1)")
+    check(0 <= p.val_clients < 1, "partition.val_clients", p.val_clients, "must be in [0, 1)")
     check(p.min_partition_size >= 1, "partition.min_partition_size", p.min_partition_size,
            "must be >= 1")
     for key, val in (("partition.val_fraction", p.val_fraction),
@@ -345,6 +386,14 @@ def validate(cfg: RunConfig) -> RunConfig:
            f.min_reply_fraction, "must be in (0, 1]")
     check(f.checkpoint_every >= 0, "federation.checkpoint_every", f.checkpoint_every,
            "must be >= 0")
+    o = cfg.original
+    for key in ("lr", "weight_decay", "backbone_lr_scale", "lr_decay"):
+        value = getattr(o, key)
+        check(math.isfinite(value) and value >= 0 and (key != "lr" or value > 0),
+              f"original.{key}", value, "must be > 0" if key == "lr" else "must be >= 0")
+    check(0 <= o.momentum < 1, "original.momentum", o.momentum, "must be in [0, 1)")
+    for key in ("batch_size", "max_epochs", "patience", "decay_every"):
+        check(getattr(o, key) >= 1, f"original.{key}", getattr(o, key), "must be >= 1")
     fl = cfg.faults
     check(0 <= fl.fraction < 1, "faults.fraction", fl.fraction, "must be in [0, 1)")
     check(set(fl.kinds) <= set(FAULT_KINDS), "faults.kinds", list(fl.kinds),

@@ -76,6 +76,10 @@ class RunSpec:
     #: resolved once in the driver (:mod:`fedadapt.devices`).
     device: str = "cpu"
     precision: str = "fp32"
+    #: Server-trained methods: the original model's classifier from the original-model phase
+    #: (``original.train_backbone``, :mod:`fedadapt.federation.original`); None = trained on
+    #: the cached features.
+    original_classifier: Optional[dict[str, torch.Tensor]] = None
 
     @property
     def num_clients(self) -> int:
