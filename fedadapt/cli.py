@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import fedadapt  # noqa: F401  (torchvision shim first)
 from fedadapt.config import ConfigError, FedadaptError, RunConfig
-from fedadapt.entry import register_configs, to_run_config
+from fedadapt.entry import register_configs, to_run_config, with_method_train
 from fedadapt.federation.interrupt import RunInterrupted, exit_stopped, stop_on_signals
 from fedadapt.paths import CONF_PATH
 from fedadapt.results import rundir
@@ -42,13 +42,14 @@ def job_configs(cfg: DictConfig, overrides: list[str]) -> list[tuple[str, RunCon
     if not names:  # one run, labelled by the preset named (fedavg_clip, not its schema fedclip)
         run = to_run_config(cfg)
         return [(chosen[-1] if chosen else run.method.name, run,
-                 OmegaConf.to_yaml(cfg, resolve=True))]
+                 OmegaConf.to_yaml(with_method_train(cfg), resolve=True))]
     out = []
     for entry in names:  # "method" or "method@backbone" (a row on another backbone)
         name, _, backbone = entry.partition("@")
         extra = [f"method={name}"] + ([f"backbone={backbone}"] if backbone else [])
         sub = compose(config_name="config", overrides=overrides + extra)
-        out.append((name, to_run_config(sub), OmegaConf.to_yaml(sub, resolve=True)))
+        out.append((name, to_run_config(sub),
+                    OmegaConf.to_yaml(with_method_train(sub), resolve=True)))
     return out
 
 

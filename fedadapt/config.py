@@ -77,6 +77,11 @@ class MethodConfig:
     weighting: str = "examples"
     #: Train on cached pooled features (methods that only see the pooled feature).
     use_cache: bool = True
+    #: This method's own local training, over the run's ``train.*`` (any ``train`` key, e.g.
+    #: ``{optimizer: sgd, lr: 0.01}``): a baseline keeps its paper's optimiser beside the
+    #: adapter's in one ``compare`` job. Applied when the config is composed
+    #: (:func:`fedadapt.entry.to_run_config`); empty = the run's ``train``.
+    train: dict[str, Any] = field(default_factory=dict)
 
     def check(self) -> None:
         """The domains of this method's own keys (a method's schema overrides it; raise
@@ -152,6 +157,10 @@ class PartitionConfig:
     #: the same data (the Accumulator paper's FEMNIST: 381 writers, IID and by writer).
     #: None = every id (``natural`` keeps a seeded ``num_clients`` of them).
     select_ids: Optional[int] = None
+    #: Fraction of the training clients held out whole as validation clients (all their data
+    #: is validation data: ICIIA's iNaturalist, "we leave out 20% of the users originally for
+    #: training now for validation"). Server-trained methods only.
+    val_clients: float = 0.0
 
 
 @dataclass
@@ -300,6 +309,40 @@ class TrackingConfig:
 
 
 @dataclass
+class OriginalConfig:
+    """The *original model* of the server-trained methods (ICIIA, DUET, CDC-MMPG): the backbone's
+    classifier they start from and are compared with, trained on the server from the training
+    clients' pooled data (never the validation or test clients'), by
+    :mod:`fedadapt.federation.original` and :func:`fedadapt.federation.plugin.train_original`.
+
+    ``train_backbone=false`` (the offline stand-ins): a linear classifier on the frozen
+    backbone's cached features (the method's ``classifier_epochs`` / lr). ``true`` (the papers'
+    original model: ICIIA's LEAF CNN trained from scratch on FEMNIST, EfficientNet-B0 fine-tuned
+    from ImageNet on iNaturalist): first the backbone and its classifier are trained together
+    on the pooled images, SGD with early stopping on the clients' validation data; the trained
+    backbone is saved under ``<cache_dir>/original/`` (keyed by backbone, data, clients, these
+    settings and the seed, so every method of a job reuses it), its features are cached and
+    serve every method, and its classifier is the original model.
+    """
+
+    train_backbone: bool = False
+    #: SGD learning rate of the classifier; the backbone's is ``lr * backbone_lr_scale``
+    #: (ICIIA's authors fine-tune a pretrained EfficientNet at a tenth of the head's).
+    lr: float = 0.01
+    backbone_lr_scale: float = 1.0
+    momentum: float = 0.0
+    weight_decay: float = 5e-4
+    batch_size: int = 32
+    #: Up to ``max_epochs``, stopped after ``patience`` epochs without a better validation
+    #: accuracy; the best epoch's weights are kept.
+    max_epochs: int = 100
+    patience: int = 10
+    #: The learning rates are multiplied by ``lr_decay`` every ``decay_every`` epochs.
+    lr_decay: float = 1.0
+    decay_every: int = 1
+
+
+@dataclass
 class RunConfig:
     """The root of the composed configuration."""
 
@@ -317,6 +360,8 @@ class RunConfig:
     #: on their validation splits at the reported round (never the test split); None = nothing.
     #: Needs one method trained by the clients in rounds, and ``partition.val_fraction > 0``.
     objective: Optional[str] = None
+    #: The server-trained methods' original model (ICIIA, DUET, CDC-MMPG).
+    original: OriginalConfig = field(default_factory=OriginalConfig)
     #: Continue the run (or compare job) in this directory from its last checkpoint.
     resume: Optional[str] = None
     #: Name of the experiment (set by ``conf/experiment/*.yaml``).
@@ -407,6 +452,7 @@ def validate(cfg: RunConfig) -> RunConfig:
           "partition.num_clients", p.num_clients,
           f"partition=natural with partition.select_ids={p.select_ids} makes one client per "
           f"selected id: set both to the same number")
+    check(0 <= p.val_clients < 1, "partition.val_clients", p.val_clients, "must be in [0, 1)")
     check(p.min_partition_size >= 1, "partition.min_partition_size", p.min_partition_size,
            "must be >= 1")
     for key, val in (("partition.val_fraction", p.val_fraction),
@@ -480,6 +526,14 @@ def validate(cfg: RunConfig) -> RunConfig:
            f.min_reply_fraction, "must be in (0, 1]")
     check(f.checkpoint_every >= 0, "federation.checkpoint_every", f.checkpoint_every,
            "must be >= 0")
+    o = cfg.original
+    for key in ("lr", "weight_decay", "backbone_lr_scale", "lr_decay"):
+        value = getattr(o, key)
+        check(math.isfinite(value) and value >= 0 and (key != "lr" or value > 0),
+              f"original.{key}", value, "must be > 0" if key == "lr" else "must be >= 0")
+    check(0 <= o.momentum < 1, "original.momentum", o.momentum, "must be in [0, 1)")
+    for key in ("batch_size", "max_epochs", "patience", "decay_every"):
+        check(getattr(o, key) >= 1, f"original.{key}", getattr(o, key), "must be >= 1")
     fl = cfg.faults
     check(0 <= fl.fraction < 1, "faults.fraction", fl.fraction, "must be in [0, 1)")
     check(set(fl.kinds) <= set(FAULT_KINDS), "faults.kinds", list(fl.kinds),

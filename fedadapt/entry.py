@@ -55,8 +55,30 @@ def register_resolvers() -> None:
 
 
 def to_run_config(cfg: DictConfig) -> RunConfig:
-    """Typed, validated :class:`RunConfig` from a composed Hydra config."""
-    return validate(OmegaConf.to_object(cfg))
+    """Typed, validated :class:`RunConfig` from a composed Hydra config (with the method's own
+    ``method.train`` settings applied over ``train``: :func:`with_method_train`)."""
+    return validate(OmegaConf.to_object(with_method_train(cfg)))
+
+
+def with_method_train(cfg: DictConfig) -> DictConfig:
+    """``cfg`` with ``method.train``'s keys over ``train`` (a copy; ``cfg`` itself when the
+    method sets none). A key that is not a ``train`` key fails, named ``method.train.<key>``."""
+    from fedadapt.config import ConfigError
+
+    method = cfg.get("method")
+    own = method.get("train") if method is not None else None
+    if not own:
+        return cfg
+    from omegaconf.errors import OmegaConfBaseException
+
+    out = cfg.copy()
+    try:
+        out.train = OmegaConf.merge(cfg.train, own)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"method.train={OmegaConf.to_container(own)} is invalid for "
+                          f"method={method.get('name')}: {str(err).splitlines()[0]} (its keys "
+                          f"are train.* keys)") from err
+    return out
 
 
 def compose_config(overrides: list[str], *, default_experiment: str = "custom") -> DictConfig:

@@ -50,7 +50,7 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
     precision = resolve_precision(cfg.train.precision, dev)
     card = load_card(cfg.dataset.name)
     prepared = prepare_dataset(cfg.dataset, cfg.cache_dir, cfg.seed)
-    _check_method_settings(cfg)
+    _check_method_settings(cfg, card)
     partition = partition_dataset(prepared.load()["train"], cfg.partition, card, cfg.seed)
     if not quiet:
         log(f"[data] {card.name}: {prepared.num_train} train / {prepared.num_test} test samples, "
@@ -83,7 +83,12 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
             return DataSource(prepared, split, features_path=path)
         return images(split)
 
-    spec = RunSpec(run_id=uuid.uuid4().hex, method=cfg.method, backbone=cfg.backbone,
+    original = None
+    if cfg.original.train_backbone:  # the papers' original model: a server-side phase first
+        original = _original_phase(cfg, backbone, images("train"), partition, prepared, dev)
+        backbone = build_backbone(original.backbone)  # the trained one: its features are cached
+    spec = RunSpec(run_id=uuid.uuid4().hex, method=cfg.method,
+                   backbone=original.backbone if original else cfg.backbone,
                    train=cfg.train, seed=cfg.seed, rounds=cfg.rounds,
                    num_classes=prepared.num_classes, embed_dim=backbone.embed_dim,
                    train_source=source("train"),
@@ -96,7 +101,8 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
                    image_source=(images("train")
                                  if getattr(cfg.method, "upload", None) == "samples" else None),
                    query_feature=query_feature, device=dev, precision=precision,
-                   client_threads=max(1, int(cfg.federation.num_cpus or 1)))
+                   client_threads=max(1, int(cfg.federation.num_cpus or 1)),
+                   original_classifier=original.classifier if original else None)
     model = build_run_model(spec, backbone)
     _apply_setting(cfg, spec, model)
     counts = {
@@ -107,13 +113,22 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
     return PreparedRun(spec=spec, partition=partition, model=model, counts=counts)
 
 
-def _check_method_settings(cfg: RunConfig) -> None:
+def _check_method_settings(cfg: RunConfig, card) -> None:
     """Settings that hold only for some methods (before anything is loaded)."""
     if cfg.partition.test_clients > 0 and method_spec(cfg.method).trainer == "clients":
         raise ConfigError(f"partition.test_clients={cfg.partition.test_clients} is invalid for "
                           f"method={cfg.method.name}: unseen test clients have no training "
                           f"data, only server-trained methods (iciia_b, duet, cdc_mmpg, ...) can "
                           f"serve them")
+    if cfg.partition.val_clients > 0 and method_spec(cfg.method).trainer == "clients":
+        raise ConfigError(f"partition.val_clients={cfg.partition.val_clients} is invalid for "
+                          f"method={cfg.method.name}: validation clients have no training data, "
+                          f"only server-trained methods (iciia_b, duet, cdc_mmpg, ...) use them")
+    if card.test_split_clients and method_spec(cfg.method).trainer == "clients":
+        raise ConfigError(f"dataset={card.name} is invalid for method={cfg.method.name}: its "
+                          f"test split is held-out users (unseen clients without training "
+                          f"data), which only server-trained methods (iciia_b, duet, cdc_mmpg, "
+                          f"...) can serve")
     if cfg.objective is not None and method_spec(cfg.method).trainer != "clients":
         raise ConfigError(f"objective={cfg.objective} is invalid for method={cfg.method.name}: "
                           f"a validation objective is measured on the clients' validation "
@@ -121,6 +136,20 @@ def _check_method_settings(cfg: RunConfig) -> None:
     if cfg.federation.select == "best_val" and cfg.partition.val_fraction == 0:
         raise ConfigError("federation.select=best_val picks the round by the clients' "
                           "validation accuracy: it needs partition.val_fraction > 0")
+
+
+def _original_phase(cfg: RunConfig, backbone, images, partition: Partition, prepared, device):
+    """``original.train_backbone``: the backbone and its classifier trained on the training
+    clients' pooled images (:mod:`fedadapt.federation.original`), once per data and settings."""
+    from fedadapt.federation.original import original_model
+
+    if method_spec(cfg.method).trainer == "clients":
+        raise ConfigError(f"original.train_backbone=true is invalid for method="
+                          f"{cfg.method.name}: it trains the original model of the "
+                          f"server-trained methods (iciia_b, iciia_t, duet, cdc_mmpg, ...)")
+    return original_model(backbone, cfg.backbone, images, partition.clients, cfg.original,
+                          num_classes=prepared.num_classes, seed=cfg.seed,
+                          cache_dir=cfg.cache_dir, device=device)
 
 
 def _apply_setting(cfg: RunConfig, spec: RunSpec, model: AdaptedModel) -> None:

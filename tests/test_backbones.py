@@ -91,3 +91,42 @@ def test_random_weights_are_the_same_in_every_build():
         assert na == nb and torch.equal(pa, pb)
     x = torch.randn(1, 3, 32, 32)
     torch.testing.assert_close(a(x), b(x))
+
+
+def test_openai_clip_weights_are_built_with_quick_gelu(monkeypatch):
+    """OpenAI's weights were trained with QuickGELU: ``clip_vit_b32`` (weights ``openai``,
+    ``arch.quick_gelu: null``) asks open_clip for ``force_quick_gelu=True`` whether or not the
+    weights load; other tags keep GELU; an explicit ``arch.quick_gelu`` wins."""
+    import open_clip
+    from open_clip.transformer import QuickGELU
+
+    from fedadapt.backbones.clip import weights_quick_gelu
+
+    assert weights_quick_gelu("ViT-B-32", "openai", None) is True
+    assert weights_quick_gelu("ViT-B-32", "laion2b_s34b_b79k", None) is False
+    assert weights_quick_gelu("ViT-B-32", None, None) is False
+    assert weights_quick_gelu("ViT-B-32", "openai", False) is False
+
+    seen = []
+    tiny = {k: v for k, v in TINY_CLIP.arch.items()}
+
+    def create_model(name, **kwargs):  # the tiny model in place of the 151M-parameter one
+        seen.append((name, kwargs["force_quick_gelu"], kwargs["pretrained"]))
+        return open_clip.CLIP(**tiny, quick_gelu=kwargs["force_quick_gelu"])
+
+    monkeypatch.setattr(open_clip, "create_model", create_model)
+    preset = BackboneConfig(name="clip_vit_b32", family="clip", weights="openai",
+                            arch={"model": "ViT-B-32", "quick_gelu": None})
+    b = build_backbone(preset, load_weights=False)
+    assert seen[-1] == ("ViT-B-32", True, None)
+    assert "quickgelu" in b.weights_id  # part of the feature-cache key
+    assert any(isinstance(m, QuickGELU) for m in b.modules())
+    laion = BackboneConfig(name="c", family="clip", weights="laion2b_s34b_b79k",
+                           arch={"model": "ViT-B-32"})
+    b = build_backbone(laion, load_weights=False)
+    assert seen[-1] == ("ViT-B-32", False, None)
+    assert not any(isinstance(m, QuickGELU) for m in b.modules())
+    # a full (tiny) config takes the setting directly
+    quick = BackboneConfig(name="q", family="clip", image_size=32,
+                           arch={**TINY_CLIP.arch, "quick_gelu": True})
+    assert any(isinstance(m, QuickGELU) for m in build_backbone(quick).modules())

@@ -68,7 +68,7 @@ def test_natural_and_domain_partitions():
     writers = [f"w{i % 5}" for i in range(100)]
     domains = [["art", "photo", "sketch"][i % 3] for i in range(90)]
     natural = partition_dataset(labelled(100, extra={"client": writers}),
-                                PartitionConfig(kind="natural"), CARD, seed=0)
+                                PartitionConfig(kind="natural", num_clients=5), CARD, seed=0)
     assert sorted(natural.names) == [f"w{i}" for i in range(5)]
     card = DatasetCard(name="toy", source="local", hub_id=None, columns={}, splits={},
                        num_classes=10, default_holdout="sketch")

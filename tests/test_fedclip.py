@@ -242,7 +242,39 @@ def test_compare_entry_can_name_another_backbone():
     assert jobs["fedavg_alexnet"].backbone.name == "alexnet"
     assert jobs["fedavg_alexnet"].method.strategy == "fedavg"
     assert jobs["fedprox_alexnet"].method.strategy == "fedprox"
-    assert jobs["fedprox_clip"].method.proximal_mu == 0.01
+    assert jobs["fedprox_clip"].method.proximal_mu == 1e-3
+
+
+def test_each_baseline_trains_with_its_own_optimiser():
+    """One compare job, each row's optimiser from its own paper / authors' code: the adapter
+    with the authors' Adam (weight decay 0.2), whole CLIP with Adam and no decay, AlexNet with
+    PersonalizedFL's plain SGD 1e-2; the run directory's config shows the merged ``train``."""
+    from hydra import initialize_config_module
+    from omegaconf import OmegaConf
+
+    from fedadapt.cli import job_configs
+    from fedadapt.entry import compose_config, to_run_config
+    from fedadapt.paths import CONF_MODULE
+
+    overrides = ["experiment=fedclip_pacs"]
+    cfg = compose_config(overrides)
+    with initialize_config_module(config_module=CONF_MODULE, version_base=None):
+        jobs = {name: (run, yaml) for name, run, yaml in job_configs(cfg, overrides)}
+    opt = {name: (r.train.optimizer, r.train.lr, r.train.momentum, r.train.weight_decay)
+           for name, (r, _) in jobs.items()}
+    assert opt["fedclip"] == ("adam", 5e-5, 0.9, 0.2)
+    assert opt["fedavg_clip"][::3] == ("adam", 0.0) == opt["fedprox_clip"][::3]
+    assert jobs["fedavg_clip"][0].train.betas == [0.9, 0.98]
+    assert opt["fedavg_alexnet"] == ("sgd", 0.01, 0.0, 0.0) == opt["fedprox_alexnet"]
+    saved = OmegaConf.create(jobs["fedavg_alexnet"][1])
+    assert saved.train.optimizer == "sgd" and saved.method.train.lr == 0.01
+    # a command-line override of the method's own setting wins; a foreign key is named
+    run = to_run_config(compose_config(["experiment=fedclip_pacs", "method=fedavg_alexnet",
+                                        "method.train.lr=0.1"]))
+    assert run.train.lr == 0.1 and run.train.optimizer == "sgd"
+    with pytest.raises(ConfigError, match="method.train"):
+        to_run_config(compose_config(["experiment=fedclip_pacs", "method=fedavg_alexnet",
+                                      "+method.train.nesterov=true"]))
 
 
 def test_local_finetuning_after_fl_without_exits(cache_dir, tmp_path):

@@ -12,6 +12,9 @@ from __future__ import annotations
 from fedadapt.backbones.base import FAMILIES, Backbone, MissingAssetError, register_family
 from fedadapt.config import BackboneConfig, ConfigError
 
+#: The modules that define backbone families.
+FAMILY_MODULES = ("alexnet", "clip", "cnn", "efficientnet", "leaf_cnn", "timm_models", "vit")
+
 
 def build_backbone(cfg: BackboneConfig, *, load_weights: bool = True) -> Backbone:
     """Build the frozen backbone ``cfg`` describes.
@@ -24,7 +27,10 @@ def build_backbone(cfg: BackboneConfig, *, load_weights: bool = True) -> Backbon
         False builds the architecture with random weights (no download), as
         ``fedadapt-inspect`` does.
     """
-    from fedadapt.backbones import alexnet, clip, cnn, efficientnet, vit  # noqa: F401
+    import importlib
+
+    for module in FAMILY_MODULES:  # each registers its families
+        importlib.import_module(f"fedadapt.backbones.{module}")
 
     if cfg.family not in FAMILIES:
         raise ConfigError(

@@ -72,6 +72,38 @@ class Backbone(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def weights_state(self) -> dict[str, torch.Tensor]:
+        """The state dict a ``backbone.weights`` file of this family holds (the family's loader
+        reads it back); the module's own by default."""
+        return self.state_dict()
+
+
+def load_state_file(path: str, what: str = "backbone.weights") -> dict[str, torch.Tensor]:
+    """A state dict from a local file: ``.safetensors``, or a torch file read with
+    ``weights_only=True`` (nothing is unpickled). A missing or unreadable file fails with one
+    line naming it."""
+    import os
+
+    if not os.path.isfile(path):
+        raise MissingAssetError(f"{what}={path!r}: no such file")
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            return load_file(path)
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # corrupt or foreign file
+        raise MissingAssetError(f"{what}={path!r} is not a readable state dict ({err})") from err
+
+
+def file_weights_id(path: str, prefix: str) -> str:
+    """``<prefix>:<sha256 of the file, 16 hex>``: the identity of local weights in the
+    feature-cache key (a retrained file at the same path gets a new key)."""
+    import hashlib
+
+    with open(path, "rb") as fh:
+        return f"{prefix}:{hashlib.sha256(fh.read()).hexdigest()[:16]}"
+
 
 #: ``backbone.family`` -> ``fn(cfg, load_weights) -> Backbone`` (each family module registers).
 FAMILIES: dict[str, Callable[[BackboneConfig, bool], Backbone]] = {}

@@ -3,6 +3,13 @@
 ``backbone.arch.model`` names an open_clip model (``ViT-B-32`` by default) and ``backbone.weights``
 a pretrained tag (``openai``, ``laion2b_s34b_b79k``, ...) or a local checkpoint path; tests pass a
 full small config in ``backbone.arch`` (``embed_dim``, ``vision_cfg``, ``text_cfg``) instead.
+
+The activation follows the weights: OpenAI's CLIP weights were trained with QuickGELU
+(``x * sigmoid(1.702 x)``) while open_clip's ``ViT-B-32`` config builds plain GELU (and only
+warns when OpenAI weights are loaded into it). ``backbone.arch.quick_gelu`` (null: what the
+pretrained tag's open_clip config says, ``quick_gelu: True`` for every ``openai`` tag) builds the
+model with ``force_quick_gelu``, with or without loading the weights, so ``fedadapt-inspect`` and
+random-weight runs have the same architecture as the real one.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from torch import nn
 
 from fedadapt.backbones.base import Backbone, MissingAssetError, prefetch_hint, register_family
 from fedadapt.config import BackboneConfig, ConfigError
+from fedadapt.log import log
 
 
 class ClipBackbone(Backbone):
@@ -62,23 +70,41 @@ def build_clip(cfg: BackboneConfig, load_weights: bool) -> ClipBackbone:
     arch = dict(cfg.arch)
     name = arch.pop("model", "ViT-B-32")
     arch.pop("init_seed", None)  # used by build_backbone
+    quick_gelu = arch.pop("quick_gelu", None)
     if arch:  # a full config (tiny test models)
-        model = open_clip.CLIP(**arch)
+        model = open_clip.CLIP(**arch, quick_gelu=bool(quick_gelu))
         tokenizer = open_clip.SimpleTokenizer(context_length=arch["text_cfg"]["context_length"])
-        weights_id = "random"
+        weights_id = "random-quickgelu" if quick_gelu else "random"
     else:
+        quick_gelu = weights_quick_gelu(name, cfg.weights, quick_gelu)
         pretrained = cfg.weights if load_weights else None
         try:
             model = open_clip.create_model(name, pretrained=pretrained,
-                                           load_weights=bool(pretrained))
+                                           load_weights=bool(pretrained),
+                                           force_quick_gelu=quick_gelu)
         except (OSError, RuntimeError, ValueError) as err:
             raise MissingAssetError(
                 prefetch_hint(f"CLIP weights {name}/{cfg.weights}", backbone=cfg.name)
             ) from err
         tokenizer = open_clip.get_tokenizer(name)
-        weights_id = f"{name}/{pretrained or 'random'}"
+        weights_id = f"{name}{'-quickgelu' if quick_gelu else ''}/{pretrained or 'random'}"
     return ClipBackbone(model=model, tokenizer=tokenizer, weights_id=weights_id,
                         image_size=cfg.image_size)
+
+
+def weights_quick_gelu(model: str, weights: Optional[str], configured: Optional[bool]) -> bool:
+    """Whether ``model`` is built with QuickGELU: ``configured`` (``backbone.arch.quick_gelu``)
+    when set, else what open_clip's pretrained config of the tag ``weights`` says (False for a
+    local path, an unknown tag or no weights)."""
+    from open_clip.pretrained import get_pretrained_cfg
+
+    tagged = bool(weights and get_pretrained_cfg(model, weights).get("quick_gelu", False))
+    if configured is None:
+        return tagged
+    if bool(configured) != tagged and weights and get_pretrained_cfg(model, weights):
+        log(f"[backbone] backbone.arch.quick_gelu={bool(configured)} although the {model}/"
+            f"{weights} weights were trained with{'' if tagged else 'out'} QuickGELU")
+    return bool(configured)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fedadapt.backbones.base import Backbone, register_family
+from fedadapt.backbones.base import Backbone, load_state_file, register_family
 from fedadapt.config import BackboneConfig
 
 
@@ -32,8 +32,7 @@ class SmallCNN(Backbone):
 def build_small_cnn(cfg: BackboneConfig, load_weights: bool) -> SmallCNN:
     model = SmallCNN(width=int(cfg.arch.get("width", 16)), image_size=cfg.image_size)
     if load_weights and cfg.weights:
-        state = torch.load(cfg.weights, map_location="cpu", weights_only=True)
-        model.load_state_dict(state)
+        model.load_state_dict(load_state_file(cfg.weights))
         model.weights_id = cfg.weights
     else:
         # Seeded init so "random" weights are the same in every process (cache key "random").

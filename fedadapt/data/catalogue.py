@@ -28,6 +28,11 @@ class DatasetCard:
     image_size: Optional[list] = None
     #: With ``image_size``: 1 (grey) or 3 (RGB) channels stored.
     channels: Optional[int] = None
+    #: The source's test split holds clients of its own (unseen test users, e.g. FedScale's
+    #: iNaturalist test users), not a global test set: its rows join the prepared training
+    #: split marked ``test_client`` = 1, and ``partition=natural`` makes each of those users an
+    #: unseen client holding test data only.
+    test_split_clients: bool = False
     license: str = ""
     size: str = ""
     papers: list = field(default_factory=list)

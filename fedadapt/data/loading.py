@@ -381,6 +381,8 @@ def standardise(raw, card: DatasetCard, cfg: DatasetConfig, seed: int):
         if not isinstance(ds.features["label"], ClassLabel):
             ds = ds.class_encode_column("label")
         out[std_split] = ds
+    if card.test_split_clients and "test" in out:  # the test split's users: unseen clients
+        out = _test_users_into_train(out)
     if "test" not in out and cfg.test_fraction == 0:  # no global test set: an empty split
         out["test"] = out["train"].select([])
     elif "test" not in out:
@@ -390,6 +392,25 @@ def standardise(raw, card: DatasetCard, cfg: DatasetConfig, seed: int):
     if cfg.max_samples is not None and cfg.max_samples < len(out["train"]):
         out["train"] = out["train"].shuffle(seed=seed).select(range(cfg.max_samples))
     return DatasetDict(out)
+
+
+def _test_users_into_train(out: dict) -> dict:
+    """The source's test split appended to its training split, every row marked in the column
+    ``test_client`` (0: a training user's, 1: a test user's); no global test split remains
+    (``partition=natural`` turns the marked users into unseen test clients)."""
+    from datasets import Value, concatenate_datasets
+
+    train, test = out["train"], out["test"]
+    if "client" not in train.column_names or "client" not in test.column_names:
+        raise ConfigError("a data set whose test split holds its own users needs their "
+                          "natural id (the card's client column) in both splits")
+    train = train.add_column("test_client", [0] * len(train)).cast_column(
+        "test_client", Value("int8"))
+    test = test.add_column("test_client", [1] * len(test)).cast_column(
+        "test_client", Value("int8"))
+    if test.features["client"] != train.features["client"]:
+        test = test.cast_column("client", train.features["client"])
+    return {"train": concatenate_datasets([train, test]), "test": test.select([])}
 
 
 def _failed_check(folder: Path) -> Optional[str]:

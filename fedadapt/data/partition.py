@@ -161,8 +161,12 @@ def partition_dataset(train_ds, cfg: PartitionConfig, card: DatasetCard, seed: i
                           f"'{key}' column (the card maps none)")
     light = train_ds.select_columns([c for c in ("label", key) if c]).add_column(
         "__idx__", np.arange(len(train_ds)))
-    if rows is not None:
-        light = light.select(rows)
+    keep = rows  # partition.select_ids' rows, or None for all
+    held = test_user_rows(train_ds, cfg, card)  # the source's own test users, if it has some
+    if held is not None:  # they never reach the partitioner: the training users do
+        keep = np.setdiff1d(np.arange(len(train_ds)) if keep is None else keep, held)
+    if keep is not None:
+        light = light.select(keep)
     if cfg.kind in IN_ORDER:  # these partitioners cut contiguously: shuffle first, with the seed
         light = light.shuffle(seed=seed)
     mixed: list = []
@@ -208,8 +212,22 @@ def partition_dataset(train_ds, cfg: PartitionConfig, card: DatasetCard, seed: i
         keep = np.sort(np.random.default_rng(seed).choice(len(indices), cfg.num_clients,
                                                           replace=False))
         indices, names = [indices[k] for k in keep], [names[k] for k in keep]
+    elif cfg.kind == "natural" and cfg.num_clients > len(indices):
+        also = "" if held is None else " (its test users come on top, from its test split)"
+        raise ConfigError(f"partition.num_clients={cfg.num_clients} is invalid: dataset="
+                          f"{card.name} has {len(indices)} natural ids "
+                          f"({card.client_key or 'client'}) to train on{also}")
 
     clients = [split_client(idx, cfg, seed, i) for i, idx in enumerate(indices)]
+    if cfg.val_clients > 0:  # "by client" validation: whole training clients
+        _hold_out_validation_clients(clients, indices, cfg, seed)
+    if held is not None:  # each test user is an unseen client holding test data only
+        users = np.asarray(train_ds.select(held)["client"])
+        for uid in sorted(np.unique(users).tolist(), key=str):
+            whole = np.sort(held[users == uid]).astype(np.int64)
+            clients.append(ClientSplit(train=whole[:0], val=whole[:0], test=whole))
+            indices.append(whole)
+            names.append(f"test:{uid}")
     if cfg.test_clients > 0:  # "by client": unseen clients hold test data only
         k = int(round(cfg.test_clients * len(clients)))
         if not 0 < k < len(clients):
@@ -224,6 +242,38 @@ def partition_dataset(train_ds, cfg: PartitionConfig, card: DatasetCard, seed: i
     if rows is not None:
         part.stats["selected_ids"] = {"ids": int(cfg.select_ids), "samples": int(n)}
     return part
+
+
+def test_user_rows(train_ds, cfg: PartitionConfig, card: DatasetCard) -> Optional[np.ndarray]:
+    """Rows of the source's own test users (the ``test_client`` column that
+    :func:`fedadapt.data.loading.standardise` adds for a card with ``test_split_clients``,
+    e.g. FedScale's iNaturalist test users), or None when the data set has none."""
+    if "test_client" not in train_ds.column_names:
+        return None
+    if cfg.kind != "natural":
+        raise ConfigError(f"partition={cfg.kind} is invalid for dataset={card.name}: its test "
+                          f"split holds its own users (the unseen test clients); partition it "
+                          f"by user with partition=natural")
+    if cfg.test_clients > 0:
+        raise ConfigError(f"partition.test_clients={cfg.test_clients} is invalid for "
+                          f"dataset={card.name}: its test users (its test split) are the unseen "
+                          f"test clients; set it to 0")
+    return np.flatnonzero(np.asarray(train_ds["test_client"], dtype=bool))
+
+
+def _hold_out_validation_clients(clients: list[ClientSplit], indices: list[np.ndarray],
+                                 cfg: PartitionConfig, seed: int) -> None:
+    """Make a seeded ``cfg.val_clients`` of the training clients validation clients: all their
+    data becomes validation data (ICIIA: "we leave out 20% of the users originally for training
+    now for validation"). In place."""
+    k = int(round(cfg.val_clients * len(clients)))
+    if not 0 < k < len(clients):
+        raise ConfigError(f"partition.val_clients={cfg.val_clients} is invalid: with "
+                          f"{len(clients)} training clients it holds out {k}; keep some on both "
+                          f"sides")
+    for j in np.random.default_rng([seed, 0x7A11]).choice(len(clients), k, replace=False):
+        whole = np.sort(np.asarray(indices[j], dtype=np.int64))
+        clients[j] = ClientSplit(train=whole[:0], val=whole, test=whole[:0])
 
 
 def _mixed_clients(light, cfg: PartitionConfig, seed: int):
@@ -256,6 +306,9 @@ def partition_stats(part: Partition, labels: np.ndarray) -> dict:
         "classes_per_client": {"mean": float(classes.mean()), "std": float(classes.std()),
                                "min": int(classes.min()), "max": int(classes.max())},
         "train_samples": int(sum(len(c.train) for c in part.clients)),
+        # "by client" splits: clients holding only validation / only test data
+        "val_clients": sum(1 for c in part.clients if len(c.val) and not len(c) - len(c.val)),
+        "test_clients": sum(1 for c in part.clients if len(c.test) and not len(c) - len(c.test)),
         "per_client": [{"name": nm, "samples": int(s), "classes": int(k)}
                        for nm, s, k in zip(part.names, sizes, classes)],
     }
@@ -271,6 +324,9 @@ def format_stats(stats: dict) -> str:
     if "selected_ids" in stats:
         line += (f" | {stats['selected_ids']['ids']} natural ids selected "
                  f"({stats['selected_ids']['samples']} samples)")
+    if stats.get("val_clients") or stats.get("test_clients"):
+        line += (f" | by client: {stats.get('val_clients', 0)} validation, "
+                 f"{stats.get('test_clients', 0)} test clients")
     if "unseen" in stats:
         line += f" | unseen: {stats['unseen']['name']} ({stats['unseen']['samples']} samples)"
     return line

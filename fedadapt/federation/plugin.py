@@ -47,7 +47,8 @@ def sequences(indices: np.ndarray, size: int, rng: np.random.Generator) -> list[
 def build_module(spec: RunSpec) -> Iciia:
     m = spec.method
     return Iciia(spec.embed_dim, spec.num_classes, layers=m.layers, groups=m.groups,
-                 heads=m.heads, dropout=m.dropout, mixing=m.mixing, shuffle=m.shuffle)
+                 heads=m.heads, dropout=m.dropout, mixing=m.mixing, shuffle=m.shuffle,
+                 classifier_relu=m.classifier_relu)
 
 
 class PromptClassifier(nn.Module):
@@ -151,10 +152,18 @@ class ServerData:
 def train_original(spec: RunSpec, data: ServerData, rng: np.random.Generator, *, lr: float
                    ) -> tuple[nn.Linear, dict]:
     """The original model: the classifier ``Linear(D, C)`` trained on the mixture of the
-    clients' training features (SGD, early stopping on their validation features)."""
+    clients' training features (SGD, early stopping on their validation features), or, with
+    ``original.train_backbone``, the classifier trained with the backbone."""
     m = spec.method
     original = nn.Linear(spec.embed_dim, spec.num_classes)
     feats, labels = data.feats, data.labels
+    if spec.original_classifier is not None:  # trained with the backbone (original.*)
+        original.load_state_dict(spec.original_classifier)
+        with torch.no_grad():
+            val = _accuracy(original(feats[data.val_idx]), labels[data.val_idx])
+        log(f"[original classifier] trained with the backbone: {100 * val:.2f}% on the "
+            f"clients' validation features")
+        return original.eval(), {"trained_with_backbone": True, "best_val_acc": val}
 
     def batches():
         for b in sequences(data.train_idx, CLASSIFIER_BATCH, rng):
@@ -230,7 +239,8 @@ def train_on_server(spec: RunSpec) -> dict:
             return _accuracy(prompt(feats[val_idx], owner_t[val_idx]), labels[val_idx])
 
         prompt_log = fit(prompt, prompt_batches, prompt_val, epochs=m.classifier_epochs,
-                         patience=m.patience, lr=m.lr, label="prompt tuning")
+                         patience=m.patience, lr=m.lr, momentum=m.momentum,
+                         label="prompt tuning")
     return {"original": original.eval(), "module": module.eval(),
             "prompt": None if prompt is None else prompt.eval(),
             "log": {"original": original_log, "iciia": iciia_log, "prompt": prompt_log}}
@@ -302,25 +312,47 @@ def recognize(spec: RunSpec, cid: int, arrays: dict[str, torch.Tensor]) -> dict:
 
 
 def _finetune_last_layer(spec: RunSpec, cid: int, original: nn.Linear, x_test, y_test) -> float:
-    """The fine-tuning baseline: the original classifier trained on the client's labeled
-    training split (``method.finetune_epochs``), then its test accuracy."""
+    """The fine-tuning baseline as the authors run it (mikudehuane/ICIIA, ``code/finetune.py``):
+    the original classifier trained on the client's labeled training split, SGD
+    (``method.lr``, ``method.momentum``), batches of ``method.finetune_batch``, gradient-norm
+    clipping ``method.clip``; evaluated on the client's validation split before every epoch
+    (epoch 0: the original classifier), stopped after ``method.patience`` epochs without gain,
+    at most ``method.finetune_epochs``; returns the test accuracy of the best validation epoch
+    (the last epoch's when the client has no validation split)."""
     m = spec.method
     if m.finetune_epochs == 0:
         return float("nan")
+    split = spec.clients[cid]
     layer = copy.deepcopy(original)
-    xs, ys = spec.train_source.get(spec.clients[cid].train)
+    xs, ys = spec.train_source.get(split.train)
+    xv, yv = spec.train_source.get(split.val) if len(split.val) else (None, None)
     gen = torch.Generator().manual_seed(derive_seed(spec.seed, 0xF1, cid))
     opt = torch.optim.SGD(layer.parameters(), lr=m.lr, momentum=m.momentum)
+    best_val, best_test, waited = float("-inf"), float("nan"), 0
+    for epoch in range(m.finetune_epochs + 1):  # evaluate, then train (none after the last)
+        if xv is not None:  # early stopping on the client's own validation split
+            val = _accuracy(layer(xv), yv)
+            if val > best_val:
+                best_val, best_test, waited = val, _accuracy(layer(x_test), y_test), 0
+            elif (waited := waited + 1) >= m.patience:
+                break
+        if epoch < m.finetune_epochs:
+            _sgd_epoch(layer, opt, xs, ys, m.finetune_batch, m.clip, gen)
+    return best_test if xv is not None else _accuracy(layer(x_test), y_test)
+
+
+def _sgd_epoch(layer: nn.Module, opt: torch.optim.Optimizer, xs: torch.Tensor, ys: torch.Tensor,
+               batch: int, clip: float, gen: torch.Generator) -> None:
+    """One epoch of shuffled mini-batches with gradient-norm clipping."""
+    perm = torch.randperm(len(ys), generator=gen)
     with torch.enable_grad():
-        for _ in range(m.finetune_epochs):
-            perm = torch.randperm(len(ys), generator=gen)
-            for i in range(0, len(ys), 32):
-                b = perm[i:i + 32]
-                loss = F.cross_entropy(layer(xs[b]), ys[b])
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-    return _accuracy(layer(x_test), y_test)
+        for i in range(0, len(ys), batch):
+            b = perm[i:i + batch]
+            loss = F.cross_entropy(layer(xs[b]), ys[b])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            nn.utils.clip_grad_norm_(layer.parameters(), clip)
+            opt.step()
 
 
 RESULT_KEYS = ("acc_original", "acc_finetune", "acc_prompt", "acc_batch", "acc_stream")

@@ -80,6 +80,10 @@ class RunSpec:
     #: set explicitly: CPU results depend on it, and Ray sets it (through OMP_NUM_THREADS)
     #: only where the environment does not.
     client_threads: int = 1
+    #: Server-trained methods: the original model's classifier from the original-model phase
+    #: (``original.train_backbone``, :mod:`fedadapt.federation.original`); None = trained on
+    #: the cached features.
+    original_classifier: Optional[dict[str, torch.Tensor]] = None
 
     @property
     def num_clients(self) -> int:
