@@ -354,7 +354,13 @@ def main() -> None:
     configure_output()  # a live display on a terminal, plain lines (no escape codes) elsewhere
     # Alembic (under the Optuna sweeper's and MLflow's SQLAlchemy) announces every plugin it loads
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    _main()
+    try:
+        with stop_on_signals():  # a signal while Hydra sets up a job (or after one ends)
+            _main()
+    except RunInterrupted as stop:
+        print(f"fedadapt: {stop} outside a run (while Hydra set up or closed a job); nothing "
+              f"was left half-written", file=sys.stderr)
+        exit_stopped(stop)
 
 
 if __name__ == "__main__":

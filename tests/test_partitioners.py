@@ -84,7 +84,8 @@ def test_partitioner_settings_fail_naming_the_key():
 def test_grouped_natural_ids():
     writers = [f"w{i % 9}" for i in range(90)]
     part = partition_dataset(labelled(90, extra={"client": writers}),
-                             PartitionConfig(kind="natural", ids_per_client=4), CARD, seed=0)
+                             PartitionConfig(kind="natural", ids_per_client=4, num_clients=3), CARD,
+                             seed=0)
     assert sizes(part) == [40, 40, 10]  # 4 + 4 + 1 writers (allow-smaller)
 
 

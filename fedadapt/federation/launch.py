@@ -16,7 +16,7 @@ import warnings
 
 from fedadapt.config import FederationConfig
 from fedadapt.federation import cluster
-from fedadapt.federation.interrupt import from_ray_exit, reinstall
+from fedadapt.federation.interrupt import STOP, from_ray_exit, reinstall
 from fedadapt.federation.server import ServerPlan, ServerState, make_server_app
 from fedadapt.progress import quiet_flower_banner
 
@@ -63,7 +63,8 @@ def run_simulation(plan: ServerPlan, client_app, fed: FederationConfig) -> Serve
     @server_app.lifespan()
     def _placement(context):  # after the rounds, while the actors still exist
         yield
-        cluster.log_placement("ray", fed.ray_address)
+        if plan.error is None and not STOP.is_set():  # not on the way out of a stop
+            cluster.log_placement("ray", fed.ray_address)
 
     cpu_only = not resources.get("num_gpus")
     try:
