@@ -424,8 +424,24 @@ def _validate_ray(f: FederationConfig) -> None:
 
 def validate(cfg: RunConfig) -> RunConfig:
     """Check values a type cannot express; raise :class:`ConfigError` naming the key."""
-    p, t, f = cfg.partition, cfg.train, cfg.federation
     check(cfg.rounds >= 1, "rounds", cfg.rounds, "must be >= 1")
+    _validate_partition(cfg.partition, cfg.dataset)
+    _validate_setting(cfg.setting, cfg.partition)
+    _validate_train(cfg.train)
+    _validate_federation(cfg.federation, cfg.method)
+    _validate_original(cfg.original)
+    _validate_faults(cfg.faults, cfg.federation)
+    check(cfg.backbone.image_size >= 8, "backbone.image_size", cfg.backbone.image_size,
+          "must be >= 8")
+    _check_domains(cfg)
+    check_numbers(cfg)
+    cfg.method.check()
+    _validate_partitioners(cfg.partition)
+    _validate_objective(cfg)
+    return cfg
+
+
+def _validate_partition(p: PartitionConfig, dataset: DatasetConfig) -> None:
     check(p.kind in KNOWN_PARTITIONS, "partition.kind", p.kind, f"one of {KNOWN_PARTITIONS}")
     check(p.num_clients >= 1, "partition.num_clients", p.num_clients, "must be >= 1")
     check(
@@ -460,11 +476,13 @@ def validate(cfg: RunConfig) -> RunConfig:
         check(0 <= val < 1, key, val, "must be in [0, 1)")
     check(p.val_fraction + p.test_fraction < 1, "partition.val_fraction",
            p.val_fraction, "val_fraction + test_fraction must leave training data (< 1)")
-    check(0 <= cfg.dataset.test_fraction < 1, "dataset.test_fraction",
-           cfg.dataset.test_fraction, "must be in [0, 1)")
-    check(cfg.dataset.max_samples is None or cfg.dataset.max_samples > 0,
-           "dataset.max_samples", cfg.dataset.max_samples, "must be > 0 or null")
-    st = cfg.setting
+    check(0 <= dataset.test_fraction < 1, "dataset.test_fraction",
+           dataset.test_fraction, "must be in [0, 1)")
+    check(dataset.max_samples is None or dataset.max_samples > 0,
+           "dataset.max_samples", dataset.max_samples, "must be > 0 or null")
+
+
+def _validate_setting(st: SettingConfig, p: PartitionConfig) -> None:
     check(st.name in KNOWN_SETTINGS, "setting", st.name, f"one of {KNOWN_SETTINGS}")
     check(st.tiers is None or (len(st.tiers) > 0 and min(st.tiers) >= 0), "setting.tiers",
            st.tiers, "a non-empty list of exits >= 0, or null for every exit")
@@ -482,6 +500,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     check(len(st.corruptions) > 0, "setting.corruptions", st.corruptions, "must not be empty")
     check(len(st.severities) > 0 and all(0 <= s <= 5 for s in st.severities),
            "setting.severities", st.severities, "a non-empty list of severities in 0..5")
+
+
+def _validate_train(t: TrainConfig) -> None:
     check(t.optimizer in KNOWN_OPTIMIZERS, "train.optimizer", t.optimizer,
            f"one of {KNOWN_OPTIMIZERS}")
     check(t.lr > 0 and math.isfinite(t.lr), "train.lr", t.lr, "must be > 0")
@@ -498,13 +519,16 @@ def validate(cfg: RunConfig) -> RunConfig:
     check(t.crop_scale is None or (len(t.crop_scale) == 2
                                     and 0 < t.crop_scale[0] <= t.crop_scale[1] <= 1),
            "train.crop_scale", t.crop_scale, "[min, max] with 0 < min <= max <= 1, or null")
-    check(cfg.method.strategy in KNOWN_STRATEGIES, "method.strategy", cfg.method.strategy,
+
+
+def _validate_federation(f: FederationConfig, method: MethodConfig) -> None:
+    check(method.strategy in KNOWN_STRATEGIES, "method.strategy", method.strategy,
            f"one of {KNOWN_STRATEGIES}")
-    check(cfg.method.weighting in KNOWN_WEIGHTINGS, "method.weighting", cfg.method.weighting,
+    check(method.weighting in KNOWN_WEIGHTINGS, "method.weighting", method.weighting,
            f"one of {KNOWN_WEIGHTINGS}")
     check(f.select in KNOWN_SELECTIONS, "federation.select", f.select,
            f"one of {KNOWN_SELECTIONS}")
-    check(cfg.method.proximal_mu >= 0, "method.proximal_mu", cfg.method.proximal_mu,
+    check(method.proximal_mu >= 0, "method.proximal_mu", method.proximal_mu,
            "must be >= 0")
     check(f.backend == "simulation", "federation.backend", f.backend,
            "'simulation' is the in-process launcher; for a SuperLink use `flwr run` "
@@ -526,7 +550,9 @@ def validate(cfg: RunConfig) -> RunConfig:
            f.min_reply_fraction, "must be in (0, 1]")
     check(f.checkpoint_every >= 0, "federation.checkpoint_every", f.checkpoint_every,
            "must be >= 0")
-    o = cfg.original
+
+
+def _validate_original(o: OriginalConfig) -> None:
     for key in ("lr", "weight_decay", "backbone_lr_scale", "lr_decay"):
         value = getattr(o, key)
         check(math.isfinite(value) and value >= 0 and (key != "lr" or value > 0),
@@ -534,21 +560,15 @@ def validate(cfg: RunConfig) -> RunConfig:
     check(0 <= o.momentum < 1, "original.momentum", o.momentum, "must be in [0, 1)")
     for key in ("batch_size", "max_epochs", "patience", "decay_every"):
         check(getattr(o, key) >= 1, f"original.{key}", getattr(o, key), "must be >= 1")
-    fl = cfg.faults
+
+
+def _validate_faults(fl: FaultConfig, f: FederationConfig) -> None:
     check(0 <= fl.fraction < 1, "faults.fraction", fl.fraction, "must be in [0, 1)")
     check(set(fl.kinds) <= set(FAULT_KINDS), "faults.kinds", list(fl.kinds),
            f"each one of {FAULT_KINDS}")
     check(not (fl.fraction > 0 and "timeout" in fl.kinds and f.round_timeout is None),
            "faults.kinds", list(fl.kinds),
            "a 'timeout' fault needs federation.round_timeout to be set")
-    check(cfg.backbone.image_size >= 8, "backbone.image_size", cfg.backbone.image_size,
-           "must be >= 8")
-    _check_domains(cfg)
-    check_numbers(cfg)
-    cfg.method.check()
-    _validate_partitioners(p)
-    _validate_objective(cfg)
-    return cfg
 
 
 #: Seeds feed numpy's SeedSequence and torch.manual_seed, which take unsigned 64-bit values.

@@ -32,7 +32,6 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
     """Load and partition the data, build the backbone and (if used) the feature cache."""
     import datasets
     from fedadapt.backbones import build_backbone
-    from fedadapt.backbones.clip import class_text as clip_class_text
     from fedadapt.data.cache import cached_features
     from fedadapt.data.catalogue import load_card
     from fedadapt.data.loading import prepare_dataset
@@ -56,19 +55,7 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
         log(f"[data] {card.name}: {prepared.num_train} train / {prepared.num_test} test samples, "
             f"{prepared.num_classes} classes | {format_stats(partition.stats)}")
     backbone = build_backbone(cfg.backbone)
-    class_text = None
-    if method_spec(cfg.method).uses_text:  # the class prompts through the frozen text tower
-        class_text = clip_class_text(backbone, prepared.class_names, cfg.method.prompt)
-    query_feature = None
-    if getattr(cfg.method, "query", None):  # CDC-MMPG's text query, through the text tower
-        if not hasattr(backbone, "encode_prompts"):
-            raise ConfigError(f"method.query={cfg.method.query!r} is invalid for "
-                              f"backbone={cfg.backbone.name}: a text query needs a backbone with "
-                              f"a text tower (backbone=clip_vit_b32)")
-        import torch
-
-        with torch.no_grad():
-            query_feature = backbone.encode_prompts([cfg.method.query])[0].float().cpu()
+    class_text, query_feature = _text_inputs(cfg, backbone, prepared.class_names)
     preprocess = Preprocess.for_backbone(backbone)
     geo = geometry(card, preprocess)
 
@@ -111,6 +98,26 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
         "communicated_params": model.count(model.communicated_names()),
     }
     return PreparedRun(spec=spec, partition=partition, model=model, counts=counts)
+
+
+def _text_inputs(cfg: RunConfig, backbone, class_names) -> tuple:
+    """What goes through a CLIP backbone's text tower once: the class prompts (methods that
+    use them) and CDC-MMPG's text query (``method.query``); None where unused."""
+    from fedadapt.backbones.clip import class_text as clip_class_text
+
+    class_text = query_feature = None
+    if method_spec(cfg.method).uses_text:  # the class prompts through the frozen text tower
+        class_text = clip_class_text(backbone, class_names, cfg.method.prompt)
+    if getattr(cfg.method, "query", None):  # CDC-MMPG's text query, through the text tower
+        if not hasattr(backbone, "encode_prompts"):
+            raise ConfigError(f"method.query={cfg.method.query!r} is invalid for "
+                              f"backbone={cfg.backbone.name}: a text query needs a backbone with "
+                              f"a text tower (backbone=clip_vit_b32)")
+        import torch
+
+        with torch.no_grad():
+            query_feature = backbone.encode_prompts([cfg.method.query])[0].float().cpu()
+    return class_text, query_feature
 
 
 def _check_method_settings(cfg: RunConfig, card) -> None:

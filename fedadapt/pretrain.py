@@ -79,24 +79,24 @@ def accuracy(backbone, head: nn.Module, source, n: int, batch_size: int = 512) -
     return correct / n
 
 
+def _optimizer(params: list, lr: float, total_steps: int):
+    """AdamW (weight decay on matrices only) with the warm-up + cosine schedule."""
+    for p in params:
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(
+        [{"params": [p for p in params if p.ndim > 1]},
+         {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}],
+        lr=lr, weight_decay=WEIGHT_DECAY)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(total_steps))
+
+
 def train_backbone(run: RunConfig, *, epochs: int, lr: float, batch_size: int,
                    log: Callable[[str], None] = _log):
-    """Train ``run.backbone`` from random weights with a linear classifier on its pooled output.
-
-    Parameters
-    ----------
-    run : RunConfig
-        Data set (its ``train`` split trains, ``test`` evaluates), backbone, seed, cache_dir.
-    epochs, lr, batch_size : int, float, int
-        AdamW (weight decay 0.05 on matrices) with a cosine schedule after a short warm-up.
-    log : callable
-        Receives one progress line per epoch.
-
-    Returns
-    -------
-    (ViTBackbone, dict)
-        The trained backbone (frozen, eval mode) and the facts ``pretrain.json`` records.
-    """
+    """Train ``run.backbone`` from random weights with a linear classifier on its pooled output:
+    ``run``'s data set (``train`` trains, ``test`` evaluates), backbone, seed and cache_dir;
+    AdamW (weight decay 0.05 on matrices), cosine schedule after a short warm-up; one ``log``
+    line per epoch. Returns the trained backbone (frozen, eval mode) and the facts
+    ``pretrain.json`` records."""
     import transformers
 
     import datasets
@@ -122,15 +122,8 @@ def train_backbone(run: RunConfig, *, epochs: int, lr: float, batch_size: int,
     gen = torch.Generator().manual_seed(run.seed)
     head = nn.Linear(backbone.embed_dim, prepared.num_classes)
     params = [p for m in (backbone, head) for p in m.parameters()]
-    for p in params:
-        p.requires_grad_(True)
-    optimizer = torch.optim.AdamW(
-        [{"params": [p for p in params if p.ndim > 1]},
-         {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}],
-        lr=lr, weight_decay=WEIGHT_DECAY)
     steps_per_epoch = math.ceil(prepared.num_train / batch_size)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer,
-                                                 _lr_lambda(epochs * steps_per_epoch))
+    optimizer, schedule = _optimizer(params, lr, epochs * steps_per_epoch)
     log(f"[pretrain] {run.backbone.name} ({backbone.num_params():,} params, "
         f"{backbone.num_layers} blocks) on {prepared.name}: {prepared.num_train} train / "
         f"{prepared.num_test} test, {epochs} epoch(s) x {steps_per_epoch} steps")
@@ -158,23 +151,12 @@ def train_backbone(run: RunConfig, *, epochs: int, lr: float, batch_size: int,
             f"left")
 
     info = {
-        "dataset": prepared.name,
-        "backbone": run.backbone.name,
-        "arch": dict(run.backbone.arch),
-        "image_size": backbone.image_size,
-        "image_mean": list(backbone.mean),
-        "image_std": list(backbone.std),
-        "num_classes": prepared.num_classes,
-        "epochs": epochs,
-        "lr": lr,
-        "batch_size": batch_size,
-        "weight_decay": WEIGHT_DECAY,
-        "seed": run.seed,
-        "train_loss": losses,
-        "test_acc": accs,
-        "final_test_acc": accs[-1],
-        "train_samples": prepared.num_train,
-        "test_samples": prepared.num_test,
+        "dataset": prepared.name, "backbone": run.backbone.name, "arch": dict(run.backbone.arch),
+        "image_size": backbone.image_size, "image_mean": list(backbone.mean),
+        "image_std": list(backbone.std), "num_classes": prepared.num_classes, "epochs": epochs,
+        "lr": lr, "batch_size": batch_size, "weight_decay": WEIGHT_DECAY, "seed": run.seed,
+        "train_loss": losses, "test_acc": accs, "final_test_acc": accs[-1],
+        "train_samples": prepared.num_train, "test_samples": prepared.num_test,
         "wall_s": time.time() - t0,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }

@@ -11,6 +11,7 @@ from fedadapt.backbones import build_backbone
 from fedadapt.config import BackboneConfig, ConfigError
 from fedadapt.entry import compose_config, to_run_config
 from fedadapt.experiment import run_experiment
+from fedadapt.federation.inprocess import run_in_process
 from fedadapt.inspect import inspect_run
 from fedadapt.results.store import read_jsonl
 
@@ -157,7 +158,7 @@ def test_accumulator_federates_end_to_end(cache_dir, tmp_path):
     cfg = tiny_run(cache_dir, AccumulatorConfig(head_hidden=[16], parallel_adapter=True,
                                                 adapter_bottleneck=4))
     cfg.backbone = TINY_VIT
-    summary = run_experiment(cfg, tmp_path / "acc", config_yaml="acc\n")
+    summary = run_experiment(cfg, tmp_path / "acc", config_yaml="acc\n", execute=run_in_process)
     rows = read_jsonl(tmp_path / "acc" / "metrics.jsonl")
     assert [r["clients_trained"] for r in rows] == [3, 3]
     assert summary["params"]["communicated_params"] == summary["params"]["trainable_params"]

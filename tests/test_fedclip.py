@@ -17,6 +17,7 @@ from fedadapt.backbones.clip import class_text
 from fedadapt.config import BackboneConfig, ConfigError, DatasetConfig, validate
 from fedadapt.experiment import prepare_run
 from fedadapt.federation import records
+from fedadapt.federation.inprocess import run_in_process
 
 
 @pytest.mark.parametrize("dim", [16, 512])
@@ -200,7 +201,7 @@ def test_pacs_shaped_experiment_end_to_end(pacs_like, cache_dir, tmp_path):
             assert held.isdisjoint(split.train) and held.isdisjoint(split.val)
             assert held.isdisjoint(split.test)
         summary = run_experiment(run, tmp_path / holdout, config_yaml=f"{holdout}\n",
-                                 prepared=prep)
+                                 prepared=prep, execute=run_in_process)
         dom = summary["domains"]
         assert dom["holdout"] == holdout and len(dom["clients"]) == 3
         assert summary["selection"] == "best_val" and summary["selected"]["val_acc"] is not None
@@ -286,7 +287,7 @@ def test_local_finetuning_after_fl_without_exits(cache_dir, tmp_path):
     cfg = validate(tiny_run(cache_dir, LinearHeadConfig(),
                             setting=SettingConfig(name="personalization", severities=[0],
                                                   epochs=2)))
-    summary = run_experiment(cfg, tmp_path / "ft", config_yaml="ft\n")
+    summary = run_experiment(cfg, tmp_path / "ft", config_yaml="ft\n", execute=run_in_process)
     pers = summary["personalization"]
     assert pers["clients"] == 3 and pers["per_tier"] == {}
     assert pers["after"] is not None and pers["gain"] == pytest.approx(pers["after"]

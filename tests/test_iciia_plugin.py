@@ -9,6 +9,7 @@ from conftest import tiny_run
 from fedadapt.adapters.iciia import IciiaConfig
 from fedadapt.config import ConfigError, PartitionConfig, validate
 from fedadapt.experiment import prepare_run, run_experiment
+from fedadapt.federation.inprocess import run_in_process
 from fedadapt.federation.plugin import client_arrays, sequences, train_on_server
 
 
@@ -32,7 +33,8 @@ def test_training_sequences_come_from_one_client():
 def test_server_training_then_delivery_end_to_end(cache_dir, tmp_path):
     cfg = iciia_run(cache_dir, history_sweep=[0, 2])
     prep = prepare_run(cfg, quiet=True)
-    summary = run_experiment(cfg, tmp_path / "iciia", config_yaml="iciia\n", prepared=prep)
+    summary = run_experiment(cfg, tmp_path / "iciia", config_yaml="iciia\n", prepared=prep,
+                             execute=run_in_process)
     rec = summary["recognition"]
     assert set(rec) == {"acc_original", "acc_finetune", "acc_prompt", "acc_batch", "acc_stream",
                         "acc_h0", "acc_h2"}

@@ -14,6 +14,7 @@ from fedadapt.adapters.cdc_mmpg import CdcMmpgConfig
 from fedadapt.adapters.duet import DuetConfig, layer_shapes
 from fedadapt.config import PartitionConfig, validate
 from fedadapt.experiment import prepare_run, run_experiment
+from fedadapt.federation.inprocess import run_in_process
 from fedadapt.federation.sessions import (
     SessionServer,
     client_sessions,
@@ -48,7 +49,8 @@ def _answered(prep, trained):
 def test_served_end_to_end_with_measured_payloads(cache_dir, tmp_path, method):
     cfg = session_run(cache_dir, method)
     prep = prepare_run(cfg, quiet=True)
-    summary = run_experiment(cfg, tmp_path / "run", config_yaml="x\n", prepared=prep)
+    summary = run_experiment(cfg, tmp_path / "run", config_yaml="x\n", prepared=prep,
+                             execute=run_in_process)
     s = summary["sessions"]
     for key in ("acc_original", "acc_finetune", "acc_generated"):
         assert 0.0 <= s[key]["images"] <= 1.0 and s[key]["clients"] == 4
@@ -273,7 +275,7 @@ def test_faulty_clients_are_dropped_from_the_conversation(cache_dir, tmp_path):
     cfg.faults = FaultConfig(fraction=0.5, kinds=["raise", "nan", "wrong_shape"])
     faulty = {c for c in range(4) if injected_fault(cfg.seed, 1, c, 0.5, cfg.faults.kinds)}
     assert 0 < len(faulty) <= 2  # the seed gives some faults and enough good replies
-    summary = run_experiment(cfg, tmp_path / "run", config_yaml="x\n")
+    summary = run_experiment(cfg, tmp_path / "run", config_yaml="x\n", execute=run_in_process)
     rows = json.loads((tmp_path / "run" / "sessions.json").read_text())
     assert {r["client"] for r in rows} == set(range(4)) - faulty
     records = [json.loads(line) for line in

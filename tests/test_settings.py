@@ -13,6 +13,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, R
 from fedadapt.adapters.exits import AccumulatorConfig, LwLinearConfig
 from fedadapt.config import BackboneConfig, ConfigError, SettingConfig, validate
 from fedadapt.experiment import prepare_run, run_experiment
+from fedadapt.federation.inprocess import run_in_process
 from fedadapt.federation.training import evaluate_exits, train_local
 from fedadapt.results.store import read_jsonl
 from fedadapt.settings import assign_tiers, client_exits, only_training, part_names
@@ -190,7 +191,7 @@ def test_multitier_and_personalization_runs_end_to_end(cache_dir, tmp_path):
     cfg = vit_run(cache_dir, AccumulatorConfig(head_hidden=[16]),
                   SettingConfig(name="multitier", tiers=[0, 2]))
     cfg.train.crop_scale = [0.05, 1.0]  # the paper's training augmentation, on the clients
-    summary = run_experiment(cfg, tmp_path / "mt", config_yaml="mt\n")
+    summary = run_experiment(cfg, tmp_path / "mt", config_yaml="mt\n", execute=run_in_process)
     final = summary["final"]
     assert len(final["exit_acc"]) == 3
     assert final["global_acc"] == pytest.approx(sum(final["exit_acc"]) / 3)
@@ -200,7 +201,8 @@ def test_multitier_and_personalization_runs_end_to_end(cache_dir, tmp_path):
     cfg2 = replace(cfg, setting=SettingConfig(name="personalization", tiers=[0, 2],
                                               personalize="accumulator", epochs=1,
                                               init_from=str(tmp_path / "mt")))
-    s2 = run_experiment(validate(cfg2), tmp_path / "pers", config_yaml="p\n")
+    s2 = run_experiment(validate(cfg2), tmp_path / "pers", config_yaml="p\n",
+                        execute=run_in_process)
     p = s2["personalization"]
     assert p["clients"] == 3 and p["part"] == "accumulator"
     assert p["gain"] == pytest.approx(p["after"] - p["before"])

@@ -133,27 +133,9 @@ def select_ids(ids: np.ndarray, k: int, seed: int, card: DatasetCard) -> np.ndar
 def partition_dataset(train_ds, cfg: PartitionConfig, card: DatasetCard, seed: int) -> Partition:
     """Partition ``train_ds`` (standard columns) into clients as ``cfg`` says."""
     columns = train_ds.column_names
-    rows = None  # partition.select_ids: the selected natural ids' rows
-    if cfg.select_ids is not None:
-        if cfg.kind not in ("natural", "iid", "dirichlet"):
-            raise ConfigError(f"partition.select_ids={cfg.select_ids} is invalid for "
-                              f"partition={cfg.kind}: it selects natural ids for the natural, "
-                              f"iid and dirichlet partitions")
-        if "client" not in columns:
-            raise ConfigError(f"partition.select_ids={cfg.select_ids} is invalid for "
-                              f"dataset={card.name}: it has no natural id ('client') column "
-                              f"(the card maps none)")
-        rows = select_ids(np.asarray(train_ds["client"]), cfg.select_ids, seed, card)
+    rows = _selected_rows(train_ds, cfg, card, seed)  # partition.select_ids, or None for all
     n = len(train_ds) if rows is None else len(rows)
-    if cfg.kind in ("iid", *BY_LABEL, *IN_ORDER):
-        if cfg.num_clients > n:
-            raise ConfigError(f"partition.num_clients={cfg.num_clients} is invalid: the training "
-                              f"split of dataset={card.name} has only {n} samples")
-        if cfg.kind == "dirichlet" and cfg.num_clients * cfg.min_partition_size > n:
-            raise ConfigError(
-                f"partition.num_clients={cfg.num_clients} is invalid: with "
-                f"partition.min_partition_size={cfg.min_partition_size} it needs "
-                f"{cfg.num_clients * cfg.min_partition_size} samples, dataset={card.name} has {n}")
+    _check_enough(cfg, card, n)
     key = {"natural": "client", "domain": "domain", "superclass": cfg.superclass_key
            }.get(cfg.kind)
     if key is not None and key not in columns:
@@ -200,24 +182,8 @@ def partition_dataset(train_ds, cfg: PartitionConfig, card: DatasetCard, seed: i
         names = [str(p[key][0]) if len(p) else f"empty-{i}" for i, p in enumerate(parts)]
     indices = [np.asarray(p["__idx__"], dtype=np.int64) for p in parts]
 
-    unseen = unseen_name = None
-    if cfg.kind == "domain":
-        holdout = cfg.holdout or card.default_holdout
-        if holdout is not None and holdout.lower() != "none":  # "none": every domain a client
-            if holdout not in names:
-                raise ConfigError(f"partition.holdout={holdout!r} is invalid: domains are {names}")
-            j = names.index(holdout)
-            unseen, unseen_name = indices.pop(j), names.pop(j)
-    elif cfg.kind == "natural" and cfg.num_clients < len(indices):
-        keep = np.sort(np.random.default_rng(seed).choice(len(indices), cfg.num_clients,
-                                                          replace=False))
-        indices, names = [indices[k] for k in keep], [names[k] for k in keep]
-    elif cfg.kind == "natural" and cfg.num_clients > len(indices):
-        also = "" if held is None else " (its test users come on top, from its test split)"
-        raise ConfigError(f"partition.num_clients={cfg.num_clients} is invalid: dataset="
-                          f"{card.name} has {len(indices)} natural ids "
-                          f"({card.client_key or 'client'}) to train on{also}")
-
+    indices, names, unseen, unseen_name = _hold_out_or_sample(indices, names, cfg, card, seed,
+                                                              held)
     clients = [split_client(idx, cfg, seed, i) for i, idx in enumerate(indices)]
     if cfg.val_clients > 0:  # "by client" validation: whole training clients
         _hold_out_validation_clients(clients, indices, cfg, seed)
@@ -243,6 +209,60 @@ def partition_dataset(train_ds, cfg: PartitionConfig, card: DatasetCard, seed: i
         part.stats["selected_ids"] = {"ids": int(cfg.select_ids), "samples": int(n)}
     return part
 
+
+
+def _selected_rows(train_ds, cfg: PartitionConfig, card: DatasetCard, seed: int
+                   ) -> Optional[np.ndarray]:
+    """``partition.select_ids``: the rows of the selected natural ids (None: every row)."""
+    if cfg.select_ids is None:
+        return None
+    if cfg.kind not in ("natural", "iid", "dirichlet"):
+        raise ConfigError(f"partition.select_ids={cfg.select_ids} is invalid for "
+                          f"partition={cfg.kind}: it selects natural ids for the natural, "
+                          f"iid and dirichlet partitions")
+    if "client" not in train_ds.column_names:
+        raise ConfigError(f"partition.select_ids={cfg.select_ids} is invalid for "
+                          f"dataset={card.name}: it has no natural id ('client') column "
+                          f"(the card maps none)")
+    return select_ids(np.asarray(train_ds["client"]), cfg.select_ids, seed, card)
+
+
+def _check_enough(cfg: PartitionConfig, card: DatasetCard, n: int) -> None:
+    """Enough samples for the clients a sample-based partitioner makes."""
+    if cfg.kind not in ("iid", *BY_LABEL, *IN_ORDER):
+        return
+    if cfg.num_clients > n:
+        raise ConfigError(f"partition.num_clients={cfg.num_clients} is invalid: the training "
+                          f"split of dataset={card.name} has only {n} samples")
+    if cfg.kind == "dirichlet" and cfg.num_clients * cfg.min_partition_size > n:
+        raise ConfigError(
+            f"partition.num_clients={cfg.num_clients} is invalid: with "
+            f"partition.min_partition_size={cfg.min_partition_size} it needs "
+            f"{cfg.num_clients * cfg.min_partition_size} samples, dataset={card.name} has {n}")
+
+
+def _hold_out_or_sample(indices: list, names: list, cfg: PartitionConfig, card: DatasetCard,
+                        seed: int, held):
+    """The domain partition's held-out domain (the unseen client), or the natural partition's
+    seeded ``num_clients`` of its ids: ``(indices, names, unseen, unseen_name)``."""
+    unseen = unseen_name = None
+    if cfg.kind == "domain":
+        holdout = cfg.holdout or card.default_holdout
+        if holdout is not None and holdout.lower() != "none":  # "none": every domain a client
+            if holdout not in names:
+                raise ConfigError(f"partition.holdout={holdout!r} is invalid: domains are {names}")
+            j = names.index(holdout)
+            unseen, unseen_name = indices.pop(j), names.pop(j)
+    elif cfg.kind == "natural" and cfg.num_clients < len(indices):
+        keep = np.sort(np.random.default_rng(seed).choice(len(indices), cfg.num_clients,
+                                                          replace=False))
+        indices, names = [indices[k] for k in keep], [names[k] for k in keep]
+    elif cfg.kind == "natural" and cfg.num_clients > len(indices):
+        also = "" if held is None else " (its test users come on top, from its test split)"
+        raise ConfigError(f"partition.num_clients={cfg.num_clients} is invalid: dataset="
+                          f"{card.name} has {len(indices)} natural ids "
+                          f"({card.client_key or 'client'}) to train on{also}")
+    return indices, names, unseen, unseen_name
 
 def test_user_rows(train_ds, cfg: PartitionConfig, card: DatasetCard) -> Optional[np.ndarray]:
     """Rows of the source's own test users (the ``test_client`` column that

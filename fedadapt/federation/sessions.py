@@ -122,23 +122,7 @@ def train_generator(spec: RunSpec) -> dict:
 
     logs = {"original": original_log}
     if uses_anchor(generator):  # CDC-MMPG stage 1: ADR alone (AdamW), then frozen
-        adr = generator.adr
-        adr.pop_mean.copy_(feats[data.train_idx].mean(0))
-        adr.pop_std.copy_(feats[data.train_idx].std(0) + 1e-6)
-
-        @torch.no_grad()
-        def adr_val() -> float:  # higher is better: the negative validation loss
-            with torch.random.fork_rng(devices=[]):  # the same VAE noise every epoch
-                torch.manual_seed(derive_seed(spec.seed, 0xADE))
-                return -float(np.mean([float(adr.loss(a, x, mask, m.lam))
-                                       for x, mask, _, a in val_batches]))
-
-        logs["adr"] = fit(adr, lambda: (adr.loss(a, x, mask, m.lam) for x, mask, _, a in steps()),
-                          adr_val, epochs=m.adr_epochs, patience=m.adr_epochs, lr=m.adr_lr,
-                          optimizer=torch.optim.AdamW(adr.parameters(), lr=m.adr_lr),
-                          label=f"{m.name} (ADR)", score="-val loss")
-        adr.requires_grad_(False)
-        adr.eval()
+        logs["adr"] = _train_adr(spec, generator.adr, feats[data.train_idx], steps, val_batches)
 
     params = [p for p in generator.parameters() if p.requires_grad]
     opt = (torch.optim.AdamW(params, lr=m.lr, weight_decay=m.weight_decay) if m.weight_decay
@@ -162,6 +146,29 @@ def train_generator(spec: RunSpec) -> dict:
     logs["generator"] = fit(generator, losses, val, epochs=m.max_epochs, patience=m.patience,
                             lr=m.lr, optimizer=opt, label=f"{m.name} (generator)")
     return {"original": original, "generator": generator.eval(), "log": logs}
+
+
+def _train_adr(spec: RunSpec, adr, train_feats: torch.Tensor, steps, val_batches) -> dict:
+    """CDC-MMPG's first stage: ADR alone with AdamW, early-stopped on the validation sessions'
+    loss; frozen afterwards."""
+    m = spec.method
+    adr.pop_mean.copy_(train_feats.mean(0))
+    adr.pop_std.copy_(train_feats.std(0) + 1e-6)
+
+    @torch.no_grad()
+    def adr_val() -> float:  # higher is better: the negative validation loss
+        with torch.random.fork_rng(devices=[]):  # the same VAE noise every epoch
+            torch.manual_seed(derive_seed(spec.seed, 0xADE))
+            return -float(np.mean([float(adr.loss(a, x, mask, m.lam))
+                                   for x, mask, _, a in val_batches]))
+
+    log = fit(adr, lambda: (adr.loss(a, x, mask, m.lam) for x, mask, _, a in steps()),
+              adr_val, epochs=m.adr_epochs, patience=m.adr_epochs, lr=m.adr_lr,
+              optimizer=torch.optim.AdamW(adr.parameters(), lr=m.adr_lr),
+              label=f"{m.name} (ADR)", score="-val loss")
+    adr.requires_grad_(False)
+    adr.eval()
+    return log
 
 
 # -- the device's side --------------------------------------------------------------------
