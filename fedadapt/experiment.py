@@ -16,7 +16,7 @@ from fedadapt import progress
 from fedadapt.adapters import AdaptedModel, method_spec
 from fedadapt.config import ConfigError, RunConfig
 from fedadapt.data.partition import Partition
-from fedadapt.federation.training import RunSpec
+from fedadapt.federation.training import RunSpec, SpecRef
 from fedadapt.log import log
 
 
@@ -385,7 +385,7 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
             if resumed_round:  # the bar starts where the checkpoint left off
                 bar.update(completed=resumed_round)
             show[0] = _progress(label, cfg.rounds, bar)
-            state = (execute or _simulation(cfg))(plan, make_client_app(lambda context: spec))
+            state = (execute or _simulation(cfg))(plan, make_client_app(SpecRef(spec)))
         summary = _finish_rounds(cfg, run_dir, prep, state, label=label, t0=t0,
                                  num_rounds=num_rounds, resume_state=resume_state)
     except BaseException:
@@ -460,8 +460,10 @@ def _node_layout(cfg: RunConfig, prep: PreparedRun, execute: Optional[Callable],
         return {"nodes": "clients", "num_nodes": spec.num_clients, "group_size": 1}
     measure = (lambda: measure_group_memory(spec, prep.model)) if spec.device == "cuda" \
         else None
+    counts = prep.counts
     sizing = size_simulation(cfg.federation, spec.device, sampled, cfg.train.batch_size,
-                             measure)
+                             measure, trains_whole=counts["trainable_params"]
+                             >= counts["backbone_params"] / 2)
     announce(sizing)
     spec.client_threads = max(1, int(sizing.num_cpus))  # each worker's torch threads
     return {"nodes": "workers", "num_nodes": sizing.workers, "group_size": sizing.group_size,
@@ -649,7 +651,7 @@ def _server_run(cfg: RunConfig, run_dir: Path, prep: PreparedRun, config_yaml: s
         global_eval=None, counts={}, timeout=cfg.federation.round_timeout,
         min_reply_fraction=cfg.federation.min_reply_fraction,
         **_node_layout(cfg, prep, execute, spec.num_clients), **plan_extra)
-    return (execute or _simulation(cfg))(plan, make_client_app(lambda context: spec))
+    return (execute or _simulation(cfg))(plan, make_client_app(SpecRef(spec)))
 
 
 def _finish_server_run(cfg: RunConfig, run_dir: Path, prep: PreparedRun, state, *, label: str,

@@ -90,6 +90,45 @@ class RunSpec:
         return len(self.clients)
 
 
+#: Run specs already fetched by this process (see :class:`SpecRef`), newest last.
+_SPECS: dict[str, "RunSpec"] = {}
+
+
+class SpecRef:
+    """The ClientApp's ``get_spec(context)`` for a simulation: the run's :class:`RunSpec`.
+
+    Flower's Ray backend sends the ClientApp with every task, so whatever its handlers close over
+    is pickled into every message: a spec of 10,000 clients (every client's index arrays) cost
+    half a second a round. Pickled, this is the run id and a Ray object reference (``ray.put``
+    once, in the driver); each worker process fetches the spec once and keeps it."""
+
+    def __init__(self, spec: "RunSpec") -> None:
+        self.run_id, self._spec, self._ref = spec.run_id, spec, None
+
+    def __call__(self, context=None) -> "RunSpec":
+        if self._spec is None:
+            self._spec = _SPECS.get(self.run_id)
+        if self._spec is None:
+            import ray
+
+            while len(_SPECS) >= 2:  # an earlier run's spec in a reused worker
+                _SPECS.pop(next(iter(_SPECS)))
+            self._spec = _SPECS[self.run_id] = ray.get(self._ref)
+        return self._spec
+
+    def __getstate__(self) -> dict:
+        import ray
+
+        if self._ref is None:
+            if not ray.is_initialized():  # not on its way to a Ray worker: the spec itself
+                return {"run_id": self.run_id, "spec": self._spec, "ref": None}
+            self._ref = ray.put(self._spec)
+        return {"run_id": self.run_id, "spec": None, "ref": self._ref}
+
+    def __setstate__(self, state: dict) -> None:
+        self.run_id, self._spec, self._ref = state["run_id"], state["spec"], state["ref"]
+
+
 def derive_seed(*parts: int) -> int:
     """A 63-bit seed from integers (run seed, round, client, ...)."""
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1, np.uint64)[0]
