@@ -148,7 +148,8 @@ def test_no_reply_of_any_method_carries_labels_test_features_or_personal_tensors
             predicted = [r for s, r in exchanges for m in r.content.metric_records.values()
                          if "auc_generated" in m]
             assert predicted  # the clients computed their AUCs themselves
-    assert seen == set(METHODS)
+    # every method fedadapt ships (other test modules may register their own)
+    assert seen == {n for n, m in METHODS.items() if m.build.__module__.startswith("fedadapt.")}
     assert problems == []
 
 
