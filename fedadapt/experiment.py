@@ -460,10 +460,11 @@ def _node_layout(cfg: RunConfig, prep: PreparedRun, execute: Optional[Callable],
         return {"nodes": "clients", "num_nodes": spec.num_clients, "group_size": 1}
     measure = (lambda: measure_group_memory(spec, prep.model)) if spec.device == "cuda" \
         else None
-    counts = prep.counts
+    backbone_trained = prep.model.count([n for n in prep.model.trainable_names()
+                                         if n.startswith("backbone.")])
     sizing = size_simulation(cfg.federation, spec.device, sampled, cfg.train.batch_size,
-                             measure, trains_whole=counts["trainable_params"]
-                             >= counts["backbone_params"] / 2)
+                             measure, trains_whole=backbone_trained
+                             >= prep.counts["backbone_params"] / 2)
     announce(sizing)
     spec.client_threads = max(1, int(sizing.num_cpus))  # each worker's torch threads
     return {"nodes": "workers", "num_nodes": sizing.workers, "group_size": sizing.group_size,
