@@ -106,12 +106,9 @@ class StoppableGrid:
     pushes the messages and polls for the replies (as Flower's own grids do), checking
     :data:`STOP` between polls; everything else is the wrapped grid's."""
 
-    #: Seconds between polls for replies (Flower's own default, 0.1 s, would add up to a tenth
-    #: of a second to every exchange of an in-process simulation).
-    poll_s = 0.005
-
-    def __init__(self, grid) -> None:
+    def __init__(self, grid, poll_s: float = 0.1) -> None:
         self._grid = grid
+        self.poll_s = poll_s  # seconds between polls for replies (Flower's grids: 0.1)
 
     def __getattr__(self, name: str):
         return getattr(self._grid, name)

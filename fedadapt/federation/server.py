@@ -35,8 +35,8 @@ from fedadapt.federation.faults import Screened, require_enough, screen_clients
 from fedadapt.federation.interrupt import StoppableGrid
 from fedadapt.settings import per_tier_accuracy
 
-#: How often the ServerApp polls the in-process simulation for replies (Flower's default is
-#: 0.1 s, which would add up to a tenth of a second to every exchange).
+#: How often the ServerApp polls for replies (Flower's default is 0.1 s, which would add up
+#: to a tenth of a second to every exchange).
 PULL_INTERVAL = 0.005
 
 
@@ -441,8 +441,8 @@ def converse(grid: Grid, nodes: Nodes, state: ServerState, plan: ServerPlan, chu
 def execute_plan(grid: Grid, plan: ServerPlan) -> ServerState:
     """Run ``plan`` on ``grid``: handshake once, then the rounds and phases. Used by every
     launcher."""
-    if hasattr(grid, "pull_interval"):  # the in-process simulation grid
-        grid.pull_interval = min(grid.pull_interval, PULL_INTERVAL)
+    if hasattr(grid, "pull_interval") and not isinstance(grid, StoppableGrid):  # Flower's own
+        grid.pull_interval = min(grid.pull_interval, PULL_INTERVAL)  # (deployment engine)
     strategy = plan.make_strategy()
     nodes = Nodes(plan.nodes, handshake(grid, plan.num_nodes))
     state = ServerState(strategy=strategy, arrays=plan.initial_arrays, num_rounds=plan.num_rounds)
@@ -470,7 +470,7 @@ def make_server_app(plan: ServerPlan) -> ServerApp:
     @app.main()
     def main(grid: Grid, context) -> None:
         try:  # a stopped run ends at the next message (fedadapt.federation.interrupt)
-            plan.result = execute_plan(StoppableGrid(grid), plan)
+            plan.result = execute_plan(StoppableGrid(grid, PULL_INTERVAL), plan)
         except BaseException as err:  # handed back to the launcher, which re-raises
             plan.error = err
 
