@@ -12,14 +12,19 @@ name and renamed (:mod:`fedadapt.federation.checkpoint`), so the last complete o
 whenever the process ends. :func:`exit_stopped` then gives the remaining threads a few seconds
 and ends the process with 128 + the signal's number. A second signal ends the process at once.
 
-``ray.init`` replaces the driver's SIGTERM handler by its own (``sys.exit(15)``);
-:func:`reinstall` puts ours back after the simulation, and :func:`from_ray_exit` reads Ray's
-exit as the SIGTERM it was.
+``ray.init`` replaces the driver's SIGTERM handler by its own (``sys.exit(15)``):
+:func:`ray_keeps_our_handlers` stops it from doing so during a run (else Flower's engine would
+tear the actors down before this module knew of the stop); should it happen anyway,
+:func:`reinstall` puts ours back after the simulation, and :func:`from_ray_exit` reads Ray's exit
+as the SIGTERM it was. Flower's engine threads log an actor that a signal ended mid-message as an
+ERROR with a traceback (Ctrl-C reaches the whole process group, Ray's workers too): that is the
+stop itself, so :class:`StopFilter` holds such a record until the stop is known and drops it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -57,7 +62,66 @@ def _handler(signum: int, frame) -> None:
         os.write(2, f"fedadapt: {signal.Signals(signum).name} again: exiting now\n".encode())
         os._exit(128 + signum)
     STOP.set()
+    quiet_flower()
     raise RunInterrupted(signum)
+
+
+class StopFilter(logging.Filter):
+    """On Flower's logger: an ERROR about a dead Ray actor waits up to ``wait_s`` for the run's
+    stop (the signal that killed the actor reaches the main thread a moment later) and is
+    dropped if one comes; otherwise it is shown, ``wait_s`` late. It runs in the engine's worker
+    thread, which has nothing else to do with a dead actor's message."""
+
+    MARKS = ("ActorDiedError", "actor died", "RayActorError")
+
+    def __init__(self, wait_s: float = 1.0) -> None:
+        super().__init__()
+        self.wait_s = wait_s
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if STOP.is_set():
+            return False
+        if record.levelno < logging.ERROR or not _ACTIVE[0]:
+            return True
+        text = record.getMessage()
+        if any(mark in text for mark in self.MARKS):
+            return not STOP.wait(self.wait_s)
+        return True
+
+
+def filter_flower() -> None:
+    """Install :class:`StopFilter` on Flower's logger (idempotent)."""
+    logger = logging.getLogger("flwr")
+    if not any(isinstance(f, StopFilter) for f in logger.filters):
+        logger.addFilter(StopFilter())
+
+
+@contextlib.contextmanager
+def ray_keeps_our_handlers() -> Iterator[None]:
+    """Within, ``ray.init`` leaves the SIGTERM handler of :func:`stop_on_signals` in place (it
+    would install ``sys.exit(15)``); outside a run of ours it is untouched."""
+    try:
+        from ray._private import utils as ray_utils
+    except ImportError:  # another Ray layout: from_ray_exit still reads its exit
+        yield
+        return
+    original = getattr(ray_utils, "set_sigterm_handler", None)
+
+    def set_sigterm_handler(handler) -> None:
+        if not _ACTIVE[0] and original is not None:
+            original(handler)
+
+    ray_utils.set_sigterm_handler = set_sigterm_handler
+    try:
+        yield
+    finally:
+        if original is not None:
+            ray_utils.set_sigterm_handler = original
+
+
+def quiet_flower() -> None:
+    """Silence Flower's logger for the rest of a stopping run (see :class:`StopFilter`)."""
+    logging.getLogger("flwr").setLevel(logging.CRITICAL + 1)
 
 
 def reinstall() -> None:
@@ -91,6 +155,7 @@ def from_ray_exit(err: SystemExit) -> Optional[RunInterrupted]:
     stands for during a run, or None for any other exit."""
     if _ACTIVE[0] and err.code == signal.SIGTERM:
         STOP.set()
+        quiet_flower()
         return RunInterrupted(signal.SIGTERM)
     return None
 
@@ -140,7 +205,6 @@ def exit_stopped(interrupted: RunInterrupted) -> None:
     sequence, which would wait for a thread that still hangs, and in which Ray's C++ signal
     handler, having seen a SIGTERM, aborts the process. Every file is complete by then or
     under a temporary name."""
-    import logging
 
     for t in threading.enumerate():
         if t is threading.main_thread() or t.daemon:

@@ -16,7 +16,13 @@ import warnings
 
 from fedadapt.config import FederationConfig
 from fedadapt.federation import cluster
-from fedadapt.federation.interrupt import STOP, from_ray_exit, reinstall
+from fedadapt.federation.interrupt import (
+    STOP,
+    filter_flower,
+    from_ray_exit,
+    ray_keeps_our_handlers,
+    reinstall,
+)
 from fedadapt.federation.server import ServerPlan, ServerState, make_server_app
 from fedadapt.progress import quiet_flower_banner
 
@@ -87,6 +93,7 @@ def run_simulation(plan: ServerPlan, client_app, fed: FederationConfig) -> Serve
     flwr_logger.propagate = False  # it has its own handler; Hydra's root handler would repeat it
     resources = dict(plan.resources)
     quiet_flower_banner()  # run_simulation's deprecation notice: once per process, one line
+    filter_flower()  # a stop's dead actors are the stop, not errors
     backend_config = {
         "client_resources": resources,
         # the Ray cluster: a private local instance or a running one (federation.ray_*)
@@ -102,7 +109,7 @@ def run_simulation(plan: ServerPlan, client_app, fed: FederationConfig) -> Serve
 
     cpu_only = not resources.get("num_gpus")
     try:
-        with _gpus_hidden(cpu_only), warnings.catch_warnings():
+        with _gpus_hidden(cpu_only), ray_keeps_our_handlers(), warnings.catch_warnings():
             # Ray's notice that it hides GPUs from actors that ask for none: fedadapt relies
             # on it
             warnings.filterwarnings("ignore", message="Tip: In future versions of Ray",
