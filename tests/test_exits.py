@@ -95,6 +95,25 @@ def test_an_identity_accumulator_replaces_each_token_by_itself():
             torch.testing.assert_close(a, b)
 
 
+def test_a_new_accumulator_replaces_each_token_by_itself_plus_its_layer_embedding():
+    """method.zero_init (the default): token replace starts from the backbone's own CLS tokens,
+    moved only by the layer embeddings p'; PyTorch's default initialisation does not."""
+    x = torch.randn(2, 3, 32, 32)
+    for zero_init in (True, False):
+        m = model(AccumulatorConfig(head_hidden=[16], zero_init=zero_init)).eval()
+        acc, history, pairs = m.head, [], []
+
+        def hook(k, hidden, acc=acc, history=history, pairs=pairs):
+            history.append(hidden[:, 0])
+            pairs.append((acc.accumulate(history)[:, k + 1], hidden[:, 0] + acc.layer_embed[0, k]))
+            return hidden
+
+        with torch.no_grad():
+            m.backbone.forward_exits(x, cls_hook=hook)
+        assert len(pairs) == 3
+        assert all(torch.allclose(a, b, atol=1e-6) is zero_init for a, b in pairs)
+
+
 def test_only_the_method_trains():
     m = model(AccumulatorConfig(head_hidden=[16], parallel_adapter=True, adapter_bottleneck=4))
     names = m.trainable_names()

@@ -102,6 +102,13 @@ class AccumulatorConfig(ExitMethodConfig):
     head_hidden: Optional[list[int]] = None
     token_replace: bool = True
     residual: bool = True
+    #: Zero-initialise the last layer of each of the Accumulator's residual branches (the
+    #: attention's output projection and the MLP's second linear layer), so that at the start
+    #: its output at position ``k + 1`` is its input ``c_k + p'_k``: token replace starts from
+    #: the backbone's own CLS tokens. False: PyTorch's default initialisation throughout, whose
+    #: branches add an image-independent vector of about the tokens' own size before every
+    #: block (README, "Token replace"). The paper says only "randomly initialized".
+    zero_init: bool = True
 
     def check(self) -> None:
         super().check()
@@ -181,7 +188,7 @@ class Accumulator(nn.Module):
 
     def __init__(self, *, dim: int, num_heads: int, num_layers: int, depth: int,
                  mlp_ratio: float, dropout: float, head: nn.Module, token_replace: bool,
-                 residual: bool) -> None:
+                 residual: bool, zero_init: bool = True) -> None:
         super().__init__()
         self.client_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.layer_embed = nn.Parameter(torch.zeros(1, num_layers + 1, dim))
@@ -191,6 +198,11 @@ class Accumulator(nn.Module):
             d_model=dim, nhead=num_heads, dim_feedforward=int(dim * mlp_ratio),
             dropout=dropout, activation="gelu", batch_first=True, norm_first=True)
         self.blocks = nn.TransformerEncoder(block, num_layers=depth, enable_nested_tensor=False)
+        if zero_init:  # each residual branch's last layer: the block starts as the identity
+            for layer in self.blocks.layers:
+                for out in (layer.self_attn.out_proj, layer.linear2):
+                    nn.init.zeros_(out.weight)
+                    nn.init.zeros_(out.bias)
         self.head = head
         self.token_replace = token_replace
         self.residual = residual
@@ -314,5 +326,6 @@ def build_accumulator(cfg, backbone, num_classes, with_backbone):
     acc = Accumulator(dim=dim, num_heads=backbone.model.config.num_attention_heads,
                       num_layers=backbone.num_layers, depth=cfg.depth,
                       mlp_ratio=cfg.mlp_ratio, dropout=cfg.dropout, head=head,
-                      token_replace=cfg.token_replace, residual=cfg.residual)
+                      token_replace=cfg.token_replace, residual=cfg.residual,
+                      zero_init=cfg.zero_init)
     return _exit_model(cfg, backbone, acc)
