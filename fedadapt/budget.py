@@ -15,7 +15,8 @@ method's own modules (e.g. the whole Accumulator and its head). One training ste
 ``zero_grad(set_to_none=True)``; ``logits = model.exit_logits(x, last_exit=l)[-1]``;
 cross-entropy on random labels; ``backward()``; ``optimizer.step()``
 
-on a random batch ``[batch_size, 3, S, S]`` at the backbone's ``image_size``, with the run's
+on a random batch ``[batch_size, 3, S, S]`` at the backbone's ``image_size`` (an audio
+backbone: spectrograms ``[batch_size, T, F]``, its ``example_input``), with the run's
 optimizer (``train.optimizer``, ``train.lr``, ``train.momentum``, ``train.weight_decay``; by
 default SGD with momentum 0.9, whose momentum buffers are part of the memory) over the trainable
 parameters, in two modes:
@@ -137,13 +138,13 @@ def _step(model, optimizer, x: torch.Tensor, y: torch.Tensor, last_exit: int) ->
 
 
 def _measure_mode(base, run, last_exit: int, *, full: bool, batch_size: int, repeats: int,
-                  num_classes: int, image_size: int, device: torch.device) -> dict:
+                  num_classes: int, input_shape: tuple, device: torch.device) -> dict:
     from fedadapt.federation.training import make_optimizer
 
     model = _tier_model(base, last_exit, full).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, run.train, run.train.lr)
-    x = torch.randn(batch_size, 3, image_size, image_size, device=device)
+    x = torch.randn(batch_size, *input_shape, device=device)
     y = torch.randint(0, num_classes, (batch_size,), device=device)
     cuda = device.type == "cuda"
 
@@ -211,7 +212,7 @@ def measure_exit_budget(run, *, batch_size: int = 1, repeats: int = 5,
     backbone = build_backbone(run.backbone, load_weights=False)
     if not hasattr(backbone, "forward_exits"):
         raise ConfigError(f"backbone={run.backbone.name} has no early exits: fedadapt-budget "
-                          f"needs backbone.family=vit or deit")
+                          f"needs backbone.family=vit, deit or ast")
     exits = _check_exits(exits, backbone.num_layers)
     counts = per_exit_counts(backbone)
     base = build_model(run.method, backbone, card.num_classes, with_backbone=True)
@@ -222,7 +223,7 @@ def measure_exit_budget(run, *, batch_size: int = 1, repeats: int = 5,
         print("fedadapt-budget: method.train_backbone=true: the frozen and full modes train the "
               "same parameters", file=sys.stderr)
     kw = dict(batch_size=batch_size, repeats=repeats, num_classes=card.num_classes,
-              image_size=backbone.image_size, device=dev)
+              input_shape=tuple(backbone.example_input(1).shape[1:]), device=dev)
     rows = []
     for e in exits:
         frozen = _measure_mode(base, run, e, full=False, **kw)

@@ -36,9 +36,7 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
     from fedadapt.data.catalogue import load_card
     from fedadapt.data.loading import prepare_dataset
     from fedadapt.data.partition import format_stats, partition_dataset
-    from fedadapt.data.sources import DataSource
-    from fedadapt.data.store import geometry, image_store
-    from fedadapt.data.transforms import Preprocess
+    from fedadapt.data.sources import DataSource, input_source
     from fedadapt.devices import resolve_precision, run_device
     from fedadapt.federation.training import build_run_model
     from fedadapt.tracking import check_available
@@ -48,20 +46,18 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
     dev = run_device(cfg.federation.num_gpus)
     precision = resolve_precision(cfg.train.precision, dev)
     card = load_card(cfg.dataset.name)
-    prepared = prepare_dataset(cfg.dataset, cfg.cache_dir, cfg.seed)
     _check_method_settings(cfg, card)
+    prepared = prepare_dataset(cfg.dataset, cfg.cache_dir, cfg.seed)
     partition = partition_dataset(prepared.load()["train"], cfg.partition, card, cfg.seed)
     if not quiet:
         log(f"[data] {card.name}: {prepared.num_train} train / {prepared.num_test} test samples, "
             f"{prepared.num_classes} classes | {format_stats(partition.stats)}")
     backbone = build_backbone(cfg.backbone)
     class_text, query_feature = _text_inputs(cfg, backbone, prepared.class_names)
-    preprocess = Preprocess.for_backbone(backbone)
-    geo = geometry(card, preprocess)
 
     def images(split: str) -> DataSource:  # decoded once into the store, transformed on device
-        return DataSource(prepared, split, store=image_store(prepared, split, geo, cfg.cache_dir),
-                          preprocess=preprocess)
+        return input_source(card, backbone, prepared, split, cfg.cache_dir,
+                            backbone_name=cfg.backbone.name)
 
     def source(split: str) -> DataSource:
         if cfg.method.use_cache:
@@ -122,6 +118,12 @@ def _text_inputs(cfg: RunConfig, backbone, class_names) -> tuple:
 
 def _check_method_settings(cfg: RunConfig, card) -> None:
     """Settings that hold only for some methods (before anything is loaded)."""
+    if card.personalize_only and not (cfg.setting.name == "personalization"
+                                      and cfg.setting.init_from):
+        raise ConfigError(f"dataset={card.name} holds personalization clients only: it needs "
+                          f"setting=personalization with setting.init_from=<a multi-tier run "
+                          f"directory> (the model is federated on another data set, e.g. "
+                          f"experiment=acc_speech_multitier)")
     if cfg.partition.test_clients > 0 and method_spec(cfg.method).trainer == "clients":
         raise ConfigError(f"partition.test_clients={cfg.partition.test_clients} is invalid for "
                           f"method={cfg.method.name}: unseen test clients have no training "
@@ -161,6 +163,7 @@ def _original_phase(cfg: RunConfig, backbone, images, partition: Partition, prep
 
 def _apply_setting(cfg: RunConfig, spec: RunSpec, model: AdaptedModel) -> None:
     """Fill the spec's exits, tiers and corruptions for the setting; fail on a mismatch."""
+    from fedadapt.data.corruptions import check_kinds
     from fedadapt.settings import assign_client_corruptions, client_exits, part_names, uses_exits
 
     if cfg.train.crop_scale is not None and spec.train_source.kind != "images":
@@ -177,6 +180,7 @@ def _apply_setting(cfg: RunConfig, spec: RunSpec, model: AdaptedModel) -> None:
                 raise ConfigError("setting=personalization with corruptions (setting.severities "
                                   "> 0) needs method.use_cache=false; setting.severities=[0] "
                                   "fine-tunes on the clients' clean data")
+            check_kinds(st.corruptions, spec.train_source.modality, cfg.dataset.name)
             spec.client_corruptions = assign_client_corruptions(st, spec.num_clients, cfg.seed)
         return
     if not hasattr(model, "exit_logits"):
@@ -190,6 +194,8 @@ def _apply_setting(cfg: RunConfig, spec: RunSpec, model: AdaptedModel) -> None:
         if spec.train_source.kind != "images":
             raise ConfigError("setting=personalization corrupts images: it needs "
                               "method.use_cache=false")
+        if any(sev > 0 for sev in st.severities):
+            check_kinds(st.corruptions, spec.train_source.modality, cfg.dataset.name)
         spec.client_corruptions = assign_client_corruptions(st, spec.num_clients, cfg.seed)
 
 

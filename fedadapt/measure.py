@@ -114,7 +114,7 @@ def per_exit_counts(backbone) -> list[dict]:
     base = backbone.num_params() - sum(p.numel() for b in blocks for p in b.parameters())
     final_norm = sum(p.numel() for p in backbone.model.layernorm.parameters())
     base -= final_norm  # the final LayerNorm belongs to the last exit only
-    x = torch.zeros(1, 3, backbone.image_size, backbone.image_size)
+    x = backbone.example_input(1)
     out, cumulative = [], base
     for i, block in enumerate(blocks):
         cumulative += sum(p.numel() for p in block.parameters())

@@ -16,6 +16,7 @@ def prefetch(run) -> list[str]:
     from fedadapt import progress
     from fedadapt.backbones import build_backbone
     from fedadapt.data.catalogue import load_card
+    from fedadapt.data.loading import hub_load
 
     datasets.disable_progress_bars()
     disable_progress_bars()
@@ -25,16 +26,27 @@ def prefetch(run) -> list[str]:
         if run.dataset.path:
             done.append(f"dataset {card.name}: local path {run.dataset.path}, nothing to fetch")
         elif card.hub_id and not card.source.startswith(("sklearn:", "idx:")):
-            bar.update(info=f"downloading dataset {card.hub_id}")
-            datasets.load_dataset(card.hub_id)
-            done.append(f"dataset {card.name}: {card.hub_id}")
+            what = card.hub_id + _hub_detail(card)
+            bar.update(info=f"downloading dataset {what}")
+            hub_load(card)
+            done.append(f"dataset {card.name}: {what}")
         else:
             done.append(f"dataset {card.name}: {card.source} (ships with a package or a recipe)")
         bar.advance(1, info=f"backbone {run.backbone.name}: {run.backbone.weights or 'random'}")
         build_backbone(run.backbone, load_weights=True)  # from_pretrained / open_clip download
-        done.append(f"backbone {run.backbone.name}: {run.backbone.weights or 'random (nothing)'}")
+        note = (" (image weights, converted to AST when the backbone is built)"
+                if run.backbone.family == "ast" and run.backbone.weights else "")
+        done.append(f"backbone {run.backbone.name}: "
+                    f"{run.backbone.weights or 'random (nothing)'}{note}")
         bar.advance(1, info="done")
     return done
+
+
+def _hub_detail(card) -> str:
+    """`` (config C, revision R)`` of a hub data set that has them."""
+    parts = [f"{k} {v}" for k, v in (("config", card.hub_config),
+                                     ("revision", card.hub_revision)) if v]
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def _main(argv: list[str]) -> int:

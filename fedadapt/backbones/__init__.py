@@ -13,7 +13,8 @@ from fedadapt.backbones.base import FAMILIES, Backbone, MissingAssetError, regis
 from fedadapt.config import BackboneConfig, ConfigError
 
 #: The modules that define backbone families.
-FAMILY_MODULES = ("alexnet", "clip", "cnn", "efficientnet", "leaf_cnn", "timm_models", "vit")
+FAMILY_MODULES = ("alexnet", "ast_model", "clip", "cnn", "efficientnet", "leaf_cnn",
+                  "timm_models", "vit")
 
 
 def build_backbone(cfg: BackboneConfig, *, load_weights: bool = True) -> Backbone:

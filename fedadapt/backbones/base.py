@@ -47,6 +47,9 @@ class Backbone(nn.Module):
         Normalisation the backbone was trained with.
     weights_id : str
         Identity of the weights (hub id, path or ``random``), part of the feature-cache key.
+    modality : str
+        What it takes: ``image`` (``[B, 3, S, S]``) or ``audio`` (spectrograms ``[B, T, F]``
+        from its feature extractor's settings; see :mod:`fedadapt.backbones.ast_model`).
     """
 
     embed_dim: int
@@ -59,9 +62,14 @@ class Backbone(nn.Module):
     weights_id: str = "random"
     #: Normalisation layers keep their pretrained statistics when the backbone is fine-tuned.
     has_batchnorm: bool = False
+    modality: str = "image"
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:  # [B,3,H,W] -> [B,D]
         raise NotImplementedError
+
+    def example_input(self, batch_size: int = 1) -> torch.Tensor:
+        """Zeros of the input's shape (counting FLOPs, measuring memory): ``[B, 3, S, S]``."""
+        return torch.zeros(batch_size, 3, self.image_size, self.image_size)
 
     def freeze(self) -> "Backbone":
         """Set ``requires_grad=False`` on every parameter and switch to eval mode."""

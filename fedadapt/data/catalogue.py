@@ -33,6 +33,22 @@ class DatasetCard:
     #: split marked ``test_client`` = 1, and ``partition=natural`` makes each of those users an
     #: unseen client holding test data only.
     test_split_clients: bool = False
+    #: ``image`` or ``audio`` (clips turned into spectrograms by an audio backbone's feature
+    #: extractor, :mod:`fedadapt.data.audio`).
+    modality: str = "image"
+    #: Audio: the clips' sampling rate in Hz.
+    sampling_rate: Optional[int] = None
+    #: The hub data set's configuration (``load_dataset(hub_id, hub_config)``) and revision
+    #: (a branch, tag, commit or ``refs/pr/<n>``); None = the default / ``main``.
+    hub_config: Optional[str] = None
+    hub_revision: Optional[str] = None
+    #: Source splits carried into the prepared data set unchanged, besides ``train`` and
+    #: ``test`` (e.g. Speech Commands' ``noise``: the background recordings).
+    keep_splits: list = field(default_factory=list)
+    #: The data set's clients only personalize a model federated on another data set (Speech
+    #: Commands' validation speakers): runs need ``setting=personalization`` with
+    #: ``setting.init_from``.
+    personalize_only: bool = False
     license: str = ""
     size: str = ""
     papers: list = field(default_factory=list)

@@ -12,6 +12,7 @@ Fashion-MNIST or scikit-learn's digits by :mod:`fedadapt.data.domains`.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import hashlib
 import json
@@ -259,8 +260,36 @@ def _load_local(path: str, card: DatasetCard):
                       f"folder")
 
 
+def hub_load(card: DatasetCard):
+    """``load_dataset`` of the card's hub id (with its ``hub_config`` and ``hub_revision``)."""
+    from datasets import load_dataset
+
+    return load_dataset(card.hub_id, card.hub_config, revision=card.hub_revision)
+
+
+def load_hub(card: DatasetCard):
+    """The card's hub data set (from the Hugging Face cache offline); when it cannot be had,
+    one line saying what and naming the ``fedadapt-prefetch`` command."""
+    try:
+        return hub_load(card)
+    except Exception as err:  # offline / not cached: say what and how to get it
+        if isinstance(err, ConfigError):
+            raise
+        what = card.hub_id + "".join(f", {k} {v}" for k, v in (
+            ("config", card.hub_config), ("revision", card.hub_revision)) if v)
+        raise MissingAssetError(
+            prefetch_hint(f"Data set {what!r} (dataset={card.name})", dataset=card.name)
+            + (f" Offline alternative: {card.source[4:]} via `apt-get install "
+               f"dataset-fashion-mnist`." if card.source.startswith("idx:") else "")
+        ) from err
+
+
 def load_source(card: DatasetCard, path: Optional[str] = None):
     """Raw ``DatasetDict`` from the card's source or a local ``path``."""
+    if card.source == "speech_commands":  # its own layout and 12-class mapping
+        from fedadapt.data.speech import load_speech_commands
+
+        return load_speech_commands(card, path)
     if path:
         return _load_local(path, card)
     if card.source == "sklearn:digits":
@@ -270,19 +299,7 @@ def load_source(card: DatasetCard, path: Optional[str] = None):
     if card.source.startswith("derived:"):
         return load_derived_domains(card)
     if card.hub_id:
-        from datasets import load_dataset
-
-        try:
-            return load_dataset(card.hub_id)
-        except Exception as err:  # offline / not cached: say what and how to get it
-            if isinstance(err, ConfigError):
-                raise
-            raise MissingAssetError(
-                prefetch_hint(f"Data set {card.hub_id!r} (dataset={card.name})",
-                              dataset=card.name)
-                + (f" Offline alternative: {card.source[4:]} via `apt-get install "
-                   f"dataset-fashion-mnist`." if card.source.startswith("idx:") else "")
-            ) from err
+        return load_hub(card)
     raise MissingAssetError(
         f"dataset={card.name} has no downloadable source; build it with the recipe in "
         f"datasets/{card.name}.md and pass dataset.path=<folder>"
@@ -391,6 +408,11 @@ def standardise(raw, card: DatasetCard, cfg: DatasetConfig, seed: int):
         out = {"train": parts["train"], "test": parts["test"]}
     if cfg.max_samples is not None and cfg.max_samples < len(out["train"]):
         out["train"] = out["train"].shuffle(seed=seed).select(range(cfg.max_samples))
+    for name in card.keep_splits:  # carried as they are (e.g. background noise recordings)
+        if name not in raw:
+            raise ConfigError(f"dataset={card.name}: source has no split {name!r} "
+                              f"(has {list(raw)})")
+        out[name] = raw[name]
     return DatasetDict(out)
 
 
@@ -457,11 +479,25 @@ def _build_prepared(card: DatasetCard, cfg: DatasetConfig, seed: int, key: str,
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+#: Card fields added after prepared copies existed: part of the key only when set, so the
+#: copies of cards that do not use them keep their keys.
+_LATER_FIELDS = ("modality", "sampling_rate", "hub_config", "hub_revision", "keep_splits",
+                 "personalize_only")
+
+
+def _card_key(card: DatasetCard) -> dict:
+    fields = DatasetCard.__dataclass_fields__
+    unset = {k for k in _LATER_FIELDS
+             if getattr(card, k) == (fields[k].default_factory() if fields[k].default_factory
+                                     is not dataclasses.MISSING else fields[k].default)}
+    return {k: v for k, v in card.__dict__.items() if k not in unset}
+
+
 def prepare_dataset(cfg: DatasetConfig, cache_dir: str, seed: int) -> PreparedDataset:
     """Load, standardise and save the data set once; later calls reuse the saved copy."""
     card = load_card(cfg.name)
     key = hashlib.sha256(json.dumps(
-        {"v": _PREP_VERSION, "card": card.__dict__, "path": cfg.path,
+        {"v": _PREP_VERSION, "card": _card_key(card), "path": cfg.path,
          "test_fraction": cfg.test_fraction, "max_samples": cfg.max_samples, "seed": seed},
         sort_keys=True, default=str).encode()).hexdigest()[:16]
     folder = Path(cache_dir).expanduser() / "data" / f"{card.name}-{key}"

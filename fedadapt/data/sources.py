@@ -8,25 +8,33 @@ batches' indices (a round's shuffled order cut into batches), it yields ``(x, y)
   client and round), then indexed there;
 * **images**: each batch's ``uint8`` rows gathered from the memory-mapped store
   (:mod:`fedadapt.data.store`), copied to the device (pinned memory and a side stream on CUDA),
-  then resized / cropped / normalised there (:mod:`fedadapt.data.transforms`).
+  then resized / cropped / normalised there (:mod:`fedadapt.data.transforms`). Audio data
+  takes the same path (``kind`` is ``images`` too: the backbone's raw input from a store): its
+  store holds the clips' spectrograms (:mod:`fedadapt.data.audio`), its ``preprocess`` is an
+  :class:`~fedadapt.data.audio.AudioPreprocess`; ``modality`` tells them apart.
 
 The next batch is prepared in a background thread while the caller trains on the current one.
 A corrupted source (the personalization setting's CIFAR-100-C corruptions) corrupts its images
-once, at native resolution, before any resize (:func:`corrupted_rows`).
+once, at native resolution, before any resize; a corrupted audio source mixes background noise
+into the waveforms before the spectrogram (:func:`corrupted_rows`).
 """
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
+from fedadapt.config import ConfigError
 from fedadapt.data.loading import PreparedDataset
 from fedadapt.data.store import ImageStore
 from fedadapt.data.transforms import Preprocess, model_input
+
+if TYPE_CHECKING:
+    from fedadapt.data.audio import AudioPreprocess, SpectrogramStore
 
 #: ``(crop scale, per-image seeds)`` of a batch's training crop, or None.
 Crop = Optional[tuple[tuple[float, float], np.ndarray]]
@@ -40,8 +48,8 @@ class DataSource:
     prepared: PreparedDataset
     split: str
     features_path: Optional[str] = None
-    store: Optional[ImageStore] = None
-    preprocess: Optional[Preprocess] = None
+    store: Optional[Union[ImageStore, "SpectrogramStore"]] = None
+    preprocess: Optional[Union[Preprocess, "AudioPreprocess"]] = None
     #: A corruption applied to every image (``fedadapt.data.corruptions``) at its native
     #: resolution, its severity and the seed of its randomness (per image).
     corruption: Optional[str] = None
@@ -52,8 +60,13 @@ class DataSource:
     def kind(self) -> str:
         return "features" if self.features_path else "images"
 
+    @property
+    def modality(self) -> str:
+        """``image`` or ``audio`` (the store's content); ``features`` for cached features."""
+        return "features" if self.features_path else self.preprocess.modality
+
     def corrupted(self, kind: str, severity: int, seed: int) -> "DataSource":
-        """The same split with ``kind`` at ``severity`` applied to each image."""
+        """The same split with ``kind`` at ``severity`` applied to each image (or clip)."""
         if self.kind != "images":
             raise ValueError("corruptions apply to images, not to cached features")
         return replace(self, corruption=kind, severity=int(severity), corruption_seed=int(seed))
@@ -68,7 +81,8 @@ class DataSource:
         return mapped(self.features_path, "feature cache")
 
     def images(self, indices: np.ndarray) -> np.ndarray:
-        """``uint8 [B, H, W, C]`` rows (corrupted if this source is)."""
+        """``uint8 [B, H, W, C]`` rows (corrupted if this source is); audio: ``float16
+        [B, T, F]`` spectrograms."""
         idx = np.asarray(indices, dtype=np.int64)
         if self.corruption and self.severity > 0:
             return corrupted_rows(self, idx)
@@ -185,23 +199,61 @@ def _labels(path: str, split: str) -> np.ndarray:
 
 
 def corrupted_rows(source: DataSource, indices: np.ndarray) -> np.ndarray:
-    """``uint8 [B, H, W, 3]``: the source's corruption applied to each image at native
-    resolution with the image's own seed. Rows are corrupted once per process and kept
-    (a personalizing client reads its images for ten epochs)."""
-    from fedadapt.data.corruptions import corrupt_images
-
+    """The source's corruption applied to each row with the row's own seed: ``uint8
+    [B, H, W, 3]`` images corrupted at native resolution, or audio's ``float16 [B, T, F]``
+    spectrograms of noisy clips. Rows are corrupted once per process and kept (a personalizing
+    client reads its data for ten epochs)."""
     key = ("corrupted", source.store.path, source.corruption, source.severity,
            source.corruption_seed)
     known, rows = _CACHE.get(key, (np.zeros(0, np.int64), None))
     missing = np.setdiff1d(indices, known)
     if len(missing):
-        new = corrupt_images(source.store.array()[missing], source.corruption, source.severity,
-                             source.corruption_seed, missing)
+        new = _corrupt(source, missing)
         known = np.concatenate([known, missing])
         rows = new if rows is None else np.concatenate([rows, new])
         order = np.argsort(known, kind="stable")
         known, rows = known[order], rows[order]
         _CACHE[key] = (known, rows)
     if rows is None:  # nothing asked, nothing corrupted yet
+        if source.modality == "audio":
+            return np.zeros((0, *source.store.shape[1:]), source.store.array().dtype)
         return np.zeros((0, *source.store.shape[1:3], 3), np.uint8)
     return rows[np.searchsorted(known, indices)]
+
+
+def _corrupt(source: DataSource, indices: np.ndarray) -> np.ndarray:
+    if source.modality == "audio":
+        from fedadapt.data.audio import corrupted_spectrograms
+
+        return corrupted_spectrograms(source, indices)
+    from fedadapt.data.corruptions import corrupt_images
+
+    return corrupt_images(source.store.array()[indices], source.corruption, source.severity,
+                          source.corruption_seed, indices)
+
+
+def input_source(card, backbone, prepared: PreparedDataset, split: str, cache_dir: str, *,
+                 backbone_name: str = "") -> DataSource:
+    """A split as the backbone's raw input: images decoded once into their store (at the
+    backbone's preprocessing), or audio clips turned into the backbone's spectrograms once.
+    A data set whose modality the backbone does not take fails with one line."""
+    data, takes = card.modality, getattr(backbone, "modality", "image")
+    if data != takes:
+        name = backbone_name or type(backbone).__name__
+        need = ("an audio backbone (backbone=ast_deit_small)" if data == "audio"
+                else "an image backbone")
+        raise ConfigError(f"backbone={name} is invalid for dataset={card.name}: the data are "
+                          f"{data} {'clips' if data == 'audio' else 'images'} and need {need}; "
+                          f"backbone={name} takes {takes}")
+    if data == "audio":
+        from fedadapt.data.audio import AudioPreprocess, spectrogram_store
+
+        pre = AudioPreprocess.for_backbone(backbone)
+        return DataSource(prepared, split, store=spectrogram_store(prepared, split, pre,
+                                                                   cache_dir),
+                          preprocess=pre)
+    from fedadapt.data.store import geometry, image_store
+
+    pre = Preprocess.for_backbone(backbone)
+    return DataSource(prepared, split, store=image_store(prepared, split, geometry(card, pre),
+                                                         cache_dir), preprocess=pre)

@@ -26,7 +26,7 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -97,27 +97,36 @@ def image_store(prepared: PreparedDataset, split: str, geo: Geometry, cache_dir:
 
 def _build(prepared: PreparedDataset, split: str, geo: Geometry, path: Path, shape: tuple,
            workers: Optional[int]) -> None:
-    from fedadapt.data.integrity import seal_and_rename
-
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=shape)
-    del out  # workers (or the loop below) write through their own mappings
-    chunks = [(s, min(shape[0], s + _CHUNK)) for s in range(0, shape[0], _CHUNK)]
     if workers is None:  # decoding big JPEGs is worth processes; 32x32 PNGs are not
         workers = 1 if geo.native else min(16, os.cpu_count() or 1)
     label = f"{prepared.name}/{split}"
     log(f"[images] decoding {shape[0]} images of {label} once into {path.name} "
         f"({'native' if geo.native else geo.height} px, {workers} process(es))")
-    args = [(prepared.path, split, geo, str(tmp), a, b) for a, b in chunks]
+    build_sealed(path, shape, np.uint8, _decode_chunk, (prepared.path, split, geo),
+                 workers=workers, label=f"images {label}", unit="images")
+
+
+def build_sealed(path: Path, shape: tuple, dtype, fill: Callable[[tuple], int], args: tuple,
+                 *, workers: int, label: str, unit: str) -> None:
+    """Write the ``.npy`` ``path`` of ``shape`` and ``dtype`` once: under a temporary name,
+    chunk by chunk (``fill((tmp_path, *args, a, b))`` writes rows ``[a, b)`` through its own
+    mapping and returns how many; in ``workers`` processes when > 1), then sealed with its
+    SHA-256 and renamed (:func:`fedadapt.data.integrity.seal_and_rename`)."""
+    from fedadapt.data.integrity import seal_and_rename
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=shape)
+    del out  # workers (or the loop below) write through their own mappings
+    jobs = [(str(tmp), *args, a, min(shape[0], a + _CHUNK)) for a in range(0, shape[0], _CHUNK)]
     try:
-        with progress.task(f"images {label}", total=shape[0], unit="images") as bar:
-            if workers > 1 and len(chunks) > 1:
+        with progress.task(label, total=shape[0], unit=unit) as bar:
+            if workers > 1 and len(jobs) > 1:
                 with ProcessPoolExecutor(max_workers=workers) as pool:
-                    for n in pool.map(_decode_chunk, args):
+                    for n in pool.map(fill, jobs):
                         bar.advance(n)
             else:
-                for a in args:
-                    bar.advance(_decode_chunk(a))
+                for job in jobs:
+                    bar.advance(fill(job))
         seal_and_rename(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -128,7 +137,7 @@ def _decode_chunk(args) -> int:
     """Decode rows ``[a, b)`` of a split into the memory-mapped file (runs in a worker)."""
     from fedadapt.data.loading import _open
 
-    data_path, split, geo, out_path, a, b = args
+    out_path, data_path, split, geo, a, b = args
     out = np.load(out_path, mmap_mode="r+")
     images = _open(data_path)[split][a:b]["image"]
     for i, im in enumerate(images):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import numpy as np
 import torch
@@ -52,6 +52,7 @@ class Preprocess:
         Per-channel normalisation of the [0, 1] image.
     """
 
+    modality: ClassVar[str] = "image"
     size: int
     resize: int
     interpolation: str
@@ -88,6 +89,11 @@ class Preprocess:
             x = _quantize(F.interpolate(x, size=(new_h, new_w), mode=self.interpolation,
                                         align_corners=False, antialias=True))
         return self.normalize(center_crop(x, self.size))
+
+    def crop(self, images: torch.Tensor, scale: tuple[float, float], seeds: np.ndarray,
+             indices: np.ndarray) -> torch.Tensor:
+        """Training input: :func:`random_resized_crop` of ``uint8 [B, H, W, C]`` images."""
+        return random_resized_crop(images, self, scale, seeds, indices)
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """``(x - mean) / std`` of ``[B, C, H, W]`` in [0, 1] as one fused pass into a new
@@ -241,7 +247,8 @@ def random_resized_crop(images: torch.Tensor, preprocess: Preprocess, scale: tup
 def model_input(images: torch.Tensor, preprocess: Preprocess,
                 crop: Optional[tuple[tuple[float, float], np.ndarray, np.ndarray]] = None
                 ) -> torch.Tensor:
-    """Evaluation transform, or with ``crop = (scale, seeds, indices)`` the training crop."""
+    """Evaluation transform, or with ``crop = (scale, seeds, indices)`` the training crop (of
+    images, or of spectrograms with :class:`fedadapt.data.audio.AudioPreprocess`)."""
     if crop is None:
         return preprocess.apply(images)
-    return random_resized_crop(images, preprocess, *crop)
+    return preprocess.crop(images, *crop)
