@@ -1,0 +1,38 @@
+"""The Accumulator with token replace learns under strong label skew (issue: it sat at chance,
+9.7%, on the offline evidence at alpha 0.1; README "Token replace").
+
+The offline preset (``experiment=acc_offline``: a small ViT pretrained on Fashion-MNIST, frozen,
+adapted by 10 clients to digits with Dirichlet 0.1 label skew, the paper's optimiser), with the
+server's pretraining shortened to three epochs on 6,000 images and 20 rounds of conventional FL,
+through the real server and ClientApp in process."""
+
+import pytest
+import torch
+
+from fedadapt.entry import compose_config, to_run_config
+from fedadapt.experiment import run_experiment
+from fedadapt.federation.inprocess import run_in_process
+from fedadapt.pretrain import save_backbone, train_backbone
+
+
+@pytest.fixture(scope="module")
+def pretrained(cache_dir, tmp_path_factory):
+    run = to_run_config(compose_config(["backbone=small_vit", "dataset=fashion_mnist",
+                                        "dataset.max_samples=6000", f"cache_dir={cache_dir}"]))
+    torch.manual_seed(0)
+    backbone, info = train_backbone(run, epochs=3, lr=2e-3, batch_size=64, log=lambda m: None)
+    assert info["final_test_acc"] > 0.6  # a real pretrained backbone, not a random one
+    return save_backbone(backbone, info, tmp_path_factory.mktemp("pretrained") / "small_vit")
+
+
+def test_a_trained_accumulator_with_token_replace_beats_chance_at_alpha_0_1(
+        pretrained, cache_dir, tmp_path):
+    cfg = to_run_config(compose_config([
+        "experiment=acc_offline", "setting=conventional", "partition.alpha=0.1",
+        "method=accumulator", f"backbone.weights={pretrained}", "rounds=20",
+        "federation.eval_every=20", f"cache_dir={cache_dir}"]))
+    assert cfg.method.token_replace and cfg.method.zero_init
+    summary = run_experiment(cfg, tmp_path / "acc", config_yaml="acc\n", execute=run_in_process)
+    # 10 classes: chance is 10%; the collapsed model scored 9.7% (one class, 35 of 360 images).
+    # Measured here: 24.2% with method.zero_init, 10.3% with PyTorch's default initialisation.
+    assert summary["final"]["global_acc"] > 0.15
