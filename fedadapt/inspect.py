@@ -10,7 +10,8 @@ comes from the dataset card). Counts are exact integers from the built modules.
 * ``per_exit`` (backbones with exits): for each exit l, the backbone's cumulative parameters
   (embeddings + blocks 0..l) and the FLOPs of running them on one image at ``image_size``,
   counted by ``torch.utils.flop_counter`` (2 FLOPs per multiply-accumulate; matmuls,
-  convolutions and attention; elementwise ops not counted).
+  convolutions and attention, the CPU kernel's included: fedadapt.measure.count_cpu_attention;
+  elementwise ops not counted).
 
 ``fedadapt-inspect --partition [--out FILE] dataset=... partition=...`` instead loads the data
 set (offline: from the cache or a package), partitions it as a run would, prints the partition's

@@ -107,8 +107,26 @@ def peak_bytes(fn, device: torch.device, baseline) -> int:
     return tracker.peak_bytes
 
 
+def count_cpu_attention() -> None:
+    """Give ``torch.utils.flop_counter`` the attention kernel ``scaled_dot_product_attention``
+    runs on the CPU (its formulas cover the CUDA kernels only, so a ViT's attention matmuls
+    counted 0 here): the same formulas as CUDA's flash attention, forward and backward.
+    Idempotent."""
+    from torch.utils import flop_counter as fc
+
+    aten = torch.ops.aten
+    for name, formula in (("_scaled_dot_product_flash_attention_for_cpu", fc.sdpa_flop),
+                          ("_scaled_dot_product_flash_attention_for_cpu_backward",
+                           fc.sdpa_backward_flop)):
+        op = getattr(aten, name, None)
+        if op is not None and op not in fc.flop_registry:
+            fc.register_flop_formula(op, get_raw=True)(formula)  # already shape-wrapped
+
+
 def per_exit_counts(backbone) -> list[dict]:
     from torch.utils.flop_counter import FlopCounterMode
+
+    count_cpu_attention()
 
     blocks = backbone.blocks
     base = backbone.num_params() - sum(p.numel() for b in blocks for p in b.parameters())

@@ -63,6 +63,20 @@ def test_exits_and_compute_saving():
     assert not calls  # block 2 never computed for exit 1
 
 
+def test_per_exit_flops_count_the_attention_matmuls():
+    """2 FLOPs per multiply-add: the patch convolution, every linear layer, and QK^T and AV,
+    which the CPU attention kernel hides from torch's counter unless it is given its formula."""
+    from fedadapt.measure import per_exit_counts
+
+    tokens, d, hidden = (32 // 8) ** 2 + 1, 32, 64
+    patch = 2 * 16 * (3 * 8 * 8) * d
+    linear = 2 * tokens * (d * 3 * d + d * d + 2 * d * hidden)
+    attention = 2 * (2 * tokens * tokens * d)
+    counts = per_exit_counts(build_backbone(TINY_VIT))
+    assert [c["flops"] for c in counts] == [patch + (e + 1) * (linear + attention)
+                                            for e in range(3)]
+
+
 def test_token_replace_and_residual_change_the_output():
     x = torch.randn(2, 3, 32, 32)
     base = model(AccumulatorConfig(head_hidden=[16])).eval()
