@@ -159,7 +159,15 @@ def main() -> None:
                    help="NAME=override [override ...] (repeatable); default: the three above")
     p.add_argument("--base", nargs="*", default=None, help="replace the base overrides")
     p.add_argument("--out", default="outputs/token_replace")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="plot and tabulate the variants of earlier runs' JSON files instead")
     args = p.parse_args()
+    if args.merge:
+        results = {}
+        for path in args.merge:
+            results.update(json.loads(Path(path).read_text()))
+        finish(results, Path(args.out))
+        return
     if args.base is not None:
         BASE[:] = args.base
     variants = VARIANTS
@@ -172,12 +180,24 @@ def main() -> None:
     for name, overrides in variants.items():
         print(f"[token_replace] {name}: {' '.join(BASE + overrides)}", flush=True)
         results[name] = run_variant(overrides, args.rounds)
-    out = Path(args.out)
+    finish(results, Path(args.out))
+
+
+def finish(results: dict, out: Path) -> None:
+    """``<out>.json``, ``<out>.png`` and a Markdown table of the last round on stdout."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(results, indent=1))
     tmp.replace(out.with_suffix(".json"))
     plot(results, out.with_suffix(".png"))
+    print("| variant | rounds | final acc | best acc | token change, last round | "
+          "median gradient norm, last round | non-finite steps |")
+    print("|---|---|---|---|---|---|---|")
+    for name, res in results.items():
+        c = res["curve"]
+        print(f"| {name} | {len(c)} | {100 * c[-1]['accuracy']:.1f} | "
+              f"{100 * max(r['accuracy'] for r in c):.1f} | {c[-1]['token_change']:.2f} | "
+              f"{c[-1]['grad_norm_median']:.3g} | {sum(r['non_finite_steps'] for r in c)} |")
     print(f"[token_replace] wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
 
 
