@@ -235,7 +235,8 @@ def test_raw_samples_upload_is_embedded_on_the_server(cache_dir):
 
 
 def test_test_sessions_keep_arrival_order_and_cover_the_split(cache_dir):
-    prep = prepare_run(session_run(cache_dir, CdcMmpgConfig(**SMALL)), quiet=True)
+    prep = prepare_run(session_run(cache_dir, CdcMmpgConfig(session=3, context_size=1,
+                                                            **SMALL)), quiet=True)
     for cid in range(4):
         sessions = client_sessions(prep.spec, cid)
         assert all(len(s) == 3 for s in sessions[:-1]) and 1 <= len(sessions[-1]) <= 3
@@ -261,7 +262,8 @@ def test_session_experiments_compose_with_their_rows(experiment):
         assert jobs["duet"].generators == 5 and jobs["duet_no_swa"].generators == 1
     if "cdc_mmpg" in jobs:
         assert jobs["cdc_mmpg"].adr and not jobs["f_hyper"].adr
-        assert jobs["cdc_mmpg"].session == 3
+        assert jobs["cdc_mmpg"].session == 6 and jobs["cdc_mmpg"].context_size == 3
+        assert jobs["f_hyper"].context == jobs["cdc_mmpg"].context == "first"
 
 
 def test_binary_task_reports_auc_without_labels_leaving_the_clients():

@@ -62,8 +62,11 @@ from fedadapt.config import check
 @dataclass
 class CdcMmpgConfig(SessionPluginConfig):
     name: str = "cdc_mmpg"
-    #: K = 3 sampled frames per session (the paper's choice).
-    session: int = 3
+    #: Sessions of 6 frames whose first 3 are the context (``context=first``): the paper's
+    #: K = 3 sampled frames, which F-hyper uploads and among which CDC-MMPG's anchor is
+    #: chosen; the other 3 are scored.
+    session: int = 6
+    context_size: int = 3
     #: FDA's hidden width (96 for QA, 256 for retrieval in the paper).
     hidden: int = 96
     #: ADR: the device uploads one anchor feature (false: F-hyper, all K frames, no generator).
