@@ -728,7 +728,12 @@ def run_session_experiment(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *,
     """A session plug-in (DUET, CDC-MMPG): train the generator on the server from the clients'
     cached features, then converse with every client (uploads up, generated parameters down,
     metrics back); write the run directory like any run (``summary.json`` last)."""
-    from fedadapt.federation.sessions import SessionServer, summarize_sessions, train_generator
+    from fedadapt.federation.sessions import (
+        SessionServer,
+        generator_summary,
+        summarize_sessions,
+        train_generator,
+    )
     from fedadapt.results.store import write_json, write_jsonl
 
     t0 = time.time() if t0 is None else t0
@@ -743,6 +748,7 @@ def run_session_experiment(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *,
     write_json(run_dir / "sessions.json", rows)
     write_jsonl(run_dir / "session_payloads.jsonl", server.records)
     sessions = summarize_sessions(rows, server.records, scores)
+    sessions.update(generator_summary(spec.method, trained["generator"]))
     generator_params = sum(p.numel() for p in trained["generator"].parameters())
     return _finish_server_run(
         cfg, run_dir, prep, state, label=label, t0=t0,

@@ -8,6 +8,7 @@ import math
 import re
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -28,9 +29,13 @@ from fedadapt.adapters.duet import (
 from fedadapt.config import ConfigError
 from fedadapt.federation.sessions import (
     RATES_MB_S,
+    SessionBatch,
     binary_auc,
     delay_table,
+    kl_weight,
+    split_context,
     tensor_bytes,
+    train_adr,
     upload_of,
 )
 
@@ -73,7 +78,7 @@ def test_duet_generates_every_dynamic_layer_per_session():
     for (w, b), (out, inp) in zip(layers, shapes):
         assert w.shape == (3, out, inp) and b.shape == (3, out)
     assert apply_dynamic(layers, frames).shape == (3, K, CLASSES)
-    assert model.session_logits(frames, None).shape == (3, K, CLASSES)
+    assert model.session_logits(frames, None, frames).shape == (3, K, CLASSES)
 
 
 def test_duet_generate_returns_named_layers_that_round_trip():
@@ -131,6 +136,27 @@ def test_swa_weights_equal_eq_8_by_hand():
     expected = torch.tensor([math.exp(v) / z for v in logits])
     torch.testing.assert_close(swa_weights(w.unsqueeze(1), tau), expected)  # [N_p, 1, 2]
     torch.testing.assert_close(swa_weights(w, tau), expected)
+
+
+def test_swa_is_a_plain_average_at_tau_one_and_not_at_a_small_tau():
+    """Eq. 8's softmax inputs p'_i / sum_j p'_j sum to one, so at tau = 1 they differ by less
+    than one and p stays near uniform for generators of similar norms; a small tau separates
+    non-identical generators. ``Duet.swa_weights`` logs the p every session uses."""
+    torch.manual_seed(0)
+    gen = LayerGenerator((5, 16), embed=7, hidden=9, generators=5)
+    with torch.no_grad():
+        gen.w1.mul_(torch.tensor([1.0, 1.1, 1.2, 1.3, 1.4]).view(5, 1, 1))  # not identical
+    with torch.no_grad():
+        at_one, small = gen.weights(1.0), gen.weights(0.01)
+    assert float(at_one.max() - at_one.min()) < 0.05
+    assert float(small.max() - small.min()) > 0.5
+    assert int(small.argmax()) == 4  # the largest row sum of S
+    model = _duet(temperature=0.01)
+    logged = model.swa_weights()
+    assert len(logged) == len(model.shapes)
+    for p, g in zip(logged, model.generators):
+        assert p == pytest.approx(g.weights(0.01).tolist())
+        assert sum(p) == pytest.approx(1.0, abs=1e-6)
 
 
 def test_a_single_generator_has_weight_one():
@@ -224,6 +250,46 @@ def test_duet_padding_is_ignored():
     assert not torch.allclose(unmasked[-1][1], plain[-1][1])
 
 
+# -- what the generator sees (method.context) ---------------------------------------------
+
+def test_split_context_first_previous_session():
+    """``first``: the session's first k samples, the rest scored (a short last session keeps
+    what it has); ``previous``: the previous session, the whole session scored, nothing before
+    the first; ``session``: the session as both."""
+    sessions = [np.arange(0, 4), np.arange(4, 8), np.arange(8, 10)]
+    first = split_context(sessions, "first", 3)
+    assert [(c.tolist(), s.tolist()) for c, s in first] == [
+        ([0, 1, 2], [3]), ([4, 5, 6], [7]), ([8, 9], [])]
+    previous = split_context(sessions, "previous", 3)
+    assert [(c.tolist(), s.tolist()) for c, s in previous] == [
+        ([], [0, 1, 2, 3]), ([0, 1, 2, 3], [4, 5, 6, 7]), ([4, 5, 6, 7], [8, 9])]
+    same = split_context(sessions, "session", 3)
+    assert all(c is s for c, s in same) and [s.tolist() for _, s in same] == \
+        [x.tolist() for x in sessions]
+
+
+@pytest.mark.parametrize("kind", ["duet", "cdc_mmpg", "f_hyper"])
+def test_layers_come_from_the_context_and_score_the_frames(kind):
+    """``session_logits(context, mask, frames, anchor)`` generates each session's layers from
+    its context (or the anchor chosen among it) only and applies them to ``frames``: the
+    logits equal the served layers applied to the frames, other frames leave the layers alone,
+    another context changes them."""
+    model = _duet() if kind == "duet" else _cdc(adr=kind == "cdc_mmpg")
+    context, frames, other = (torch.randn(1, n, DIM) for n in (2, 3, 5))
+    anchor = context[:, 1]
+    upload = {"anchor": anchor} if kind == "cdc_mmpg" else {"embeddings": context[0]}
+    with torch.no_grad():
+        served = dynamic_layers(model.generate(upload))
+        logits = model.session_logits(context, None, frames, anchor)
+        on_other = model.session_logits(context, None, other, anchor)
+        elsewhere = model.session_logits(torch.randn(1, 2, DIM), None, frames,
+                                         torch.randn(1, DIM))
+    assert logits.shape == (1, 3, CLASSES) and on_other.shape == (1, 5, CLASSES)
+    torch.testing.assert_close(logits[0], apply_dynamic(served, frames[0]))
+    torch.testing.assert_close(on_other[0], apply_dynamic(served, other[0]))
+    assert not torch.allclose(elsewhere, logits)
+
+
 # -- gamma weighting (Eq. 7) --------------------------------------------------------------
 
 def _ce_case():
@@ -288,7 +354,8 @@ def test_cdc_mmpg_generates_one_linear_layer(adr):
     assert arrays["layer0.weight"].shape == (CLASSES, DIM)
     assert arrays["layer0.bias"].shape == (CLASSES,)
     assert model.shapes == [(CLASSES, DIM)]
-    assert model.session_logits(x.unsqueeze(0), None, x[:1]).shape == (1, K, CLASSES)
+    assert model.session_logits(x.unsqueeze(0), None, x.unsqueeze(0), x[:1]).shape == \
+        (1, K, CLASSES)
 
 
 def test_cdc_mmpg_with_adr_uses_only_the_anchor():
@@ -347,6 +414,90 @@ def test_adr_loss_is_finite_and_trains_encoder_and_decoder():
         grads = [p.grad for p in part.parameters()]
         assert all(g is not None and torch.isfinite(g).all() for g in grads)
         assert sum(float(g.abs().sum()) for g in grads) > 0
+
+
+def _clusters(seed: int, n: int, dim: int = 128, centres: int = 4, spread: float = 3.0):
+    """``n`` sessions of 4 features, each session from one of ``centres`` Gaussian clusters:
+    ``[n, 4, dim]`` features and ``[n]`` cluster ids."""
+    gen = torch.Generator().manual_seed(seed)
+    means = spread * torch.randn(centres, dim, generator=torch.Generator().manual_seed(99))
+    ids = torch.randint(0, centres, (n,), generator=gen)
+    return means[ids].unsqueeze(1) + 0.3 * torch.randn(n, 4, dim, generator=gen), ids
+
+
+def _batch(x: torch.Tensor) -> SessionBatch:
+    mask = torch.zeros(x.shape[:2], dtype=torch.bool)
+    labels = torch.zeros(x.shape[:2], dtype=torch.long)
+    return SessionBatch(x, mask, x, mask, labels, x[:, 0], x, mask)
+
+
+class _ClusterSessions:
+    """Fresh sessions every epoch, fixed validation sessions (SessionBatches' interface)."""
+
+    def __init__(self) -> None:
+        self.epochs = 0
+        self.val = [_batch(_clusters(1000, 256)[0])]
+
+    def epoch(self):
+        self.epochs += 1
+        for step in range(8):
+            yield _batch(_clusters(10 * self.epochs + step, 32)[0])
+
+
+def test_a_trained_adr_uses_its_latent_and_beats_the_mean():
+    """On features from 4 Gaussian clusters ADR, trained with the per-anchor sums and the KL
+    warm-up, reconstructs far better than predicting the training features' mean, keeps KL > 0
+    with active latent dimensions, and its mu separates anchors of different clusters by far
+    more than 1e-4 (the collapse it had: KL 0, mu constant, worse than the mean)."""
+    torch.manual_seed(0)
+    adr = Adr(128, latent=4, hidden=32)
+    sessions = _ClusterSessions()
+    train = torch.cat([_clusters(s, 64)[0].flatten(0, 1) for s in range(4)])
+    m = CdcMmpgConfig(adr_epochs=20, adr_lr=3e-3, kl_warmup=5, lam=0.1, weight_decay=0.01)
+    log = train_adr(adr, train, sessions, m, seed=0)
+    d = log["diagnostics"]
+    assert sessions.epochs == 20 and log["epochs_run"] == 20
+    assert d["recon_mse"] < 0.05 * d["mean_predictor_mse"]  # KL summed, MSE averaged: 0.34
+    assert d["kl"] > 1.0 and d["active_dims"] >= 1
+    assert not adr.encoder[0].weight.requires_grad  # frozen for stage 2
+    x, ids = _clusters(2000, 200)
+    with torch.no_grad():
+        mu = adr.encoder(x[:, 0]).chunk(2, dim=-1)[0]
+    centres = torch.stack([mu[ids == c].mean(0) for c in range(4)])
+    gaps = torch.cdist(centres, centres)[~torch.eye(4, dtype=torch.bool)]
+    assert float(gaps.min()) > 0.1
+    assert float(mu.std(0).mean()) > 0.1
+
+
+def test_kl_warmup_ramps_linearly_and_ends_at_one():
+    """beta: 0, 0.2, ..., 0.8 over the first 5 epochs, then 1; never past the last epoch."""
+    assert [kl_weight(e, 5, 10) for e in range(1, 11)] == pytest.approx(
+        [0.0, 0.2, 0.4, 0.6, 0.8, 1.0, 1.0, 1.0, 1.0, 1.0])
+    assert [kl_weight(e, 5, 3) for e in (1, 2, 3)] == pytest.approx([0.0, 0.5, 1.0])
+    assert kl_weight(1, 0, 10) == 1.0 and kl_weight(1, 5, 1) == 1.0
+
+
+def test_adr_terms_are_per_anchor_sums_and_beta_weighs_the_kl():
+    """``loss = beta * KL + recon + lam * extra``, each term summed over its dimensions per
+    anchor and averaged over anchors; beta = 0 drops the KL."""
+    torch.manual_seed(0)
+    adr = Adr(DIM, latent=4, hidden=10)
+    frames = torch.randn(3, K, DIM)
+    anchor = frames[:, 0]
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        t = adr.terms(anchor, frames, None)
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        g, vae = adr(anchor, sample=True)
+    torch.testing.assert_close(t["recon"], ((vae["recon"] - anchor) ** 2).sum(-1).mean())
+    kl = -0.5 * (1 + vae["logvar"] - vae["mu"] ** 2 - vae["logvar"].exp())
+    torch.testing.assert_close(t["kl"], kl.sum(-1).mean())
+    for beta in (0.0, 0.4, 1.0):
+        with torch.random.fork_rng():
+            torch.manual_seed(1)
+            loss = adr.loss(anchor, frames, None, 0.1, beta)
+        torch.testing.assert_close(loss, beta * t["kl"] + t["recon"] + 0.1 * t["extra"])
 
 
 def test_channel_stats_skip_padding():
@@ -486,6 +637,11 @@ def test_delay_table_adds_up():
     (CdcMmpgConfig(session=0), "method.session"),
     (CdcMmpgConfig(upload="pixels"), "method.upload"),
     (CdcMmpgConfig(query="  "), "method.query"),
+    (DuetConfig(context="all"), "method.context"),
+    (DuetConfig(context_size=0), "method.context_size"),
+    (DuetConfig(session=4, context="first", context_size=4), "method.context_size"),
+    (CdcMmpgConfig(session=3, context_size=5), "method.context_size"),
+    (CdcMmpgConfig(kl_warmup=-1), "method.kl_warmup"),
 ])
 def test_bad_values_name_the_setting(cfg, key):
     from fedadapt.adapters import build_model

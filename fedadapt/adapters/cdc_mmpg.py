@@ -20,12 +20,18 @@ ADR (Sec. 3.3), this module's reading of the equations the text refers to:
 - the adaptive generator re-normalises the anchor to a session's channel-wise statistics (AdaIN,
   Eq. 16): ``AG(a; mu, sigma) = (a - mu_pop) / sigma_pop * sigma + mu`` with the training
   features' channel-wise mean and std (mu_pop, sigma_pop) as the anchor's own;
-- losses: KL(q(z|a) || N(0, I)) + MSE(r, a) (Eq. 14-15) plus the lambda-weighted terms between
-  the generated feature g = AG(a; mu_s^, sigma_s^) and (i) the anchor re-normalised with the
-  session's true statistics, (ii) the session's average v (Eq. 17-18);
-- FDA then takes g in place of v (Eq. 11). Two stages: ADR first (AdamW 2e-5, 10 epochs), then
-  FDA with ADR frozen (1e-4, 40 epochs), at constant rates (the paper's polynomial decay is not
-  implemented).
+- losses: beta * KL(q(z|a) || N(0, I)) + ||r - a||^2 (Eq. 14-15) plus the lambda-weighted terms
+  between the generated feature g = AG(a; mu_s^, sigma_s^) and (i) the anchor re-normalised with
+  the session's true statistics, (ii) the session's average v (Eq. 17-18). Every term is per
+  anchor, summed over its dimensions (the KL over the latent's, the squared errors over the
+  D features) and averaged over the anchors: the negative ELBO of a Gaussian decoder with fixed
+  variance (up to constants), so the KL is weighed against a reconstruction of all D features
+  rather than their mean (which let the KL win: the posterior collapsed to the prior and the
+  decoder predicted the mean anchor). beta ramps linearly from 0 over the first
+  ``method.kl_warmup`` epochs, then stays 1 (KL warm-up, Bowman et al. 2016);
+- FDA then takes g in place of v (Eq. 11). Two stages with "the same adamw optimizer" (AdamW,
+  ``method.weight_decay``): ADR first (2e-5, 10 epochs), then FDA with ADR frozen (1e-4, 40
+  epochs), at constant rates (the paper's polynomial decay is not implemented).
 
 Without ADR (``adr: false``) this is the paper's F-hyper ablation: the device uploads all K
 frames and FDA takes their average.
@@ -38,7 +44,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fedadapt.adapters.duet import (
@@ -57,8 +62,11 @@ from fedadapt.config import check
 @dataclass
 class CdcMmpgConfig(SessionPluginConfig):
     name: str = "cdc_mmpg"
-    #: K = 3 sampled frames per session (the paper's choice).
-    session: int = 3
+    #: Sessions of 6 frames whose first 3 are the context (``context=first``): the paper's
+    #: K = 3 sampled frames, which F-hyper uploads and among which CDC-MMPG's anchor is
+    #: chosen; the other 3 are scored.
+    session: int = 6
+    context_size: int = 3
     #: FDA's hidden width (96 for QA, 256 for retrieval in the paper).
     hidden: int = 96
     #: ADR: the device uploads one anchor feature (false: F-hyper, all K frames, no generator).
@@ -67,11 +75,18 @@ class CdcMmpgConfig(SessionPluginConfig):
     vae_hidden: int = 256
     #: lambda, the weight of ADR's extra terms.
     lam: float = 0.1
-    #: Stage 1 (ADR): AdamW; stage 2 (FDA, ADR frozen) uses ``lr`` / ``max_epochs``.
+    #: Stage 1 (ADR): AdamW; stage 2 (FDA, ADR frozen) uses ``lr`` / ``max_epochs``. Both
+    #: stages use AdamW with ``weight_decay`` ("the same adamw optimizer"; the paper gives no
+    #: decay: 0.01 is AdamW's usual default).
     adr_lr: float = 2e-5
     adr_epochs: int = 10
     lr: float = 1e-4
     max_epochs: int = 40
+    weight_decay: float = 0.01
+    #: ADR's KL warm-up: its weight beta rises linearly from 0 over this many epochs, then
+    #: stays 1 (epoch e from 1: min(1, (e - 1) / W) with W = min(kl_warmup, adr_epochs - 1), so
+    #: the last epoch always trains the full objective); 0: beta = 1 throughout.
+    kl_warmup: int = 5
     #: A text query fused into every frame (e.g. a question about the session), encoded once
     #: by the backbone's text tower (a CLIP backbone); None: image sessions.
     query: Optional[str] = None
@@ -123,14 +138,44 @@ class Adr(nn.Module):
         """The adaptive generator (Eq. 16)."""
         return (anchor - self.pop_mean) / self.pop_std * std + mean
 
-    def loss(self, anchor: torch.Tensor, frames: torch.Tensor, mask: torch.Tensor, lam: float
-             ) -> torch.Tensor:
+    def terms(self, anchor: torch.Tensor, frames: torch.Tensor, mask: Optional[torch.Tensor]
+              ) -> dict[str, torch.Tensor]:
+        """ADR's loss terms, each per anchor summed over its dimensions and averaged over the
+        ``[S]`` anchors: ``kl`` (Eq. 14), ``recon`` (Eq. 15) and ``extra`` (Eq. 17), for
+        anchors ``[S, D]`` and the sessions ``frames`` ``[S, K, D]`` they stand for."""
         g, vae = self(anchor, sample=True)
-        kl = -0.5 * (1 + vae["logvar"] - vae["mu"] ** 2 - vae["logvar"].exp()).sum(-1).mean()
-        recon = F.mse_loss(vae["recon"], anchor)
-        mean, std = channel_stats(frames, mask)
+        kl = kl_per_dim(vae["mu"], vae["logvar"]).sum(-1)                      # [S]
+        recon = ((vae["recon"] - anchor) ** 2).sum(-1)                          # [S]
+        mean, std = channel_stats(frames, mask)                                 # [S, D] each
         target = self.renormalise(anchor, mean, std)
-        return kl + recon + lam * (F.mse_loss(g, target) + F.mse_loss(g, mean))
+        extra = ((g - target) ** 2).sum(-1) + ((g - mean) ** 2).sum(-1)         # [S]
+        return {"kl": kl.mean(), "recon": recon.mean(), "extra": extra.mean()}
+
+    def loss(self, anchor: torch.Tensor, frames: torch.Tensor, mask: Optional[torch.Tensor],
+             lam: float, beta: float = 1.0) -> torch.Tensor:
+        """beta * KL + reconstruction + lambda * the extra terms (Eq. 18's ADR part)."""
+        t = self.terms(anchor, frames, mask)
+        return beta * t["kl"] + t["recon"] + lam * t["extra"]
+
+    @torch.no_grad()
+    def diagnostics(self, anchors: torch.Tensor) -> dict[str, float]:
+        """Whether the VAE uses its latent, on anchors ``[N, D]`` (z = mu): the reconstruction's
+        MSE per feature against predicting the training features' mean, the KL per anchor (nats,
+        summed over the latent), the latent dimensions whose mean KL exceeds 0.01 nats
+        ("active"), and mu's standard deviation across the anchors (mean over dimensions)."""
+        mu, logvar = self.encoder(anchors).chunk(2, dim=-1)                     # [N, L] each
+        recon = self.decoder(mu)[..., :self.dim]                                # [N, D]
+        kl = kl_per_dim(mu, logvar).mean(0)                                     # [L]
+        return {"recon_mse": float(((recon - anchors) ** 2).mean()),
+                "mean_predictor_mse": float(((anchors - self.pop_mean) ** 2).mean()),
+                "kl": float(kl.sum()), "active_dims": int((kl > 0.01).sum()),
+                "latent_dims": int(kl.numel()),
+                "mu_std": float(mu.std(0).mean()) if len(mu) > 1 else 0.0}
+
+
+def kl_per_dim(mu: torch.Tensor, logvar: torch.Tensor) -> torch.Tensor:
+    """KL(N(mu, sigma^2) || N(0, 1)) per latent dimension, ``[..., L]`` (Eq. 14)."""
+    return -0.5 * (1 + logvar - mu ** 2 - logvar.exp())
 
 
 class CdcMmpg(nn.Module):
@@ -169,12 +214,13 @@ class CdcMmpg(nn.Module):
         w, b = self.generate_layer(summary)
         return dynamic_arrays([(w[0], b[0])])
 
-    def session_logits(self, frames: torch.Tensor, mask: Optional[torch.Tensor],
-                       anchor: Optional[torch.Tensor] = None, sample: bool = False
-                       ) -> torch.Tensor:
-        """``[S, K, C]``: each session's generated layer on its own frames (Eq. 7); ADR's
-        latent is sampled in training."""
-        layer = self.generate_layer(self.summary(frames, mask, anchor, sample))
+    def session_logits(self, context: torch.Tensor, context_mask: Optional[torch.Tensor],
+                       frames: torch.Tensor, anchor: Optional[torch.Tensor] = None,
+                       sample: bool = False) -> torch.Tensor:
+        """``[S, Kt, C]``: each session's layer, generated from its context ``[S, Kc, D]`` (F-hyper:
+        their average) or from the anchor ``[S, D]`` chosen among them (ADR; its latent is
+        sampled in training), on the frames it scores ``[S, Kt, D]`` (Eq. 7)."""
+        layer = self.generate_layer(self.summary(context, context_mask, anchor, sample))
         return apply_dynamic([layer], frames)
 
 
@@ -195,6 +241,7 @@ def _check(cfg: CdcMmpgConfig) -> None:
         check(getattr(cfg, key) >= 1, f"method.{key}", getattr(cfg, key), "must be >= 1")
     check(cfg.adr_lr > 0, "method.adr_lr", cfg.adr_lr, "must be > 0")
     check(cfg.lam >= 0, "method.lam", cfg.lam, "must be >= 0")
+    check(cfg.kl_warmup >= 0, "method.kl_warmup", cfg.kl_warmup, "must be >= 0 (epochs)")
     check(cfg.query is None or cfg.query.strip() != "", "method.query", cfg.query,
           "a text, or null for image sessions")
 

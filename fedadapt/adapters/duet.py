@@ -21,10 +21,17 @@ weights W'_1,j, flattened, give the self-similarity S = W'_1 W'_1^T; its row sum
 p-weighted sums of the N_p generators' (Eq. 9: W1 and W2, and their biases alike). N_p = 1 is
 DUET without SWA.
 
-Training (Eq. 7) weights the cross-entropy of the t-th sample of a session by gamma^t. The loss
-is on the session's own samples: the generated layers classify the samples they were generated
-from, as on a device at test time (Eq. 7 writes the history samples x_H; this is our reading,
-matching the paper's CK+ setup, where a video's frames are both the input and the targets).
+Training (Eq. 7) weights the cross-entropy of the t-th scored sample of a session by gamma^t.
+The layers are generated from the samples the device uploads (``method.context``: the session's
+first samples, as the paper's "the first frame of each video is set to a real-time sample"; the
+client's previous session; or, transductively, the session itself) and the loss is on the
+samples they were not generated from (with ``context=session``, on the same ones), as on a
+device at test time.
+
+SWA's p depends only on the generators' first-layer weights (Eq. 8), not on the session: one p
+per dynamic layer serves every session (:meth:`Duet.swa_weights`). With tau = 1 the softmax
+inputs p'_i / sum_j p'_j sum to one, so they differ by less than one and p is close to uniform;
+a smaller tau sharpens it.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ from fedadapt.adapters.registry import register_method
 from fedadapt.config import MethodConfig, check
 
 UPLOADS = ("embeddings", "samples")
+#: Which samples the generator sees (``method.context``); every row scores only the others.
+CONTEXTS = ("first", "previous", "session")
 
 
 @dataclass
@@ -52,6 +61,17 @@ class SessionPluginConfig(MethodConfig):
 
     #: K, the samples of a session (the device's real-time samples).
     session: int = 8
+    #: Which samples the generator sees, i.e. what the device uploads; every row of a run (the
+    #: generated layers, the original model, fine-tuning) scores only the samples the generator
+    #: did not see. ``first``: the session's first ``context_size`` samples (DUET's "the first
+    #: frame of each video is set to a real-time sample"), the session's other samples are
+    #: scored; ``previous``: the client's previous session, the whole current session is scored
+    #: (a client's first session has none: the original model scores it in every row);
+    #: ``session``: the session itself, which is also what is scored (transductive: the layers
+    #: classify the very samples they were generated from).
+    context: str = "first"
+    #: ``context=first``: how many of the session's first samples the generator sees.
+    context_size: int = 1
     #: What the device uploads: its samples' ``embeddings`` (the backbone's features) or the raw
     #: ``samples`` (the server runs the frozen backbone on them).
     upload: str = "embeddings"
@@ -63,7 +83,8 @@ class SessionPluginConfig(MethodConfig):
     sessions_per_step: int = 32
     #: The original model (the classifier trained on every client's history, SGD) and the
     #: fine-tuning baseline: each test session's classifier fine-tuned on the labels of the
-    #: client's previous session (the device labels what it has seen; 0 steps = skip).
+    #: samples the generator sees (``context``; with ``context=session``, of the client's
+    #: previous session, since the session's own labels are what is scored); 0 steps = skip.
     classifier_epochs: int = 30
     classifier_lr: float = 0.01
     finetune_steps: int = 10
@@ -87,6 +108,11 @@ def check_session_plugin(cfg: SessionPluginConfig) -> None:
     check(cfg.auc_bins == 0 or cfg.auc_bins >= 2, "method.auc_bins", cfg.auc_bins,
           "0 (no histograms) or >= 2")
     check(cfg.upload in UPLOADS, "method.upload", cfg.upload, f"one of {UPLOADS}")
+    check(cfg.context in CONTEXTS, "method.context", cfg.context, f"one of {CONTEXTS}")
+    check(cfg.context_size >= 1, "method.context_size", cfg.context_size, "must be >= 1")
+    check(cfg.context != "first" or cfg.context_size < cfg.session, "method.context_size",
+          cfg.context_size, f"must be < method.session={cfg.session} with method.context=first "
+          f"(the session's other samples are the ones scored; none would be left)")
     check(cfg.use_cache, "method.use_cache", cfg.use_cache,
           "session plug-ins train on the foundation's cached features")
 
@@ -207,11 +233,19 @@ class Duet(nn.Module):
         layers = self(upload["embeddings"].unsqueeze(0))
         return dynamic_arrays([(w[0], b[0]) for w, b in layers])
 
-    def session_logits(self, frames: torch.Tensor, mask: Optional[torch.Tensor],
-                       anchor: Optional[torch.Tensor] = None, sample: bool = False
-                       ) -> torch.Tensor:
-        """``[S, K, C]``: each session's generated layers on its own samples."""
-        return apply_dynamic(self(frames, mask), frames)
+    def session_logits(self, context: torch.Tensor, context_mask: Optional[torch.Tensor],
+                       frames: torch.Tensor, anchor: Optional[torch.Tensor] = None,
+                       sample: bool = False) -> torch.Tensor:
+        """``[S, Kt, C]``: each session's layers, generated from its context ``[S, Kc, D]``
+        (``context_mask`` ``[S, Kc]``, True = padding), on the samples it scores ``frames``
+        ``[S, Kt, D]``."""
+        return apply_dynamic(self(context, context_mask), frames)
+
+    @torch.no_grad()
+    def swa_weights(self) -> list[list[float]]:
+        """SWA's p (Eq. 8) of every dynamic layer, ``[N_p]`` each. p depends only on the
+        generators' first-layer weights, not on the session: the same p serves every session."""
+        return [[float(v) for v in gen.weights(self.temperature)] for gen in self.generators]
 
 
 def weighted_session_ce(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor,

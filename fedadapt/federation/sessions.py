@@ -1,35 +1,47 @@
 """Session plug-ins (DUET, CDC-MMPG): a generator trained once on the server, then a conversation
 with every device over Flower's Message API. Nothing trains on the devices.
 
+Every session is split (``method.context``, :func:`split_context`) into the samples the
+generator sees (its *context*: the session's first ``context_size`` samples, the client's
+previous session, or, transductively, the session itself) and the samples every row scores
+(the others; with ``context=session`` the same ones). The split is the same in server training,
+in validation (early stopping) and in serving.
+
 Server training, from the training clients' cached features:
 
 1. the original model: ``Linear(D, C)`` on the mixture of all clients' training features;
 2. the generator (DUET's PPG + SWA, or CDC-MMPG's FDA with ADR trained first), on sessions of K
-   samples cut from each training client's own data (a seeded permutation per epoch); Adam(W),
-   early stopping on the accuracy of the clients' validation sessions, best epoch kept.
+   samples cut from each training client's own data (a seeded permutation per epoch): layers
+   generated from each session's context, the loss (Eq. 7) on its scored samples; AdamW, early
+   stopping on the accuracy of the clients' validation sessions' scored samples, best epoch
+   kept.
 
 Serving (:func:`fedadapt.federation.server.converse`), per client, in two messages:
 
 1. ``session-upload`` (QUERY): the client cuts its test split, in its seeded arrival order, into
-   sessions of K and replies with one ArrayRecord per session: the K embeddings (DUET, F-hyper),
-   one randomly chosen anchor embedding (CDC-MMPG), or the K raw preprocessed images
-   (``method.upload=samples``: the server runs the frozen backbone);
+   sessions of K and replies with one ArrayRecord per session that has a context and samples to
+   score: the context's embeddings (DUET, F-hyper), one anchor embedding chosen at random among
+   them (CDC-MMPG), or the context's raw preprocessed images (``method.upload=samples``: the
+   server runs the frozen backbone);
 2. ``session-predict`` (EVALUATE): the server answers with one ArrayRecord per session holding
    only the generated dynamic layers (plus, once per client, the original classifier for the
-   baseline rows); the client predicts every session with its layers and replies with metrics.
+   baseline rows); the client scores every session's scored samples with its layers and replies
+   with metrics.
 
 The server records each session's upload and download bytes (``ArrayRecord.count_bytes``) and
 its generation time; :func:`delay_table` turns them into DUET's Table 3 / CDC-MMPG's Table 6.
-Baselines in every run: the original model, and fine-tuning (the original classifier trained on
-the labels of the client's previous session, then used for the current one; the first session
-has no labels yet and uses the original model).
+Baselines in every run, scored on the same samples: the original model, and fine-tuning (the
+original classifier trained on the labels of the context; with ``context=session``, of the
+client's previous session, since the session's own labels are what is scored). A session
+without a context (a client's first with ``context=previous``; its first with
+``context=session`` for fine-tuning) is scored with the original model.
 """
 
 from __future__ import annotations
 
 import copy
 import time
-from typing import Optional
+from typing import Iterator, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -44,6 +56,7 @@ from fedadapt.adapters.duet import (
     dynamic_layers,
     weighted_session_ce,
 )
+from fedadapt.config import ConfigError
 from fedadapt.federation.plugin import (
     ServerData,
     _accuracy,
@@ -55,6 +68,7 @@ from fedadapt.federation.plugin import (
     train_original,
 )
 from fedadapt.federation.training import RunSpec, derive_seed
+from fedadapt.log import log as log_
 
 #: Link speeds of DUET's Table 3 and CDC-MMPG's Table 6, in MB/s (1 MB = 10^6 bytes).
 RATES_MB_S = (5, 15, 50, 100)
@@ -77,18 +91,98 @@ def uses_anchor(generator: nn.Module) -> bool:
     return getattr(generator, "adr", None) is not None
 
 
+def split_context(sessions: list[np.ndarray], context: str, size: int
+                  ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``(context, scored)`` for each of one client's consecutive sessions (``method.context``):
+    ``first``: the session's first ``size`` samples and the others; ``previous``: the previous
+    session (empty for the first) and the whole session; ``session``: the session as both
+    (transductive)."""
+    if context == "first":
+        return [(s[:size], s[size:]) for s in sessions]
+    if context == "previous":
+        return [(sessions[i - 1] if i else s[:0], s) for i, s in enumerate(sessions)]
+    return [(s, s) for s in sessions]
+
+
+class SessionBatch(NamedTuple):
+    """Sessions of one step, each from ONE client, zero-padded (masks: True = padding)."""
+
+    context: torch.Tensor       # [S, Kc, D] what the generator sees
+    context_mask: torch.Tensor  # [S, Kc]
+    frames: torch.Tensor        # [S, Kt, D] what is scored
+    mask: torch.Tensor          # [S, Kt]
+    labels: torch.Tensor        # [S, Kt]
+    anchor: torch.Tensor        # [S, D] one context sample, chosen at random (ADR's input)
+    whole: torch.Tensor         # [S, K, D] the current session (ADR's statistics, Eq. 16-17)
+    whole_mask: torch.Tensor    # [S, K]
+
+
+class SessionBatches:
+    """The training clients' sessions for server training: each client's split in a seeded
+    permutation cut into sessions of K (:func:`fedadapt.federation.plugin.sequences`), split by
+    ``method.context``; a session without a context or without samples to score is left out.
+    ``val`` holds the validation batches (drawn once), :meth:`epoch` draws a training epoch."""
+
+    def __init__(self, spec: RunSpec, data: ServerData, feats: torch.Tensor,
+                 rng: np.random.Generator) -> None:
+        self.m, self.data, self.feats, self.rng = spec.method, data, feats, rng
+        m = self.m
+        first = m.context == "first"
+        self.context_len = m.context_size if first else m.session
+        self.scored_len = m.session - m.context_size if first else m.session
+        pairs = self.pairs("val")
+        self.val = [self.batch(pairs[i:i + 256]) for i in range(0, len(pairs), 256)]
+
+    def pairs(self, part: str) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``(context, scored)`` rows of every client's ``part`` (``train`` or ``val``)."""
+        m = self.m
+        out = []
+        for c in self.data.clients:
+            sessions = sequences(getattr(c, part), m.session, self.rng)
+            out += [(ctx, scored) for ctx, scored in
+                    split_context(sessions, m.context, m.context_size) if len(ctx) and len(scored)]
+        if not out:
+            raise ConfigError(
+                f"method.context={m.context} is invalid here: no {part} session of "
+                f"method.session={m.session} has both a context and samples to score"
+                + (" (each client needs two sessions)" if m.context == "previous" else ""))
+        return out
+
+    def batch(self, group: list[tuple[np.ndarray, np.ndarray]]) -> SessionBatch:
+        m, feats, labels = self.m, self.feats, self.data.labels
+        x, mask = pad([feats[s] for _, s in group], self.scored_len)
+        y = pad_labels([labels[s] for _, s in group], self.scored_len)
+        if m.context == "session":
+            ctx, ctx_mask, whole, whole_mask = x, mask, x, mask
+        else:
+            ctx, ctx_mask = pad([feats[c] for c, _ in group], self.context_len)
+            whole, whole_mask = (x, mask) if m.context == "previous" else pad(
+                [feats[np.concatenate([c, s])] for c, s in group], m.session)
+        picks = torch.tensor([int(self.rng.integers(len(c))) for c, _ in group])
+        return SessionBatch(ctx, ctx_mask, x, mask, y, ctx[torch.arange(len(group)), picks],
+                            whole, whole_mask)
+
+    def epoch(self) -> Iterator[SessionBatch]:
+        """One epoch of training sessions, ``method.sessions_per_step`` per step."""
+        pairs = self.pairs("train")
+        order = self.rng.permutation(len(pairs))
+        step = self.m.sessions_per_step
+        for i in range(0, len(order), step):
+            yield self.batch([pairs[j] for j in order[i:i + step]])
+
+
 def train_generator(spec: RunSpec) -> dict:
-    """The original model and the generator, on the training clients' cached features."""
+    """The original model and the generator, on the training clients' cached features: the
+    layers generated from each session's context, the loss (Eq. 7) and the validation accuracy
+    on its scored samples."""
     m = spec.method
     largest = max(len(c.train) for c in spec.clients)
     if m.session > largest:
-        from fedadapt.config import ConfigError
-
         raise ConfigError(f"method.session={m.session} is invalid: sessions are cut from one "
                           f"client's data and the largest training client holds {largest} "
                           f"samples")
     data = ServerData.of(spec)
-    feats, labels = fused(spec, data.feats), data.labels  # the original model: image only
+    feats = fused(spec, data.feats)  # the original model: image only
 
     def stage_rng(stage: int) -> np.random.Generator:
         torch.manual_seed(derive_seed(spec.seed, 0x5E55, stage))
@@ -98,76 +192,80 @@ def train_generator(spec: RunSpec) -> dict:
 
     rng = stage_rng(2)
     generator = build_generator(spec)
-    k = m.session
-    val_sessions = [s for c in data.clients for s in sequences(c.val, k, rng)]
-    val_anchors = [int(rng.integers(len(s))) for s in val_sessions]
+    batches = SessionBatches(spec, data, feats, rng)
+    logs = {"original": original_log}
+    if uses_anchor(generator):  # CDC-MMPG stage 1: ADR alone, then frozen
+        logs["adr"] = train_adr(generator.adr, feats[data.train_idx], batches, m, spec.seed)
+
     gamma = getattr(m, "gamma", 1.0)
 
-    def batch(group: list[np.ndarray], anchors: list[int]):
-        x, mask = pad([feats[s] for s in group], k)
-        y = pad_labels([labels[s] for s in group], k)
-        return x, mask, y, x[torch.arange(len(group)), torch.tensor(anchors)]
-
-    def steps():
-        """One epoch of training sessions (each from ONE client), ``sessions_per_step``
-        sessions per step; yields ``(frames, mask, labels, anchor)``."""
-        sessions = [s for c in data.clients for s in sequences(c.train, k, rng)]
-        order = rng.permutation(len(sessions))
-        for i in range(0, len(order), m.sessions_per_step):
-            group = [sessions[j] for j in order[i:i + m.sessions_per_step]]
-            yield batch(group, [int(rng.integers(len(s))) for s in group])
-
-    val_batches = [batch(val_sessions[i:i + 256], val_anchors[i:i + 256])
-                   for i in range(0, len(val_sessions), 256)]
-
-    logs = {"original": original_log}
-    if uses_anchor(generator):  # CDC-MMPG stage 1: ADR alone (AdamW), then frozen
-        logs["adr"] = _train_adr(spec, generator.adr, feats[data.train_idx], steps, val_batches)
-
-    params = [p for p in generator.parameters() if p.requires_grad]
-    opt = (torch.optim.AdamW(params, lr=m.lr, weight_decay=m.weight_decay) if m.weight_decay
-           else torch.optim.Adam(params, lr=m.lr))
-
     def losses():
-        for x, mask, y, a in steps():
-            yield weighted_session_ce(generator.session_logits(x, mask, a, sample=True), y,
-                                      mask, gamma)
+        for b in batches.epoch():
+            logits = generator.session_logits(b.context, b.context_mask, b.frames, b.anchor,
+                                              sample=True)
+            yield weighted_session_ce(logits, b.labels, b.mask, gamma)
 
     @torch.no_grad()
     def val() -> float:
         correct = total = 0
-        for x, mask, y, a in val_batches:
-            pred = generator.session_logits(x, mask, a, sample=False).argmax(-1)
-            correct += int(((pred == y) & ~mask).sum())
-            total += int((~mask).sum())
+        for b in batches.val:
+            pred = generator.session_logits(b.context, b.context_mask, b.frames,
+                                            b.anchor).argmax(-1)
+            correct += int(((pred == b.labels) & ~b.mask).sum())
+            total += int((~b.mask).sum())
         return correct / max(total, 1)
 
+    opt = torch.optim.AdamW([p for p in generator.parameters() if p.requires_grad], lr=m.lr,
+                            weight_decay=m.weight_decay)
     generator.train()
     logs["generator"] = fit(generator, losses, val, epochs=m.max_epochs, patience=m.patience,
                             lr=m.lr, optimizer=opt, label=f"{m.name} (generator)")
     return {"original": original, "generator": generator.eval(), "log": logs}
 
 
-def _train_adr(spec: RunSpec, adr, train_feats: torch.Tensor, steps, val_batches) -> dict:
-    """CDC-MMPG's first stage: ADR alone with AdamW, early-stopped on the validation sessions'
-    loss; frozen afterwards."""
-    m = spec.method
+def kl_weight(epoch: int, warmup: int, epochs: int) -> float:
+    """ADR's KL weight beta in ``epoch`` (from 1): a linear ramp from 0 over the first
+    ``min(warmup, epochs - 1)`` epochs, then 1 (the last epoch trains the full objective)."""
+    span = min(warmup, epochs - 1)
+    return min(1.0, (epoch - 1) / span) if span > 0 else 1.0
+
+
+def train_adr(adr, train_feats: torch.Tensor, batches, m, seed: int) -> dict:
+    """CDC-MMPG's first stage: ADR alone with AdamW (``method.adr_lr``,
+    ``method.weight_decay``), the KL's weight beta warmed up linearly over
+    ``method.kl_warmup`` epochs (:func:`kl_weight`); the kept epoch is the best on the
+    validation sessions' full loss (beta = 1, the same VAE noise every epoch). Frozen
+    afterwards; the log holds :meth:`Adr.diagnostics` on the validation anchors. ``batches``
+    gives ``val`` and ``epoch()`` (:class:`SessionBatches`)."""
     adr.pop_mean.copy_(train_feats.mean(0))
     adr.pop_std.copy_(train_feats.std(0) + 1e-6)
+    epoch = 0
+
+    def losses():
+        nonlocal epoch
+        epoch += 1
+        beta = kl_weight(epoch, m.kl_warmup, m.adr_epochs)
+        for b in batches.epoch():
+            yield adr.loss(b.anchor, b.whole, b.whole_mask, m.lam, beta)
 
     @torch.no_grad()
-    def adr_val() -> float:  # higher is better: the negative validation loss
-        with torch.random.fork_rng(devices=[]):  # the same VAE noise every epoch
-            torch.manual_seed(derive_seed(spec.seed, 0xADE))
-            return -float(np.mean([float(adr.loss(a, x, mask, m.lam))
-                                   for x, mask, _, a in val_batches]))
+    def val() -> float:  # higher is better: the negative validation loss
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(seed, 0xADE))
+            return -float(np.mean([float(adr.loss(b.anchor, b.whole, b.whole_mask, m.lam))
+                                   for b in batches.val]))
 
-    log = fit(adr, lambda: (adr.loss(a, x, mask, m.lam) for x, mask, _, a in steps()),
-              adr_val, epochs=m.adr_epochs, patience=m.adr_epochs, lr=m.adr_lr,
-              optimizer=torch.optim.AdamW(adr.parameters(), lr=m.adr_lr),
+    log = fit(adr, losses, val, epochs=m.adr_epochs, patience=m.adr_epochs, lr=m.adr_lr,
+              optimizer=torch.optim.AdamW(adr.parameters(), lr=m.adr_lr,
+                                          weight_decay=m.weight_decay),
               label=f"{m.name} (ADR)", score="-val loss")
     adr.requires_grad_(False)
     adr.eval()
+    d = log["diagnostics"] = adr.diagnostics(torch.cat([b.anchor for b in batches.val]))
+    log_(f"[{m.name} (ADR)] validation anchors: reconstruction MSE {d['recon_mse']:.3f} "
+         f"(the mean: {d['mean_predictor_mse']:.3f}), KL {d['kl']:.2f} nats, "
+         f"{d['active_dims']}/{d['latent_dims']} latent dimensions active, mu's std across "
+         f"anchors {d['mu_std']:.4f}")
     return log
 
 
@@ -183,7 +281,7 @@ def client_sessions(spec: RunSpec, cid: int) -> list[np.ndarray]:
 
 def upload_key(method) -> str:
     """The name of what the device uploads per session: ``anchor`` (CDC-MMPG with ADR: one
-    embedding) or ``embeddings`` (DUET, F-hyper: K), or their raw-image forms with
+    embedding) or ``embeddings`` (DUET, F-hyper: the context's), or their raw-image forms with
     ``method.upload=samples`` (``anchor_sample``, ``samples``)."""
     anchor = bool(getattr(method, "adr", False))
     if method.upload == "samples":
@@ -193,8 +291,9 @@ def upload_key(method) -> str:
 
 def upload_of(spec: RunSpec, frames: torch.Tensor, images: Optional[torch.Tensor],
               gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """What the device sends for one session (:func:`upload_key`): one randomly chosen anchor,
-    or the whole session; embeddings, or with ``method.upload=samples`` preprocessed images."""
+    """What the device sends for one session (:func:`upload_key`), from its context ``frames``
+    ``[Kc, D]`` (and ``images`` ``[Kc, 3, H, W]``): one anchor chosen at random among them, or
+    all of them; embeddings, or with ``method.upload=samples`` preprocessed images."""
     key = upload_key(spec.method)
     rows = images if spec.method.upload == "samples" else frames
     if key.startswith("anchor"):
@@ -203,13 +302,34 @@ def upload_of(spec: RunSpec, frames: torch.Tensor, images: Optional[torch.Tensor
     return {key: rows.contiguous()}
 
 
+def device_sessions(spec: RunSpec, cid: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``(context, scored)`` of each of the client's test sessions (:func:`client_sessions`
+    split by ``method.context``, :func:`split_context`); the i-th is ``session.i``."""
+    m = spec.method
+    return split_context(client_sessions(spec, cid), m.context, m.context_size)
+
+
+def finetuning_labels(method, sessions: list[tuple[np.ndarray, np.ndarray]], i: int
+                      ) -> np.ndarray:
+    """The samples whose labels the fine-tuning baseline gets for session ``i``: its context
+    (what the generator sees); with ``context=session`` the previous session's samples (its
+    own labels are what is scored). Empty: none, the original model scores the session."""
+    context, _ = sessions[i]
+    if method.context == "session":
+        return sessions[i - 1][1] if i else context[:0]
+    return context
+
+
 def session_upload(spec: RunSpec, cid: int) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
-    """The client's first message: ``{"session.i": upload}`` and its metrics."""
+    """The client's first message: ``{"session.i": upload}`` of the context of every session
+    that has one and has samples to score, and its metrics."""
     gen = torch.Generator().manual_seed(derive_seed(spec.seed, 0xA7C, cid))
     out = {}
-    for i, s in enumerate(client_sessions(spec, cid)):
-        frames, _ = spec.train_source.get(s)
-        images = spec.image_source.get(s)[0] if spec.method.upload == "samples" else None
+    for i, (context, scored) in enumerate(device_sessions(spec, cid)):
+        if not (len(context) and len(scored)):
+            continue  # nothing to generate from (a first session), or nothing to score
+        frames, _ = spec.train_source.get(context)
+        images = spec.image_source.get(context)[0] if spec.method.upload == "samples" else None
         out[f"session.{i}"] = upload_of(spec, fused(spec, frames), images, gen)
     return out, {"sessions": len(out)}
 
@@ -217,29 +337,36 @@ def session_upload(spec: RunSpec, cid: int) -> tuple[dict[str, dict[str, torch.T
 @torch.no_grad()
 def session_predict(spec: RunSpec, cid: int, arrays: dict[str, dict[str, torch.Tensor]]
                     ) -> tuple[dict, Optional[dict[str, torch.Tensor]]]:
-    """The client's second message: every session predicted with its generated layers, and the
-    baselines. Returns metrics and, for a binary task, the scores the server needs for AUC."""
+    """The client's second message: every session's scored samples (never its context, unless
+    ``context=session``) predicted with its generated layers, and by the baselines on the same
+    samples. Returns metrics and, for a binary task, the score histograms for the pooled AUC."""
     m = spec.method
     original = nn.Linear(spec.embed_dim, spec.num_classes)
     original.load_state_dict(arrays["original"])
-    sessions = client_sessions(spec, cid)
+    sessions = device_sessions(spec, cid)
     logits = {"generated": [], "original": [], "finetune": []}
-    ys = []
-    previous = None
-    for i, s in enumerate(sessions):
-        x, y = spec.train_source.get(s)
-        logits["generated"].append(apply_dynamic(dynamic_layers(arrays[f"session.{i}"]),
-                                                 fused(spec, x)))
+    ys, fallback, scored_sessions = [], 0, 0
+    for i, (_, scored) in enumerate(sessions):
+        if not len(scored):
+            continue
+        x, y = spec.train_source.get(scored)
+        answer = arrays.get(f"session.{i}")
+        if answer is None:  # no context to generate from: the original model
+            fallback += len(y)
+        logits["generated"].append(original(x) if answer is None else
+                                   apply_dynamic(dynamic_layers(answer), fused(spec, x)))
         logits["original"].append(original(x))
         if m.finetune_steps:
-            tuned = original if previous is None else _finetune(original, *previous, m)
+            labeled = finetuning_labels(m, sessions, i)  # the device labels what it has seen
+            tuned = _finetune(original, *spec.train_source.get(labeled), m) if len(labeled) \
+                else original
             logits["finetune"].append(tuned(x))
-        previous = (x, y)  # the device labels the session it has just seen
         ys.append(y)
+        scored_sessions += 1
     y = torch.cat(ys) if ys else torch.empty(0, dtype=torch.long)
     cat = {k: torch.cat(v) if v else torch.empty(0, spec.num_classes) for k, v in logits.items()}
     # the same keys from every client (NaN: fine-tuning skipped, or no test data)
-    metrics = {"num-examples": len(y), "sessions": len(sessions),
+    metrics = {"num-examples": len(y), "sessions": scored_sessions, "original-fallback": fallback,
                **{f"acc_{k}": _accuracy(v, y) if len(v) == len(y) else float("nan")
                   for k, v in cat.items()}}
     scores = None
@@ -349,8 +476,9 @@ class SessionServer:
                 return f"{name}: {key} of shape {tuple(t.shape)}, expected [K, {width}]"
             if key in ("samples", "anchor_sample") and t.dim() != 4:
                 return f"{name}: {key} of shape {tuple(t.shape)}, expected [K, 3, H, W]"
-            if len(t) == 0 or len(t) > m.session or (anchor and len(t) != 1):
-                return f"{name}: {len(t)} rows for sessions of {m.session}"
+            rows = m.context_size if m.context == "first" else m.session  # the context's
+            if len(t) == 0 or len(t) > rows or (anchor and len(t) != 1):
+                return f"{name}: {len(t)} rows for a context of {rows}"
             if not torch.isfinite(t).all():
                 return f"{name}: non-finite values"
         return None
@@ -416,6 +544,8 @@ def summarize_sessions(rows: list[dict], records: list[dict],
     delay table. Nothing here sees a label: the clients computed what needs them."""
     out: dict = {key: acc for key in RESULT_KEYS
                  if (acc := accuracy_over_clients(rows, key)) is not None}
+    out["scored_images"] = int(sum(r["num-examples"] for r in rows))
+    out["original_fallback_images"] = int(sum(r.get("original-fallback", 0) for r in rows))
     aucs = {k: [r[f"auc_{k}"] for r in rows if f"auc_{k}" in r and np.isfinite(r[f"auc_{k}"])]
             for k in ("generated", "original", "finetune")}
     if any(aucs.values()):  # binary task: the mean of the clients' own AUCs
@@ -444,6 +574,19 @@ def summarize_sessions(rows: list[dict], records: list[dict],
                           "generate_ms_median": 1000 * float(np.median(gen)),
                           "generate_ms_p90": 1000 * float(np.percentile(gen, 90))}
         out["delay"] = delay_table(out["payload"])
+    return out
+
+
+def generator_summary(method, generator: nn.Module) -> dict:
+    """What served every session: ``method.context`` and, for DUET, SWA's p of each dynamic
+    layer (Eq. 8). p depends only on the generators' weights, not on the session, so it is
+    logged once per run."""
+    out: dict = {"context": method.context}
+    if method.context == "first":
+        out["context_size"] = method.context_size
+    if hasattr(generator, "swa_weights"):
+        out["swa"] = {"temperature": method.temperature, "generators": method.generators,
+                      "depends_on_session": False, "p": generator.swa_weights()}
     return out
 
 

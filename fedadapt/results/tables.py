@@ -140,8 +140,15 @@ def recognition_table(summaries: list[dict]) -> str:
 
 
 SESSION_ROWS = (("acc_original", "original model"),
-                ("acc_finetune", "fine-tuning (previous session's labels)"),
+                ("acc_finetune", "fine-tuning (the context's labels)"),
                 ("acc_generated", "generated layers"))
+
+#: What each ``method.context`` scores, for the table's caption.
+SCORED = {"first": "each session's samples after its first {size} (the generator's context)",
+          "previous": "whole sessions, each generated from the client's previous session (a "
+                      "client's first session: the original model)",
+          "session": "whole sessions, each generated from itself (transductive; fine-tuning "
+                     "on the previous session's labels)"}
 
 
 def sessions_table(summaries: list[dict]) -> str:
@@ -161,8 +168,20 @@ def sessions_table(summaries: list[dict]) -> str:
                      fmt_count(s["params"].get("generator_params")),
                      fmt_bytes(p.get("up_bytes_median")), fmt_bytes(p.get("down_bytes_median")),
                      f"{p['generate_ms_median']:.2f}" if p else "—"])
-    out = ("Every client's test split in sessions (accuracy over all their images; nothing "
-           "trained on the devices except the fine-tuning baseline):\n\n" + markdown(header, body))
+    scored = sorted({SCORED[c].format(size=s["sessions"].get("context_size"))
+                     for s in rows if (c := s["sessions"].get("context")) in SCORED})
+    out = ("Every client's test split in sessions (accuracy over the samples the generator did "
+           "not see, the same for every row" + (f": {'; '.join(scored)}" if scored else "")
+           + "; nothing trained on the devices except the fine-tuning baseline):\n\n"
+           + markdown(header, body))
+    swa = [(s["method"], s["sessions"]["swa"]) for s in rows if s["sessions"].get("swa")]
+    if swa:
+        out += ("\nSWA's weights p per dynamic layer (Eq. 8; they depend only on the generators, "
+                "so every session uses the same):\n\n" + markdown(
+                    ["method", "tau", "p"],
+                    [[name, f"{w['temperature']:g}", " / ".join(
+                        "[" + ", ".join(f"{v:.4f}" for v in layer) + "]" for layer in w["p"])]
+                     for name, w in swa]))
     if any("auc" in s["sessions"] for s in rows):
         body = [[s["method"], *("—" if (v := s["sessions"]["auc"].get(k)) is None
                                 else f"{v:.4f}" for k in ("original", "finetune", "generated"))]
