@@ -185,10 +185,9 @@ def main() -> None:
 
 def finish(results: dict, out: Path) -> None:
     """``<out>.json``, ``<out>.png`` and a Markdown table of the last round on stdout."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(results, indent=1))
-    tmp.replace(out.with_suffix(".json"))
+    from fedadapt.results.store import atomic_write
+
+    atomic_write(out.with_suffix(".json"), lambda fh: json.dump(results, fh, indent=1))
     plot(results, out.with_suffix(".png"))
     print("| variant | rounds | final acc | best acc | token change, last round | "
           "median gradient norm, last round | non-finite steps |")

@@ -104,6 +104,12 @@ def split_context(sessions: list[np.ndarray], context: str, size: int
     return [(s, s) for s in sessions]
 
 
+def context_rows(method) -> int:
+    """The most samples a session's context holds: ``method.context_size`` with
+    ``context=first``, a whole session (``method.session``) otherwise."""
+    return method.context_size if method.context == "first" else method.session
+
+
 class SessionBatch(NamedTuple):
     """Sessions of one step, each from ONE client, zero-padded (masks: True = padding)."""
 
@@ -127,9 +133,8 @@ class SessionBatches:
                  rng: np.random.Generator) -> None:
         self.m, self.data, self.feats, self.rng = spec.method, data, feats, rng
         m = self.m
-        first = m.context == "first"
-        self.context_len = m.context_size if first else m.session
-        self.scored_len = m.session - m.context_size if first else m.session
+        self.context_len = context_rows(m)
+        self.scored_len = m.session - m.context_size if m.context == "first" else m.session
         pairs = self.pairs("val")
         self.val = [self.batch(pairs[i:i + 256]) for i in range(0, len(pairs), 256)]
 
@@ -353,9 +358,10 @@ def session_predict(spec: RunSpec, cid: int, arrays: dict[str, dict[str, torch.T
         answer = arrays.get(f"session.{i}")
         if answer is None:  # no context to generate from: the original model
             fallback += len(y)
-        logits["generated"].append(original(x) if answer is None else
+        base = original(x)
+        logits["generated"].append(base if answer is None else
                                    apply_dynamic(dynamic_layers(answer), fused(spec, x)))
-        logits["original"].append(original(x))
+        logits["original"].append(base)
         if m.finetune_steps:
             labeled = finetuning_labels(m, sessions, i)  # the device labels what it has seen
             tuned = _finetune(original, *spec.train_source.get(labeled), m) if len(labeled) \
@@ -476,7 +482,7 @@ class SessionServer:
                 return f"{name}: {key} of shape {tuple(t.shape)}, expected [K, {width}]"
             if key in ("samples", "anchor_sample") and t.dim() != 4:
                 return f"{name}: {key} of shape {tuple(t.shape)}, expected [K, 3, H, W]"
-            rows = m.context_size if m.context == "first" else m.session  # the context's
+            rows = context_rows(m)
             if len(t) == 0 or len(t) > rows or (anchor and len(t) != 1):
                 return f"{name}: {len(t)} rows for a context of {rows}"
             if not torch.isfinite(t).all():
