@@ -12,8 +12,12 @@ import pytest
 
 from fedadapt.results.store import read_jsonl
 
+#: Rounds of the killed run: enough that the kill, polled after round 5, lands before the end
+#: (a round of these tiny runs takes ~0.05 s; with 10 rounds the run could finish between two
+#: polls).
+ROUNDS = 30
 TINY = ["backbone=small_cnn", "backbone.image_size=16", "dataset.max_samples=300",
-        "partition.num_clients=4", "rounds=10", "federation.eval_every=1",
+        "partition.num_clients=4", f"rounds={ROUNDS}", "federation.eval_every=1",
         "federation.checkpoint_every=2"]
 WALL_CLOCK = ("round_s", "wall_s")
 
@@ -47,13 +51,13 @@ def test_sigkill_then_resume_matches_uninterrupted(method, extra, tmp_path, cach
         if found and len(found[0].read_text().splitlines()) >= 5:
             run_dir = found[0].parent
             break
-        time.sleep(0.2)
+        time.sleep(0.02)
     assert run_dir is not None, "the run never reached round 5"
     os.killpg(victim.pid, signal.SIGKILL)  # the driver, Ray and its workers: a real kill
     victim.wait(timeout=60)
-    assert not (run_dir / "summary.json").exists()
     done = len(read_jsonl(run_dir / "metrics.jsonl"))
-    assert 5 <= done < 10
+    assert not (run_dir / "summary.json").exists(), f"the run finished ({done} rounds)"
+    assert 5 <= done < ROUNDS, f"killed after {done} of {ROUNDS} rounds"
 
     resumed = fedadapt([f"resume={run_dir}"], env)
     assert resumed.wait(timeout=300) == 0, resumed.stderr.read()[-3000:]
