@@ -190,9 +190,11 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
 
 @contextmanager
 def _holding(run_dir: Path, *, resume: bool = False) -> Iterator[None]:
-    """Hold ``run_dir``'s lock for the job (see :mod:`fedadapt.results.rundir`)."""
-    rundir.lock_run_dir(run_dir, resume=resume)
+    """Hold ``run_dir``'s lock for the job (see :mod:`fedadapt.results.rundir`). A signal
+    that lands while the lock is being taken still releases it (unlocking leaves a lock that
+    is not this process's)."""
     try:
+        rundir.lock_run_dir(run_dir, resume=resume)
         yield
     finally:
         rundir.unlock_run_dir(run_dir)

@@ -100,7 +100,8 @@ def test_sigint_before_the_run_writes_anything(tmp_path, cache_dir):
     rc, err = stop(proc, signal.SIGINT, group=True)
     assert rc == 130, (rc, err[-3000:])
     if "before writing anything" in err:  # (or it was quicker: then resumable as above)
-        assert not any(p.is_file() for p in (tmp_path / "out").rglob("*"))
+        left = [str(p) for p in (tmp_path / "out").rglob("*") if p.is_file()]
+        assert not left, (left, err[-3000:])
     assert "Traceback" not in err
 
 

@@ -5,6 +5,7 @@ preset composes, a launcher whose plugin is missing names the pip package."""
 import json
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,26 @@ def test_lock_refuses_a_live_holder_and_an_existing_job(tmp_path):
     assert not lock.exists()
     rundir.lock_run_dir(run, resume=True)  # resume= continues it
     rundir.unlock_run_dir(run)
+
+
+def test_a_signal_while_the_lock_is_taken_leaves_no_lock(tmp_path, monkeypatch):
+    """Ctrl-C landing between the lock's creation and its first byte (CI saw a stray lock
+    once): the signal waits until the lock is whole, and the job's ``_holding`` releases it."""
+    from fedadapt.cli import _holding
+    from fedadapt.federation.interrupt import RunInterrupted, stop_on_signals
+
+    owner = rundir._owner
+
+    def signalled_midway() -> dict:
+        os.kill(os.getpid(), signal.SIGINT)  # the lock file exists, empty
+        return owner()
+
+    monkeypatch.setattr(rundir, "_owner", signalled_midway)
+    run = tmp_path / "run"
+    with pytest.raises(RunInterrupted), stop_on_signals():
+        with _holding(run):
+            raise AssertionError("the signal should stop the job before it starts")
+    assert list(run.iterdir()) == []
 
 
 def test_a_run_into_a_directory_holding_a_job_is_refused(tmp_path, cache_dir):

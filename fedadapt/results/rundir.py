@@ -20,9 +20,12 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import socket
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from fedadapt.config import FedadaptError
 
@@ -81,15 +84,27 @@ def _stale(owner: dict | None) -> bool:
             and not _alive(int(owner.get("pid", -1))))
 
 
-def _create(lock: Path) -> bool:
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT / SIGTERM wait (blocked in this thread) until the block ends, so that a Ctrl-C
+    never leaves a lock file created but not yet written, or written but not yet removed."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
-        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "w") as fh:
-        json.dump(_owner(), fh)
-        fh.flush()
-        os.fsync(fh.fileno())
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def _create(lock: Path) -> bool:
+    with _signals_held():
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as fh:
+            json.dump(_owner(), fh)
+            fh.flush()
+            os.fsync(fh.fileno())
     return True
 
 
@@ -126,7 +141,8 @@ def lock_run_dir(run_dir: str | os.PathLike, *, resume: bool = False) -> Path:
 def unlock_run_dir(run_dir: str | os.PathLike) -> None:
     """Release this process's lock on ``run_dir`` (a lock of another process is left)."""
     lock = Path(run_dir) / LOCK
-    owner = _holder(lock)
-    if owner is not None and owner.get("pid") == os.getpid() \
-            and owner.get("host") == socket.gethostname():
-        lock.unlink(missing_ok=True)
+    with _signals_held():
+        owner = _holder(lock)
+        if owner is not None and owner.get("pid") == os.getpid() \
+                and owner.get("host") == socket.gethostname():
+            lock.unlink(missing_ok=True)
