@@ -438,9 +438,12 @@ class _ClusterSessions:
         self.epochs = 0
         self.val = [_batch(_clusters(1000, 256)[0])]
 
+    def steps_per_epoch(self) -> int:
+        return 8
+
     def epoch(self):
         self.epochs += 1
-        for step in range(8):
+        for step in range(self.steps_per_epoch()):
             yield _batch(_clusters(10 * self.epochs + step, 32)[0])
 
 
@@ -467,6 +470,36 @@ def test_a_trained_adr_uses_its_latent_and_beats_the_mean():
     gaps = torch.cdist(centres, centres)[~torch.eye(4, dtype=torch.bool)]
     assert float(gaps.min()) > 0.1
     assert float(mu.std(0).mean()) > 0.1
+
+
+@pytest.mark.parametrize("schedule", ["polynomial", "constant"])
+def test_adr_learning_rate_decays_polynomially_to_zero(schedule, monkeypatch):
+    """The paper's "adamw optimizer with a polynomial decay scheduler" for ADR: the rate falls
+    linearly from method.adr_lr at the first step to 0 after the last (8 steps x 3 epochs);
+    method.adr_schedule=constant keeps it."""
+    rates = []
+    step = torch.optim.AdamW.step
+
+    def recorded(opt, *a, **kw):
+        rates.append(opt.param_groups[0]["lr"])
+        return step(opt, *a, **kw)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", recorded)
+    torch.manual_seed(0)
+    m = CdcMmpgConfig(adr_epochs=3, adr_lr=1e-3, kl_warmup=0, adr_schedule=schedule)
+    log = train_adr(Adr(128, latent=4, hidden=8), torch.randn(64, 128), _ClusterSessions(), m,
+                    seed=0)
+    assert len(rates) == 24
+    if schedule == "polynomial":
+        assert rates == pytest.approx([1e-3 * (1 - i / 24) for i in range(24)])
+        assert log["last_lr"] == 0.0
+    else:
+        assert rates == [1e-3] * 24 and log["last_lr"] == 1e-3
+
+
+def test_adr_schedule_is_checked():
+    with pytest.raises(ConfigError, match="method.adr_schedule"):
+        CdcMmpgConfig(adr_schedule="cosine").check()
 
 
 def test_kl_warmup_ramps_linearly_and_ends_at_one():

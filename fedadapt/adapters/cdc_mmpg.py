@@ -87,6 +87,10 @@ class CdcMmpgConfig(SessionPluginConfig):
     #: stays 1 (epoch e from 1: min(1, (e - 1) / W) with W = min(kl_warmup, adr_epochs - 1), so
     #: the last epoch always trains the full objective); 0: beta = 1 throughout.
     kl_warmup: int = 5
+    #: ADR's learning-rate schedule: ``polynomial`` (the paper's "adamw optimizer with a
+    #: polynomial decay scheduler": torch's PolynomialLR, power 1, from ``adr_lr`` to 0 over
+    #: the ``adr_epochs`` epochs' steps) or ``constant``.
+    adr_schedule: str = "polynomial"
     #: A text query fused into every frame (e.g. a question about the session), encoded once
     #: by the backbone's text tower (a CLIP backbone); None: image sessions.
     query: Optional[str] = None
@@ -242,6 +246,8 @@ def _check(cfg: CdcMmpgConfig) -> None:
     check(cfg.adr_lr > 0, "method.adr_lr", cfg.adr_lr, "must be > 0")
     check(cfg.lam >= 0, "method.lam", cfg.lam, "must be >= 0")
     check(cfg.kl_warmup >= 0, "method.kl_warmup", cfg.kl_warmup, "must be >= 0 (epochs)")
+    check(cfg.adr_schedule in ("polynomial", "constant"), "method.adr_schedule",
+          cfg.adr_schedule, "must be polynomial or constant")
     check(cfg.query is None or cfg.query.strip() != "", "method.query", cfg.query,
           "a text, or null for image sessions")
 

@@ -71,12 +71,15 @@ def _accuracy(logits: torch.Tensor, y: torch.Tensor) -> float:
 def fit(model: nn.Module, loss_of: Callable[[], list[torch.Tensor]],
         val_acc: Callable[[], float], *, epochs: int, patience: int, lr: float,
         momentum: float = 0.9, clip: Optional[float] = None, label: str = "",
-        optimizer: Optional[torch.optim.Optimizer] = None, score: str = "val") -> dict:
+        optimizer: Optional[torch.optim.Optimizer] = None, score: str = "val",
+        schedule: Optional[Callable[[torch.optim.Optimizer], object]] = None) -> dict:
     """SGD (or ``optimizer``) on each loss ``loss_of()`` yields in an epoch (one batch each),
     early stopping on ``val_acc`` (higher is better; ``score`` names it in the log); ``model``
-    ends with its best epoch's weights."""
+    ends with its best epoch's weights. ``schedule(opt)`` builds a learning-rate scheduler
+    stepped after every optimiser step."""
     opt = optimizer or torch.optim.SGD([p for p in model.parameters() if p.requires_grad],
                                        lr=lr, momentum=momentum)
+    scheduler = schedule(opt) if schedule else None
     best, best_state, best_epoch, waited = float("-inf"), copy.deepcopy(model.state_dict()), 0, 0
     t0 = time.time()
     for epoch in range(1, epochs + 1):
@@ -88,6 +91,8 @@ def fit(model: nn.Module, loss_of: Callable[[], list[torch.Tensor]],
             if clip:
                 nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
+            if scheduler is not None:
+                scheduler.step()
             losses.append(float(loss.detach()))
         model.eval()
         acc = val_acc()
@@ -96,14 +101,15 @@ def fit(model: nn.Module, loss_of: Callable[[], list[torch.Tensor]],
         else:
             waited += 1
         shown = (lambda v: f"{100 * v:.2f}%") if score == "val" else (lambda v: f"{v:.4f}")
+        rate = f" | lr {opt.param_groups[0]['lr']:.2e}" if scheduler is not None else ""
         log(f"[{label}] epoch {epoch}/{epochs} | loss {np.mean(losses):.3f} | {score} "
-            f"{shown(acc)} | best {shown(best)} (epoch {best_epoch}) | "
+            f"{shown(acc)} | best {shown(best)} (epoch {best_epoch}){rate} | "
             f"{time.time() - t0:.0f} s")
         if waited >= patience:
             break
     model.load_state_dict(best_state)
     return {"best_val_acc": best, "best_epoch": best_epoch, "epochs_run": epoch,
-            "train_s": time.time() - t0}
+            "train_s": time.time() - t0, "last_lr": opt.param_groups[0]["lr"]}
 
 
 #: The classifiers' batch size (the original model, prompt tuning).

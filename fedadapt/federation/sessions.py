@@ -138,12 +138,14 @@ class SessionBatches:
         pairs = self.pairs("val")
         self.val = [self.batch(pairs[i:i + 256]) for i in range(0, len(pairs), 256)]
 
-    def pairs(self, part: str) -> list[tuple[np.ndarray, np.ndarray]]:
-        """``(context, scored)`` rows of every client's ``part`` (``train`` or ``val``)."""
+    def pairs(self, part: str, rng: Optional[np.random.Generator] = None
+              ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``(context, scored)`` rows of every client's ``part`` (``train`` or ``val``),
+        in sessions drawn from ``rng`` (default: the batches' own stream)."""
         m = self.m
         out = []
         for c in self.data.clients:
-            sessions = sequences(getattr(c, part), m.session, self.rng)
+            sessions = sequences(getattr(c, part), m.session, rng or self.rng)
             out += [(ctx, scored) for ctx, scored in
                     split_context(sessions, m.context, m.context_size) if len(ctx) and len(scored)]
         if not out:
@@ -166,6 +168,11 @@ class SessionBatches:
         picks = torch.tensor([int(self.rng.integers(len(c))) for c, _ in group])
         return SessionBatch(ctx, ctx_mask, x, mask, y, ctx[torch.arange(len(group)), picks],
                             whole, whole_mask)
+
+    def steps_per_epoch(self) -> int:
+        """How many steps :meth:`epoch` takes (the count does not depend on the draw, which
+        comes from a throwaway stream so that the batches' own is untouched)."""
+        return -(-len(self.pairs("train", np.random.default_rng(0))) // self.m.sessions_per_step)
 
     def epoch(self) -> Iterator[SessionBatch]:
         """One epoch of training sessions, ``method.sessions_per_step`` per step."""
@@ -237,11 +244,12 @@ def kl_weight(epoch: int, warmup: int, epochs: int) -> float:
 
 def train_adr(adr, train_feats: torch.Tensor, batches, m, seed: int) -> dict:
     """CDC-MMPG's first stage: ADR alone with AdamW (``method.adr_lr``,
-    ``method.weight_decay``), the KL's weight beta warmed up linearly over
-    ``method.kl_warmup`` epochs (:func:`kl_weight`); the kept epoch is the best on the
-    validation sessions' full loss (beta = 1, the same VAE noise every epoch). Frozen
+    ``method.weight_decay``; ``method.adr_schedule``: the paper's polynomial decay to 0 over
+    the ``method.adr_epochs`` epochs' steps, or constant), the KL's weight beta warmed up
+    linearly over ``method.kl_warmup`` epochs (:func:`kl_weight`); the kept epoch is the best
+    on the validation sessions' full loss (beta = 1, the same VAE noise every epoch). Frozen
     afterwards; the log holds :meth:`Adr.diagnostics` on the validation anchors. ``batches``
-    gives ``val`` and ``epoch()`` (:class:`SessionBatches`)."""
+    gives ``val``, ``epoch()`` and ``steps_per_epoch()`` (:class:`SessionBatches`)."""
     adr.pop_mean.copy_(train_feats.mean(0))
     adr.pop_std.copy_(train_feats.std(0) + 1e-6)
     epoch = 0
@@ -260,10 +268,16 @@ def train_adr(adr, train_feats: torch.Tensor, batches, m, seed: int) -> dict:
             return -float(np.mean([float(adr.loss(b.anchor, b.whole, b.whole_mask, m.lam))
                                    for b in batches.val]))
 
+    steps = m.adr_epochs * batches.steps_per_epoch()
+
+    def polynomial(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        return torch.optim.lr_scheduler.PolynomialLR(opt, total_iters=steps, power=1.0)
+
     log = fit(adr, losses, val, epochs=m.adr_epochs, patience=m.adr_epochs, lr=m.adr_lr,
               optimizer=torch.optim.AdamW(adr.parameters(), lr=m.adr_lr,
                                           weight_decay=m.weight_decay),
-              label=f"{m.name} (ADR)", score="-val loss")
+              label=f"{m.name} (ADR)", score="-val loss",
+              schedule=polynomial if m.adr_schedule == "polynomial" else None)
     adr.requires_grad_(False)
     adr.eval()
     d = log["diagnostics"] = adr.diagnostics(torch.cat([b.anchor for b in batches.val]))
