@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -56,9 +57,10 @@ def test_lock_refuses_a_live_holder_and_an_existing_job(tmp_path):
 
 def test_a_signal_while_the_lock_is_taken_leaves_no_lock(tmp_path, monkeypatch):
     """Ctrl-C landing between the lock's creation and its first byte (CI saw a stray lock
-    once): the signal waits until the lock is whole, and the job's ``_holding`` releases it."""
+    once): the stop waits until the lock is whole, and the job's ``_holding`` releases it. In a
+    process with other threads (Ray's, Flower's), which a signal may reach first."""
     from fedadapt.cli import _holding
-    from fedadapt.federation.interrupt import RunInterrupted, stop_on_signals
+    from fedadapt.federation.interrupt import STOP, RunInterrupted, stop_on_signals
 
     owner = rundir._owner
 
@@ -68,9 +70,16 @@ def test_a_signal_while_the_lock_is_taken_leaves_no_lock(tmp_path, monkeypatch):
 
     monkeypatch.setattr(rundir, "_owner", signalled_midway)
     run = tmp_path / "run"
-    with pytest.raises(RunInterrupted), stop_on_signals():
-        with _holding(run):
-            raise AssertionError("the signal should stop the job before it starts")
+    done = threading.Event()
+    other = threading.Thread(target=done.wait, daemon=True)
+    other.start()
+    try:
+        with pytest.raises(RunInterrupted), stop_on_signals():
+            with _holding(run):
+                raise AssertionError("the signal should stop the job before it starts")
+    finally:
+        done.set()
+        STOP.clear()  # the stop is this test's: later runs in this process go on
     assert list(run.iterdir()) == []
 
 

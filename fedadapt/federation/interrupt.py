@@ -40,6 +40,9 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _ACTIVE: list[bool] = [False]
 #: The seconds a stop may take in all (the simulation's shutdown included).
 GRACE_S = 12.0
+#: Depth of :func:`signals_deferred` blocks, and the signals that came within them.
+_DEFER: list[int] = [0]
+_DEFERRED: list[int] = []
 
 
 class RunInterrupted(BaseException):
@@ -58,6 +61,9 @@ class RunStopped(FedadaptError, RuntimeError):
 
 
 def _handler(signum: int, frame) -> None:
+    if _DEFER[0]:  # within signals_deferred(): stop when the block ends
+        _DEFERRED.append(signum)
+        return
     if STOP.is_set():  # a second signal: no more waiting
         os.write(2, f"fedadapt: {signal.Signals(signum).name} again: exiting now\n".encode())
         os._exit(128 + signum)
@@ -129,6 +135,24 @@ def reinstall() -> None:
     if _ACTIVE[0] and threading.current_thread() is threading.main_thread():
         for sig in SIGNALS:
             signal.signal(sig, _handler)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """A SIGINT / SIGTERM that comes within the block stops the run when the block ends, not
+    in the middle: for file operations that must not be left half-done (the run directory's
+    lock file: created and written, or removed). Python runs signal handlers in the main
+    thread whichever thread the signal reached, so this holds with Ray's and Flower's threads
+    about, which a per-thread signal mask would not."""
+    _DEFER[0] += 1
+    try:
+        yield
+    finally:
+        _DEFER[0] -= 1
+        if not _DEFER[0] and _DEFERRED:
+            signum = _DEFERRED[0]
+            _DEFERRED.clear()
+            _handler(signum, None)
 
 
 @contextlib.contextmanager

@@ -20,14 +20,12 @@ from __future__ import annotations
 import errno
 import json
 import os
-import signal
 import socket
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from fedadapt.config import FedadaptError
+from fedadapt.federation.interrupt import signals_deferred
 
 #: The lock file a running ``fedadapt`` holds in its run directory.
 LOCK = ".fedadapt.lock"
@@ -84,19 +82,8 @@ def _stale(owner: dict | None) -> bool:
             and not _alive(int(owner.get("pid", -1))))
 
 
-@contextmanager
-def _signals_held() -> Iterator[None]:
-    """SIGINT / SIGTERM wait (blocked in this thread) until the block ends, so that a Ctrl-C
-    never leaves a lock file created but not yet written, or written but not yet removed."""
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
-
-
 def _create(lock: Path) -> bool:
-    with _signals_held():
+    with signals_deferred():
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
@@ -141,7 +128,7 @@ def lock_run_dir(run_dir: str | os.PathLike, *, resume: bool = False) -> Path:
 def unlock_run_dir(run_dir: str | os.PathLike) -> None:
     """Release this process's lock on ``run_dir`` (a lock of another process is left)."""
     lock = Path(run_dir) / LOCK
-    with _signals_held():
+    with signals_deferred():
         owner = _holder(lock)
         if owner is not None and owner.get("pid") == os.getpid() \
                 and owner.get("host") == socket.gethostname():
