@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Optional
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg, FedProx
 
 from fedadapt.federation.records import UNIFORM_KEY
@@ -53,20 +53,27 @@ def aggregate_client_metrics(replies: list[RecordDict], weight_key: str) -> Metr
 def average_by_tensor(current: ArrayRecord, contents: Sequence[RecordDict], weight_key: str
                       ) -> ArrayRecord:
     """Each tensor of ``current``: the ``weight_key``-weighted mean over the replies that hold
-    it (accumulated in float64, in the order given), or its current value when none does."""
-    state = dict(current.to_torch_state_dict())
-    sums: dict[str, torch.Tensor] = {}
-    totals: dict[str, float] = {}
-    for content in contents:
-        w = float(content.metric_records["metrics"][weight_key])
-        for name, t in content.array_records["arrays"].to_torch_state_dict().items():
-            acc = sums.get(name)
-            sums[name] = t.double() * w if acc is None else acc + t.double() * w
-            totals[name] = totals.get(name, 0.0) + w
-    for name, total in totals.items():
-        if total > 0:
-            state[name] = (sums[name] / total).to(state[name].dtype)
-    return ArrayRecord(state)
+    it (accumulated in float64, in the order given), or its current value when none does.
+
+    One tensor at a time: besides the replies, the server holds one tensor's float64 sum and
+    the new record, never every reply decoded at once (a whole CLIP's replies are 605 MB
+    each)."""
+    weights = [float(content.metric_records["metrics"][weight_key]) for content in contents]
+    sent = [content.array_records["arrays"] for content in contents]
+    out = ArrayRecord()
+    for name, array in current.items():
+        acc, total = None, 0.0
+        for arrays, w in zip(sent, weights):
+            if name in arrays:
+                t = torch.from_numpy(arrays[name].numpy()).double() * w
+                acc = t if acc is None else acc + t
+                total += w
+        if acc is None or total <= 0:
+            out[name] = array
+            continue
+        dtype = torch.from_numpy(array.numpy()).dtype
+        out[name] = Array.from_torch_tensor((acc / total).to(dtype))
+    return out
 
 
 class SeededSampling:

@@ -30,6 +30,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
+from fedadapt.devices import return_freed_memory
 from fedadapt.federation import records
 from fedadapt.federation.faults import Screened, require_enough, screen_clients
 from fedadapt.federation.interrupt import StoppableGrid
@@ -271,7 +272,10 @@ def _train_round(grid: Grid, nodes: Nodes, state: ServerState, plan: ServerPlan,
            "train_loss": float(train_metrics["train_loss"]) if train_metrics else None,
            "global_acc": None, "global_loss": None, "client_acc": None,
            "client_acc_weighted": None, "clients_evaluated": None}
-    return row, sum(asked.down.values()), sum(asked.up.values())
+    down, up = sum(asked.down.values()), sum(asked.up.values())
+    del asked, screened, new_arrays  # the replies: freed before the next round
+    return_freed_memory()
+    return row, down, up
 
 
 def _evaluate_round(grid: Grid, nodes: Nodes, state: ServerState, plan: ServerPlan, rnd: int,

@@ -26,6 +26,7 @@ from typing import Callable, Optional
 import torch
 from flwr.app import ArrayRecord, Context, MetricRecord, RecordDict
 
+from fedadapt.devices import return_freed_memory
 from fedadapt.federation import records
 from fedadapt.federation.checkpoint import client_rounds, load_client_state, save_client_state
 from fedadapt.federation.faults import TENSOR_FAULTS, corrupt, injected_fault
@@ -122,6 +123,22 @@ def received_arrays(content: RecordDict, cid: Optional[int] = None
     return dict(arrays.to_torch_state_dict()) if arrays is not None else {}
 
 
+def arrays_by_client(content: RecordDict) -> Callable[[int], dict[str, torch.Tensor]]:
+    """:func:`received_arrays` for each client of a message, the shared arrays decoded once:
+    every client of a worker's message starts from the same global tensors (each copies them
+    into the model and none changes them), so a whole CLIP is not decoded once per client."""
+    shared: list[dict[str, torch.Tensor]] = []
+
+    def of(cid: int) -> dict[str, torch.Tensor]:
+        if records.key(cid, "arrays") in content:
+            return received_arrays(content, cid)
+        if not shared:
+            shared.append(received_arrays(content))
+        return shared[0]
+
+    return of
+
+
 def client_tensors(spec: RunSpec, model, cid: int, received: dict[str, torch.Tensor],
                    up_to: int, context: Context) -> dict[str, torch.Tensor]:
     """Every trainable tensor of the client's model: what it needs from the server, its
@@ -133,7 +150,8 @@ def client_tensors(spec: RunSpec, model, cid: int, received: dict[str, torch.Ten
         raise ValueError(f"client {cid}: the server sent tensors {sorted(received)[:4]}..., "
                          f"expected {needed[:4]}... (missing {missing[:3]}, unknown "
                          f"{unknown[:3]})")
-    out = model.tensors(model.trainable_names())
+    given = set(needed)
+    out = model.tensors([n for n in model.trainable_names() if n not in given])
     out.update({n: received[n] for n in needed})
     out.update(load_personal(spec, model, cid, up_to, context))
     return out
@@ -177,36 +195,48 @@ def _groups(jobs: list[ClientJob], size: int) -> list[list[ClientJob]]:
 
 
 def _train_groups(spec: RunSpec, model, jobs: list[ClientJob], size: int, lr: float,
-                  mu: float, train=None) -> dict[int, ClientResult | str]:
+                  mu: float, train=None, finish: Optional[Callable] = None) -> dict:
     """Each client's result, or the reason it failed: a group that raises is retried one client
     at a time, so only the client at fault fails; a group that does not fit in GPU memory is
-    split in halves until it does (with a warning naming the size that fits)."""
+    split in halves until it does (with a warning naming the size that fits). ``finish(cid,
+    result_or_reason)``, when given, turns each result into what is kept as soon as its group
+    is done (a reply record: a large model's trained tensors are not all held at once)."""
     train = train or spec.train
-    out: dict[int, ClientResult | str] = {}
+    out: dict = {}
     pending = _groups(jobs, size)
+
+    def keep(cid: int, res: ClientResult | str) -> None:
+        out[cid] = finish(cid, res) if finish else res
+
     while pending:
         group = pending.pop(0)
         try:
-            out.update(zip((j.cid for j in group), _run_group(spec, model, group, lr, mu, train)))
+            results = _run_group(spec, model, group, lr, mu, train)
         except torch.cuda.OutOfMemoryError as err:
             torch.cuda.empty_cache()
             if len(group) == 1:
-                out[group[0].cid] = (f"one client's step does not fit in GPU memory at "
-                                     f"train.batch_size={train.batch_size} ({err})")
+                keep(group[0].cid, f"one client's step does not fit in GPU memory at "
+                                   f"train.batch_size={train.batch_size} ({err})")
                 continue
             half = (len(group) + 1) // 2
             log(f"[worker] a group of {len(group)} clients does not fit in GPU memory: training "
                 f"groups of {half} (set federation.clients_per_worker={half})")
             pending[:0] = [group[:half], group[half:]]
+            continue
         except Exception:  # isolate the client at fault
             if len(group) == 1:
-                out[group[0].cid] = _reason(sys.exc_info()[1])
+                keep(group[0].cid, _reason(sys.exc_info()[1]))
                 continue
             for job in group:
                 try:
-                    out[job.cid] = _run_group(spec, model, [job], lr, mu, train)[0]
+                    res = _run_group(spec, model, [job], lr, mu, train)[0]
                 except Exception as err:
-                    out[job.cid] = _reason(err)
+                    res = _reason(err)
+                keep(job.cid, res)
+            continue
+        for job, res in zip(group, results):
+            keep(job.cid, res)
+        del results
     return out
 
 
@@ -219,12 +249,11 @@ def train_clients(spec: RunSpec, content: RecordDict, context: Context) -> Recor
     checkpoint_round = int(config.get("checkpoint-round", 0))
     model = cached_model(spec)
     replies: dict[int, RecordDict] = {}
-    jobs, faults = [], {}
+    jobs, faults, received = [], {}, arrays_by_client(content)
     for cid in records.clients_of(content):
         try:
             faults[cid] = _injected(spec, rnd, cid, f"in round {rnd}")
-            tensors = client_tensors(spec, model, cid, received_arrays(content, cid), rnd - 1,
-                                     context)
+            tensors = client_tensors(spec, model, cid, received(cid), rnd - 1, context)
         except Exception as err:
             replies[cid] = records.error(_reason(err))
             continue
@@ -232,26 +261,34 @@ def train_clients(spec: RunSpec, content: RecordDict, context: Context) -> Recor
                               seed=derive_seed(spec.seed, rnd, cid),
                               crop_seed=derive_seed(spec.seed, rnd, cid, 7),
                               exits=client_exits(spec, cid)))
-    results = _train_groups(spec, model, jobs, int(config.get("group-size", 1)), lr, mu)
     deployment = config.get("nodes", "workers") == "clients"
-    for cid, res in results.items():
+
+    def reply(cid: int, res: ClientResult | str) -> Optional[RecordDict]:
+        """The client's reply record, made as soon as it has trained; None: no reply."""
         if isinstance(res, str):
-            replies[cid] = records.error(res)
-            continue
+            return records.error(res)
         personal = model.personal_names()
         if personal:
             keep_personal(spec, cid, rnd, {n: res.tensors[n] for n in personal},
                           checkpoint_round, context)
         sent = {n: res.tensors[n] for n in sent_names(spec, cid, model)}
+        res.tensors.clear()  # the record below holds the only copy of what is sent
         if faults[cid] in TENSOR_FAULTS:
             sent = corrupt(sent, faults[cid])
         elif faults[cid] == "timeout":
             if not deployment:
-                continue  # the client's record misses the reply: it answered too late
+                return None  # the client's record misses the reply: it answered too late
             time.sleep(spec.faults.delay_s or float(config.get("round-timeout", 0)) + 2.0)
-        replies[cid] = RecordDict({"arrays": ArrayRecord(sent), "metrics": MetricRecord(
-            {"num-examples": len(spec.clients[cid].train), records.UNIFORM_KEY: 1.0,
-             "train_loss": res.loss})})
+        return RecordDict({
+            "arrays": ArrayRecord(torch_state_dict=sent, keep_input=False),
+            "metrics": MetricRecord({"num-examples": len(spec.clients[cid].train),
+                                     records.UNIFORM_KEY: 1.0, "train_loss": res.loss})})
+
+    made = _train_groups(spec, model, jobs, int(config.get("group-size", 1)), lr, mu,
+                         finish=reply)
+    replies.update({cid: r for cid, r in made.items() if r is not None})
+    del jobs, received
+    return_freed_memory()
     return records.pack(replies)
 
 
@@ -270,10 +307,10 @@ def personalize_clients(spec: RunSpec, content: RecordDict, context: Context) ->
     frozen = model.tensors(sorted(set(names) - set(model.trainable_names())))
     train = replace(spec.train, local_epochs=st.epochs, lr=st.lr or spec.train.lr)
     replies, jobs, before, start = {}, [], {}, {}
+    received = arrays_by_client(content)
     for cid in records.clients_of(content):
         try:
-            start[cid] = {**frozen, **client_tensors(spec, model, cid,
-                                                     received_arrays(content, cid), rnd - 1,
+            start[cid] = {**frozen, **client_tensors(spec, model, cid, received(cid), rnd - 1,
                                                      context)}
             model.load_tensors(start[cid])
             source, exits = _personal_data(spec, cid)
