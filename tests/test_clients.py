@@ -188,3 +188,17 @@ def test_client_process_pins_its_torch_threads(cache_dir):
     finally:
         training._MODELS.clear()
         torch.set_num_threads(before)
+
+
+def test_a_message_s_shared_arrays_are_decoded_once_for_all_its_clients():
+    """Clients of one worker message start from the same decoded global tensors (a whole CLIP
+    is not decoded once per client); a client's own arrays (``c<id>/arrays``) are its own."""
+    from fedadapt.federation.worker import arrays_by_client
+
+    shared = {"w": torch.arange(6.0).reshape(2, 3)}
+    content = RecordDict({"arrays": ArrayRecord(shared),
+                          records.key(2, "arrays"): ArrayRecord({"w": torch.zeros(2, 3)})})
+    received = arrays_by_client(content)
+    first, second, own = received(0), received(1), received(2)
+    assert first is second and torch.equal(first["w"], shared["w"])
+    assert torch.equal(own["w"], torch.zeros(2, 3))
