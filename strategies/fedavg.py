@@ -23,6 +23,7 @@ import random
 from collections.abc import Sequence
 from typing import Optional
 
+import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg, FedProx
@@ -71,7 +72,7 @@ def average_by_tensor(current: ArrayRecord, contents: Sequence[RecordDict], weig
         if acc is None or total <= 0:
             out[name] = array
             continue
-        dtype = torch.from_numpy(array.numpy()).dtype
+        dtype = torch.from_numpy(np.empty(0, dtype=array.dtype)).dtype  # not decoded
         out[name] = Array.from_torch_tensor((acc / total).to(dtype))
     return out
 

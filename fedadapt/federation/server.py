@@ -273,7 +273,7 @@ def _train_round(grid: Grid, nodes: Nodes, state: ServerState, plan: ServerPlan,
            "global_acc": None, "global_loss": None, "client_acc": None,
            "client_acc_weighted": None, "clients_evaluated": None}
     down, up = sum(asked.down.values()), sum(asked.up.values())
-    del asked, screened, new_arrays  # the replies: freed before the next round
+    del asked, screened  # the replies: freed before the next round
     return_freed_memory()
     return row, down, up
 

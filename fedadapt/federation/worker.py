@@ -236,7 +236,6 @@ def _train_groups(spec: RunSpec, model, jobs: list[ClientJob], size: int, lr: fl
             continue
         for job, res in zip(group, results):
             keep(job.cid, res)
-        del results
     return out
 
 
