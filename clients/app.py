@@ -21,6 +21,7 @@ from typing import Callable
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedadapt.federation import mods, records
 from fedadapt.federation.faults import TENSOR_FAULTS, corrupt
 from fedadapt.federation.training import RunSpec, cached_model, make_optimizer
 from fedadapt.federation.worker import (
@@ -39,6 +40,14 @@ __all__ = ["PERSONAL_KEY", "make_client_app", "partition_id"]
 
 def partition_id(context: Context) -> int:
     return int(context.node_config["partition-id"])
+
+
+def phase_of(content: RecordDict) -> str | None:
+    """The message's phase (``config["phase"]`` of its clients; None: the rounds)."""
+    clients = records.clients_of(content)
+    mine = records.view(content, clients[0]) if clients else content
+    config = mine.config_records.get("config")
+    return config.get("phase") if config is not None else None
 
 
 def warm_up(spec: RunSpec) -> None:
@@ -69,8 +78,7 @@ def make_client_app(get_spec: Callable[[Context], RunSpec]) -> ClientApp:
     @app.query()
     def query(msg: Message, context: Context) -> Message:
         spec = get_spec(context)
-        config = msg.content.config_records.get("config")
-        if config is not None and config.get("phase") == "session-upload":  # session plug-in
+        if phase_of(msg.content) == "session-upload":  # session plug-in
             content = for_each_client(msg.content, lambda cid, _: session_upload(spec, cid))
             return Message(content, reply_to=msg)
         warm_up(spec)  # the handshake: which node is this
@@ -80,16 +88,14 @@ def make_client_app(get_spec: Callable[[Context], RunSpec]) -> ClientApp:
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         spec = get_spec(context)
-        config = msg.content.config_records["config"]
-        if config.get("phase") == "personalize":
+        if phase_of(msg.content) == "personalize":
             return Message(personalize_clients(spec, msg.content, context), reply_to=msg)
-        return Message(train_clients(spec, msg.content, context), reply_to=msg)
+        return Message(train_clients(spec, msg, context), reply_to=msg)
 
     @app.evaluate()
     def evaluate_local(msg: Message, context: Context) -> Message:
         spec = get_spec(context)
-        config = msg.content.config_records.get("config")
-        phase = config.get("phase") if config is not None else None
+        phase = phase_of(msg.content)
         if phase == "plugin":  # a server-trained plug-in
             from fedadapt.federation.plugin import recognize
 
@@ -99,9 +105,10 @@ def make_client_app(get_spec: Callable[[Context], RunSpec]) -> ClientApp:
         elif phase == "session-predict":
             def one(cid: int, mine: RecordDict) -> RecordDict:
                 return session_predict(spec, cid, mine)
-        else:
+        else:  # the rounds' evaluation, through the run's evaluate mods
             def one(cid: int, mine: RecordDict) -> RecordDict:
-                return evaluate_one(spec, cid, mine, context)
+                return mods.apply(spec.evaluate_mods, msg, mine,
+                                  evaluate_one(spec, cid, mine, context), context)
         return Message(for_each_client(msg.content, one), reply_to=msg)
 
     return app

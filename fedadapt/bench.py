@@ -60,20 +60,21 @@ def plain_loop(prep, cfg) -> list[float]:
     same clients each round, one after another (as a researcher's own loop would).
     """
     from fedadapt.federation.training import derive_seed, evaluate, lr_at, train_local
-    from fedadapt.strategies.fedavg import build_strategy
+    from fedadapt.strategies.state import SeededStreams
+    from fedadapt.strategies.zoo import sample_size
 
     spec, model = prep.spec, prep.model
     names = model.communicated_names()
     global_t = model.tensors(names)
     n = spec.num_clients
-    sampler = build_strategy(cfg.method.strategy, federated=True, num_clients=n,
-                             fraction_train=cfg.partition.fraction_fit,
-                             fraction_evaluate=cfg.partition.fraction_evaluate, seed=cfg.seed)
+    sampler = SeededStreams(cfg.seed)
+    k_train = sample_size(n, cfg.partition.fraction_fit)
+    k_eval = int(n * cfg.partition.fraction_evaluate)
     times = []
     for rnd in range(1, cfg.rounds + 1):
         t0 = time.perf_counter()
         results = []
-        for cid in sampler.sample_train():
+        for cid in sampler.sample("train", n, k_train):
             model.load_tensors(global_t)
             train_local(model, spec.train_source, spec.clients[cid].train, spec.train,
                         lr=lr_at(spec.train, rnd, cfg.rounds), seed=derive_seed(cfg.seed, rnd, cid))
@@ -83,7 +84,7 @@ def plain_loop(prep, cfg) -> list[float]:
         if rnd == cfg.rounds:
             model.load_tensors(global_t)
             evaluate(model, spec.test_source)
-            for cid in sampler.sample_evaluate():  # the clients Flower's run evaluates
+            for cid in sampler.sample("evaluate", n, k_eval):  # those Flower's run evaluates
                 evaluate(model, spec.train_source, spec.clients[cid].test)
         times.append(time.perf_counter() - t0)
     return times

@@ -69,9 +69,13 @@ class MethodConfig:
     """Base schema of every method; each method subclasses it (see fedadapt.adapters)."""
 
     name: str = MISSING
-    #: Server-side aggregation: ``fedavg`` or ``fedprox``.
-    strategy: str = "fedavg"
-    proximal_mu: float = 0.0
+    #: This method's own strategy, over the run's ``strategy=`` group: a baseline defined by its
+    #: aggregation keeps it in a ``compare`` job (FedCLIP's FedProx baseline: ``{name: fedprox,
+    #: proximal_mu: 0.001}``). Applied when the config is composed
+    #: (:func:`fedadapt.entry.to_run_config`); null = the run's ``strategy``.
+    strategy: Any = None
+    #: Moved to the strategy group (``strategy=fedprox strategy.proximal_mu=MU``); refused.
+    proximal_mu: Optional[float] = None
     #: How the server weights the clients' tensors: ``examples`` (FedAvg: by training samples)
     #: or ``uniform`` (every client alike, as FedCLIP's authors average the adapter).
     weighting: str = "examples"
@@ -87,6 +91,24 @@ class MethodConfig:
         """The domains of this method's own keys (a method's schema overrides it; raise
         :class:`ConfigError` naming ``method.<key>``). :func:`validate` calls it, so a bad value
         fails before any data is loaded."""
+
+
+@dataclass
+class StrategyConfig:
+    """``strategy=NAME``: one of Flower's strategies (``flwr.serverapp.strategy``) by its Flower
+    name; each option's schema adds the class's own constructor parameters as keys
+    (:mod:`fedadapt.strategies.zoo` reads them from Flower)."""
+
+    name: str = "fedavg"
+
+
+@dataclass
+class DPConfig:
+    """``dp=NAME``: one of Flower's differential-privacy wrappers around the strategy
+    (``server_fixed``, ``client_fixed``, ``server_adaptive``, ``client_adaptive``), with the
+    wrapper's own parameters as keys; ``none``: no wrapper."""
+
+    name: str = "none"
 
 
 @dataclass
@@ -260,6 +282,11 @@ class FederationConfig:
     checkpoint_every: int = 5
     #: Show Flower's own INFO logs.
     verbose: bool = False
+    #: Flower ClientApp mods (``module:function``, e.g. ``flwr.clientapp.mod:arrays_size_mod``)
+    #: applied to each client's training / evaluation reply, inside the worker that trains it
+    #: (``dp=client_*`` adds Flower's clipping mod itself).
+    train_mods: list[str] = field(default_factory=list)
+    evaluate_mods: list[str] = field(default_factory=list)
     #: The Ray cluster the simulated clients run on (see fedadapt.federation.cluster): null =
     #: a private local Ray instance for this run (ignores ``$RAY_ADDRESS`` and clusters left
     #: by ``ray start``); ``HOST:PORT`` = a running cluster's GCS address (what ``ray start
@@ -349,6 +376,9 @@ class RunConfig:
     dataset: DatasetConfig = MISSING
     backbone: BackboneConfig = MISSING
     method: MethodConfig = MISSING
+    #: The Flower strategy (``strategy=`` group) and its DP wrapper (``dp=`` group).
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    dp: DPConfig = field(default_factory=DPConfig)
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     setting: SettingConfig = field(default_factory=SettingConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -385,7 +415,6 @@ OBJECTIVES = ("val_acc",)
 KNOWN_SETTINGS = ("conventional", "anytime", "multitier", "personalization")
 PERSONALIZE_PARTS = ("trainable", "full", "adapters", "accumulator", "client_token")
 KNOWN_OPTIMIZERS = ("sgd", "adam", "adamw")
-KNOWN_STRATEGIES = ("fedavg", "fedprox")
 KNOWN_WEIGHTINGS = ("examples", "uniform")
 KNOWN_SELECTIONS = ("last", "best_val")
 #: ``train.precision`` (see :mod:`fedadapt.devices`).
@@ -438,6 +467,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     cfg.method.check()
     _validate_partitioners(cfg.partition)
     _validate_objective(cfg)
+    from fedadapt.strategies.zoo import check_strategy  # reads Flower's strategies
+
+    check_strategy(cfg.strategy, cfg.dp, weighting=cfg.method.weighting,
+                   setting=cfg.setting.name)
     return cfg
 
 
@@ -522,14 +555,16 @@ def _validate_train(t: TrainConfig) -> None:
 
 
 def _validate_federation(f: FederationConfig, method: MethodConfig) -> None:
-    check(method.strategy in KNOWN_STRATEGIES, "method.strategy", method.strategy,
-           f"one of {KNOWN_STRATEGIES}")
+    check(method.strategy is None or isinstance(method.strategy, dict), "method.strategy",
+          method.strategy, "the strategy is a group of its own: strategy=NAME with its keys "
+          "(strategy=fedprox strategy.proximal_mu=0.01); a method preset pins one as "
+          "method.strategy={name: fedprox, proximal_mu: 0.01}")
+    check(method.proximal_mu is None, "method.proximal_mu", method.proximal_mu,
+          "FedProx's mu is the strategy's key: strategy=fedprox strategy.proximal_mu=MU")
     check(method.weighting in KNOWN_WEIGHTINGS, "method.weighting", method.weighting,
            f"one of {KNOWN_WEIGHTINGS}")
     check(f.select in KNOWN_SELECTIONS, "federation.select", f.select,
            f"one of {KNOWN_SELECTIONS}")
-    check(method.proximal_mu >= 0, "method.proximal_mu", method.proximal_mu,
-           "must be >= 0")
     check(f.backend == "simulation", "federation.backend", f.backend,
            "'simulation' is the in-process launcher; for a SuperLink use `flwr run` "
            "(see the README)")
@@ -583,8 +618,7 @@ def _check_domains(cfg: RunConfig) -> None:
     check(b.crop_pct is None or 0 < b.crop_pct <= 1, "backbone.crop_pct", b.crop_pct,
           "must be in (0, 1] (the centre crop's share of the resized image) or null")
     for key, val in (("train.eps", t.eps), ("train.weight_decay", t.weight_decay),
-                     ("federation.num_cpus", f.num_cpus),
-                     ("method.proximal_mu", cfg.method.proximal_mu)):
+                     ("federation.num_cpus", f.num_cpus)):
         check(val is None or math.isfinite(val), key, val, "must be finite")
     check(f.num_gpus is None or math.isfinite(f.num_gpus), "federation.num_gpus", f.num_gpus,
           "must be finite or null")

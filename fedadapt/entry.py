@@ -33,6 +33,7 @@ def register_configs() -> None:
         PartitionConfig,
         SettingConfig,
     )
+    from fedadapt.strategies.zoo import dp_schemas, strategy_schemas
 
     register_resolvers()
     cs = ConfigStore.instance()
@@ -43,6 +44,10 @@ def register_configs() -> None:
     cs.store(group=SCHEMA_GROUP, name="setting", node=SettingConfig)
     for name, spec in METHODS.items():
         cs.store(group=f"{SCHEMA_GROUP}/method", name=name, node=spec.config_cls)
+    for name, schema in strategy_schemas().items():
+        cs.store(group=f"{SCHEMA_GROUP}/strategy", name=name, node=schema)
+    for name, schema in dp_schemas().items():
+        cs.store(group=f"{SCHEMA_GROUP}/dp", name=name, node=schema)
 
 
 def register_resolvers() -> None:
@@ -56,28 +61,44 @@ def register_resolvers() -> None:
 
 def to_run_config(cfg: DictConfig) -> RunConfig:
     """Typed, validated :class:`RunConfig` from a composed Hydra config (with the method's own
-    ``method.train`` settings applied over ``train``: :func:`with_method_train`)."""
+    ``method.train`` and ``method.strategy`` applied: :func:`with_method_train`)."""
     return validate(OmegaConf.to_object(with_method_train(cfg)))
 
 
 def with_method_train(cfg: DictConfig) -> DictConfig:
-    """``cfg`` with ``method.train``'s keys over ``train`` (a copy; ``cfg`` itself when the
-    method sets none). A key that is not a ``train`` key fails, named ``method.train.<key>``."""
+    """``cfg`` with ``method.train``'s keys over ``train`` and ``method.strategy`` in place of
+    ``strategy`` (a copy; ``cfg`` itself when the method sets neither). A key that is not a
+    ``train`` key, or not the pinned strategy's, fails, named ``method.<key>``."""
     from fedadapt.config import ConfigError
 
     method = cfg.get("method")
     own = method.get("train") if method is not None else None
-    if not own:
+    pinned = method.get("strategy") if method is not None else None
+    if not own and not isinstance(pinned, DictConfig):
         return cfg
     from omegaconf.errors import OmegaConfBaseException
 
+    from fedadapt.strategies.zoo import strategy_schemas
+
     out = cfg.copy()
     try:
-        out.train = OmegaConf.merge(cfg.train, own)
+        if own:
+            out.train = OmegaConf.merge(cfg.train, own)
     except OmegaConfBaseException as err:
         raise ConfigError(f"method.train={OmegaConf.to_container(own)} is invalid for "
                           f"method={method.get('name')}: {str(err).splitlines()[0]} (its keys "
                           f"are train.* keys)") from err
+    if isinstance(pinned, DictConfig):
+        schema = strategy_schemas().get(str(pinned.get("name")))
+        try:
+            if schema is None:
+                raise ValueError(f"no strategy {pinned.get('name')!r}")
+            out.strategy = OmegaConf.merge(OmegaConf.structured(schema), pinned)
+            out.method.strategy = None  # applied: the run's config shows it as `strategy`
+        except (OmegaConfBaseException, ValueError) as err:
+            raise ConfigError(f"method.strategy={OmegaConf.to_container(pinned)} is invalid for "
+                              f"method={method.get('name')}: {str(err).splitlines()[0]} (a "
+                              f"strategy= option with its keys)") from err
     return out
 
 

@@ -88,12 +88,31 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
                    original_classifier=original.classifier if original else None)
     model = build_run_model(spec, backbone)
     _apply_setting(cfg, spec, model)
+    spec.train_mods, spec.evaluate_mods = _client_mods(cfg)
     counts = {
         "backbone_params": backbone.num_params(),
         "trainable_params": model.count(model.trainable_names()),
         "communicated_params": model.count(model.communicated_names()),
     }
-    return PreparedRun(spec=spec, partition=partition, model=model, counts=counts)
+    prep = PreparedRun(spec=spec, partition=partition, model=model, counts=counts)
+    _check_strategy(cfg, prep)
+    return prep
+
+
+def _client_mods(cfg: RunConfig) -> tuple[list[str], list[str]]:
+    """The ClientApp mods of training and evaluation replies: ``dp=client_*``'s clipping mod
+    first (outermost: it clips what the other mods left), then ``federation.*_mods``; each
+    imported once here, so a wrong name fails before anything runs."""
+    from fedadapt.federation.mods import resolve
+    from fedadapt.strategies.zoo import DP_MODS
+
+    train = ([DP_MODS[cfg.dp.name]] if cfg.dp.name in DP_MODS else []) + \
+        list(cfg.federation.train_mods)
+    for key, names in (("federation.train_mods", cfg.federation.train_mods),
+                       ("federation.evaluate_mods", cfg.federation.evaluate_mods)):
+        for name in names:
+            resolve(name, key)
+    return train, list(cfg.federation.evaluate_mods)
 
 
 def _text_inputs(cfg: RunConfig, backbone, class_names) -> tuple:
@@ -443,13 +462,14 @@ def _round_hook(cfg: RunConfig, run_dir: Path, config_sha: str, tracker, show: l
         tracker.log_round(state.history[-1])
         rnd = state.server_round
         if (every and rnd % every == 0) or rnd == state.num_rounds:
+            strategy, strategy_arrays = state.strategy_checkpoint()
             save_checkpoint(run_dir, server_round=rnd,
                             arrays=dict(state.arrays.to_torch_state_dict()),
                             state={"history": state.history, "cum_bytes": state.cum_bytes,
-                                   "strategy": state.strategy.state_dict(),
+                                   "strategy": strategy,
                                    "client_metrics": state.client_metrics,
                                    "wall_s": state.history[-1]["wall_s"]},
-                            config_sha=config_sha)
+                            config_sha=config_sha, strategy_arrays=strategy_arrays)
             state.checkpoint_round = rnd
 
     return on_round
@@ -462,7 +482,7 @@ def _node_layout(cfg: RunConfig, prep: PreparedRun, execute: Optional[Callable],
     from fedadapt.federation.sizing import announce, measure_group_memory, size_simulation
 
     spec = prep.spec
-    if execute is not None:
+    if execute is not None and getattr(execute, "nodes", "clients") == "clients":
         return {"nodes": "clients", "num_nodes": spec.num_clients, "group_size": 1}
     measure = (lambda: measure_group_memory(spec, prep.model)) if spec.device == "cuda" \
         else None
@@ -483,17 +503,13 @@ def _rounds_plan(cfg: RunConfig, prep: PreparedRun, initial, num_rounds: int,
     from fedadapt.federation.server import ServerPlan
     from fedadapt.federation.training import lr_at
     from fedadapt.federation.worker import sent_names
-    from fedadapt.strategies.fedavg import build_strategy
 
-    spec, model, p = prep.spec, prep.model, cfg.partition
-    sampled = min(spec.num_clients, max(1, int(spec.num_clients * p.fraction_fit)))
+    spec, model = prep.spec, prep.model
+    sampled = min(spec.num_clients, max(1, int(spec.num_clients * cfg.partition.fraction_fit)))
     return ServerPlan(
         num_clients=spec.num_clients,
-        make_strategy=lambda: build_strategy(
-            cfg.method.strategy, federated=model.federated, num_clients=spec.num_clients,
-            fraction_train=p.fraction_fit, fraction_evaluate=p.fraction_evaluate,
-            seed=cfg.seed, proximal_mu=cfg.method.proximal_mu,
-            weighting=cfg.method.weighting),
+        make_strategy=lambda: make_strategy(cfg, prep),
+        seed=cfg.seed,
         initial_arrays=initial,
         num_rounds=num_rounds,
         personalize=cfg.setting.name == "personalization",
@@ -508,6 +524,40 @@ def _rounds_plan(cfg: RunConfig, prep: PreparedRun, initial, num_rounds: int,
         sent_names=lambda pid: sent_names(spec, pid, model),
         **_node_layout(cfg, prep, execute, sampled),
     )
+
+
+def make_strategy(cfg: RunConfig, prep: PreparedRun):
+    """The run's Flower strategy (``strategy=``, wrapped by ``dp=``; see
+    :mod:`fedadapt.strategies.zoo`)."""
+    from fedadapt.strategies.zoo import build_strategy
+
+    p = cfg.partition
+    return build_strategy(cfg.strategy, cfg.dp, num_clients=prep.spec.num_clients,
+                          fraction_train=p.fraction_fit, fraction_evaluate=p.fraction_evaluate,
+                          weighting=cfg.method.weighting, lr=cfg.train.lr,
+                          federated=prep.model.federated)
+
+
+def _check_strategy(cfg: RunConfig, prep: PreparedRun) -> None:
+    """The strategy against the partition's real client count and what the clients send
+    (before anything is written): refuses a strategy that needs every client to send every
+    tensor where some do not, and builds it once (Flower's own checks of its values)."""
+    from fedadapt.federation.worker import sent_names
+    from fedadapt.strategies.zoo import check_counts, check_every_tensor, sample_size
+
+    spec, model = prep.spec, prep.model
+    if method_spec(cfg.method).trainer != "clients" or not model.federated:
+        return
+    check_counts(cfg.strategy, cfg.dp, num_clients=spec.num_clients,
+                 sampled=sample_size(spec.num_clients, cfg.partition.fraction_fit))
+    every = model.communicated_names()
+    partial = [c for c in range(spec.num_clients) if len(sent_names(spec, c, model)) < len(every)]
+    if partial:
+        check_every_tensor(cfg.strategy, cfg.dp, f"method={cfg.method.name}: client "
+                                                 f"{partial[0]} trains "
+                                                 f"{len(sent_names(spec, partial[0], model))} of "
+                                                 f"the {len(every)} communicated tensors")
+    make_strategy(cfg, prep)
 
 
 def _finish_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, state, *, label: str,
@@ -544,6 +594,8 @@ def _finish_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, state, *, l
         "personalization": _personalization(cfg, run_dir, spec, state.personalized),
         "best": {"global_acc": best("global_acc"), "client_acc": best("client_acc")},
         "params": prep.counts,
+        "strategy": _strategy_summary(cfg, state.strategy),
+        "privacy": _privacy_summary(cfg, state.strategy),
         "total_bytes": state.cum_bytes,
         "client_failures": sum(r.get("clients_failed", 0) for r in history),
         "resumed_after_round": resume_state["round"] if resume_state else None,
@@ -562,6 +614,28 @@ def _finish_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, state, *, l
                     title=f"{label} | {cfg.dataset.name} | alpha {cfg.partition.alpha}")
     write_json(run_dir / SUMMARY, summary)  # last: marks the run directory complete
     return summary
+
+
+def _strategy_summary(cfg: RunConfig, strategy) -> dict:
+    """Which Flower strategy ran, with its keys (``strategy=`` / ``dp=``)."""
+    from dataclasses import asdict
+
+    from fedadapt.strategies.zoo import describe
+
+    return {"class": describe(strategy), "strategy": asdict(cfg.strategy),
+            "dp": asdict(cfg.dp)}
+
+
+def _privacy_summary(cfg: RunConfig, strategy) -> Optional[dict]:
+    """``dp=``'s guarantee at the end: epsilon at delta (fixed clipping with accounting), the
+    noise multiplier and the final clipping norm; None without DP."""
+    from fedadapt.strategies.zoo import privacy_spent
+
+    if cfg.dp.name == "none":
+        return None
+    return {"dp": cfg.dp.name, "noise_multiplier": float(strategy.noise_multiplier),
+            "clipping_norm": float(strategy.clipping_norm),
+            **(privacy_spent(strategy) or {"epsilon": None, "accounting": None})}
 
 
 #: Per-client evaluation results of a run, one line per (round, client), written at its end.
@@ -643,7 +717,6 @@ def _server_run(cfg: RunConfig, run_dir: Path, prep: PreparedRun, config_yaml: s
     from fedadapt.clients.app import make_client_app
     from fedadapt.federation.server import ServerPlan
     from fedadapt.results.store import atomic_write
-    from fedadapt.strategies.fedavg import build_strategy
 
     spec = prep.spec
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -651,10 +724,8 @@ def _server_run(cfg: RunConfig, run_dir: Path, prep: PreparedRun, config_yaml: s
     _write_partition(run_dir, cfg, prep)
     plan = ServerPlan(
         num_clients=spec.num_clients,
-        make_strategy=lambda: build_strategy("fedavg", federated=True,
-                                             num_clients=spec.num_clients, fraction_train=1.0,
-                                             fraction_evaluate=1.0, seed=cfg.seed),
-        initial_arrays=ArrayRecord({}), num_rounds=0, lr_at=lambda r: 0.0, eval_every=1,
+        make_strategy=None, seed=cfg.seed, initial_arrays=ArrayRecord({}), num_rounds=0,
+        lr_at=lambda r: 0.0, eval_every=1,
         global_eval=None, counts={}, timeout=cfg.federation.round_timeout,
         min_reply_fraction=cfg.federation.min_reply_fraction,
         **_node_layout(cfg, prep, execute, spec.num_clients), **plan_extra)

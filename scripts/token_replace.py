@@ -87,7 +87,8 @@ def local_steps(model, spec, indices, lr: float, seed: int) -> list[dict]:
 
 
 def run_variant(overrides: list[str], rounds: int) -> dict:
-    from fedadapt.strategies.fedavg import build_strategy
+    from fedadapt.strategies.state import SeededStreams
+    from fedadapt.strategies.zoo import sample_size
 
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import prepare_run
@@ -98,15 +99,14 @@ def run_variant(overrides: list[str], rounds: int) -> dict:
     spec, model = prep.spec, prep.model
     names = model.communicated_names()
     global_t = model.tensors(names)
-    sampler = build_strategy(cfg.method.strategy, federated=True, num_clients=spec.num_clients,
-                             fraction_train=cfg.partition.fraction_fit,
-                             fraction_evaluate=0.0, seed=cfg.seed)
+    sampler = SeededStreams(cfg.seed)  # the clients fedadapt's FedAvg samples
+    k = sample_size(spec.num_clients, cfg.partition.fraction_fit)
     probe, _ = next(spec.test_source.stream([np.arange(64)], torch.device("cpu")))
     print(f"  round   0 | token change at initialisation {token_change(model, probe):.3f}")
     curve = []
     for rnd in range(1, rounds + 1):
         results, steps = [], []
-        for cid in sampler.sample_train():
+        for cid in sampler.sample("train", spec.num_clients, k):
             model.load_tensors(global_t)
             steps += local_steps(model, spec, spec.clients[cid].train,
                                  lr_at(spec.train, rnd, rounds), derive_seed(cfg.seed, rnd, cid))

@@ -1,37 +1,36 @@
-"""Adapter-only FedAvg and FedProx, and the local-only reference.
+"""Per-tensor FedAvg, the local-only reference, and the client metrics every strategy reports.
 
-They subclass Flower's strategies and change only what differs:
+Flower's strategies drive the rounds unchanged (:mod:`fedadapt.strategies.zoo` builds them from
+the ``strategy=`` and ``dp=`` config groups). fedadapt adds what its methods need and Flower's
+FedAvg cannot express, each as a subclass overriding only what differs:
 
-* **Seeded sampling by client.** Flower samples node ids with the global ``random`` module; here
-  a Flower node may train many clients (a simulation worker), so these strategies sample
-  *partition ids* with their own ``random.Random(seed)`` (state a checkpoint saves): the same
-  seed trains the same clients in every run. Drawing k of N clients costs O(k).
-* **Per-round config.** The learning rate of the round (and FedProx's ``proximal-mu``) travel in
-  the ``ConfigRecord``.
-* **Per-tensor averaging over the clients that trained it.** A client sends only the tensors it
-  trained (a tier-3 client of a layer-wise model: exit 3's head and the blocks it ran), so each
-  tensor is the weighted mean over the clients that sent it; a tensor nobody sent keeps its value.
-  With every client sending every tensor this is exactly FedAvg.
-* **Client-mean evaluation.** Besides the example-weighted mean, the unweighted mean of the
-  clients' local accuracies (the personalization metric).
+* :class:`PerTensorFedAvg`: a client sends only the tensors it trained (a tier-3 client of a
+  layer-wise model: exit 3's head and the blocks it ran), so each tensor is the weighted mean
+  over the clients that sent it and a tensor nobody sent keeps its value. With every client
+  sending every tensor this is exactly FedAvg. It overrides ``aggregate_train`` (and remembers
+  the arrays ``configure_train`` sent); Flower's server optimisers compose with it the way they
+  extend FedAvg (``FedAdam`` -> ``FedOpt`` -> ``PerTensorFedAvg`` -> ``FedAvg``, see
+  :func:`per_tensor`).
+* :class:`LocalOnly`: each client trains its own model; nothing is aggregated.
+* :func:`aggregate_client_metrics`: besides the weighted mean of every metric, the unweighted
+  mean over the clients (the personalization metric).
 """
 
 from __future__ import annotations
 
 import math
-import random
-from collections.abc import Sequence
-from typing import Optional
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
-from flwr.serverapp.strategy import FedAvg, FedProx
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
 
 from fedadapt.federation.records import UNIFORM_KEY
 
-__all__ = ["UNIFORM_KEY", "AdapterFedAvg", "AdapterFedProx", "LocalOnly",
-           "aggregate_client_metrics", "average_by_tensor", "build_strategy"]
+__all__ = ["UNIFORM_KEY", "LocalOnly", "PerTensorFedAvg", "aggregate_client_metrics",
+           "average_by_tensor", "per_tensor"]
 
 
 def aggregate_client_metrics(replies: list[RecordDict], weight_key: str) -> MetricRecord:
@@ -42,7 +41,7 @@ def aggregate_client_metrics(replies: list[RecordDict], weight_key: str) -> Metr
     keys = sorted({k for m in rows for k in m.keys()} - {weight_key})
     for key in keys:  # non-finite values (a client without test data) are left out
         vals = [(float(m[key]), w) for m, w in zip(rows, weights)
-                if key in m and math.isfinite(float(m[key]))]
+                if key in m and not isinstance(m[key], list) and math.isfinite(float(m[key]))]
         if not vals:
             continue
         total_w = sum(w for _, w in vals)
@@ -59,8 +58,8 @@ def average_by_tensor(current: ArrayRecord, contents: Sequence[RecordDict], weig
     One tensor at a time: besides the replies, the server holds one tensor's float64 sum and
     the new record, never every reply decoded at once (a whole CLIP's replies are 605 MB
     each)."""
-    weights = [float(content.metric_records["metrics"][weight_key]) for content in contents]
-    sent = [content.array_records["arrays"] for content in contents]
+    weights = [float(next(iter(c.metric_records.values()))[weight_key]) for c in contents]
+    sent = [next(iter(c.array_records.values())) for c in contents]
     out = ArrayRecord()
     for name, array in current.items():
         acc, total = None, 0.0
@@ -77,122 +76,51 @@ def average_by_tensor(current: ArrayRecord, contents: Sequence[RecordDict], weig
     return out
 
 
-class SeededSampling:
-    """Mixin: sample partition ids with seeded RNGs (a training and an evaluation stream)."""
+class PerTensorFedAvg(FedAvg):
+    """FedAvg averaging each tensor over the clients that sent it (see the module docstring).
 
-    def init_sampling(self, seed: int, num_clients: int) -> None:
-        # Separate streams: how often or how many clients are evaluated never changes which
-        # clients train.
-        self.num_clients = num_clients
-        self.rng = random.Random(f"train-{seed}")
-        self.eval_rng = random.Random(f"evaluate-{seed}")
+    Flower's reply check (one ArrayRecord with the same keys in every reply) is left out: a
+    tier-k client's reply holds its tier's tensors only. fedadapt's server screens every reply
+    before aggregation (names and shapes against what that client trains, finite values)."""
 
-    def state_dict(self) -> dict:
-        """What a checkpoint must save to continue sampling exactly (JSON-able)."""
-        def dump(rng):
-            version, internal, gauss = rng.getstate()
-            return [version, list(internal), gauss]
+    #: Set by ``configure_train`` every round: never part of a checkpoint.
+    _transient = ("_sent_arrays",)
 
-        return {"rng": dump(self.rng), "eval_rng": dump(self.eval_rng)}
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        self._sent_arrays = arrays  # a tensor nobody trains keeps this value
+        return super().configure_train(server_round, arrays, config, grid)
 
-    def load_state_dict(self, state: dict) -> None:
-        for key, rng in (("rng", self.rng), ("eval_rng", self.eval_rng)):
-            version, internal, gauss = state[key]
-            rng.setstate((version, tuple(internal), gauss))
-
-    def sample(self, fraction: float, minimum: int, rng: random.Random | None = None
-               ) -> list[int]:
-        """Sorted partition ids of ``max(int(N * fraction), minimum)`` clients, drawn without
-        replacement."""
-        k = min(self.num_clients, max(int(self.num_clients * fraction), minimum))
-        return sorted((rng or self.rng).sample(range(self.num_clients), k))
-
-    def sample_train(self) -> list[int]:
-        return self.sample(self.fraction_train, self.min_train_nodes) \
-            if self.fraction_train > 0 else []
-
-    def sample_evaluate(self) -> list[int]:
-        return self.sample(self.fraction_evaluate, self.min_evaluate_nodes, self.eval_rng) \
-            if self.fraction_evaluate > 0 else []
-
-    def round_config(self, server_round: int, config: ConfigRecord) -> ConfigRecord:
-        config["server-round"] = server_round
-        return config
-
-    def aggregate_clients(self, current: ArrayRecord, contents: Sequence[RecordDict]
-                          ) -> tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
-        """The new global arrays (per-tensor means over the senders) and the train metrics of
-        the (already screened) client contents, in partition order."""
-        if not contents:
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        valid, _ = self._check_and_log_replies(replies, is_train=True, validate=False)
+        if not valid:
             return None, None
-        return (average_by_tensor(current, contents, self.weighted_by_key),
-                self.train_metrics_aggr_fn(list(contents), self.weighted_by_key))
-
-    def aggregate_evaluate_clients(self, contents: Sequence[RecordDict]
-                                   ) -> Optional[MetricRecord]:
-        """Example-weighted and client means of the (already screened) evaluation replies,
-        whatever weighting the training average uses."""
-        return self.evaluate_metrics_aggr_fn(list(contents), "num-examples") if contents \
-            else None
+        contents = [msg.content for msg in valid]
+        return (average_by_tensor(self._sent_arrays, contents, self.weighted_by_key),
+                self.train_metrics_aggr_fn(contents, self.weighted_by_key))
 
 
-def _kwargs(num_clients: int, fraction_train: float, fraction_evaluate: float,
-            weighting: str = "examples") -> dict:
-    """Minimum client counts so that a round samples the intended number of clients."""
-    return dict(
-        weighted_by_key=UNIFORM_KEY if weighting == "uniform" else "num-examples",
-        fraction_train=fraction_train,
-        fraction_evaluate=fraction_evaluate,
-        min_train_nodes=max(1, int(num_clients * fraction_train)),
-        min_evaluate_nodes=int(num_clients * fraction_evaluate),
-        min_available_nodes=1,
-        train_metrics_aggr_fn=aggregate_client_metrics,
-        evaluate_metrics_aggr_fn=aggregate_client_metrics,
-    )
+_PER_TENSOR: dict[type, type] = {FedAvg: PerTensorFedAvg}
 
 
-class AdapterFedAvg(SeededSampling, FedAvg):
-    """FedAvg over the communicated tensors, with seeded per-round client sampling."""
-
-    def __init__(self, *, num_clients: int, fraction_train: float, fraction_evaluate: float,
-                 seed: int, weighting: str = "examples") -> None:
-        FedAvg.__init__(self, **_kwargs(num_clients, fraction_train, fraction_evaluate,
-                                        weighting))
-        self.init_sampling(seed, num_clients)
-
-
-class AdapterFedProx(SeededSampling, FedProx):
-    """FedProx: FedAvg plus ``proximal-mu`` in every train config (clients add the term)."""
-
-    def __init__(self, *, num_clients: int, fraction_train: float, fraction_evaluate: float,
-                 seed: int, proximal_mu: float, weighting: str = "examples") -> None:
-        FedProx.__init__(self, proximal_mu=proximal_mu,
-                         **_kwargs(num_clients, fraction_train, fraction_evaluate, weighting))
-        self.init_sampling(seed, num_clients)
-
-    def round_config(self, server_round: int, config: ConfigRecord) -> ConfigRecord:
-        config["proximal-mu"] = self.proximal_mu
-        return super().round_config(server_round, config)
+def per_tensor(cls: type) -> type:
+    """``cls`` (FedAvg or a strategy that extends it through ``super().aggregate_train``:
+    FedProx, FedAvgM, FedAdam, FedYogi, FedAdagrad) with :class:`PerTensorFedAvg`'s averaging
+    under its own: ``class PerTensorFedAdam(FedAdam, PerTensorFedAvg)``, whose method order is
+    FedAdam, FedOpt, PerTensorFedAvg, FedAvg."""
+    if cls not in _PER_TENSOR:
+        _PER_TENSOR[cls] = type(f"PerTensor{cls.__name__}", (cls, PerTensorFedAvg),
+                                {"__module__": __name__, "__doc__": cls.__doc__})
+    return _PER_TENSOR[cls]
 
 
-class LocalOnly(AdapterFedAvg):
+class LocalOnly(FedAvg):
     """Each client trains its own model; nothing is aggregated (the replies carry no arrays)."""
 
-    def aggregate_clients(self, current: ArrayRecord, contents: Sequence[RecordDict]
-                          ) -> tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
-        return None, (self.train_metrics_aggr_fn(list(contents), self.weighted_by_key)
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        valid, _ = self._check_and_log_replies(replies, is_train=True, validate=False)
+        contents = [msg.content for msg in valid]
+        return None, (self.train_metrics_aggr_fn(contents, self.weighted_by_key)
                       if contents else None)
-
-
-def build_strategy(name: str, *, federated: bool, num_clients: int, fraction_train: float,
-                   fraction_evaluate: float, seed: int, proximal_mu: float = 0.0,
-                   weighting: str = "examples"):
-    """The strategy a method asks for (``method.strategy``, ``method.weighting``), or LocalOnly
-    when not federated."""
-    common = dict(num_clients=num_clients, fraction_train=fraction_train,
-                  fraction_evaluate=fraction_evaluate, seed=seed, weighting=weighting)
-    if not federated:
-        return LocalOnly(**common)
-    if name == "fedprox":
-        return AdapterFedProx(proximal_mu=proximal_mu, **common)
-    return AdapterFedAvg(**common)

@@ -19,7 +19,8 @@ from fedadapt.federation import records
 def call(app, prep, kind, context, arrays, clients=(0,), group=1, rnd=1):
     """A message to a node naming ``clients``; returns ``{client: its reply records}``."""
     content = RecordDict({"arrays": ArrayRecord(arrays), "config": ConfigRecord(
-        {"server-round": rnd, "lr": 0.05, "clients": list(clients), "group-size": group})})
+        {"server-round": rnd, "lr": 0.05}), records.GRID: ConfigRecord(
+        {"clients": list(clients), "group-size": group})})
     msg = Message(content=content, dst_node_id=1,
                   message_type=MessageType.TRAIN if kind == "train" else MessageType.EVALUATE)
     return records.unpack(app(msg, context).content)

@@ -129,7 +129,7 @@ def test_client_sends_only_the_adapter(cache_dir, flower_task):
     app = make_client_app(lambda ctx: prep.spec)
     sent = prep.model.tensors(prep.model.communicated_names())
     msg = Message(RecordDict({"arrays": ArrayRecord(sent), "config": ConfigRecord(
-        {"server-round": 1, "lr": 0.01, "clients": [0]})}),
+        {"server-round": 1, "lr": 0.01}), records.GRID: ConfigRecord({"clients": [0]})}),
                   dst_node_id=1, message_type=MessageType.TRAIN)
     ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": 3},
                   state=RecordDict(), run_config={})
@@ -241,9 +241,17 @@ def test_compare_entry_can_name_another_backbone():
         jobs = {name: run for name, run, _ in job_configs(cfg, overrides)}
     assert jobs["fedclip"].backbone.name == "clip_vit_b32"
     assert jobs["fedavg_alexnet"].backbone.name == "alexnet"
-    assert jobs["fedavg_alexnet"].method.strategy == "fedavg"
-    assert jobs["fedprox_alexnet"].method.strategy == "fedprox"
-    assert jobs["fedprox_clip"].method.proximal_mu == 1e-3
+    # each baseline pins the strategy it is named for, whatever strategy= the job names
+    assert jobs["fedclip"].strategy.name == "fedavg"
+    assert jobs["fedavg_alexnet"].strategy.name == "fedavg"
+    assert jobs["fedprox_alexnet"].strategy.name == "fedprox"
+    assert jobs["fedprox_clip"].strategy.proximal_mu == 1e-3
+    adam_overrides = overrides + ["strategy=fedadam"]
+    adam_cfg = compose_config(adam_overrides)
+    with initialize_config_module(config_module=CONF_MODULE, version_base=None):
+        adam = {name: run for name, run, _ in job_configs(adam_cfg, adam_overrides)}
+    assert adam["fedclip"].strategy.name == "fedadam"
+    assert adam["fedprox_clip"].strategy.name == "fedprox"
 
 
 def test_each_baseline_trains_with_its_own_optimiser():

@@ -88,8 +88,8 @@ def test_heads_on_cached_features(cache_dir, k):
 def test_local_only_fedprox_and_adamw(cache_dir):
     local = prepared(cache_dir, LocalOnlyConfig(), optimizer="adamw", weight_decay=0.1)
     assert_same(local, jobs_for(local, 3), lr=0.01)
-    prox = prepared(cache_dir, LinearHeadConfig(strategy="fedprox", proximal_mu=0.5))
-    assert_same(prox, jobs_for(prox, 3), mu=0.5)
+    prox = prepared(cache_dir, LinearHeadConfig())
+    assert_same(prox, jobs_for(prox, 3), mu=0.5)  # FedProx's proximal-mu, as a client gets it
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])
@@ -159,8 +159,8 @@ def test_personalization_side_by_side_equals_one_after_another(cache_dir, flower
         ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 0}, state=RecordDict(),
                       run_config={})
         content = RecordDict({"arrays": arrays, "config": ConfigRecord(
-            {"phase": "personalize", "server-round": 3, "clients": [0, 1, 2],
-             "group-size": k})})
+            {"phase": "personalize", "server-round": 3}), records.GRID: ConfigRecord(
+            {"clients": [0, 1, 2], "group-size": k})})
         outs.append(records.unpack(personalize_clients(spec, content, ctx)))
         states.append([load_client_state(f"{spec.state_dir}/{c}/personalized", 3)
                        for c in range(3)])

@@ -13,6 +13,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, R
 from fedadapt.adapters.exits import AccumulatorConfig, LwLinearConfig
 from fedadapt.config import BackboneConfig, ConfigError, SettingConfig, validate
 from fedadapt.experiment import prepare_run, run_experiment
+from fedadapt.federation import records
 from fedadapt.federation.inprocess import run_in_process
 from fedadapt.federation.training import evaluate_exits, train_local
 from fedadapt.results.store import read_jsonl
@@ -145,7 +146,8 @@ def test_personalization_reply_carries_no_tensors(cache_dir, flower_task, tmp_pa
     app = make_client_app(lambda ctx: spec)
     sent = model.tensors(model.communicated_names())
     msg = Message(RecordDict({"arrays": ArrayRecord(sent), "config": ConfigRecord(
-        {"phase": "personalize", "server-round": 3, "clients": [1]})}), dst_node_id=1,
+        {"phase": "personalize", "server-round": 3}),
+        records.GRID: ConfigRecord({"clients": [1]})}), dst_node_id=1,
         message_type=MessageType.TRAIN)
     ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 1, "num-partitions": 3},
                   state=RecordDict(), run_config={})

@@ -4,9 +4,10 @@ Server side, ``<run_dir>/checkpoints/round-<r>/`` holds
 
 * ``arrays.safetensors``: the global communicated tensors;
 * ``state.json``: the round, the metrics so far, the cumulative bytes, the strategy's state
-  (the seeded client-sampling RNG, plus whatever a strategy adds, e.g. server momentum) and the
-  checksum of the run's ``config.yaml``;
-* ``manifest.json``: the SHA-256 of the two files above, written last.
+  (the seeded sampling and noise streams, and the Flower strategy's attributes:
+  :mod:`fedadapt.strategies.state`) and the checksum of the run's ``config.yaml``;
+* ``strategy.safetensors``: the strategy's arrays (FedAdam's moments, FedAvgM's momentum, ...);
+* ``manifest.json``: the SHA-256 of the files above, written last.
 
 The folder is written under a temporary name, fsynced and renamed; then ``checkpoints/LATEST``
 is replaced atomically to point at it, and only then are older checkpoints removed: a kill at
@@ -31,6 +32,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 
 from fedadapt.config import FedadaptError
@@ -40,6 +42,7 @@ CHECKPOINTS = "checkpoints"
 LATEST = "LATEST"
 ARRAYS = "arrays.safetensors"
 STATE = "state.json"
+STRATEGY_ARRAYS = "strategy.safetensors"
 MANIFEST = "manifest.json"
 
 
@@ -76,8 +79,11 @@ def _fsync_dir(path: Path) -> None:
 
 
 def save_checkpoint(run_dir: Path, *, server_round: int, arrays: dict[str, torch.Tensor],
-                    state: dict, config_sha: str) -> Path:
-    """Write the checkpoint of ``server_round``; return its folder."""
+                    state: dict, config_sha: str, strategy_arrays: Optional[dict] = None
+                    ) -> Path:
+    """Write the checkpoint of ``server_round`` (``strategy_arrays``: the strategy's numpy
+    arrays by name); return its folder."""
+    from safetensors.numpy import save as save_numpy
     from safetensors.torch import save
 
     root = Path(run_dir) / CHECKPOINTS
@@ -92,8 +98,10 @@ def save_checkpoint(run_dir: Path, *, server_round: int, arrays: dict[str, torch
         _fsync_write(tmp / ARRAYS, save(tensors))
         body = {"round": server_round, "config_sha256": config_sha, **state}
         _fsync_write(tmp / STATE, json.dumps(body).encode())
-        manifest = {"round": server_round,
-                    "files": {name: sha256_file(tmp / name) for name in (ARRAYS, STATE)}}
+        _fsync_write(tmp / STRATEGY_ARRAYS, save_numpy(
+            {k: np.ascontiguousarray(v) for k, v in (strategy_arrays or {}).items()}))
+        manifest = {"round": server_round, "files": {
+            name: sha256_file(tmp / name) for name in (ARRAYS, STATE, STRATEGY_ARRAYS)}}
         _fsync_write(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
         _fsync_dir(tmp)
     except BaseException:
@@ -132,16 +140,19 @@ def latest_checkpoint(run_dir: Path) -> Optional[Path]:
 
 def load_checkpoint(folder: Path, *, config_sha: Optional[str] = None
                     ) -> tuple[dict[str, torch.Tensor], dict]:
-    """Verify every file against the manifest, then load ``(arrays, state)``."""
+    """Verify every file against the manifest, then load ``(arrays, state)``; the strategy's
+    arrays are ``state["strategy_arrays"]``."""
     from safetensors import SafetensorError
+    from safetensors.numpy import load as load_numpy
     from safetensors.torch import load
 
     manifest_path = folder / MANIFEST
+    expected = {ARRAYS, STATE, STRATEGY_ARRAYS}
     try:
         manifest = json.loads(manifest_path.read_text())
         files = manifest["files"]
-        if set(files) != {ARRAYS, STATE}:
-            raise ValueError(f"it lists {sorted(files)}, not {sorted([ARRAYS, STATE])}")
+        if set(files) != expected:
+            raise ValueError(f"it lists {sorted(files)}, not {sorted(expected)}")
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"checkpoint manifest {manifest_path} is missing or unreadable "
                               f"({err}); the checkpoint is incomplete") from err
@@ -156,11 +167,14 @@ def load_checkpoint(folder: Path, *, config_sha: Optional[str] = None
     if config_sha is not None and state.get("config_sha256") != config_sha:
         raise CheckpointError(f"checkpoint {folder} belongs to a different config.yaml than the "
                               f"run directory's; refusing to resume")
-    try:
-        arrays = load((folder / ARRAYS).read_bytes())
-    except SafetensorError as err:
-        raise CheckpointError(f"checkpoint file {folder / ARRAYS} is not valid safetensors "
-                              f"({err})") from err
+    loaded = []
+    for name, loader in ((ARRAYS, load), (STRATEGY_ARRAYS, load_numpy)):
+        try:
+            loaded.append(loader((folder / name).read_bytes()))
+        except SafetensorError as err:
+            raise CheckpointError(f"checkpoint file {folder / name} is not valid safetensors "
+                                  f"({err})") from err
+    arrays, state["strategy_arrays"] = loaded
     return arrays, state
 
 

@@ -3,7 +3,10 @@ engine. The server code (:func:`fedadapt.federation.server.execute_plan`) and th
 the real ones; messages are copied on the way there and back, as a transport would, and every
 exchange can be watched (``on_reply``). For tests and debugging: a tiny run takes seconds.
 
-Usage: ``run_experiment(cfg, run_dir, config_yaml=..., execute=run_in_process)``.
+Usage: ``run_experiment(cfg, run_dir, config_yaml=..., execute=run_in_process)``: one node per
+client, as on the deployment engine; ``execute=in_process(nodes="workers")``: the simulation's
+layout (workers that train the clients a message names, ``federation.clients_per_worker`` side
+by side).
 """
 
 from __future__ import annotations
@@ -95,3 +98,14 @@ def run_in_process(plan: ServerPlan, client_app, *,
     finally:
         torch.set_num_threads(threads)
         flwr_logger.setLevel(level)
+
+
+def in_process(nodes: str = "clients", on_reply: Optional[OnReply] = None) -> Callable:
+    """An ``execute`` for :func:`fedadapt.experiment.run_experiment` that runs in this process
+    with ``nodes`` as the Flower nodes: ``clients`` (one per client) or ``workers`` (the
+    simulation's workers and their grouping)."""
+    def execute(plan: ServerPlan, client_app) -> ServerState:
+        return run_in_process(plan, client_app, on_reply=on_reply)
+
+    execute.nodes = nodes
+    return execute

@@ -1,18 +1,23 @@
 """Messages that carry several clients: how records are named inside one Flower message.
 
-In simulation a Flower node is a *worker* that trains the clients a message names; on the
-deployment engine a node is one client (the message names just it). Either way a message's
-``config`` lists the partition ids it is for (``clients``); records shared by those clients (the
-global arrays, once) have plain names, and a client's own records are prefixed with its id:
-``c17/arrays``, ``c17/metrics``. A reply holds only per-client records: each client's arrays and
-metrics, or ``c17/error`` (a ConfigRecord with the reason) when that client failed; a client
-with no record at all did not answer in time.
+A strategy sends one message per client (:mod:`fedadapt.federation.grid` shows it one node per
+client). Underneath, the messages for the clients of one worker travel as one Flower message:
+records that all of them share (the global arrays, the round's config: the same objects in every
+client's message) have plain names and travel once; a client's own records are prefixed with its
+partition id: ``c17/arrays``. The record :data:`GRID` lists the clients the message is for and
+how the worker trains them; it is the worker's, and no client sees it.
+
+A reply holds only per-client records: each client's arrays and metrics, or ``c17/error`` (a
+ConfigRecord with the reason) when that client failed; a client with no record at all did not
+answer in time. On the deployment engine a node is one client and a message names just it.
 """
 
 from __future__ import annotations
 
 from flwr.app import ConfigRecord, RecordDict
 
+#: The packing record: ``clients`` (partition ids), ``group-size``, ``nodes``.
+GRID = "fedadapt.grid"
 CLIENTS = "clients"
 ERROR = "error"
 #: Train replies carry this metric (1 per client) for ``method.weighting=uniform``.
@@ -23,18 +28,24 @@ def key(cid: int, name: str) -> str:
     return f"c{cid}/{name}"
 
 
+def packing(content: RecordDict) -> ConfigRecord:
+    """The message's :data:`GRID` record (empty when there is none)."""
+    return content.config_records.get(GRID) or ConfigRecord({})
+
+
 def clients_of(content: RecordDict) -> list[int]:
     """The partition ids a message is for."""
-    config = content.config_records.get("config")
-    return [int(c) for c in config[CLIENTS]] if config is not None and CLIENTS in config else []
+    grid = packing(content)
+    return [int(c) for c in grid[CLIENTS]] if CLIENTS in grid else []
 
 
 def view(content: RecordDict, cid: int) -> RecordDict:
-    """Client ``cid``'s records: the shared ones and its own, prefix removed (its own win)."""
+    """Client ``cid``'s records: the shared ones and its own, prefix removed (its own win); the
+    worker's :data:`GRID` record left out."""
     own = f"c{cid}/"
     out = RecordDict()
     for name, record in content.items():
-        if "/" not in name:
+        if "/" not in name and name != GRID:
             out[name] = record
     for name, record in content.items():
         if name.startswith(own):

@@ -84,6 +84,11 @@ class RunSpec:
     #: (``original.train_backbone``, :mod:`fedadapt.federation.original`); None = trained on
     #: the cached features.
     original_classifier: Optional[dict[str, torch.Tensor]] = None
+    #: Flower ClientApp mods (``module:function``) applied to each client's training and
+    #: evaluation replies (``federation.*_mods``; ``dp=client_*`` puts Flower's clipping mod
+    #: first).
+    train_mods: list[str] = field(default_factory=list)
+    evaluate_mods: list[str] = field(default_factory=list)
 
     @property
     def num_clients(self) -> int:

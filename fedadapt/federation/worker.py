@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-from flwr.app import ArrayRecord, Context, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 
 from fedadapt.devices import return_freed_memory
-from fedadapt.federation import records
+from fedadapt.federation import mods, records
 from fedadapt.federation.checkpoint import client_rounds, load_client_state, save_client_state
 from fedadapt.federation.faults import TENSOR_FAULTS, corrupt, injected_fault
 from fedadapt.federation.grouped import ClientJob, ClientResult, UsedTensors, train_group
@@ -174,6 +174,8 @@ def _reason(err: BaseException) -> str:
 
 def _run_group(spec: RunSpec, model, jobs: list[ClientJob], lr: float, mu: float, train
                ) -> list[ClientResult]:
+    """``jobs`` trained side by side (one: :func:`train_local`) at learning rate ``lr`` and
+    FedProx's ``mu``."""
     if len(jobs) > 1:
         return train_group(model, spec.train_source, jobs, train, lr=lr,
                            precision=spec.precision, proximal_mu=mu, used=used_tensors(spec))
@@ -185,31 +187,35 @@ def _run_group(spec: RunSpec, model, jobs: list[ClientJob], lr: float, mu: float
     return [ClientResult(model.tensors(model.trainable_names()), loss, seen)]
 
 
-def _groups(jobs: list[ClientJob], size: int) -> list[list[ClientJob]]:
-    """Clients with the same exits (a tier) train together, ``size`` at a time."""
-    by_exits: dict[tuple, list[ClientJob]] = {}
+def _groups(jobs: list[ClientJob], size: int, rates: dict[int, tuple[float, float]]
+            ) -> list[tuple[tuple[float, float], list[ClientJob]]]:
+    """Clients with the same exits (a tier) and the same ``(lr, mu)`` train together, ``size``
+    at a time."""
+    by_key: dict[tuple, list[ClientJob]] = {}
     for job in jobs:
-        by_exits.setdefault(tuple(job.exits or ()), []).append(job)
-    return [group[i:i + size] for group in by_exits.values()
+        by_key.setdefault((tuple(job.exits or ()), rates[job.cid]), []).append(job)
+    return [(key[1], group[i:i + size]) for key, group in by_key.items()
             for i in range(0, len(group), max(1, size))]
 
 
-def _train_groups(spec: RunSpec, model, jobs: list[ClientJob], size: int, lr: float,
-                  mu: float, train=None, finish: Optional[Callable] = None) -> dict:
-    """Each client's result, or the reason it failed: a group that raises is retried one client
-    at a time, so only the client at fault fails; a group that does not fit in GPU memory is
-    split in halves until it does (with a warning naming the size that fits). ``finish(cid,
-    result_or_reason)``, when given, turns each result into what is kept as soon as its group
-    is done (a reply record: a large model's trained tensors are not all held at once)."""
+def _train_groups(spec: RunSpec, model, jobs: list[ClientJob], size: int,
+                  rates: dict[int, tuple[float, float]], train=None,
+                  finish: Optional[Callable] = None) -> dict:
+    """Each client's result, or the reason it failed; ``rates[cid]``: its ``(lr, mu)``. A group
+    that raises is retried one client at a time, so only the client at fault fails; a group
+    that does not fit in GPU memory is split in halves until it does (with a warning naming the
+    size that fits). ``finish(cid, result_or_reason)``, when given, turns each result into what
+    is kept as soon as its group is done (a reply record: a large model's trained tensors are
+    not all held at once)."""
     train = train or spec.train
     out: dict = {}
-    pending = _groups(jobs, size)
+    pending = _groups(jobs, size, rates)
 
     def keep(cid: int, res: ClientResult | str) -> None:
         out[cid] = finish(cid, res) if finish else res
 
     while pending:
-        group = pending.pop(0)
+        (lr, mu), group = pending.pop(0)
         try:
             results = _run_group(spec, model, group, lr, mu, train)
         except torch.cuda.OutOfMemoryError as err:
@@ -221,7 +227,7 @@ def _train_groups(spec: RunSpec, model, jobs: list[ClientJob], size: int, lr: fl
             half = (len(group) + 1) // 2
             log(f"[worker] a group of {len(group)} clients does not fit in GPU memory: training "
                 f"groups of {half} (set federation.clients_per_worker={half})")
-            pending[:0] = [group[:half], group[half:]]
+            pending[:0] = [((lr, mu), group[:half]), ((lr, mu), group[half:])]
             continue
         except Exception:  # isolate the client at fault
             if len(group) == 1:
@@ -239,18 +245,20 @@ def _train_groups(spec: RunSpec, model, jobs: list[ClientJob], size: int, lr: fl
     return out
 
 
-def train_clients(spec: RunSpec, content: RecordDict, context: Context) -> RecordDict:
-    """A TRAIN message: every named client trains from the global arrays; one record set per
-    client in the reply."""
-    config = content.config_records["config"]
-    rnd, lr = int(config["server-round"]), float(config["lr"])
-    mu = float(config.get("proximal-mu", 0.0))
-    checkpoint_round = int(config.get("checkpoint-round", 0))
+def train_clients(spec: RunSpec, msg: Message, context: Context) -> RecordDict:
+    """A TRAIN message: every named client trains from the global arrays, with its own config
+    (round, learning rate, FedProx's mu); one record set per client in the reply, each through
+    the run's train mods."""
+    content = msg.content
+    grid = records.packing(content)
     model = cached_model(spec)
     replies: dict[int, RecordDict] = {}
-    jobs, faults, received = [], {}, arrays_by_client(content)
+    jobs, faults, rates, configs, received = [], {}, {}, {}, arrays_by_client(content)
     for cid in records.clients_of(content):
         try:
+            config = configs[cid] = records.view(content, cid).config_records["config"]
+            rnd = int(config["server-round"])
+            rates[cid] = (float(config["lr"]), float(config.get("proximal-mu", 0.0)))
             faults[cid] = _injected(spec, rnd, cid, f"in round {rnd}")
             tensors = client_tensors(spec, model, cid, received(cid), rnd - 1, context)
         except Exception as err:
@@ -260,17 +268,20 @@ def train_clients(spec: RunSpec, content: RecordDict, context: Context) -> Recor
                               seed=derive_seed(spec.seed, rnd, cid),
                               crop_seed=derive_seed(spec.seed, rnd, cid, 7),
                               exits=client_exits(spec, cid)))
-    deployment = config.get("nodes", "workers") == "clients"
+    deployment = grid.get("nodes", "workers") == "clients"
 
     def reply(cid: int, res: ClientResult | str) -> Optional[RecordDict]:
         """The client's reply record, made as soon as it has trained; None: no reply."""
         if isinstance(res, str):
             return records.error(res)
+        config = configs[cid]
+        rnd = int(config["server-round"])
         personal = model.personal_names()
         if personal:
             keep_personal(spec, cid, rnd, {n: res.tensors[n] for n in personal},
-                          checkpoint_round, context)
-        sent = {n: res.tensors[n] for n in sent_names(spec, cid, model)}
+                          int(config.get("checkpoint-round", 0)), context)
+        names = sent_names(spec, cid, model)
+        sent = {n: res.tensors[n] for n in names}
         res.tensors.clear()  # the record below holds the only copy of what is sent
         if faults[cid] in TENSOR_FAULTS:
             sent = corrupt(sent, faults[cid])
@@ -278,12 +289,14 @@ def train_clients(spec: RunSpec, content: RecordDict, context: Context) -> Recor
             if not deployment:
                 return None  # the client's record misses the reply: it answered too late
             time.sleep(spec.faults.delay_s or float(config.get("round-timeout", 0)) + 2.0)
-        return RecordDict({
+        out = RecordDict({
             "arrays": ArrayRecord(torch_state_dict=sent, keep_input=False),
             "metrics": MetricRecord({"num-examples": len(spec.clients[cid].train),
                                      records.UNIFORM_KEY: 1.0, "train_loss": res.loss})})
+        return mods.apply(spec.train_mods, msg, records.view(content, cid), out, context,
+                          trained=names)
 
-    made = _train_groups(spec, model, jobs, int(config.get("group-size", 1)), lr, mu,
+    made = _train_groups(spec, model, jobs, int(grid.get("group-size", 1)), rates,
                          finish=reply)
     replies.update({cid: r for cid, r in made.items() if r is not None})
     del jobs, received
@@ -322,8 +335,8 @@ def personalize_clients(spec: RunSpec, content: RecordDict, context: Context) ->
         except Exception as err:
             replies[cid] = records.error(_reason(err))
     with only_training(model, names):
-        results = _train_groups(spec, model, jobs, int(config.get("group-size", 1)), train.lr,
-                                0.0, train)
+        results = _train_groups(spec, model, jobs, int(records.packing(content).get(
+            "group-size", 1)), {job.cid: (train.lr, 0.0) for job in jobs}, train)
     for job in jobs:
         res = results[job.cid]
         if isinstance(res, str):
@@ -378,7 +391,7 @@ def evaluate_one(spec: RunSpec, cid: int, content: RecordDict, context: Context)
     exits = client_exits(spec, cid)
     loss, acc, n = local_accuracy(model, spec, spec.clients[cid].test, exits)
     # the same keys from every client (Flower checks that); NaN when there is no test data
-    metrics = {"num-examples": n, "accuracy": acc, "loss": loss}
+    metrics = {"num-examples": n, records.UNIFORM_KEY: 1.0, "accuracy": acc, "loss": loss}
     if spec.evaluate_val:  # model selection by validation accuracy (federation.select)
         metrics["val_accuracy"] = local_accuracy(model, spec, spec.clients[cid].val, exits)[1]
     if spec.client_exits:

@@ -1,0 +1,181 @@
+"""Reproducible and resumable Flower strategies: their randomness and their state.
+
+**Randomness.** Flower's strategies sample nodes with Python's global ``random`` module and the
+DP wrappers draw noise from numpy's global generator. :class:`SeededStreams` gives each run its
+own seeded states for them, swapped in only while a strategy hook runs
+(``with streams.use("train"): strategy.configure_train(...)``) and saved back afterwards, so
+nothing else in the process moves them and they go into every checkpoint. Sampling for
+training and for evaluation are separate Python streams (how often clients are evaluated never
+changes which clients train); both share one numpy stream.
+
+**State.** :func:`strategy_state` writes a strategy's instance attributes (FedAdam's ``m_t`` /
+``v_t``, FedAvgM's momentum, the adaptive clipping norm, the accountant's ledger, ... of the
+strategy and of every strategy it wraps) as JSON plus named numpy arrays, with no pickle;
+:func:`load_strategy_state` puts them back. Callables (aggregation functions) are configuration,
+not state, and are left out; an attribute of a type it cannot write fails loudly rather than
+resuming inexactly.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord
+from flwr.serverapp.strategy import Strategy
+
+__all__ = ["SeededStreams", "load_strategy_state", "strategy_state"]
+
+
+class SeededStreams:
+    """The run's own states of ``random`` (per stream) and of ``numpy.random``."""
+
+    STREAMS = ("train", "evaluate")
+
+    def __init__(self, seed: int) -> None:
+        self.python = {s: random.Random(f"{s}-{seed}").getstate() for s in self.STREAMS}
+        entropy = np.random.SeedSequence([int(seed), 0xD9]).generate_state(1)[0]
+        self.numpy = np.random.RandomState(int(entropy)).get_state()
+
+    @contextmanager
+    def use(self, stream: str) -> Iterator[None]:
+        """Python's ``random`` on ``stream`` and numpy's global generator on the run's own
+        state while the block runs; both saved back after it, the outer states restored."""
+        outer_py, outer_np = random.getstate(), np.random.get_state()
+        random.setstate(self.python[stream])
+        np.random.set_state(self.numpy)
+        try:
+            yield
+        finally:
+            self.python[stream] = random.getstate()
+            self.numpy = np.random.get_state()
+            random.setstate(outer_py)
+            np.random.set_state(outer_np)
+
+    def sample(self, stream: str, num_clients: int, k: int) -> list[int]:
+        """The partition ids that Flower's ``sample_nodes`` draws (``random.sample`` of the
+        grid's node list, which is in partition order) from ``stream``, sorted: for loops that
+        train the same clients without Flower (``fedadapt-bench``'s plain loop)."""
+        with self.use(stream):
+            return sorted(random.sample(range(num_clients), k))
+
+    def state_dict(self) -> dict:
+        """JSON-able."""
+        name, keys, pos, has_gauss, cached = self.numpy
+        return {"python": {s: [v, list(internal), g] for s, (v, internal, g)
+                           in self.python.items()},
+                "numpy": [name, np.asarray(keys).tolist(), int(pos), int(has_gauss),
+                          float(cached)]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.python = {s: (v, tuple(internal), g) for s, (v, internal, g)
+                       in state["python"].items()}
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        self.numpy = (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached)
+
+
+# -- strategy attributes ---------------------------------------------------------------------
+
+def _is_arrays(value: Any, kind: type) -> bool:
+    return isinstance(value, kind) and bool(value) and all(
+        isinstance(v, np.ndarray) for v in (value.values() if kind is dict else value))
+
+
+def _scalar(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_scalar(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _scalar(v) for k, v in value.items())
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _encode(value: Any, key: str, tensors: dict[str, np.ndarray], shared: dict[int, str]):
+    """One attribute as JSON; its arrays go into ``tensors`` under ``key``-prefixed names.
+    ``shared``: ``id(object) -> tag`` of objects saved elsewhere (the global arrays)."""
+    if id(value) in shared:
+        return {"same_as": shared[id(value)]}
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, np.ndarray):
+        tensors[key] = value
+        return {"array": key}
+    if isinstance(value, ArrayRecord):
+        for name, array in value.items():
+            tensors[f"{key}/{name}"] = array.numpy()
+        return {"arrays": list(value.keys())}
+    if isinstance(value, Strategy):
+        return {"strategy": _attributes(value, key, tensors, shared)}
+    if _scalar(value):
+        return {"value": list(value) if isinstance(value, tuple) else value}
+    if _is_arrays(value, dict):
+        for name, array in value.items():
+            tensors[f"{key}/{name}"] = array
+        return {"dict": list(value.keys())}
+    if _is_arrays(value, list):
+        for i, array in enumerate(value):
+            tensors[f"{key}/{i}"] = array
+        return {"list": len(value)}
+    if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
+        return {"state": value.state_dict()}  # Flower's accountant: its own JSON-able ledger
+    raise TypeError(f"cannot checkpoint strategy attribute {key} ({type(value).__name__}): "
+                    f"no exact resume for it")
+
+
+def _attributes(strategy: Strategy, prefix: str, tensors: dict, shared: dict) -> dict:
+    skip = set(getattr(strategy, "_transient", ()))
+    out = {}
+    for name, value in vars(strategy).items():
+        if name in skip or callable(value):
+            continue
+        out[name] = _encode(value, f"{prefix}.{name}", tensors, shared)
+    return out
+
+
+def strategy_state(strategy: Strategy, global_arrays: ArrayRecord | None = None
+                   ) -> tuple[dict, dict[str, np.ndarray]]:
+    """``(json, arrays)`` of every attribute of ``strategy`` and of the strategies it wraps.
+    An attribute that is the global arrays themselves (FedAvgM's ``current_arrays`` after a
+    round) is stored as a reference, not a copy."""
+    tensors: dict[str, np.ndarray] = {}
+    shared = {id(global_arrays): "global"} if global_arrays is not None else {}
+    return _attributes(strategy, "strategy", tensors, shared), tensors
+
+
+def _decode(spec: dict, key: str, tensors: dict, current: Any, global_arrays) -> Any:
+    if "same_as" in spec:
+        return global_arrays
+    if "value" in spec:
+        return spec["value"]
+    if "array" in spec:
+        return tensors[spec["array"]]
+    if "arrays" in spec:
+        return ArrayRecord({n: Array(tensors[f"{key}/{n}"]) for n in spec["arrays"]})
+    if "dict" in spec:
+        return {n: tensors[f"{key}/{n}"] for n in spec["dict"]}
+    if "list" in spec:
+        return [tensors[f"{key}/{i}"] for i in range(spec["list"])]
+    raise ValueError(f"unknown strategy state entry for {key}: {sorted(spec)}")
+
+
+def _restore(strategy: Strategy, attrs: dict, prefix: str, tensors: dict, global_arrays) -> None:
+    for name, spec in attrs.items():
+        key = f"{prefix}.{name}"
+        current = getattr(strategy, name, None)
+        if "strategy" in spec:
+            _restore(current, spec["strategy"], key, tensors, global_arrays)
+        elif "state" in spec:
+            current.load_state_dict(spec["state"])
+        else:
+            value = _decode(spec, key, tensors, current, global_arrays)
+            if isinstance(current, tuple) and isinstance(value, list):
+                value = tuple(value)
+            setattr(strategy, name, value)
+
+
+def load_strategy_state(strategy: Strategy, state: dict, tensors: dict[str, np.ndarray],
+                        global_arrays: ArrayRecord | None = None) -> None:
+    """Put back what :func:`strategy_state` saved (into a strategy built from the same config)."""
+    _restore(strategy, state, "strategy", tensors, global_arrays)

@@ -1,0 +1,346 @@
+"""Flower's strategies and differential-privacy wrappers as config groups, built unchanged.
+
+``strategy=NAME`` picks a strategy of ``flwr.serverapp.strategy`` by its Flower name and takes
+its constructor parameters as keys (``strategy=fedadam strategy.eta=0.01``); ``dp=NAME`` wraps
+it in one of Flower's DP wrappers with the wrapper's parameters as keys (``dp=server_fixed
+dp.noise_multiplier=1.0 dp.clipping_norm=0.5``). Each key's type and default are read from the
+Flower class's own signature (:func:`strategy_schemas`), so a new Flower parameter shows up by
+itself and a removed one fails at start-up.
+
+A few constructor parameters follow from the rest of the config and are never keys of their
+own (:data:`DERIVED`): how many clients a round samples (``partition.fraction_fit`` /
+``fraction_evaluate``), how replies are weighted (``method.weighting``), the client learning rate
+(``train.lr``), the record and metric names of fedadapt's messages, and the DP wrappers' number
+of sampled clients.
+
+What fedadapt composes in, without changing the classes (:func:`build_strategy`):
+
+* strategies of FedAvg's family average each tensor over the clients that sent it
+  (:func:`fedadapt.strategies.fedavg.per_tensor`), which multi-tier clients need;
+* strategies that combine whole replies (Krum, MultiKrum, Bulyan, FedMedian, FedTrimmedAvg,
+  QFedAvg) and the DP wrappers (which clip whole updates) need every client to send every
+  tensor: they are refused where clients send different tensors (:func:`check_every_tensor`);
+* fixed-clipping DP gets Flower's RDP accountant (``dp.accounting=true``, the default):
+  epsilon at ``dp.delta`` (default 1/N) after every round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+from typing import Any, Optional
+
+from flwr.serverapp import strategy as flwr_strategies
+from omegaconf import MISSING
+
+from fedadapt.config import ConfigError, DPConfig, StrategyConfig, check
+from fedadapt.federation.records import UNIFORM_KEY
+
+#: ``strategy=`` name -> Flower class.
+STRATEGIES: dict[str, type] = {
+    "fedavg": flwr_strategies.FedAvg,
+    "fedprox": flwr_strategies.FedProx,
+    "fedavgm": flwr_strategies.FedAvgM,
+    "fedadam": flwr_strategies.FedAdam,
+    "fedyogi": flwr_strategies.FedYogi,
+    "fedadagrad": flwr_strategies.FedAdagrad,
+    "qfedavg": flwr_strategies.QFedAvg,
+    "fedmedian": flwr_strategies.FedMedian,
+    "fedtrimmedavg": flwr_strategies.FedTrimmedAvg,
+    "krum": flwr_strategies.Krum,
+    "multikrum": flwr_strategies.MultiKrum,
+    "bulyan": flwr_strategies.Bulyan,
+}
+#: Flower strategies that do not fit, and why.
+REFUSED = {
+    "fedxgbbagging": "FedXgbBagging aggregates XGBoost trees sent as JSON bytes; fedadapt's "
+                     "clients train tensors",
+    "fedxgbcyclic": "FedXgbCyclic passes one XGBoost model (JSON bytes) from client to client; "
+                    "fedadapt's clients train tensors",
+}
+#: FedAvg's family: their aggregation is FedAvg's (through ``super().aggregate_train``), which
+#: fedadapt replaces by the per-tensor mean.
+PER_TENSOR = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad")
+#: ``dp=`` name -> Flower wrapper.
+DP_WRAPPERS: dict[str, type] = {
+    "server_fixed": flwr_strategies.DifferentialPrivacyServerSideFixedClipping,
+    "client_fixed": flwr_strategies.DifferentialPrivacyClientSideFixedClipping,
+    "server_adaptive": flwr_strategies.DifferentialPrivacyServerSideAdaptiveClipping,
+    "client_adaptive": flwr_strategies.DifferentialPrivacyClientSideAdaptiveClipping,
+}
+#: The client mod each client-side wrapper needs (applied per client inside the worker).
+DP_MODS = {"client_fixed": "flwr.clientapp.mod:fixedclipping_mod",
+           "client_adaptive": "flwr.clientapp.mod:adaptiveclipping_mod"}
+#: Constructor parameters set from the rest of the config, and from where.
+DERIVED = {
+    "fraction_train": "partition.fraction_fit",
+    "min_train_nodes": "partition.fraction_fit",
+    "fraction_evaluate": "partition.fraction_evaluate",
+    "min_evaluate_nodes": "partition.fraction_evaluate",
+    "min_available_nodes": "partition.num_clients",
+    "weighted_by_key": "method.weighting",
+    "eta_l": "train.lr",
+    "client_learning_rate": "train.lr",
+    "arrayrecord_key": "fedadapt's message layout ('arrays')",
+    "configrecord_key": "fedadapt's message layout ('config')",
+    "train_loss_key": "fedadapt's train metric ('train_loss')",
+    "train_metrics_aggr_fn": "fedadapt's client metrics",
+    "evaluate_metrics_aggr_fn": "fedadapt's client metrics",
+    "selection_rule": "Bulyan's own default (Multi-Krum)",
+    "strategy": "strategy=",
+    "num_sampled_clients": "partition.fraction_fit",
+    "accountant": "dp.accounting",
+}
+#: Defaults for the wrappers' parameters that Flower leaves without one.
+DP_DEFAULTS = {"noise_multiplier": 1.0, "clipping_norm": 1.0}
+#: fedadapt's own keys of the fixed-clipping wrappers: Flower's RDP accountant.
+ACCOUNTING_KEYS = {
+    "accounting": (bool, True),
+    #: epsilon is reported at this delta; None = 1 / partition.num_clients
+    "delta": (Optional[float], None),
+    #: stop before a round whose release would exceed this epsilon (Flower's max_epsilon)
+    "max_epsilon": (Optional[float], None),
+}
+#: Strategies that need at least this many clients per round for ``num_malicious_nodes`` = f:
+#: Krum's score sums the n - f - 2 nearest updates (Blanchard et al., 2017: n > 2f + 2);
+#: Bulyan selects n - 2f with Multi-Krum, then trims 2f more (El Mhamdi et al., 2018:
+#: n >= 4f + 3).
+ROBUST_MINIMUM = {"krum": (2, 3), "multikrum": (2, 3), "bulyan": (4, 3)}
+
+
+def _params(cls: type, skip: dict = DERIVED) -> list[tuple[str, Any, Any]]:
+    """``(name, type, default)`` of ``cls``'s constructor parameters that are config keys."""
+    hints = typing.get_type_hints(cls.__init__)
+    out = []
+    for p in list(inspect.signature(cls.__init__).parameters.values())[1:]:
+        if p.name in skip or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        default = DP_DEFAULTS.get(p.name, MISSING) if p.default is p.empty else p.default
+        out.append((p.name, hints.get(p.name, Any), default))
+    return out
+
+
+def _schema(prefix: str, name: str, base: type, params: list) -> type:
+    fields = [(p, t, dataclasses.field(default=d)) for p, t, d in params]
+    fields.insert(0, ("name", str, dataclasses.field(default=name)))
+    return dataclasses.make_dataclass(f"{prefix}{name.title().replace('_', '')}Config", fields,
+                                      bases=(base,))
+
+
+def strategy_schemas() -> dict[str, type]:
+    """``{name: config dataclass}`` of every ``strategy=`` option, read from Flower."""
+    return {name: _schema("Strategy", name, StrategyConfig, _params(cls))
+            for name, cls in STRATEGIES.items()}
+
+
+def dp_schemas() -> dict[str, type]:
+    """``{name: config dataclass}`` of every ``dp=`` option (``none`` included)."""
+    out = {"none": DPConfig}
+    for name, cls in DP_WRAPPERS.items():
+        params = _params(cls)
+        if "accountant" in inspect.signature(cls.__init__).parameters:
+            params += [(k, t, d) for k, (t, d) in ACCOUNTING_KEYS.items()]
+        out[name] = _schema("DP", name, DPConfig, params)
+    return out
+
+
+def keys_of(cfg) -> dict[str, Any]:
+    """A strategy or DP config's constructor keys (``name`` and fedadapt's own left out)."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+            if f.name != "name" and f.name not in ACCOUNTING_KEYS}
+
+
+# -- checks ----------------------------------------------------------------------------------
+
+def check_strategy(strategy: StrategyConfig, dp: DPConfig, *, weighting: str,
+                   setting: str) -> None:
+    """What can be checked of ``strategy=`` and ``dp=`` from the config alone (before any data
+    is loaded); :class:`ConfigError` naming the key otherwise."""
+    name = strategy.name
+    if name in REFUSED:
+        raise ConfigError(f"strategy={name} is not supported: {REFUSED[name]}")
+    check(name in STRATEGIES, "strategy", name, f"one of {sorted(STRATEGIES)}")
+    check(dp.name in dp_schemas(), "dp", dp.name, f"one of {sorted(dp_schemas())}")
+    if setting in ("multitier", "personalization"):
+        check_every_tensor(strategy, dp, f"setting={setting}: each tier's clients send their "
+                                         f"tier's tensors only")
+    if dp.name == "none":
+        return
+    if getattr(dp, "accounting", False):
+        check(dp.noise_multiplier > 0, "dp.noise_multiplier", dp.noise_multiplier,
+              "privacy accounting (dp.accounting=true) needs a noise multiplier > 0; "
+              "dp.accounting=false runs the mechanism without a privacy guarantee")
+        check(name in ("fedavg", "fedprox"), "strategy", name,
+              f"dp={dp.name} with accounting needs FedAvg's own aggregation (Flower's accountant "
+              f"accepts only FedAvg.aggregate_train): strategy=fedavg or fedprox, or "
+              f"dp.accounting=false")
+    check(weighting == "uniform", "method.weighting", weighting,
+          f"dp={dp.name} averages the clipped updates with equal weights (the noise is "
+          f"calibrated to clipping_norm / clients per round): set method.weighting=uniform")
+
+
+def check_counts(strategy: StrategyConfig, dp: DPConfig, *, num_clients: int,
+                 sampled: int) -> None:
+    """What depends on the number of clients (known once the data is partitioned)."""
+    name = strategy.name
+    if name in ROBUST_MINIMUM:
+        per, plus = ROBUST_MINIMUM[name]
+        f, need = strategy.num_malicious_nodes, per * strategy.num_malicious_nodes + plus
+        check(sampled >= need, "strategy.num_malicious_nodes", f,
+              f"strategy={name} needs at least {per}f+{plus} = {need} clients per round to "
+              f"tolerate f={f} malicious ones; partition.fraction_fit samples {sampled} of "
+              f"{num_clients}")
+    if name == "multikrum":
+        check(1 <= strategy.num_nodes_to_select <= sampled, "strategy.num_nodes_to_select",
+              strategy.num_nodes_to_select, f"in 1..{sampled} (the clients a round samples)")
+    if getattr(dp, "accounting", False):
+        delta = dp.delta if dp.delta is not None else 1.0 / num_clients
+        check(0 < delta < 1, "dp.delta", dp.delta,
+              f"in (0, 1); the default 1/N needs at least 2 clients ({num_clients})")
+
+
+def check_every_tensor(strategy: StrategyConfig, dp: DPConfig, why: str) -> None:
+    """Refuse a strategy or DP wrapper that needs every client to send every tensor."""
+    if strategy.name not in PER_TENSOR:
+        raise ConfigError(f"strategy={strategy.name} is invalid here: it combines whole "
+                          f"updates, and {why} (strategies that average each tensor over its "
+                          f"senders: {', '.join(PER_TENSOR)})")
+    if dp.name != "none":
+        raise ConfigError(f"dp={dp.name} is invalid here: it clips each client's whole update, "
+                          f"and {why}")
+
+
+# -- building --------------------------------------------------------------------------------
+
+def sample_size(num_clients: int, fraction: float) -> int:
+    """Clients a round samples at ``fraction`` (Flower: ``max(int(N * fraction), min)``)."""
+    return min(num_clients, max(1, int(num_clients * fraction))) if fraction > 0 else 0
+
+
+def build_strategy(strategy: StrategyConfig, dp: DPConfig, *, num_clients: int,
+                   fraction_train: float, fraction_evaluate: float, weighting: str, lr: float,
+                   federated: bool = True, mods: Optional[list] = None):
+    """The Flower strategy of ``strategy=`` (per-tensor for FedAvg's family), wrapped by
+    ``dp=``; :class:`~fedadapt.strategies.fedavg.LocalOnly` for a method that is not
+    federated. Flower's own ``ValueError`` on a bad value becomes a :class:`ConfigError`."""
+    from fedadapt.strategies.fedavg import LocalOnly, aggregate_client_metrics, per_tensor
+
+    train_n = sample_size(num_clients, fraction_train)
+    common = dict(fraction_train=fraction_train, fraction_evaluate=fraction_evaluate,
+                  min_train_nodes=train_n, min_evaluate_nodes=int(num_clients * fraction_evaluate),
+                  min_available_nodes=num_clients,
+                  weighted_by_key=UNIFORM_KEY if weighting == "uniform" else "num-examples",
+                  train_metrics_aggr_fn=aggregate_client_metrics,
+                  evaluate_metrics_aggr_fn=aggregate_client_metrics)
+    if not federated:
+        return LocalOnly(**common)
+    cls = STRATEGIES[strategy.name]
+    wanted = set(inspect.signature(cls.__init__).parameters)
+    derived = {"eta_l": lr, "client_learning_rate": lr}
+    kwargs = {**{k: v for k, v in common.items() if k in wanted},
+              **{k: v for k, v in derived.items() if k in wanted}, **keys_of(strategy)}
+    if strategy.name in PER_TENSOR and dp.name == "none":
+        cls = per_tensor(cls)
+    try:
+        built = cls(**kwargs)
+        if dp.name == "none":
+            return built
+        wrapper = DP_WRAPPERS[dp.name]
+        extra = {}
+        if getattr(dp, "accounting", False):
+            extra["accountant"] = _accountant(dp, num_clients)
+        return wrapper(built, num_sampled_clients=train_n, **keys_of(dp), **extra)
+    except ValueError as err:  # Flower's own check of a value
+        which = f"dp={dp.name}" if dp.name != "none" else f"strategy={strategy.name}"
+        raise ConfigError(f"{which} is invalid: {err}") from err
+
+
+def _accountant(dp: DPConfig, num_clients: int):
+    """Flower's RDP accountant for a fixed-clipping wrapper (no sampling amplification: the
+    only model Flower's fixed-clipping accounting supports)."""
+    try:
+        from flwr.supercore.privacy_accounting import (
+            NeighboringRelation,
+            PrivacyConfig,
+            SamplingMethod,
+        )
+        from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
+
+        return RdpAccountant(PrivacyConfig(
+            target_delta=dp.delta if dp.delta is not None else 1.0 / num_clients,
+            population_size=num_clients,
+            neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+            sampling_method=SamplingMethod.NO_AMPLIFICATION, max_epsilon=dp.max_epsilon))
+    except ImportError as err:
+        raise ConfigError(f"dp.accounting=true needs Flower's accounting backend: pip install "
+                          f"'flwr[dp]' ({err})") from err
+
+
+def privacy_spent(strategy) -> Optional[dict]:
+    """Epsilon and delta spent so far, from the accountant of a DP wrapper; None without one."""
+    spent = strategy.privacy_spent() if hasattr(strategy, "privacy_spent") else None
+    if spent is None:
+        return None
+    return {"epsilon": spent.epsilon, "delta": spent.delta, "releases": spent.num_releases,
+            "accounting": spent.accounting_method}
+
+
+def describe(strategy) -> str:
+    """``FedAdam`` / ``DifferentialPrivacyServerSideFixedClipping(FedAvg)``: what runs."""
+    inner = getattr(strategy, "strategy", None)
+    name = type(strategy).__name__.removeprefix("PerTensor")
+    return f"{name}({describe(inner)})" if inner is not None else name
+
+
+# -- the docs' strategy table -----------------------------------------------------------------
+
+def markdown_table() -> str:
+    """docs/strategies.md's tables, generated from the schemas (``python -m
+    fedadapt.strategies.zoo > docs/strategies.md``; a test checks the file is current)."""
+    def keys(schema) -> str:
+        fields = [f for f in dataclasses.fields(schema) if f.name != "name"]
+        return ", ".join(f"`{f.name}={f.default}`" for f in fields) or "—"
+
+    lines = ["# Strategies and differential privacy", "",
+             "Generated by `python -m fedadapt.strategies.zoo > docs/strategies.md` from "
+             "Flower's own constructors (flwr " + _flwr_version() + "); "
+             "`tests/test_strategy_zoo.py` checks that it is current.", "",
+             "`strategy=NAME` picks one of Flower's strategies, unchanged; its keys are the "
+             "constructor's parameters (`strategy=fedadam strategy.eta=0.01`). "
+             "Set from the rest of the config, never typed twice: "
+             + "; ".join(f"`{k}` from {v}" for k, v in DERIVED.items()
+                         if k not in ("strategy", "accountant")) + ".", "",
+             "| strategy= | Flower class | keys (defaults) | settings |",
+             "|---|---|---|---|"]
+    for name, schema in strategy_schemas().items():
+        cls = STRATEGIES[name]
+        where = ("all (per-tensor mean under its own update)" if name in PER_TENSOR else
+                 "conventional, anytime (every client sends every tensor); refused in "
+                 "multitier and personalization")
+        lines.append(f"| `{name}` | `{cls.__name__}` | {keys(schema)} | {where} |")
+    for name, why in REFUSED.items():
+        lines.append(f"| `{name}` | refused | — | {why} |")
+    lines += ["", "`dp=NAME` wraps the strategy in one of Flower's differential-privacy "
+              "wrappers; needs `method.weighting=uniform` and clients that send every tensor. "
+              "Fixed clipping reports epsilon at `dp.delta` (default 1/N) after every round "
+              "with Flower's RDP accountant (no sampling amplification, FedAvg's aggregation: "
+              "`strategy=fedavg` or `fedprox`).", "",
+              "| dp= | Flower wrapper | keys (defaults) | client mod |", "|---|---|---|---|",
+              "| `none` | — | — | — |"]
+    for name, schema in dp_schemas().items():
+        if name == "none":
+            continue
+        mod = f"`{DP_MODS[name].split(':')[1]}`, per client" if name in DP_MODS else "—"
+        lines.append(f"| `{name}` | `{DP_WRAPPERS[name].__name__}` | {keys(schema)} | {mod} |")
+    return "\n".join(lines) + "\n"
+
+
+def _flwr_version() -> str:
+    from importlib.metadata import version
+
+    return version("flwr")
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")
