@@ -303,6 +303,74 @@ def missing_launcher(argv: list[str], installed=None) -> str | None:
     return None
 
 
+def config_problem(argv: list[str]) -> str | None:
+    """One line for a command line Hydra cannot compose: an option a group does not have
+    (``strategy=fedfoo``), a key no schema declares (``strategy.bogus=1``), a value of the wrong
+    type (``strategy.eta=abc``); None when it composes, and for flags and sweeps (``-m``,
+    ``--cfg``, ...), which go to Hydra as they are."""
+    import re
+
+    from hydra.errors import HydraException, MissingConfigException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from fedadapt.entry import compose_config, nearest
+
+    if any(a.startswith("-") for a in argv):
+        return None
+    try:
+        compose_config(argv, default_experiment="quickstart")
+        return None
+    except MissingConfigException as err:
+        text = str(err)
+        found = re.search(r"Could not find '([^']+)/([^']+)'", text)
+        if not found:
+            return text.splitlines()[0]
+        group, option = found.groups()
+        options = re.findall(r"^\t(\S+)$", text.split("Available options", 1)[-1], re.M)
+        return (f"{group}={option} is not an option of {group}"
+                f"{nearest(option, options)} (options: {', '.join(options)})")
+    except (HydraException, OmegaConfBaseException) as err:
+        cause = err.__cause__ if err.__cause__ is not None else err
+        text = f"{err}\n{cause}"
+        full_key = re.search(r"full_key: (\S+)", text)
+        unknown = re.search(r"Could not override '([^']+)'", text) if not full_key or \
+            re.search(r"Key '[^']+' (is )?not in", text) is None else full_key
+        if unknown:
+            return _unknown_key(argv, unknown.group(1))
+        first = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+        return f"{full_key.group(1)}: {first}" if full_key else first
+
+
+def _unknown_key(argv: list[str], key: str) -> str:
+    """``strategy.bogus is not a key of strategy=fedadam (its keys: ...)``: the first part of
+    ``key`` the config lacks, against the node it was meant for (composed without it)."""
+    from hydra.errors import HydraException
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from fedadapt.entry import compose_config, nearest
+
+    def about_key(arg: str) -> bool:
+        name = arg.split("=")[0].lstrip("+~")
+        return name == key or name.startswith(key + ".")
+
+    try:
+        node = compose_config([a for a in argv if not about_key(a)],
+                              default_experiment="quickstart")
+    except (HydraException, OmegaConfBaseException):
+        return f"{key} is not a key of the config"
+    parts, parent = key.split("."), []
+    while len(parts) > 1 and isinstance(node, DictConfig) and parts[0] in node:
+        parent.append(parts.pop(0))
+        node = OmegaConf.select(node, parent[-1])
+    keys = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+    missing, where = ".".join(parent + parts[:1]), ".".join(parent)
+    if where and "name" in keys:
+        where = f"{where}={node.get('name')}"
+    return (f"{missing} is not a key of {where or 'the config'}{nearest(parts[0], keys)}"
+            + (f" (its keys: {', '.join(keys)})" if keys else ""))
+
+
 def resume_hint(job_dir: Path) -> str:
     """How to continue a stopped job, and from which checkpoint of each of its runs."""
     from fedadapt.federation.checkpoint import CheckpointError, latest_checkpoint
@@ -339,7 +407,7 @@ def os_error_line(err: OSError, job_dir: Path | None = None) -> str:
 
 def main() -> None:
     """Console-script entry point."""
-    problem = missing_launcher(sys.argv[1:])
+    problem = missing_launcher(sys.argv[1:]) or config_problem(sys.argv[1:])
     if problem:
         print(f"fedadapt: error: {problem}", file=sys.stderr)
         sys.exit(2)

@@ -61,8 +61,42 @@ def register_resolvers() -> None:
 
 def to_run_config(cfg: DictConfig) -> RunConfig:
     """Typed, validated :class:`RunConfig` from a composed Hydra config (with the method's own
-    ``method.train`` and ``method.strategy`` applied: :func:`with_method_train`)."""
+    ``method.train`` and ``method.strategy`` applied: :func:`with_method_train`). A key that
+    no schema declares (``+trian.lr=0.1``, ``+strategy.bogus=1``) is refused, not ignored."""
+    from fedadapt.config import ConfigError
+
+    for key, node, known in undeclared_keys(cfg):
+        raise ConfigError(f"{key} is not a key of {node}{nearest(key.rsplit('.', 1)[-1], known)}"
+                          f" (its keys: {', '.join(known)})")
     return validate(OmegaConf.to_object(with_method_train(cfg)))
+
+
+def undeclared_keys(cfg: DictConfig, prefix: str = "") -> list[tuple[str, str, list[str]]]:
+    """``(key, where, valid keys)`` of every key under a schema-typed node that its dataclass
+    does not declare (free-form dict fields, e.g. ``backbone.arch``, take any key)."""
+    import dataclasses
+
+    out = []
+    schema = cfg._metadata.object_type
+    if not dataclasses.is_dataclass(schema):
+        return out
+    known = [f.name for f in dataclasses.fields(schema)]
+    where = (f"{prefix.rstrip('.')}={cfg.get('name')}" if prefix and "name" in known
+             else prefix.rstrip(".") or "the config")
+    for key in cfg.keys():
+        if key not in known:
+            out.append((f"{prefix}{key}", where, known))
+        elif OmegaConf.is_dict(cfg._get_node(key)):
+            out += undeclared_keys(cfg._get_node(key), f"{prefix}{key}.")
+    return out
+
+
+def nearest(word: str, candidates: list[str]) -> str:
+    """`` (did you mean train?)`` for a misspelt key, or nothing."""
+    import difflib
+
+    close = difflib.get_close_matches(word, candidates, n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def with_method_train(cfg: DictConfig) -> DictConfig:

@@ -124,8 +124,10 @@ def _params(cls: type, skip: dict = DERIVED) -> list[tuple[str, Any, Any]]:
 def _schema(prefix: str, name: str, base: type, params: list) -> type:
     fields = [(p, t, dataclasses.field(default=d)) for p, t, d in params]
     fields.insert(0, ("name", str, dataclasses.field(default=name)))
-    return dataclasses.make_dataclass(f"{prefix}{name.title().replace('_', '')}Config", fields,
-                                      bases=(base,))
+    cls = dataclasses.make_dataclass(f"{prefix}{name.title().replace('_', '')}Config", fields,
+                                     bases=(base,))
+    cls.__module__ = __name__
+    return cls
 
 
 def strategy_schemas() -> dict[str, type]:
@@ -316,8 +318,8 @@ def markdown_table() -> str:
     for name, schema in strategy_schemas().items():
         cls = STRATEGIES[name]
         where = ("all (per-tensor mean under its own update)" if name in PER_TENSOR else
-                 "conventional, anytime (every client sends every tensor); refused in "
-                 "multitier and personalization")
+                 "where every client sends every tensor; refused in multitier and "
+                 "personalization, and for a method whose clients train part of what it sends")
         lines.append(f"| `{name}` | `{cls.__name__}` | {keys(schema)} | {where} |")
     for name, why in REFUSED.items():
         lines.append(f"| `{name}` | refused | — | {why} |")
