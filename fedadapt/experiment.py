@@ -396,6 +396,9 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
     else:
         initial = start if start is not None else model.tensors(model.communicated_names())
         metrics_path.unlink(missing_ok=True)
+    # in the model's order (a checkpoint's file has its own): Flower's strategies pair the
+    # global arrays with the replies' by position
+    initial = {n: initial[n] for n in model.communicated_names()}
     if start is not None:
         log(f"[{label}] personalizing the final model of {cfg.setting.init_from}")
     resumed_round = resume_state["round"] if resume_state else 0

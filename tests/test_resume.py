@@ -36,6 +36,13 @@ def metrics(run_dir: Path):
 @pytest.mark.parametrize("method,extra", [
     ("linear_head", ["partition.fraction_fit=0.5"]),  # global tensors + sampling RNG
     ("local_only", ["partition.fraction_fit=1.0"]),   # personal tensors on the clients
+    # a Flower strategy's own state: FedAdam's moments, FedAvgM's momentum, the adaptive
+    # clipping norm and the DP noise stream (the accountant's ledger: test_strategy_zoo)
+    ("linear_head", ["partition.fraction_fit=0.5", "strategy=fedadam", "strategy.eta=0.01"]),
+    ("linear_head", ["partition.fraction_fit=0.5", "strategy=fedavgm",
+                     "strategy.server_momentum=0.9"]),
+    ("linear_head", ["partition.fraction_fit=1.0", "dp=server_adaptive",
+                     "method.weighting=uniform", "dp.noise_multiplier=0.1"]),
 ])
 def test_sigkill_then_resume_matches_uninterrupted(method, extra, tmp_path, cache_dir):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "FEDADAPT_CACHE": cache_dir}
