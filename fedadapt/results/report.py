@@ -33,6 +33,14 @@ METRICS = [("final global acc", ("final", "global_acc"), 100.0),
            ("final client-mean acc", ("final", "client_acc"), 100.0),
            ("total bytes", ("total_bytes",), None),
            ("s/round", ("seconds_per_round",), None)]
+#: Shown when a run has it: the privacy spent (``dp=`` with accounting).
+EPSILON = ("epsilon", ("privacy", "epsilon"), None)
+
+
+def metrics_of(runs: list[dict]) -> list[tuple]:
+    """The report's metric columns: :data:`METRICS`, and epsilon when a run reports one."""
+    return METRICS + ([EPSILON] if any(_get(r["summary"], EPSILON[1]) is not None
+                                       for r in runs) else [])
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -80,6 +88,7 @@ def varying_keys(runs: list[dict]) -> list[str]:
 def aggregate(runs: list[dict]) -> tuple[list[str], list[dict]]:
     """Group runs by the config keys that vary (except seed); mean and std of each metric."""
     varying = varying_keys(runs)
+    metrics = metrics_of(runs)
     if "method.name" not in varying:
         varying = ["method.name", *varying]
     groups: dict[tuple, list[dict]] = {}
@@ -91,7 +100,7 @@ def aggregate(runs: list[dict]) -> tuple[list[str], list[dict]]:
         row["seeds"] = len(members)
         row["trainable"] = members[0]["summary"]["params"]["trainable_params"]
         row["communicated"] = members[0]["summary"]["params"]["communicated_params"]
-        for name, path, scale in METRICS:
+        for name, path, scale in metrics:
             vals = [v for v in (_get(m["summary"], path) for m in members) if v is not None]
             row[name] = describe([v * scale for v in vals] if scale else vals)
         rows.append(row)
@@ -106,6 +115,8 @@ def _cell(name: str, value) -> str:
         return fmt_bytes(value.mean)
     if name == "s/round":
         return f"{value.mean:.2f}"
+    if name == "epsilon":
+        return f"{value.mean:.2f}"
     return fmt(value)
 
 
@@ -118,19 +129,20 @@ def _csv_cells(value) -> list:
 
 
 def render(varying: list[str], rows: list[dict]) -> tuple[str, str]:
-    header = [*varying, "seeds", "trainable", "communicated", *(m[0] for m in METRICS)]
+    metrics = METRICS + ([EPSILON] if rows and EPSILON[0] in rows[0] else [])
+    header = [*varying, "seeds", "trainable", "communicated", *(m[0] for m in metrics)]
     md_rows = [[str(r[k]) for k in varying] + [str(r["seeds"]), fmt_count(r["trainable"]),
                                                fmt_count(r["communicated"])]
-               + [_cell(m[0], r[m[0]]) for m in METRICS] for r in rows]
+               + [_cell(m[0], r[m[0]]) for m in metrics] for r in rows]
     buf = io.StringIO()
     writer = csv.writer(buf)
     csv_header = [*varying, "seeds", "trainable", "communicated"]
-    for m in METRICS:
+    for m in metrics:
         csv_header += [f"{m[0]} mean", f"{m[0]} std", f"{m[0]} ci95 low", f"{m[0]} ci95 high"]
     writer.writerow(csv_header)
     for r in rows:
         writer.writerow([r[k] for k in varying] + [r["seeds"], r["trainable"], r["communicated"]]
-                        + [x for m in METRICS for x in _csv_cells(r[m[0]])])
+                        + [x for m in metrics for x in _csv_cells(r[m[0]])])
     return markdown(header, md_rows), buf.getvalue()
 
 

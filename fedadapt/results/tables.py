@@ -211,10 +211,27 @@ def delay_markdown(rows: list[tuple[str, list[dict]]]) -> str:
             + markdown(["method", *(f"{r} MB/s" for r in rates)], body))
 
 
+def privacy_table(summaries: list[dict]) -> str:
+    """``dp=`` runs: the wrapper, its noise multiplier and final clipping norm, and the privacy
+    spent (epsilon at delta, Flower's RDP accountant) where it is accounted."""
+    rows = [s for s in summaries if s.get("privacy")]
+    if not rows:
+        return ""
+    body = [[s["method"], p["dp"], f"{p['noise_multiplier']:g}", f"{p['clipping_norm']:.4g}",
+             "—" if p.get("epsilon") is None else f"{p['epsilon']:.3f}",
+             "—" if p.get("delta") is None else f"{p['delta']:g}",
+             str(p.get("releases", "—")), p.get("accounting") or "none"]
+            for s in rows for p in [s["privacy"]]]
+    return ("Differential privacy (client-level; epsilon from Flower's accountant, no sampling "
+            "amplification):\n\n" + markdown(["method", "dp", "noise multiplier",
+                                              "clipping norm (final)", "epsilon", "delta",
+                                              "releases", "accounting"], body))
+
+
 def run_tables(summaries: list[dict], title: str = "") -> str:
-    """The summary table, then the per-exit / per-tier, domain and personalization tables if
-    any."""
+    """The summary table, then the per-exit / per-tier, domain, personalization and privacy
+    tables if any."""
     parts = [summaries_table(summaries, title), exits_table(summaries), domains_table(summaries),
              recognition_table(summaries), sessions_table(summaries),
-             personalization_table(summaries)]
+             personalization_table(summaries), privacy_table(summaries)]
     return "\n".join(p for p in parts if p)
