@@ -279,6 +279,28 @@ def _accountant(dp: DPConfig, num_clients: int):
                           f"'flwr[dp]' ({err})") from err
 
 
+def noise_for_epsilon(epsilon: float, *, rounds: int, num_clients: int, sampled: int,
+                      delta: Optional[float] = None) -> float:
+    """The smallest noise multiplier (to 3 significant digits) whose ``rounds`` releases of
+    fixed-clipping DP spend at most ``epsilon`` at ``delta`` (default 1/N) by Flower's RDP
+    accountant, as a run with ``dp=server_fixed`` accounts them."""
+    from flwr.supercore.privacy_accounting import GaussianPrivacyEvent
+
+    cfg = DPConfig(name="server_fixed")
+    cfg.delta, cfg.max_epsilon = delta, None
+
+    def spent(z: float) -> float:
+        accountant = _accountant(cfg, num_clients)
+        accountant.compose(GaussianPrivacyEvent(z, sampled, num_clients), rounds)
+        return accountant.get_privacy_spent().epsilon
+
+    lo, hi = 1e-3, 1e4
+    while hi / lo > 1.0005:  # bisection in log space: epsilon falls as the noise grows
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if spent(mid) > epsilon else (lo, mid)
+    return float(f"{hi:.3g}") if spent(float(f"{hi:.3g}")) <= epsilon else float(f"{hi:.4g}")
+
+
 def privacy_spent(strategy) -> Optional[dict]:
     """Epsilon and delta spent so far, from the accountant of a DP wrapper; None without one."""
     spent = strategy.privacy_spent() if hasattr(strategy, "privacy_spent") else None

@@ -24,11 +24,13 @@ def run(args, tmp_path, cache_dir, timeout=300):
     ("partition.alpha=0", "partition.alpha=0.0 is invalid"),
     ("rounds=-1", "rounds=-1 is invalid"),
     ("partition.num_clients=100000", "partition.num_clients=100000 is invalid"),
-    ("dataset=no_such_dataset", "dataset/no_such_dataset"),
+    ("dataset=no_such_dataset", "dataset=no_such_dataset is not an option of dataset"),
     ("method.hiden_dim=3", "hiden_dim"),
     ("partition.fraction_fit=1.5", "partition.fraction_fit"),
     ("train.lr=fast", "train.lr"),
-    ("method=linear_head_schema", "Could not find 'method/linear_head_schema'"),
+    ("method=linear_head_schema", "method=linear_head_schema is not an option of method"),
+    ("strategy.etaa=0.1", "strategy.etaa is not a key of strategy=fedavg"),
+
     ("partition=size", "partition.sizes=None is invalid"),
     ("objective=val_acc", "needs one method per job"),  # the quickstart compares four
 ])
@@ -37,6 +39,7 @@ def test_bad_input_fails_fast_naming_the_key(override, needle, tmp_path, cache_d
     assert out.returncode != 0
     assert needle in out.stderr + out.stdout
     assert "Traceback" not in out.stderr
+    assert needle in out.stderr.strip().splitlines()[-1]  # one line says it
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*"))
 
 
