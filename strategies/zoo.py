@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import typing
 from typing import Any, Optional
 
@@ -244,6 +245,9 @@ def build_strategy(strategy: StrategyConfig, dp: DPConfig, *, num_clients: int,
               **{k: v for k, v in derived.items() if k in wanted}, **keys_of(strategy)}
     if strategy.name in PER_TENSOR and dp.name == "none":
         cls = per_tensor(cls)
+    quiet = logging.getLogger("flwr")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # FedAvg warns that fraction_evaluate=0 skips evaluation
     try:
         built = cls(**kwargs)
         if dp.name == "none":
@@ -256,6 +260,8 @@ def build_strategy(strategy: StrategyConfig, dp: DPConfig, *, num_clients: int,
     except ValueError as err:  # Flower's own check of a value
         which = f"dp={dp.name}" if dp.name != "none" else f"strategy={strategy.name}"
         raise ConfigError(f"{which} is invalid: {err}") from err
+    finally:
+        quiet.setLevel(level)
 
 
 def _accountant(dp: DPConfig, num_clients: int):

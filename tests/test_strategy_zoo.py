@@ -204,3 +204,29 @@ def test_an_attribute_it_cannot_write_fails_loudly(flower_task):
     strategy.odd = object()
     with pytest.raises(TypeError, match="cannot checkpoint strategy attribute strategy.odd"):
         strategy_state(strategy)
+
+
+def test_the_global_model_keeps_its_dtype_under_flowers_fedopt(tmp_path, cache_dir):
+    """Flower's FedAdam returns float64 arrays (numpy 2 promotes by its float64 eta_norm); the
+    global model stays float32, so FedAdam's rounds move the bytes FedAvg's do."""
+    from omegaconf import OmegaConf
+
+    from fedadapt.experiment import run_experiment
+    from fedadapt.federation.checkpoint import latest_checkpoint, load_checkpoint
+    from fedadapt.federation.inprocess import in_process
+    from fedadapt.results.store import read_jsonl
+
+    rows = {}
+    for name in ("fedavg", "fedadam"):
+        composed = compose_config(["experiment=custom", "dataset=digits", "method=linear_head",
+                                   "dataset.max_samples=200", "backbone=small_cnn",
+                                   "backbone.image_size=16", "partition.num_clients=4",
+                                   "rounds=2", f"strategy={name}", f"cache_dir={cache_dir}"])
+        run_experiment(to_run_config(composed), tmp_path / name,
+                       config_yaml=OmegaConf.to_yaml(composed, resolve=True),
+                       execute=in_process("workers"))
+        arrays, _ = load_checkpoint(latest_checkpoint(tmp_path / name))
+        assert {str(t.dtype) for t in arrays.values()} == {"torch.float32"}
+        rows[name] = [(r["bytes_up"], r["bytes_down"]) for r in
+                      read_jsonl(tmp_path / name / "metrics.jsonl")]
+    assert rows["fedadam"] == rows["fedavg"]

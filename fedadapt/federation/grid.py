@@ -223,6 +223,7 @@ class ClientGrid(Grid):
         """Send ``messages`` (one per client) packed per worker; file the unpacked replies."""
         for msg in messages:
             self._pending.pop(msg.metadata.message_id, None)
+        self._sizes = {}  # keyed by the records' ids: valid within one exchange only
         if not messages:
             return
         types = {m.metadata.message_type for m in messages}

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from logging import WARNING
 from typing import Callable, Optional
 
-from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, RecordDict
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
@@ -103,9 +104,9 @@ class ServerPlan:
     resources: dict = field(default_factory=lambda: {"num_cpus": 1.0, "num_gpus": 0.0})
     #: Clients a worker trains side by side (1: one after another).
     group_size: int = 1
-    #: ``sent_names(client)``: the tensor names (and shapes) a client trains and sends back;
-    #: None = every global tensor.
-    sent_names: Optional[Callable[[int], dict[str, tuple]]] = None
+    #: ``sent_names(client)``: the names of the tensors a client trains, receives and sends
+    #: back; None = every global tensor.
+    sent_names: Optional[Callable[[int], list[str]]] = None
     #: After the rounds, send the final model to every client for local personalization
     #: (``setting=personalization``); the replies' metrics land in ``ServerState.personalized``.
     personalize: bool = False
@@ -172,6 +173,17 @@ def _check_arrays(strategy, new: ArrayRecord, current: ArrayRecord) -> None:
                            f" differ)")
 
 
+def _in_dtypes_of(current: ArrayRecord, new: ArrayRecord) -> ArrayRecord:
+    """``new`` with each tensor in the global model's dtype. Flower's FedOpt strategies scale
+    by a numpy float64 (``eta_norm``), which under numpy 2 turns float32 arrays into float64:
+    the model would travel at twice the bytes from round 1 on."""
+    if all(new[n].dtype == current[n].dtype for n in new.keys()):
+        return new
+    return ArrayRecord({n: a if a.dtype == current[n].dtype else
+                        Array(np.asarray(a.numpy(), dtype=np.dtype(current[n].dtype)))
+                        for n, a in new.items()})
+
+
 def _privacy_row(strategy) -> dict:
     """The round's privacy figures: epsilon spent (an accountant's), the clipping norm (DP)."""
     out = {}
@@ -206,7 +218,7 @@ def _train_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd: in
         new_arrays, _ = strategy.aggregate_train(rnd, [replies[p] for p in sorted(replies)])
     if new_arrays is not None:
         _check_arrays(strategy, new_arrays, state.arrays)
-        state.arrays = new_arrays
+        state.arrays = _in_dtypes_of(state.arrays, new_arrays)
     row = {"round": rnd, "lr": plan.lr_at(rnd), "clients_sampled": len(sent),
            "clients_trained": len(screened.good), "clients_failed": len(screened.dropped),
            "failures": screened.counts(), "train_loss": train_loss,
@@ -276,9 +288,8 @@ def ask_every_client(grid: ClientGrid, plan: ServerPlan, shared: RecordDict,
                      pids: Optional[list[int]] = None) -> tuple[list[dict], int, int]:
     """One message to every client (``pids``, default all): the ``shared`` records (the same
     objects in every message, so a worker gets them once) and ``per_client(pid)``'s; the
-    replies carry metrics (and arrays the caller reads). Returns one row per client that
-    answered usably (``client`` = its partition id, then its metrics, then ``records``: its
-    reply's content), and the bytes sent down and up."""
+    replies carry metrics. Returns one row per client that answered usably (``client`` = its
+    partition id, then its metrics), and the bytes sent down and up."""
     pids = list(range(plan.num_clients)) if pids is None else pids
     messages = []
     for pid in pids:
@@ -289,7 +300,7 @@ def ask_every_client(grid: ClientGrid, plan: ServerPlan, shared: RecordDict,
     _, _, checked = _exchange(grid, messages, plan.timeout, None, what, server_round)
     require_enough(checked, len(pids), plan.min_reply_fraction, server_round)
     down, up = grid.take_bytes()
-    rows = [{"client": pid, **dict(content.metric_records["metrics"]), "records": content}
+    rows = [{"client": pid, **dict(content.metric_records["metrics"])}
             for pid, content in checked.good]
     return rows, sum(down.values()), sum(up.values())
 
@@ -304,8 +315,8 @@ def personalize_clients(grid: ClientGrid, state: ServerState, plan: ServerPlan) 
     rows, down, up = ask_every_client(grid, plan, shared, MessageType.TRAIN,
                                       "personalization", server_round)
     state.cum_bytes += down + up
-    return [{k: (int(v) if k in ("tier", "severity") else v) for k, v in r.items()
-             if k != "records"} for r in rows]
+    return [{k: (int(v) if k in ("tier", "severity") else v) for k, v in r.items()}
+            for r in rows]
 
 
 def _record_phase(state: ServerState, down: int, up: int) -> None:
@@ -324,7 +335,7 @@ def deliver_plugin(grid: ClientGrid, state: ServerState, plan: ServerPlan) -> li
         MessageType.EVALUATE, "plug-in", 1,
         per_client=lambda pid: RecordDict({"arrays": plan.plugin_arrays(pid)}))
     _record_phase(state, down, up)
-    return [{k: v for k, v in r.items() if k != "records"} for r in rows]
+    return rows
 
 
 def converse(grid: ClientGrid, state: ServerState, plan: ServerPlan, chunk: int = 32
