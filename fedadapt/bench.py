@@ -465,41 +465,51 @@ def _variants(args) -> tuple[list[str], dict[str, list[str]]]:
                        "plain+cache": overrides}
 
 
-def _time_variant(name: str, cfg, args, tmp: Path) -> dict:
-    """Median seconds per round (rounds 2..R) and of round 1 over ``args.repeats`` runs."""
+def _prepare_cost(name: str, cfg) -> dict:
+    """``--methods``: the one-off cost of a method (data, backbone and, for cached methods,
+    feature extraction) from an empty cache."""
+    import dataclasses
+    import tempfile
+
     from fedadapt.experiment import prepare_run
 
-    extra = {}
-    if args.methods:  # one-off cost: data, backbone and (cached methods) feature extraction
-        import dataclasses
-        import tempfile
+    with tempfile.TemporaryDirectory() as fresh:
+        t0 = time.perf_counter()
+        prepare_run(dataclasses.replace(cfg, cache_dir=fresh), quiet=True)
+        cost = time.perf_counter() - t0
+    print(f"[bench] {name} (prepare from an empty cache: {cost:.1f} s)", flush=True)
+    return {"prepare_empty_cache_s": cost}
 
-        with tempfile.TemporaryDirectory() as fresh:
-            t0 = time.perf_counter()
-            prepare_run(dataclasses.replace(cfg, cache_dir=fresh), quiet=True)
-            extra["prepare_empty_cache_s"] = time.perf_counter() - t0
-        print(f"[bench] {name} (prepare from an empty cache: "
-              f"{extra['prepare_empty_cache_s']:.1f} s)", flush=True)
-    per_round, startup = [], []
-    for rep in range(args.repeats):
-        print(f"[bench] {name}: repeat {rep + 1}/{args.repeats}", flush=True)
-        times = plain_loop(prepare_run(cfg, quiet=True), cfg) if name.startswith("plain") \
-            else isolated_flower_run(cfg, tmp, label=name) if args.methods \
-            else flower_run(cfg, tmp)
-        startup.append(times[0])
-        per_round.extend(times[1:])
-    return {"median_s_per_round": statistics.median(per_round),
-            "median_round1_s": statistics.median(startup), "rounds_measured": len(per_round),
-            **extra}
+
+def _one_repeat(name: str, cfg, args, tmp: Path) -> list[float]:
+    """Seconds of each round of one run of variant ``name``."""
+    from fedadapt.experiment import prepare_run
+
+    if name.startswith("plain"):
+        return plain_loop(prepare_run(cfg, quiet=True), cfg)
+    return isolated_flower_run(cfg, tmp, label=name) if args.methods else flower_run(cfg, tmp)
 
 
 def _run_rounds(args) -> None:
+    """Each variant's median seconds per round (rounds 2..R) and of round 1 over
+    ``args.repeats`` runs; the variants' repeats interleaved (repeat 1 of each, then repeat 2
+    of each, ...), so that load on the machine hits them alike."""
     from fedadapt.entry import compose_config, to_run_config
 
     overrides, variants = _variants(args)
-    results = {name: _time_variant(name, to_run_config(compose_config(ov)), args,
-                                   Path(args.out) / "runs")
-               for name, ov in variants.items()}
+    configs = {name: to_run_config(compose_config(ov)) for name, ov in variants.items()}
+    extra = {name: _prepare_cost(name, cfg) if args.methods else {}
+             for name, cfg in configs.items()}
+    times: dict[str, list[list[float]]] = {name: [] for name in configs}
+    for rep in range(args.repeats):
+        for name, cfg in configs.items():
+            print(f"[bench] {name}: repeat {rep + 1}/{args.repeats}", flush=True)
+            times[name].append(_one_repeat(name, cfg, args, Path(args.out) / "runs"))
+    results = {name: {"median_s_per_round": statistics.median(
+                          [t for run in runs for t in run[1:]]),
+                      "median_round1_s": statistics.median(run[0] for run in runs),
+                      "rounds_measured": sum(len(run) - 1 for run in runs), **extra[name]}
+               for name, runs in times.items()}
     meta = {"machine": _machine(), "config": overrides, "repeats": args.repeats,
             "results": results}
     names = list(results)

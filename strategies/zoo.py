@@ -131,21 +131,33 @@ def _schema(prefix: str, name: str, base: type, params: list) -> type:
     return cls
 
 
-def strategy_schemas() -> dict[str, type]:
-    """``{name: config dataclass}`` of every ``strategy=`` option, read from Flower."""
-    return {name: _schema("Strategy", name, StrategyConfig, _params(cls))
-            for name, cls in STRATEGIES.items()}
-
-
-def dp_schemas() -> dict[str, type]:
-    """``{name: config dataclass}`` of every ``dp=`` option (``none`` included)."""
-    out = {"none": DPConfig}
+def _make_schemas() -> tuple[dict[str, type], dict[str, type]]:
+    strategies = {name: _schema("Strategy", name, StrategyConfig, _params(cls))
+                  for name, cls in STRATEGIES.items()}
+    dps: dict[str, type] = {"none": DPConfig}
     for name, cls in DP_WRAPPERS.items():
         params = _params(cls)
         if "accountant" in inspect.signature(cls.__init__).parameters:
             params += [(k, t, d) for k, (t, d) in ACCOUNTING_KEYS.items()]
-        out[name] = _schema("DP", name, DPConfig, params)
-    return out
+        dps[name] = _schema("DP", name, DPConfig, params)
+    return strategies, dps
+
+
+#: The schemas, made once at import and bound to this module's names (``StrategyFedadamConfig``,
+#: ...), so a config that holds them pickles (a spawned process finds them here).
+_STRATEGY_SCHEMAS, _DP_SCHEMAS = _make_schemas()
+globals().update({cls.__name__: cls for cls in [*_STRATEGY_SCHEMAS.values(),
+                                                *_DP_SCHEMAS.values()] if cls is not DPConfig})
+
+
+def strategy_schemas() -> dict[str, type]:
+    """``{name: config dataclass}`` of every ``strategy=`` option, read from Flower."""
+    return dict(_STRATEGY_SCHEMAS)
+
+
+def dp_schemas() -> dict[str, type]:
+    """``{name: config dataclass}`` of every ``dp=`` option (``none`` included)."""
+    return dict(_DP_SCHEMAS)
 
 
 def keys_of(cfg) -> dict[str, Any]:

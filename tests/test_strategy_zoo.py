@@ -230,3 +230,14 @@ def test_the_global_model_keeps_its_dtype_under_flowers_fedopt(tmp_path, cache_d
         rows[name] = [(r["bytes_up"], r["bytes_down"]) for r in
                       read_jsonl(tmp_path / name / "metrics.jsonl")]
     assert rows["fedadam"] == rows["fedavg"]
+
+
+def test_a_config_with_its_strategy_pickles():
+    """A spawned process (fedadapt-bench's isolated runs, a joblib sweep) gets the config
+    pickled: the generated schemas are found by name in fedadapt.strategies.zoo."""
+    import pickle
+
+    cfg = run_config("strategy=fedadam", "strategy.eta=0.02", "dp=client_adaptive",
+                     "method.weighting=uniform")
+    again = pickle.loads(pickle.dumps(cfg))
+    assert again.strategy == cfg.strategy and again.dp == cfg.dp and again.strategy.eta == 0.02
