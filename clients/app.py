@@ -2,7 +2,8 @@
 
 In simulation a node is a worker holding the frozen backbone once and training several clients
 side by side; on the deployment engine a node is one client. The handlers below only dispatch;
-what a node does lives in :mod:`fedadapt.federation.worker` and the message layout in
+what a node does lives in its method family (:mod:`fedadapt.methods`) and
+:mod:`fedadapt.federation.worker`, the message layout in
 :mod:`fedadapt.federation.records` (shared arrays once, per-client records prefixed ``c<id>/``).
 
 What crosses the wire is named: a client's reply holds only the communicated tensors it trained,
@@ -18,22 +19,13 @@ from __future__ import annotations
 
 from typing import Callable
 
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedadapt.federation import mods, records
-from fedadapt.federation.faults import TENSOR_FAULTS, corrupt
+from fedadapt.federation import records
 from fedadapt.federation.training import RunSpec, cached_model, make_optimizer
-from fedadapt.federation.worker import (
-    PERSONAL_KEY,
-    _injected,
-    client_exits,
-    evaluate_one,
-    for_each_client,
-    personalize_clients,
-    train_clients,
-    used_tensors,
-)
+from fedadapt.federation.worker import PERSONAL_KEY
+from fedadapt.methods import client_handler, family_of
 
 __all__ = ["PERSONAL_KEY", "make_client_app", "partition_id"]
 
@@ -51,20 +43,15 @@ def phase_of(content: RecordDict) -> str | None:
 
 
 def warm_up(spec: RunSpec) -> None:
-    """Build the model, open the data, find which tensors each exit trains, and take one step
-    of the configured optimizer on a throwaway tensor (torch's lazy imports take seconds), so
-    that round timeouts measure rounds, not start-up."""
+    """Build the model, open the data, let the method's family warm up (the rounds: which
+    tensors each exit trains), and take one step of the configured optimizer on a throwaway
+    tensor (torch's lazy imports take seconds), so that round timeouts measure rounds, not
+    start-up."""
     import torch
-
-    from fedadapt.adapters import method_spec
 
     model = cached_model(spec)
     spec.train_source.labels()
-    if method_spec(spec.method).trainer == "clients":  # trained on the clients
-        used = used_tensors(spec, model)
-        for e in sorted({e for c in range(spec.num_clients)
-                         for e in (client_exits(spec, c) or [None])}, key=str):
-            used(e)
+    family_of(spec.method).warm_up(spec, model)
     p = torch.zeros(1, requires_grad=True)
     opt = make_optimizer([p], spec.train, lr=0.1)
     p.sum().backward()
@@ -72,71 +59,30 @@ def warm_up(spec: RunSpec) -> None:
 
 
 def make_client_app(get_spec: Callable[[Context], RunSpec]) -> ClientApp:
-    """Build the ClientApp; ``get_spec(context)`` returns the run's :class:`RunSpec`."""
+    """Build the ClientApp; ``get_spec(context)`` returns the run's :class:`RunSpec`. Every
+    message goes to the handler its method family registered for its type and phase
+    (:func:`fedadapt.methods.client_handler`); a query without a phase is the handshake."""
     app = ClientApp()
+
+    def reply(kind: str, msg: Message, context: Context) -> Message:
+        spec = get_spec(context)
+        phase = phase_of(msg.content)
+        if kind == "query" and phase is None:  # the handshake: which node is this
+            warm_up(spec)
+            return Message(RecordDict({"metrics": MetricRecord(
+                {"partition-id": partition_id(context)})}), reply_to=msg)
+        return Message(client_handler(kind, phase)(spec, msg, context), reply_to=msg)
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:
-        spec = get_spec(context)
-        if phase_of(msg.content) == "session-upload":  # session plug-in
-            content = for_each_client(msg.content, lambda cid, _: session_upload(spec, cid))
-            return Message(content, reply_to=msg)
-        warm_up(spec)  # the handshake: which node is this
-        return Message(RecordDict({"metrics": MetricRecord(
-            {"partition-id": partition_id(context)})}), reply_to=msg)
+        return reply("query", msg, context)
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
-        spec = get_spec(context)
-        if phase_of(msg.content) == "personalize":
-            return Message(personalize_clients(spec, msg.content, context), reply_to=msg)
-        return Message(train_clients(spec, msg, context), reply_to=msg)
+        return reply("train", msg, context)
 
     @app.evaluate()
-    def evaluate_local(msg: Message, context: Context) -> Message:
-        spec = get_spec(context)
-        phase = phase_of(msg.content)
-        if phase == "plugin":  # a server-trained plug-in
-            from fedadapt.federation.plugin import recognize
-
-            def one(cid: int, mine: RecordDict) -> RecordDict:
-                arrays = dict(mine.array_records["arrays"].to_torch_state_dict())
-                return RecordDict({"metrics": MetricRecord(recognize(spec, cid, arrays))})
-        elif phase == "session-predict":
-            def one(cid: int, mine: RecordDict) -> RecordDict:
-                return session_predict(spec, cid, mine)
-        else:  # the rounds' evaluation, through the run's evaluate mods
-            def one(cid: int, mine: RecordDict) -> RecordDict:
-                return mods.apply(spec.evaluate_mods, msg, mine,
-                                  evaluate_one(spec, cid, mine, context), context)
-        return Message(for_each_client(msg.content, one), reply_to=msg)
+    def evaluate(msg: Message, context: Context) -> Message:
+        return reply("evaluate", msg, context)
 
     return app
-
-
-def session_upload(spec: RunSpec, cid: int) -> RecordDict:
-    """A session plug-in's first message: one ArrayRecord per test session."""
-    from fedadapt.federation.sessions import session_upload as uploads_of
-
-    fault = _injected(spec, 1, cid, "in its session upload")
-    uploads, metrics = uploads_of(spec, cid)
-    if fault in TENSOR_FAULTS:
-        uploads = {name: corrupt(arrays, fault) for name, arrays in uploads.items()}
-    elif fault == "timeout":
-        return None  # answered too late
-    content = RecordDict({"metrics": MetricRecord(metrics)})
-    for name, arrays in uploads.items():
-        content[name] = ArrayRecord(arrays)
-    return content
-
-
-def session_predict(spec: RunSpec, cid: int, mine: RecordDict) -> RecordDict:
-    """A session plug-in's second message: every session predicted with its generated layers."""
-    from fedadapt.federation.sessions import session_predict as predict
-
-    arrays = {k: dict(v.to_torch_state_dict()) for k, v in mine.array_records.items()}
-    metrics, scores = predict(spec, cid, arrays)
-    content = RecordDict({"metrics": MetricRecord(metrics)})
-    if scores is not None:
-        content["scores"] = ArrayRecord(scores)
-    return content

@@ -210,13 +210,13 @@ def measure_exit_budget(run, *, batch_size: int = 1, repeats: int = 5,
     card = load_card(run.dataset.name)
     torch.manual_seed(run.seed)
     backbone = build_backbone(run.backbone, load_weights=False)
-    if not hasattr(backbone, "forward_exits"):
+    if not backbone.has_exits:
         raise ConfigError(f"backbone={run.backbone.name} has no early exits: fedadapt-budget "
                           f"needs backbone.family=vit, deit or ast")
     exits = _check_exits(exits, backbone.num_layers)
     counts = per_exit_counts(backbone)
     base = build_model(run.method, backbone, card.num_classes, with_backbone=True)
-    if not hasattr(base, "exit_logits"):
+    if not base.has_exits:
         raise ConfigError(f"method={run.method.name} has no early exits: use lw_linear, lw_mlp "
                           f"or accumulator")
     if dataclasses.is_dataclass(run.method) and getattr(run.method, "train_backbone", False):

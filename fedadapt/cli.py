@@ -126,9 +126,9 @@ class OutputDirCheck(Callback):
 def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
             resume: bool = False) -> list[dict]:
     from fedadapt import progress
-    from fedadapt.adapters import method_spec
     from fedadapt.experiment import prepare_run, run_experiment
     from fedadapt.federation.cluster import check_reachable
+    from fedadapt.methods import family_of
     from fedadapt.results.plots import plot_curves
     from fedadapt.results.store import SUMMARY, atomic_write, read_jsonl, write_json
     from fedadapt.results.tables import run_tables
@@ -152,8 +152,7 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
     if not resume:
         write_json(run_dir / JOB, {"overrides": overrides, "argv": sys.argv})
     summaries = []
-    units = {name: run.rounds if method_spec(run.method).trainer == "clients" else 1
-             for name, run, _ in jobs}
+    units = {name: family_of(run.method).units(run) for name, run, _ in jobs}
     with progress.job(jobs[0][1].experiment, units) as shown:
         for name, run, yaml in jobs:
             if name in done:
@@ -172,8 +171,7 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
     first, part = jobs[0][1], summaries[0]["partition"]
     split = (f"domains as clients, held out: {summaries[0]['domains']['holdout']}"
              if summaries[0].get("domains") else f"{part['kind']} alpha={part['alpha']}")
-    server_trained = summaries[0].get("recognition") or summaries[0].get("sessions")
-    rounds = ("trained once on the server" if not summaries[0]["rounds"] and server_trained
+    rounds = ("trained once on the server" if not family_of(first.method).clients_train
               else f"{first.rounds} rounds")
     title = (f"## {first.experiment}: {first.dataset.name}, {first.backbone.name}, "
              f"{part['num_clients']} clients, {split}, {rounds}, seed {first.seed}")

@@ -340,7 +340,7 @@ class OriginalConfig:
     """The *original model* of the server-trained methods (ICIIA, DUET, CDC-MMPG): the backbone's
     classifier they start from and are compared with, trained on the server from the training
     clients' pooled data (never the validation or test clients'), by
-    :mod:`fedadapt.federation.original` and :func:`fedadapt.federation.plugin.train_original`.
+    :mod:`fedadapt.federation.original` and :func:`fedadapt.methods.plugin.train.train_original`.
 
     ``train_backbone=false`` (the offline stand-ins): a linear classifier on the frozen
     backbone's cached features (the method's ``classifier_epochs`` / lr). ``true`` (the papers'
@@ -467,10 +467,6 @@ def validate(cfg: RunConfig) -> RunConfig:
     cfg.method.check()
     _validate_partitioners(cfg.partition)
     _validate_objective(cfg)
-    from fedadapt.strategies.zoo import check_strategy  # reads Flower's strategies
-
-    check_strategy(cfg.strategy, cfg.dp, weighting=cfg.method.weighting,
-                   setting=cfg.setting.name)
     return cfg
 
 
@@ -567,7 +563,7 @@ def _validate_federation(f: FederationConfig, method: MethodConfig) -> None:
            f"one of {KNOWN_SELECTIONS}")
     check(f.backend == "simulation", "federation.backend", f.backend,
            "'simulation' is the in-process launcher; for a SuperLink use `flwr run` "
-           "(see the README)")
+           "(see docs/deployment.md)")
     check(f.num_cpus is None or f.num_cpus > 0, "federation.num_cpus", f.num_cpus,
           "must be > 0 or null")
     for key, value in (("federation.workers", f.workers),

@@ -26,7 +26,7 @@ def register_configs() -> None:
     """
     from hydra.core.config_store import ConfigStore
 
-    from fedadapt.adapters import METHODS
+    from fedadapt.adapters import load_methods
     from fedadapt.config import (
         BackboneConfig,
         DatasetConfig,
@@ -42,7 +42,7 @@ def register_configs() -> None:
     cs.store(group=SCHEMA_GROUP, name="backbone", node=BackboneConfig)
     cs.store(group=SCHEMA_GROUP, name="partition", node=PartitionConfig)
     cs.store(group=SCHEMA_GROUP, name="setting", node=SettingConfig)
-    for name, spec in METHODS.items():
+    for name, spec in load_methods().items():
         cs.store(group=f"{SCHEMA_GROUP}/method", name=name, node=spec.config_cls)
     for name, schema in strategy_schemas().items():
         cs.store(group=f"{SCHEMA_GROUP}/strategy", name=name, node=schema)
@@ -68,7 +68,12 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     for key, node, known in undeclared_keys(cfg):
         raise ConfigError(f"{key} is not a key of {node}{nearest(key.rsplit('.', 1)[-1], known)}"
                           f" (its keys: {', '.join(known)})")
-    return validate(OmegaConf.to_object(with_method_train(cfg)))
+    from fedadapt.strategies.zoo import check_strategy  # reads Flower's strategies
+
+    run = validate(OmegaConf.to_object(with_method_train(cfg)))
+    check_strategy(run.strategy, run.dp, weighting=run.method.weighting,
+                   setting=run.setting.name)
+    return run
 
 
 def undeclared_keys(cfg: DictConfig, prefix: str = "") -> list[tuple[str, str, list[str]]]:

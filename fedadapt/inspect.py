@@ -39,7 +39,7 @@ def inspect_run(run, *, flops: bool = True) -> dict:
     card = load_card(run.dataset.name)
     backbone = build_backbone(run.backbone, load_weights=False)
     backbone_params = backbone.num_params()
-    per_exit = (per_exit_counts(backbone) if flops and hasattr(backbone, "forward_exits")
+    per_exit = (per_exit_counts(backbone) if flops and backbone.has_exits
                 else None)
     class_text = None
     if method_spec(run.method).uses_text:

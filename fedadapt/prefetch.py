@@ -16,7 +16,7 @@ def prefetch(run) -> list[str]:
     from fedadapt import progress
     from fedadapt.backbones import build_backbone
     from fedadapt.data.catalogue import load_card
-    from fedadapt.data.loading import hub_load
+    from fedadapt.data.hub import hub_load
 
     datasets.disable_progress_bars()
     disable_progress_bars()

@@ -26,8 +26,8 @@ def call(app, prep, kind, context, arrays, clients=(0,), group=1, rnd=1):
     return records.unpack(app(msg, context).content)
 
 
-def context(pid: int) -> Context:
-    return Context(run_id=1, node_id=1, node_config={"partition-id": pid, "num-partitions": 3},
+def context(cid: int) -> Context:
+    return Context(run_id=1, node_id=1, node_config={"partition-id": cid, "num-partitions": 3},
                    state=RecordDict(), run_config={})
 
 

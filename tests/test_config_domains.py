@@ -8,7 +8,7 @@ import typing
 
 import pytest
 
-from fedadapt.adapters import METHODS
+from fedadapt.adapters import load_methods
 from fedadapt.config import (
     BackboneConfig,
     ConfigError,
@@ -51,7 +51,7 @@ def assign(cfg, key: str, value) -> None:
 
 
 #: The run's keys once (with linear_head), each method's own keys with that method.
-CASES = [(name, key, kind) for name, spec in METHODS.items()
+CASES = [(name, key, kind) for name, spec in load_methods().items()
          for key, kind in numeric_keys(base(spec.config_cls()))
          if key.startswith("method.") or name == "linear_head"]
 
@@ -68,20 +68,20 @@ def test_every_numeric_key_is_covered():
 def test_out_of_domain_values_fail_naming_the_key(method, key, kind):
     bad = [[-1]] if kind == "list" else [-1] + ([math.nan, math.inf] if kind == "float" else [])
     for value in bad:
-        cfg = base(METHODS[method].config_cls())
+        cfg = base(load_methods()[method].config_cls())
         assign(cfg, key, value)
         with pytest.raises(ConfigError) as err:
             validate(cfg)
         assert str(err.value).startswith(f"{key}="), (key, value, str(err.value))
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("method", sorted(load_methods()))
 def test_defaults_are_valid(method):
-    validate(base(METHODS[method].config_cls()))
+    validate(base(load_methods()[method].config_cls()))
 
 
 def test_seed_bounds():
-    cfg = base(METHODS["linear_head"].config_cls())
+    cfg = base(load_methods()["linear_head"].config_cls())
     cfg.seed = 2**63 - 1
     validate(cfg)
     cfg.seed = 2**64

@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedadapt.adapters.cdc_mmpg import Adr, CdcMmpg, CdcMmpgConfig, channel_stats, fuse
-from fedadapt.adapters.duet import (
+from fedadapt.config import ConfigError
+from fedadapt.methods.sessions.cdc_mmpg import Adr, CdcMmpg, CdcMmpgConfig, channel_stats, fuse
+from fedadapt.methods.sessions.duet import (
     Duet,
     DuetConfig,
     LayerGenerator,
@@ -26,8 +27,7 @@ from fedadapt.adapters.duet import (
     swa_weights,
     weighted_session_ce,
 )
-from fedadapt.config import ConfigError
-from fedadapt.federation.sessions import (
+from fedadapt.methods.sessions.train import (
     RATES_MB_S,
     SessionBatch,
     binary_auc,

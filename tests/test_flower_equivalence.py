@@ -7,6 +7,7 @@ FedAvg, FedAdam, Krum and server-side fixed clipping with noise 0."""
 from pathlib import Path
 
 import numpy as np
+import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import ServerApp
@@ -22,6 +23,8 @@ from fedadapt.experiment import prepare_run, run_experiment
 from fedadapt.federation.checkpoint import latest_checkpoint, load_checkpoint
 from fedadapt.federation.inprocess import in_process
 from fedadapt.federation.training import SpecRef, cached_model, derive_seed, train_local
+
+pytestmark = pytest.mark.slow  # Ray: Flower's run_simulation
 
 ROUNDS, CLIENTS, LR = 3, 4, 0.05
 TASK = ["experiment=custom", "dataset=digits", "dataset.max_samples=240", "backbone=small_cnn",
@@ -57,18 +60,18 @@ def plain_client_app(get_spec) -> ClientApp:
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         spec = get_spec()
-        pid = int(context.node_config["partition-id"])
+        cid = int(context.node_config["partition-id"])
         rnd = int(msg.content["config"]["server-round"])
         model = cached_model(spec)
         model.load_tensors(dict(msg.content["arrays"].to_torch_state_dict()))
-        loss, _ = train_local(model, spec.train_source, spec.clients[pid].train, spec.train,
+        loss, _ = train_local(model, spec.train_source, spec.clients[cid].train, spec.train,
                               lr=float(msg.content["config"]["lr"]),
-                              seed=derive_seed(spec.seed, rnd, pid),
-                              crop_seed=derive_seed(spec.seed, rnd, pid, 7),
+                              seed=derive_seed(spec.seed, rnd, cid),
+                              crop_seed=derive_seed(spec.seed, rnd, cid, 7),
                               precision=spec.precision)
         return Message(RecordDict({
             "arrays": ArrayRecord(model.tensors(model.communicated_names())),
-            "metrics": MetricRecord({"num-examples": len(spec.clients[pid].train),
+            "metrics": MetricRecord({"num-examples": len(spec.clients[cid].train),
                                      "unit-weight": 1.0, "train_loss": loss})}), reply_to=msg)
 
     return app

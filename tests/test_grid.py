@@ -46,14 +46,14 @@ def trained_everything(msg: Message) -> Message:
     return Message(records.pack(replies), reply_to=msg)
 
 
-def strategy_messages(pids, content=None):
+def strategy_messages(cids, content=None):
     """What FedAvg's configure_train makes: one RecordDict, the same object in every message."""
     content = content or RecordDict({
         "arrays": ArrayRecord({"w": Array(np.zeros((2, 3), np.float32)),
                                "b": Array(np.zeros(3, np.float32))}),
         "config": ConfigRecord({"server-round": 1, "lr": 0.1})})
     return [Message(content, dst_node_id=node_id(p), message_type=MessageType.TRAIN)
-            for p in pids]
+            for p in cids]
 
 
 def test_a_strategy_sees_one_node_per_client_in_partition_order():
@@ -123,7 +123,7 @@ def test_a_worker_message_that_failed_fails_each_of_its_clients(flower_task):
 def test_bytes_are_what_each_client_would_exchange(flower_task):
     inner = Workers(trained_everything)
     grid = ClientGrid(inner, Nodes("workers", {0: 11}), 2)
-    grid.trained = lambda pid: ["w"] if pid == 0 else ["w", "b"]
+    grid.trained = lambda cid: ["w"] if cid == 0 else ["w", "b"]
     msgs = strategy_messages([0, 1])
     sent = msgs[0].content["arrays"]
     grid.send_and_receive(msgs)
@@ -137,7 +137,7 @@ def test_bytes_are_what_each_client_would_exchange(flower_task):
 def test_a_deployment_client_is_sent_only_what_it_trains(flower_task):
     inner = Workers(trained_everything)
     grid = ClientGrid(inner, Nodes("clients", {0: 21, 1: 22}), 2)
-    grid.trained = lambda pid: ["w"] if pid == 0 else ["w", "b"]
+    grid.trained = lambda cid: ["w"] if cid == 0 else ["w", "b"]
     grid.send_and_receive(strategy_messages([0, 1]))
     assert [m.metadata.dst_node_id for m in inner.sent] == [21, 22]
     assert sorted(inner.sent[0].content["arrays"].keys()) == ["w"]

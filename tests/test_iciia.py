@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from fedadapt.adapters.iciia import (
+from fedadapt.config import ConfigError
+from fedadapt.methods.plugin.iciia import (
     ICIIA_B,
     ICIIA_T,
     GroupedLinear,
@@ -18,7 +19,6 @@ from fedadapt.adapters.iciia import (
     recognize_stream,
     shuffle_groups,
 )
-from fedadapt.config import ConfigError
 
 
 def _model(dim=32, classes=5, **kw) -> Iciia:

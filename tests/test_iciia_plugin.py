@@ -6,11 +6,11 @@ import pytest
 import torch
 from conftest import tiny_run
 
-from fedadapt.adapters.iciia import IciiaConfig
 from fedadapt.config import ConfigError, PartitionConfig, validate
 from fedadapt.experiment import prepare_run, run_experiment
 from fedadapt.federation.inprocess import run_in_process
-from fedadapt.federation.plugin import client_arrays, sequences, train_on_server
+from fedadapt.methods.plugin.iciia import IciiaConfig
+from fedadapt.methods.plugin.train import client_arrays, sequences, train_on_server
 
 
 def iciia_run(cache_dir, **method):

@@ -9,11 +9,11 @@ import torch
 from conftest import tiny_run
 
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Image, Value
-from fedadapt.adapters.iciia import Iciia, IciiaConfig
 from fedadapt.config import ConfigError, DatasetConfig, PartitionConfig, validate
 from fedadapt.data.catalogue import DatasetCard, load_card
 from fedadapt.data.loading import standardise
 from fedadapt.data.partition import partition_dataset
+from fedadapt.methods.plugin.iciia import Iciia, IciiaConfig
 
 #: A card like iNaturalist's: its test split holds users of its own.
 USERS_CARD = DatasetCard(name="users", source="local", hub_id=None,
@@ -157,15 +157,16 @@ def test_finetuning_baseline_keeps_its_best_validation_epoch(cache_dir, monkeypa
 
     from fedadapt.data.partition import ClientSplit
     from fedadapt.experiment import prepare_run
-    from fedadapt.federation import plugin
+    from fedadapt.methods import server_trained
+    from fedadapt.methods.plugin import train as plugin
 
     prep = prepare_run(validate(tiny_run(cache_dir, IciiaConfig(
         images=4, min_history=1, finetune_epochs=5, patience=2, classifier_epochs=5),
         partition=PartitionConfig(kind="iid", num_clients=2, val_fraction=0.3,
                                   test_fraction=0.2))), quiet=True)
     spec = prep.spec
-    original, _ = plugin.train_original(spec, plugin.ServerData.of(spec),
-                                        np.random.default_rng(0), lr=0.05)
+    original, _ = server_trained.train_original(spec, server_trained.ServerData.of(spec),
+                                                np.random.default_rng(0), lr=0.05)
     split = spec.clients[0]
     x, y = spec.train_source.get(split.test)
     k = int(torch.mode(y).values)
@@ -182,7 +183,7 @@ def test_finetuning_baseline_keeps_its_best_validation_epoch(cache_dir, monkeypa
     xv, yv = spec.train_source.get(pool)
     with torch.no_grad():
         right = (original(xv).argmax(-1) == yv).numpy()
-        base = plugin._accuracy(original(x), y)
+        base = server_trained.accuracy(original(x), y)
     assert 0 < right.sum() < len(pool) and base != float((y == k).float().mean())
     for rows, expected in ((pool[(yv == k).numpy() & ~right], float((y == k).float().mean())),
                            (pool[right], base)):

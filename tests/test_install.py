@@ -20,12 +20,14 @@ def test_strategies_and_clients_install_under_fedadapt():
     assert Path(fedadapt.clients.app.__file__).parent.name == "clients"
 
 
+@pytest.mark.slow
 def test_datasets_from_repo_root_is_hugging_face():
     out = subprocess.run([sys.executable, "-c", "import datasets; print(datasets.__file__)"],
                          cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert "site-packages" in out and not (REPO / "datasets" / "__init__.py").exists()
 
 
+@pytest.mark.slow
 def test_torchvision_imports_after_fedadapt():
     out = subprocess.run([sys.executable, "-c",
                           "import fedadapt, torchvision, timm, open_clip; print('ok')"],
@@ -64,6 +66,7 @@ print(paths.conf_file("experiment", "quickstart.yaml").is_file())
 """
 
 
+@pytest.mark.slow
 def test_wheel_finds_conf_and_catalogue_from_any_directory(unpacked_wheel, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(unpacked_wheel)}
     out = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, env=env,
@@ -77,6 +80,7 @@ def test_wheel_finds_conf_and_catalogue_from_any_directory(unpacked_wheel, tmp_p
     assert vlcs == "vlcs True" and quickstart == "True"
 
 
+@pytest.mark.slow
 def test_wheel_ships_every_config_and_card(unpacked_wheel):
     """Every YAML under conf/ (any depth) and every card and recipe under datasets/ is in the
     wheel, where the installed package looks for them."""
@@ -84,3 +88,17 @@ def test_wheel_ships_every_config_and_card(unpacked_wheel):
         assert (unpacked_wheel / "fedadapt" / "conf" / path.relative_to(REPO / "conf")).is_file()
     for path in (REPO / "datasets").iterdir():
         assert (unpacked_wheel / "fedadapt" / "catalogue" / path.name).is_file(), path
+
+
+def test_every_package_folder_is_in_the_wheel_list():
+    """pyproject.toml lists the packages (strategies/, clients/ and conf/ install under
+    fedadapt); a new folder of code (a method family in fedadapt/methods/) must be in the list
+    or the wheel ships without it."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    folders = {".".join(p.parent.relative_to(REPO).parts)
+               for p in (REPO / "fedadapt").rglob("__init__.py")
+               if "catalogue" not in p.parts}
+    assert folders <= listed, f"add {sorted(folders - listed)} to pyproject.toml's packages"

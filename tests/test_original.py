@@ -10,8 +10,6 @@ import pytest
 import torch
 from conftest import tiny_run
 
-from fedadapt.adapters.duet import DuetConfig
-from fedadapt.adapters.iciia import IciiaConfig
 from fedadapt.backbones import build_backbone
 from fedadapt.backbones.base import MissingAssetError
 from fedadapt.config import (
@@ -22,6 +20,8 @@ from fedadapt.config import (
     validate,
 )
 from fedadapt.experiment import prepare_run
+from fedadapt.methods.plugin.iciia import IciiaConfig
+from fedadapt.methods.sessions.duet import DuetConfig
 
 LEAF = BackboneConfig(name="leaf_cnn", family="leaf_cnn", image_size=28, crop_pct=1.0,
                       interpolation="bilinear", arch={"hidden": 2048})
@@ -91,7 +91,7 @@ def test_original_model_phase_trains_the_backbone_on_the_training_clients(cache_
     client adds nothing), saves the backbone that the run then builds and caches features of,
     and hands its classifier to the methods as the original model; a second run reuses it."""
     from fedadapt.federation import original as phase
-    from fedadapt.federation.plugin import train_on_server
+    from fedadapt.methods.plugin.train import train_on_server
 
     prep = prepare_run(phase_run(cache_dir, ICIIA), quiet=True)
     spec = prep.spec
@@ -112,7 +112,7 @@ def test_original_model_phase_trains_the_backbone_on_the_training_clients(cache_
 
     original = train_on_server(spec)["original"]
     for k, v in original.state_dict().items():
-        torch.testing.assert_close(v, spec.original_classifier[k])
+        torch.testing.assert_close(v, spec.family.original_classifier[k])
     assert train_on_server(spec)["log"]["original"]["trained_with_backbone"]
 
     def no_training(*args, **kwargs):
@@ -126,7 +126,7 @@ def test_original_model_phase_trains_the_backbone_on_the_training_clients(cache_
 def test_the_same_original_model_serves_the_session_plugins(cache_dir):
     """DUET gets the phase's backbone (its cached features, and the server's forward on uploaded
     samples) and classifier, the very ones ICIIA gets."""
-    from fedadapt.federation.sessions import SessionServer, train_generator
+    from fedadapt.methods.sessions.train import SessionServer, train_generator
 
     duet = DuetConfig(session=4, generators=2, max_epochs=1, patience=1, finetune_steps=1,
                       upload="samples")
@@ -136,10 +136,10 @@ def test_the_same_original_model_serves_the_session_plugins(cache_dir):
     assert spec.backbone.weights == iciia.spec.backbone.weights
     trained = train_generator(spec)
     for k, v in trained["original"].state_dict().items():
-        torch.testing.assert_close(v, spec.original_classifier[k])
+        torch.testing.assert_close(v, spec.family.original_classifier[k])
     rows = np.arange(8)
     cached, _ = spec.train_source.get(rows)
-    images, _ = spec.image_source.get(rows)
+    images, _ = spec.family.image_source.get(rows)
     server = SessionServer(spec, trained)
     with torch.no_grad():
         torch.testing.assert_close(server.embed(images), cached, atol=1e-4, rtol=1e-4)

@@ -10,12 +10,12 @@ import torch
 from conftest import tiny_run
 from flwr.app import ArrayRecord
 
-from fedadapt.adapters.cdc_mmpg import CdcMmpgConfig
-from fedadapt.adapters.duet import DuetConfig, apply_dynamic, dynamic_layers, layer_shapes
 from fedadapt.config import PartitionConfig, validate
 from fedadapt.experiment import prepare_run, run_experiment
 from fedadapt.federation.inprocess import run_in_process
-from fedadapt.federation.sessions import (
+from fedadapt.methods.sessions.cdc_mmpg import CdcMmpgConfig
+from fedadapt.methods.sessions.duet import DuetConfig, apply_dynamic, dynamic_layers, layer_shapes
+from fedadapt.methods.sessions.train import (
     SessionServer,
     _finetune,
     client_sessions,
@@ -80,6 +80,7 @@ def _expected_rows(spec, cid, answers):
     DuetConfig(session=4, generators=2, context="session", **SMALL),
     CdcMmpgConfig(adr_epochs=2, adr_lr=1e-3, context_size=2, **SMALL),
 ], ids=["duet_first", "duet_previous", "duet_session", "cdc_mmpg_first"])
+@pytest.mark.slow
 def test_served_end_to_end_with_measured_payloads(cache_dir, tmp_path, method):
     """Through Flower: each session's upload holds only its context (the anchor chosen among
     it for CDC-MMPG), the recorded bytes are those uploads' and answers' ArrayRecord sizes, and
@@ -179,8 +180,8 @@ def test_server_training_scores_only_what_the_generator_did_not_see(cache_dir, c
     """Server training and validation use the same split: each training pair is one client's
     context and other samples of that client (``first``: the session's first k; ``previous``:
     the client's previous session, whole); the batches' scored labels are exactly those."""
-    from fedadapt.federation.plugin import ServerData
-    from fedadapt.federation.sessions import SessionBatches
+    from fedadapt.methods.plugin.train import ServerData
+    from fedadapt.methods.sessions.train import SessionBatches
 
     method = DuetConfig(session=4, generators=2, context=context, context_size=1, **SMALL)
     spec = prepare_run(session_run(cache_dir, method), quiet=True).spec
@@ -271,7 +272,7 @@ def test_binary_task_reports_auc_without_labels_leaving_the_clients():
     ``method.auc_bins``, per-class histograms of its scores; the server pools those into the AUC
     over all clients' samples, which equals the exact pooled AUC when no positive and negative
     share a bin, and is within the reported tie bound otherwise."""
-    from fedadapt.federation.sessions import (
+    from fedadapt.methods.sessions.train import (
         binary_auc,
         margin,
         score_histograms,
@@ -338,9 +339,9 @@ def test_text_query_is_fused_into_every_frame(cache_dir):
 
     spec, (uploads, answers) = answered("what is in the picture?")
     d = spec.embed_dim
-    assert spec.query_feature.shape == (d,)
+    assert spec.family.query_feature.shape == (d,)
     assert uploads["session.0"]["anchor"].shape == (1, 2 * d)
-    torch.testing.assert_close(uploads["session.0"]["anchor"][0, d:], spec.query_feature)
+    torch.testing.assert_close(uploads["session.0"]["anchor"][0, d:], spec.family.query_feature)
     assert answers["session.0"]["layer0.weight"].shape == (spec.num_classes, 2 * d)
     _, (_, other) = answered("which digit is it?")
     assert not torch.equal(answers["session.0"]["layer0.weight"],
@@ -353,7 +354,7 @@ def test_text_query_is_fused_into_every_frame(cache_dir):
 def test_malformed_uploads_get_no_answer(cache_dir):
     """The server checks each client's uploads before answering (names, width, rows, values);
     only the clients that complete the conversation count in the payload figures."""
-    from fedadapt.federation.sessions import build_generator
+    from fedadapt.methods.sessions.train import build_generator
 
     prep = prepare_run(session_run(cache_dir, CdcMmpgConfig(**SMALL)), quiet=True)
     spec = prep.spec

@@ -14,9 +14,7 @@ from conftest import TINY_CLIP, tiny_run
 from fedadapt.clients.app import PERSONAL_KEY
 from flwr.app import ArrayRecord, Message, MessageType, Metadata, MetricRecord, RecordDict
 
-from fedadapt.adapters import METHODS
-from fedadapt.adapters.cdc_mmpg import CdcMmpgConfig
-from fedadapt.adapters.duet import DuetConfig
+from fedadapt.adapters import load_methods
 from fedadapt.adapters.exits import AccumulatorConfig, LwLinearConfig, LwMlpConfig
 from fedadapt.adapters.fedclip import FedClipConfig
 from fedadapt.adapters.heads import (
@@ -25,7 +23,6 @@ from fedadapt.adapters.heads import (
     LocalOnlyConfig,
     MlpHeadConfig,
 )
-from fedadapt.adapters.iciia import IciiaConfig
 from fedadapt.config import (
     BackboneConfig,
     DatasetConfig,
@@ -36,8 +33,11 @@ from fedadapt.config import (
 from fedadapt.data.sources import DataSource
 from fedadapt.experiment import prepare_run, run_experiment
 from fedadapt.federation.inprocess import run_in_process
-from fedadapt.federation.sessions import client_sessions, train_generator, upload_key
 from fedadapt.federation.wire import Secrets, audit, leaks, secrets_of
+from fedadapt.methods.plugin.iciia import IciiaConfig
+from fedadapt.methods.sessions.cdc_mmpg import CdcMmpgConfig
+from fedadapt.methods.sessions.duet import DuetConfig
+from fedadapt.methods.sessions.train import client_sessions, train_generator, upload_key
 
 TINY_VIT = BackboneConfig(name="tiny_vit", family="vit", image_size=32, arch=dict(
     patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -94,14 +94,20 @@ def runs(cache_dir, binary_data):
                                      **SERVER),
                           CdcMmpgConfig(adr_epochs=1, finetune_steps=2, auc_bins=32,
                                         **SERVER))]
-    return heads + exits + fedclip + iciia + sessions
+    listed = heads + exits + fedclip + iciia + sessions
+    # a method added since (docs/adding-a-method.md) is audited with its defaults on the tiny run
+    named = {m.name for m, _ in listed}
+    added = [(spec.config_cls(), tiny_run(cache_dir, spec.config_cls()))
+             for name, spec in sorted(load_methods().items())
+             if name not in named and spec.build.__module__.startswith("fedadapt.")]
+    return listed + added
 
 
 def run_and_audit(cfg, run_dir: Path) -> tuple[list[str], list[tuple], Secrets]:
     prep = prepare_run(validate(cfg), quiet=True)
     spec = prep.spec
     sessions = ((lambda cid: client_sessions(spec, cid))
-                if METHODS[cfg.method.name].trainer == "sessions" else None)
+                if load_methods()[cfg.method.name].family == "sessions" else None)
     secrets = secrets_of(spec, sessions)
     exchanges = []
 
@@ -130,6 +136,7 @@ def run_and_audit(cfg, run_dir: Path) -> tuple[list[str], list[tuple], Secrets]:
     return audit(exchanges, secrets, allowed), exchanges, secrets
 
 
+@pytest.mark.slow
 def test_no_reply_of_any_method_carries_labels_test_features_or_personal_tensors(
         cache_dir, binary_data, tmp_path):
     seen, problems = set(), []
@@ -149,7 +156,8 @@ def test_no_reply_of_any_method_carries_labels_test_features_or_personal_tensors
                          if "auc_generated" in m]
             assert predicted  # the clients computed their AUCs themselves
     # every method fedadapt ships (other test modules may register their own)
-    assert seen == {n for n, m in METHODS.items() if m.build.__module__.startswith("fedadapt.")}
+    assert seen == {n for n, m in load_methods().items()
+                    if m.build.__module__.startswith("fedadapt.")}
     assert problems == []
 
 
@@ -208,7 +216,7 @@ class WatchedSource(DataSource):
     CdcMmpgConfig(adr_epochs=1, **SERVER),
 ], ids=["iciia", "duet", "cdc_mmpg"])
 def test_server_training_reads_only_training_clients_train_and_val(cache_dir, method):
-    from fedadapt.federation.plugin import train_on_server
+    from fedadapt.methods.plugin.train import train_on_server
 
     cfg = validate(tiny_run(cache_dir, method, partition=dataclasses.replace(
         SESSION_PARTITION, test_clients=0.25)))

@@ -107,7 +107,8 @@ class AccumulatorConfig(ExitMethodConfig):
     #: its output at position ``k + 1`` is its input ``c_k + p'_k``: token replace starts from
     #: the backbone's own CLS tokens. False: PyTorch's default initialisation throughout, whose
     #: branches add an image-independent vector of about the tokens' own size before every
-    #: block (README, "Token replace"). The paper says only "randomly initialized".
+    #: block (docs/papers/accumulator.md, "Token replace"). The paper says only "randomly
+    #: initialized".
     zero_init: bool = True
 
     def check(self) -> None:
@@ -244,6 +245,8 @@ class ExitModel(AdaptedModel):
     returns every exit's logits up to ``last_exit``, running only the blocks it needs.
     """
 
+    has_exits = True
+
     def __init__(self, *, backbone, heads: nn.Module, parallel_adapter: bool,
                  adapter_bottleneck: int, adapter_scale: float = 1.0,
                  train_backbone: bool = False) -> None:
@@ -275,7 +278,7 @@ class ExitModel(AdaptedModel):
 
 
 def _needs_exits(backbone, name: str) -> None:
-    if not hasattr(backbone, "forward_exits"):
+    if not backbone.has_exits:
         raise ConfigError(f"method={name} needs a backbone with exits (backbone.family=vit or "
                           f"deit), not {type(backbone).__name__}")
 

@@ -26,6 +26,10 @@ class AdaptedModel(nn.Module):
         Name prefixes of trainable tensors that stay on the client.
     """
 
+    #: Capability: the model has early exits (``num_exits``, ``exit_logits``); declared by
+    #: the class, never detected.
+    has_exits: bool = False
+
     def __init__(
         self,
         *,

@@ -1,12 +1,17 @@
 """The method registry: each method module registers its builder and typed config here.
 
-Kept apart from :mod:`fedadapt.adapters` (which imports every method module) so that a method
-module imports only this registry, never its own package: no import circle.
+Method modules are found, not listed: every module of :mod:`fedadapt.adapters` (the
+client-trained methods) and every family package of :mod:`fedadapt.methods` (with the methods
+it trains) is imported once, the first time the registry is read (:func:`load_methods`). A
+method module imports only this registry, never its own package: no import circle.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 from fedadapt.adapters.model import AdaptedModel
@@ -21,11 +26,11 @@ class MethodSpec:
     build: Callable[..., AdaptedModel]
     #: The builder also receives the class prompts' text features (``class_text=``; CLIP).
     uses_text: bool = False
-    #: ``clients`` (federated training), ``server`` (a plug-in trained once on the server
-    #: and delivered to the clients for inference: :mod:`fedadapt.federation.plugin`) or
-    #: ``sessions`` (a generator trained once on the server that answers every session of
-    #: every client with generated parameters: :mod:`fedadapt.federation.sessions`).
-    trainer: str = "clients"
+    #: The method's family (:mod:`fedadapt.methods`): ``rounds`` (federated training on the
+    #: clients), ``plugin`` (a module trained once on the server and delivered to the clients
+    #: for inference) or ``sessions`` (a generator trained once on the server that answers
+    #: every session of every client with generated parameters).
+    family: str = "rounds"
     #: ``counts(cfg, embed_dim, num_classes) -> dict``: extra figures for ``fedadapt-inspect``
     #: (e.g. ICIIA's Table 1 parameters and FLOPs), under the method's name.
     counts: Optional[Callable[..., dict]] = None
@@ -35,18 +40,35 @@ METHODS: dict[str, MethodSpec] = {}
 
 
 def register_method(name: str, config_cls: type, *, uses_text: bool = False,
-                    trainer: str = "clients", counts: Optional[Callable[..., dict]] = None):
+                    family: str = "rounds", counts: Optional[Callable[..., dict]] = None):
     """Decorator registering a builder under ``method=name`` with schema ``config_cls``."""
 
     def deco(fn):
         METHODS[name] = MethodSpec(name=name, config_cls=config_cls, build=fn,
-                                   uses_text=uses_text, trainer=trainer, counts=counts)
+                                   uses_text=uses_text, family=family, counts=counts)
         return fn
 
     return deco
 
 
+_LOADED: list[bool] = []
+
+
+def load_methods() -> dict[str, MethodSpec]:
+    """Import every method module once (their decorators fill :data:`METHODS`); returns it."""
+    if not _LOADED:
+        _LOADED.append(True)
+        here = Path(__file__).parent
+        for package, folder, skip in (("fedadapt.adapters", here, {"model", "registry"}),
+                                      ("fedadapt.methods", here.parent / "methods", set())):
+            for info in pkgutil.iter_modules([str(folder)]):
+                if info.name not in skip and not info.name.startswith("_"):
+                    importlib.import_module(f"{package}.{info.name}")
+    return METHODS
+
+
 def method_spec(cfg: MethodConfig) -> MethodSpec:
+    load_methods()
     if cfg.name not in METHODS:
         raise ConfigError(f"method={cfg.name!r} is invalid: one of {sorted(METHODS)}")
     return METHODS[cfg.name]

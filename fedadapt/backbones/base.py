@@ -29,6 +29,9 @@ def prefetch_hint(what: str, *, backbone: str | None = None, dataset: str | None
 class Backbone(nn.Module):
     """A frozen feature extractor.
 
+    Capabilities are declared by the class: ``has_exits`` (per-layer tokens for early exits,
+    ``forward_exits``).
+
     Attributes
     ----------
     embed_dim : int
@@ -51,6 +54,8 @@ class Backbone(nn.Module):
         What it takes: ``image`` (``[B, 3, S, S]``) or ``audio`` (spectrograms ``[B, T, F]``
         from its feature extractor's settings; see :mod:`fedadapt.backbones.ast_model`).
     """
+
+    has_exits: bool = False
 
     embed_dim: int
     num_layers: int = 1

@@ -45,6 +45,8 @@ class ViTBackbone(Backbone):
         Hub id, local path or ``random``.
     """
 
+    has_exits = True
+
     #: DeiT's image processor (facebook/deit-*-patch16-224): bicubic resize to 256, centre
     #: crop 224, ImageNet mean / std. Weights that ship a processor config override these.
     crop_pct = 224 / 256

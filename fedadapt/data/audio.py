@@ -149,7 +149,7 @@ def spectrogram_store(prepared: PreparedDataset, split: str, pre: AudioPreproces
                       cache_dir: str, *, workers: Optional[int] = None) -> SpectrogramStore:
     """The spectrograms of ``split`` (built once, or again when the file fails its digest)."""
     from fedadapt.data.integrity import valid_or_removed
-    from fedadapt.data.store import _CHUNK, build_sealed
+    from fedadapt.data.store import DECODE_CHUNK, build_sealed
 
     folder = Path(cache_dir).expanduser() / "spectrograms"
     folder.mkdir(parents=True, exist_ok=True)
@@ -158,7 +158,7 @@ def spectrogram_store(prepared: PreparedDataset, split: str, pre: AudioPreproces
     shape = (n, pre.max_length, pre.num_mel_bins)
     if not valid_or_removed(path):
         if workers is None:  # ~20 ms of numpy per clip: worth processes beyond one chunk
-            workers = 1 if n <= _CHUNK else min(16, os.cpu_count() or 1)
+            workers = 1 if n <= DECODE_CHUNK else min(16, os.cpu_count() or 1)
         log(f"[audio] {n} clips of {prepared.name}/{split} through ASTFeatureExtractor "
             f"({pre.max_length} x {pre.num_mel_bins}, {pre.backend}) once into {path.name} "
             f"({workers} process(es))")
@@ -171,10 +171,10 @@ def spectrogram_store(prepared: PreparedDataset, split: str, pre: AudioPreproces
 def waveforms(data_path: str, split: str, rows: np.ndarray | range, rate: int
               ) -> list[np.ndarray]:
     """Decoded clips (``float32 [samples]``) of ``rows`` of a prepared split."""
-    from fedadapt.data.loading import _open
+    from fedadapt.data.loading import open_prepared
     from fedadapt.data.speech import audio_bytes, read_wav
 
-    ds = _open(data_path)[split]
+    ds = open_prepared(data_path)[split]
     values = ds[rows.start:rows.stop]["audio"] if isinstance(rows, range) else \
         ds.select(np.asarray(rows, dtype=np.int64))["audio"]
     idx = list(rows)
@@ -198,10 +198,10 @@ _NOISE: dict[str, list[np.ndarray]] = {}
 
 def background_noise(prepared: PreparedDataset, rate: int) -> list[np.ndarray]:
     """The data set's background recordings (its ``noise`` split), decoded once per process."""
-    from fedadapt.data.loading import _open
+    from fedadapt.data.loading import open_prepared
 
     if prepared.path not in _NOISE:
-        dsd = _open(prepared.path)
+        dsd = open_prepared(prepared.path)
         if "noise" not in dsd or len(dsd["noise"]) == 0:
             raise ConfigError(f"setting.corruptions=['background_noise'] needs background "
                               f"recordings: dataset={prepared.name} has none (its card keeps no "

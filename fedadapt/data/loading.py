@@ -25,9 +25,10 @@ from typing import Optional
 
 import numpy as np
 
-from fedadapt.backbones.base import MissingAssetError, prefetch_hint
+from fedadapt.backbones.base import MissingAssetError
 from fedadapt.config import ConfigError, DatasetConfig, FedadaptError
 from fedadapt.data.catalogue import DatasetCard, load_card
+from fedadapt.data.hub import load_hub
 from fedadapt.data.integrity import CacheIntegrityError
 
 # Bump when the preparation below changes, so stale prepared copies are not reused.
@@ -49,13 +50,13 @@ class PreparedDataset:
 
     def load(self):
         """The ``DatasetDict``, memory-mapped from disk (cached per process)."""
-        return _open(self.path)
+        return open_prepared(self.path)
 
 
 _OPEN: dict[str, object] = {}
 
 
-def _open(path: str):
+def open_prepared(path: str):
     """The prepared ``DatasetDict`` at ``path``. :func:`prepare_dataset` checked every file's
     digest before the run; other processes (Ray workers, decoding workers) check that the
     files are all there at their recorded sizes, once."""
@@ -258,30 +259,6 @@ def _load_local(path: str, card: DatasetCard):
         return _load_image_folder(p, path)
     raise ConfigError(f"dataset.path={path!r}: not a save_to_disk folder, IDX folder or image "
                       f"folder")
-
-
-def hub_load(card: DatasetCard):
-    """``load_dataset`` of the card's hub id (with its ``hub_config`` and ``hub_revision``)."""
-    from datasets import load_dataset
-
-    return load_dataset(card.hub_id, card.hub_config, revision=card.hub_revision)
-
-
-def load_hub(card: DatasetCard):
-    """The card's hub data set (from the Hugging Face cache offline); when it cannot be had,
-    one line saying what and naming the ``fedadapt-prefetch`` command."""
-    try:
-        return hub_load(card)
-    except Exception as err:  # offline / not cached: say what and how to get it
-        if isinstance(err, ConfigError):
-            raise
-        what = card.hub_id + "".join(f", {k} {v}" for k, v in (
-            ("config", card.hub_config), ("revision", card.hub_revision)) if v)
-        raise MissingAssetError(
-            prefetch_hint(f"Data set {what!r} (dataset={card.name})", dataset=card.name)
-            + (f" Offline alternative: {card.source[4:]} via `apt-get install "
-               f"dataset-fashion-mnist`." if card.source.startswith("idx:") else "")
-        ) from err
 
 
 def load_source(card: DatasetCard, path: Optional[str] = None):

@@ -13,7 +13,8 @@ batches' indices (a round's shuffled order cut into batches), it yields ``(x, y)
   store holds the clips' spectrograms (:mod:`fedadapt.data.audio`), its ``preprocess`` is an
   :class:`~fedadapt.data.audio.AudioPreprocess`; ``modality`` tells them apart.
 
-The next batch is prepared in a background thread while the caller trains on the current one.
+On CUDA the next batch is prepared in a background thread (on a side stream) while the caller
+trains on the current one; on the CPU the batches are made in turn (:func:`prefetched`).
 A corrupted source (the personalization setting's CIFAR-100-C corruptions) corrupts its images
 once, at native resolution, before any resize; a corrupted audio source mixes background noise
 into the waveforms before the spectrogram (:func:`corrupted_rows`).
@@ -196,9 +197,9 @@ _CACHE: dict[tuple, object] = {}
 def _labels(path: str, split: str) -> np.ndarray:
     key = ("labels", path, split)
     if key not in _CACHE:
-        from fedadapt.data.loading import _open
+        from fedadapt.data.loading import open_prepared
 
-        _CACHE[key] = np.asarray(_open(path)[split]["label"], dtype=np.int64)
+        _CACHE[key] = np.asarray(open_prepared(path)[split]["label"], dtype=np.int64)
     return _CACHE[key]
 
 

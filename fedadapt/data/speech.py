@@ -323,6 +323,6 @@ def load_speech_commands(card, path: Optional[str] = None):
 
             return load_hub_copy(load_from_disk(str(p)), f"dataset.path={path!r}", rate)
         return load_archive(path, rate)
-    from fedadapt.data.loading import load_hub
+    from fedadapt.data.hub import load_hub
 
     return load_hub_copy(load_hub(card), f"dataset={card.name} ({card.hub_id})", rate)

@@ -3,8 +3,9 @@
 
 * **Fixed-size data sets** (the card declares ``image_size`` and ``channels``: CIFAR-100,
   FEMNIST, Fashion-MNIST, digits): the images at their native resolution (``C = 1`` for grey
-  images, expanded to RGB on the device). Resizing to the backbone's input, the training crop
-  and the CIFAR-100-C corruptions then run on the device, on native pixels.
+  images, expanded to RGB on the device). Resizing to the backbone's input and the training
+  crop then run on the device, on native pixels; the CIFAR-100-C corruptions run before that,
+  in CPU torch on the native pixels, once per process (``sources.corrupted_rows`` keeps them).
 * **Variable-size data sets** (PACS, Office-Home, VLCS, iNaturalist): one stored resolution per
   backbone preprocessing: the shortest side resized to the backbone's ``resize`` (``size /
   crop_pct``) with its interpolation (PIL, as torchvision's ``Resize``), then centre-cropped to
@@ -36,7 +37,7 @@ from fedadapt.data.loading import PreparedDataset
 from fedadapt.log import log
 
 _VERSION = 1
-_CHUNK = 2048
+DECODE_CHUNK = 2048
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,8 @@ def build_sealed(path: Path, shape: tuple, dtype, fill: Callable[[tuple], int], 
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=shape)
     del out  # workers (or the loop below) write through their own mappings
-    jobs = [(str(tmp), *args, a, min(shape[0], a + _CHUNK)) for a in range(0, shape[0], _CHUNK)]
+    jobs = [(str(tmp), *args, a, min(shape[0], a + DECODE_CHUNK))
+            for a in range(0, shape[0], DECODE_CHUNK)]
     try:
         with progress.task(label, total=shape[0], unit=unit) as bar:
             if workers > 1 and len(jobs) > 1:
@@ -135,11 +137,11 @@ def build_sealed(path: Path, shape: tuple, dtype, fill: Callable[[tuple], int], 
 
 def _decode_chunk(args) -> int:
     """Decode rows ``[a, b)`` of a split into the memory-mapped file (runs in a worker)."""
-    from fedadapt.data.loading import _open
+    from fedadapt.data.loading import open_prepared
 
     out_path, data_path, split, geo, a, b = args
     out = np.load(out_path, mmap_mode="r+")
-    images = _open(data_path)[split][a:b]["image"]
+    images = open_prepared(data_path)[split][a:b]["image"]
     for i, im in enumerate(images):
         out[a + i] = decode(im, geo, a + i)
     out.flush()

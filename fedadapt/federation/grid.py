@@ -44,8 +44,8 @@ NODE_BASE = 1_000_000_000
 CHUNK = 32
 
 
-def node_id(pid: int) -> int:
-    return NODE_BASE + pid
+def node_id(cid: int) -> int:
+    return NODE_BASE + cid
 
 
 @dataclass
@@ -57,19 +57,19 @@ class Nodes:
     kind: str
     node_ids: dict[int, int]
 
-    def assign(self, pids: list[int], per_message: Optional[int] = None
+    def assign(self, cids: list[int], per_message: Optional[int] = None
                ) -> list[tuple[int, list[int]]]:
         """``(node id, clients)`` of each message: one per client on the deployment engine;
         in simulation the clients split evenly and in order over the workers (at most
         ``per_message`` clients a message)."""
         if self.kind == "clients":
-            return [(self.node_ids[p], [p]) for p in pids]
+            return [(self.node_ids[p], [p]) for p in cids]
         workers = sorted(self.node_ids)
-        n = len(pids)
+        n = len(cids)
         chunks = len(workers) if per_message is None else max(
             len(workers), -(-n // per_message))
         bounds = [round(i * n / chunks) for i in range(chunks + 1)]
-        return [(self.node_ids[workers[i % len(workers)]], pids[a:b])
+        return [(self.node_ids[workers[i % len(workers)]], cids[a:b])
                 for i, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a]
 
 
@@ -96,8 +96,8 @@ def handshake(grid, n: int) -> dict[int, int]:
         if reply.has_error():
             raise RuntimeError(f"handshake failed on node {reply.metadata.src_node_id}: "
                                f"{reply.error.reason}")
-        pid = int(reply.content.metric_records["metrics"]["partition-id"])
-        mapping[pid] = reply.metadata.src_node_id
+        cid = int(reply.content.metric_records["metrics"]["partition-id"])
+        mapping[cid] = reply.metadata.src_node_id
     if sorted(mapping) != list(range(n)):
         raise RuntimeError(f"handshake: partitions {sorted(mapping)} != 0..{n - 1}")
     return mapping
@@ -117,7 +117,7 @@ class ClientGrid(Grid):
         self.num_clients = num_clients
         self.group_size = group_size
         self._ids = [node_id(p) for p in range(num_clients)]
-        #: ``trained(pid)``: the tensors a client trains; its arrays are counted restricted to
+        #: ``trained(cid)``: the tensors a client trains; its arrays are counted restricted to
         #: them (and, on the deployment engine, sent so). None: every tensor it is sent.
         self.trained: Optional[Callable[[int], list[str]]] = None
         self._down: dict[int, int] = {}
@@ -165,11 +165,11 @@ class ClientGrid(Grid):
 
     # -- fedadapt's -------------------------------------------------------------------------
     def partition_of(self, node: int) -> int:
-        pid = node - NODE_BASE
-        if not 0 <= pid < self.num_clients:
+        cid = node - NODE_BASE
+        if not 0 <= cid < self.num_clients:
             raise ValueError(f"no client has node id {node} (the grid's nodes are "
                              f"{NODE_BASE}..{NODE_BASE + self.num_clients - 1})")
-        return pid
+        return cid
 
     def take_bytes(self) -> tuple[dict[int, int], dict[int, int]]:
         """Bytes down and up per client since the last call."""
@@ -177,16 +177,16 @@ class ClientGrid(Grid):
         self._down, self._up = {}, {}
         return out
 
-    def _counted(self, record: ArrayRecord, pid: int) -> ArrayRecord:
+    def _counted(self, record: ArrayRecord, cid: int) -> ArrayRecord:
         if self.trained is None:
             return record
-        return ArrayRecord({n: record[n] for n in self.trained(pid) if n in record})
+        return ArrayRecord({n: record[n] for n in self.trained(cid) if n in record})
 
-    def _size(self, record: ArrayRecord, pid: int) -> int:
-        names = tuple(self.trained(pid)) if self.trained is not None else None
+    def _size(self, record: ArrayRecord, cid: int) -> int:
+        names = tuple(self.trained(cid)) if self.trained is not None else None
         key = (id(record), names)
         if key not in self._sizes:
-            self._sizes[key] = self._counted(record, pid).count_bytes()
+            self._sizes[key] = self._counted(record, cid).count_bytes()
         return self._sizes[key]
 
     def _pack(self, group: list[tuple[int, Message]]) -> RecordDict:
@@ -202,15 +202,15 @@ class ClientGrid(Grid):
                                  f"layout (no '/', not {records.GRID!r})")
             held = [msg.content.get(name) for _, msg in group]
             shared = held[0] is not None and all(r is held[0] for r in held)
-            for (pid, _), record in zip(group, held):
+            for (cid, _), record in zip(group, held):
                 if record is None:
                     continue
                 if isinstance(record, ArrayRecord):
-                    self._down[pid] = self._down.get(pid, 0) + self._size(record, pid)
+                    self._down[cid] = self._down.get(cid, 0) + self._size(record, cid)
                     if deployment:
-                        record = self._counted(record, pid)
+                        record = self._counted(record, cid)
                 if not shared:
-                    out[records.key(pid, name)] = record
+                    out[records.key(cid, name)] = record
             if shared:
                 out[name] = (self._counted(held[0], group[0][0]) if deployment
                              and isinstance(held[0], ArrayRecord) else held[0])
@@ -231,19 +231,19 @@ class ClientGrid(Grid):
             raise ValueError(f"one exchange sends one message type, not {sorted(types)}")
         by_pid: dict[int, Message] = {}
         for msg in messages:
-            pid = self.partition_of(msg.metadata.dst_node_id)
-            if pid in by_pid:
-                raise ValueError(f"two messages for client {pid} (node "
+            cid = self.partition_of(msg.metadata.dst_node_id)
+            if cid in by_pid:
+                raise ValueError(f"two messages for client {cid} (node "
                                  f"{msg.metadata.dst_node_id}) in one exchange")
-            by_pid[pid] = msg
-        pids = sorted(by_pid)
-        first = by_pid[pids[0]].content
+            by_pid[cid] = msg
+        cids = sorted(by_pid)
+        first = by_pid[cids[0]].content
         own = any(isinstance(r, ArrayRecord) and any(m.content.get(n) is not r
                                                       for m in by_pid.values())
                   for n, r in first.items())  # per-client arrays: smaller messages
         kind = messages[0].metadata.message_type
         sent = []
-        for node, part in self.nodes.assign(pids, CHUNK if own else None):
+        for node, part in self.nodes.assign(cids, CHUNK if own else None):
             group = [(p, by_pid[p]) for p in part]
             sent.append((Message(self._pack(group), dst_node_id=node, message_type=kind), group))
         replies = list(self._grid.send_and_receive([m for m, _ in sent], timeout=timeout))
@@ -256,8 +256,8 @@ class ClientGrid(Grid):
                                        reply_to=msg))
                 continue
             per_client = records.unpack(reply.content)
-            for pid, msg in group:
-                content = per_client.get(pid)
+            for cid, msg in group:
+                content = per_client.get(cid)
                 if content is None:  # no record: it answered too late
                     continue
                 reason = records.error_of(content)
@@ -265,7 +265,7 @@ class ClientGrid(Grid):
                     self._file(Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
                                              reason=reason), reply_to=msg))
                     continue
-                self._up[pid] = self._up.get(pid, 0) + sum(
+                self._up[cid] = self._up.get(cid, 0) + sum(
                     r.count_bytes() for r in content.array_records.values())
                 self._file(Message(content, reply_to=msg))
 

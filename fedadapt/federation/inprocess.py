@@ -38,11 +38,11 @@ class InProcessGrid:
         self.app = client_app
         self.on_reply = on_reply
         self.contexts = {
-            first_node_id + 7 * pid: Context(run_id=1, node_id=first_node_id + 7 * pid,
-                                             node_config={"partition-id": pid,
+            first_node_id + 7 * cid: Context(run_id=1, node_id=first_node_id + 7 * cid,
+                                             node_config={"partition-id": cid,
                                                           "num-partitions": num_nodes},
                                              state=RecordDict(), run_config={})
-            for pid in range(num_nodes)}
+            for cid in range(num_nodes)}
 
     def get_node_ids(self) -> list[int]:
         return list(self.contexts)

@@ -30,7 +30,7 @@ from logging import WARNING
 from typing import Callable, Optional
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
@@ -71,7 +71,7 @@ class ServerState:
     client_metrics: dict[str, dict[str, dict]] = field(default_factory=dict)
     #: One row per client after the personalization step (empty without one).
     personalized: list[dict] = field(default_factory=list)
-    #: One row per client after a plug-in's delivery (empty without one).
+    #: One row per client after a server-trained method's phase (empty without one).
     delivered: list[dict] = field(default_factory=list)
     started: float = field(default_factory=time.time)
 
@@ -107,16 +107,11 @@ class ServerPlan:
     #: ``sent_names(client)``: the names of the tensors a client trains, receives and sends
     #: back; None = every global tensor.
     sent_names: Optional[Callable[[int], list[str]]] = None
-    #: After the rounds, send the final model to every client for local personalization
-    #: (``setting=personalization``); the replies' metrics land in ``ServerState.personalized``.
-    personalize: bool = False
-    #: A server-trained plug-in: ``arrays_for(partition_id) -> ArrayRecord`` is sent to every
-    #: client in one round (phase ``plugin``); the replies' metrics land in
-    #: ``ServerState.delivered``.
-    plugin_arrays: Optional[Callable[[int], ArrayRecord]] = None
-    #: A session plug-in's server (:class:`fedadapt.federation.sessions.SessionServer`):
-    #: after the rounds, :func:`converse` with every client; rows land in ``delivered``.
-    sessions: Optional[object] = None
+    #: What the method's family does with the clients after the rounds, in order:
+    #: ``phase(grid, state, plan)`` (a personalization step; a server-trained method's one
+    #: phase: a plug-in delivered, the sessions served). Each leaves its rows in ``state``.
+    phases: list[Callable[["ClientGrid", "ServerState", "ServerPlan"], None]] = \
+        field(default_factory=list)
     #: Seeds the strategy's sampling and noise (:class:`SeededStreams`).
     seed: int = 0
     #: A checkpoint to continue from: ``{"round", "history", "cum_bytes", "strategy",
@@ -138,7 +133,7 @@ def _warn_dropped(server_round: int, what: str, screened: Screened, sampled: int
             len(screened.dropped), sampled, what, screened.describe())
 
 
-def _exchange(grid: ClientGrid, messages: list[Message], timeout: Optional[float],
+def exchange(grid: ClientGrid, messages: list[Message], timeout: Optional[float],
               expected: Optional[Callable[[int], dict]], what: str, server_round: int
               ) -> tuple[dict[int, Message], dict[int, Message], Screened]:
     """Send ``messages`` (one per client); ``(sent, replies, screened)`` by partition id. A
@@ -150,10 +145,10 @@ def _exchange(grid: ClientGrid, messages: list[Message], timeout: Optional[float
     screened = screen_clients(list(sent), {p: r.error.reason if r.has_error() else r.content
                                            for p, r in replies.items()}, expected)
     _warn_dropped(server_round, what, screened, len(sent))
-    for pid, kind, detail in screened.dropped:
-        if pid in replies and not replies[pid].has_error():
-            replies[pid] = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
-                                         reason=f"{kind}: {detail}"), reply_to=sent[pid])
+    for cid, kind, detail in screened.dropped:
+        if cid in replies and not replies[cid].has_error():
+            replies[cid] = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
+                                         reason=f"{kind}: {detail}"), reply_to=sent[cid])
     return sent, replies, screened
 
 
@@ -200,12 +195,12 @@ def _train_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd: in
     """One round of training through the strategy's hooks; its row so far and the bytes."""
     strategy = state.strategy
     shapes = {name: tuple(arr.shape) for name, arr in state.arrays.items()}
-    expected = (lambda pid: {n: shapes[n] for n in plan.sent_names(pid)}) \
-        if plan.sent_names else (lambda pid: shapes)
+    expected = (lambda cid: {n: shapes[n] for n in plan.sent_names(cid)}) \
+        if plan.sent_names else (lambda cid: shapes)
     grid.trained = plan.sent_names
     with state.streams.use("train"):
         messages = list(strategy.configure_train(rnd, state.arrays, config, grid))
-    sent, replies, screened = _exchange(grid, messages, plan.timeout, expected, "training",
+    sent, replies, screened = exchange(grid, messages, plan.timeout, expected, "training",
                                         rnd)
     require_enough(screened, len(sent), plan.min_reply_fraction, rnd)
     down, up = grid.take_bytes()
@@ -240,7 +235,7 @@ def _evaluate_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd:
         messages = list(state.strategy.configure_evaluate(rnd, state.arrays, config, grid))
     if not messages:
         return 0
-    _, replies, checked = _exchange(grid, messages, plan.timeout, None, "evaluation", rnd)
+    _, replies, checked = exchange(grid, messages, plan.timeout, None, "evaluation", rnd)
     down, _ = grid.take_bytes()
     row["clients_evaluated"] = len(checked.good)
     contents = [content for _, content in checked.good]
@@ -253,8 +248,8 @@ def _evaluate_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd:
         row["client_acc_weighted"] = float(metrics["accuracy"])
     if metrics is not None and "val_accuracy_client_mean" in metrics:
         row["val_acc"] = float(metrics["val_accuracy_client_mean"])
-    per_client = {str(pid): dict(content.metric_records["metrics"])
-                  for pid, content in checked.good}
+    per_client = {str(cid): dict(content.metric_records["metrics"])
+                  for cid, content in checked.good}
     state.client_metrics[str(rnd)] = per_client
     tiers = [(m["tier"], m["accuracy"]) for m in per_client.values() if "tier" in m]
     if tiers:
@@ -285,122 +280,31 @@ def run_rounds(grid: ClientGrid, state: ServerState, plan: ServerPlan) -> Server
 def ask_every_client(grid: ClientGrid, plan: ServerPlan, shared: RecordDict,
                      message_type: str, what: str, server_round: int,
                      per_client: Optional[Callable[[int], RecordDict]] = None,
-                     pids: Optional[list[int]] = None) -> tuple[list[dict], int, int]:
-    """One message to every client (``pids``, default all): the ``shared`` records (the same
-    objects in every message, so a worker gets them once) and ``per_client(pid)``'s; the
+                     cids: Optional[list[int]] = None) -> tuple[list[dict], int, int]:
+    """One message to every client (``cids``, default all): the ``shared`` records (the same
+    objects in every message, so a worker gets them once) and ``per_client(cid)``'s; the
     replies carry metrics. Returns one row per client that answered usably (``client`` = its
     partition id, then its metrics), and the bytes sent down and up."""
-    pids = list(range(plan.num_clients)) if pids is None else pids
+    cids = list(range(plan.num_clients)) if cids is None else cids
     messages = []
-    for pid in pids:
+    for cid in cids:
         content = RecordDict(dict(shared.items()))
-        for name, record in (per_client(pid) if per_client else RecordDict()).items():
+        for name, record in (per_client(cid) if per_client else RecordDict()).items():
             content[name] = record
-        messages.append(Message(content, dst_node_id=node_id(pid), message_type=message_type))
-    _, _, checked = _exchange(grid, messages, plan.timeout, None, what, server_round)
-    require_enough(checked, len(pids), plan.min_reply_fraction, server_round)
+        messages.append(Message(content, dst_node_id=node_id(cid), message_type=message_type))
+    _, _, checked = exchange(grid, messages, plan.timeout, None, what, server_round)
+    require_enough(checked, len(cids), plan.min_reply_fraction, server_round)
     down, up = grid.take_bytes()
-    rows = [{"client": pid, **dict(content.metric_records["metrics"])}
-            for pid, content in checked.good]
+    rows = [{"client": cid, **dict(content.metric_records["metrics"])}
+            for cid, content in checked.good]
     return rows, sum(down.values()), sum(up.values())
 
 
-def personalize_clients(grid: ClientGrid, state: ServerState, plan: ServerPlan) -> list[dict]:
-    """Every client personalizes the final model on its own data and keeps what it trained;
-    the replies carry metrics only. Returns one row per client that answered."""
-    server_round = state.num_rounds + 1
-    grid.trained = plan.sent_names
-    shared = RecordDict({"arrays": state.arrays, "config": ConfigRecord(
-        {"phase": "personalize", "server-round": server_round})})
-    rows, down, up = ask_every_client(grid, plan, shared, MessageType.TRAIN,
-                                      "personalization", server_round)
-    state.cum_bytes += down + up
-    return [{k: (int(v) if k in ("tier", "severity") else v) for k, v in r.items()}
-            for r in rows]
-
-
-def _record_phase(state: ServerState, down: int, up: int) -> None:
+def record_phase(state: ServerState, down: int, up: int) -> None:
     """A server-trained method's one phase with the clients, as the history's only row."""
     state.cum_bytes += down + up
     state.history.append({"round": 1, "bytes_down": down, "bytes_up": up,
                           "cum_bytes": state.cum_bytes, "wall_s": time.time() - state.started})
-
-
-def deliver_plugin(grid: ClientGrid, state: ServerState, plan: ServerPlan) -> list[dict]:
-    """Send every client its plug-in arrays in one round; it recognises its test split with
-    them and replies with metrics only. Returns one row per client that answered."""
-    grid.trained = None
-    rows, down, up = ask_every_client(
-        grid, plan, RecordDict({"config": ConfigRecord({"phase": "plugin"})}),
-        MessageType.EVALUATE, "plug-in", 1,
-        per_client=lambda pid: RecordDict({"arrays": plan.plugin_arrays(pid)}))
-    _record_phase(state, down, up)
-    return rows
-
-
-def converse(grid: ClientGrid, state: ServerState, plan: ServerPlan, chunk: int = 32
-             ) -> list[dict]:
-    """Session plug-ins (:mod:`fedadapt.federation.sessions`), a chunk of clients at a time:
-    each client uploads what its sessions hold (QUERY, phase ``session-upload``: one
-    ArrayRecord per session), the server answers each session with generated parameters
-    (EVALUATE, phase ``session-predict``), the client predicts and replies with metrics (and,
-    for a binary task, its scores). A client whose upload is malformed (names, width,
-    non-finite values) gets no answer. Returns one row per client that answered both."""
-    server = plan.sessions
-    grid.trained = None
-    rows, dropped, down, up, answered = [], Screened(), 0, 0, 0
-    pids = list(range(plan.num_clients))
-    upload_config = ConfigRecord({"phase": "session-upload"})
-    predict_config = ConfigRecord({"phase": "session-predict"})
-    for start in range(0, len(pids), chunk):
-        part = pids[start:start + chunk]
-        uploads = [Message(RecordDict({"config": upload_config}), dst_node_id=node_id(pid),
-                           message_type=MessageType.QUERY) for pid in part]
-        _, _, first = _exchange(grid, uploads, plan.timeout, None, "session", 1)
-        got_down, got_up = grid.take_bytes()
-        down, up = down + sum(got_down.values()), up + sum(got_up.values())
-        dropped.dropped += first.dropped
-        answers = {}
-        for pid, content in first.good:
-            sessions = {k: v for k, v in content.array_records.items()
-                        if k.startswith("session.")}
-            arrays = {k: v.to_torch_state_dict() for k, v in sessions.items()}
-            problem = server.check_uploads(arrays)
-            if problem:
-                dropped.dropped.append((pid, "bad_upload", problem))
-                continue
-            answers[pid] = server.answer(pid, arrays,
-                                         {k: v.count_bytes() for k, v in sessions.items()})
-
-        def content_for(pid: int, answers=answers) -> RecordDict:
-            content = RecordDict()
-            for name, arrays in answers[pid].items():
-                content[name] = ArrayRecord(arrays)
-            server.note_download(pid, {k: v.count_bytes() for k, v in
-                                       content.array_records.items() if k.startswith("session.")})
-            return content
-
-        if not answers:
-            continue
-        predict = [Message(RecordDict({"config": predict_config,
-                                       **dict(content_for(pid).items())}),
-                           dst_node_id=node_id(pid), message_type=MessageType.EVALUATE)
-                   for pid in sorted(answers)]
-        _, _, second = _exchange(grid, predict, plan.timeout, None, "session", 1)
-        got_down, got_up = grid.take_bytes()
-        down, up = down + sum(got_down.values()), up + sum(got_up.values())
-        answered += len(second.good)
-        dropped.dropped += second.dropped
-        for pid, content in second.good:
-            scores = content.array_records.get("scores")
-            rows.append({"client": pid, **dict(content.metric_records["metrics"]),
-                         **({"scores": scores.to_torch_state_dict()} if scores else {})})
-    # payload figures only for the clients that completed the conversation
-    server.keep_clients({r["client"] for r in rows})
-    dropped.good = [(r["client"], None) for r in rows]
-    require_enough(dropped, len(pids), plan.min_reply_fraction, 1)
-    _record_phase(state, down, up)
-    return rows
 
 
 def execute_plan(grid: Grid, plan: ServerPlan) -> ServerState:
@@ -426,12 +330,8 @@ def execute_plan(grid: Grid, plan: ServerPlan) -> ServerState:
     if strategy is not None and state.server_round < state.num_rounds:
         strategy.summary()  # Flower's own start: logged at INFO (federation.verbose)
     state = run_rounds(clients, state, plan)
-    if plan.plugin_arrays is not None:
-        state.delivered = deliver_plugin(clients, state, plan)
-    if plan.sessions is not None:
-        state.delivered = converse(clients, state, plan)
-    if plan.personalize:
-        state.personalized = personalize_clients(clients, state, plan)
+    for phase in plan.phases:
+        phase(clients, state, plan)
     return state
 
 

@@ -35,6 +35,7 @@ class BackboneInfo:
     """What a method needs of a backbone it does not run (training from cached features)."""
 
     embed_dim: int
+    has_exits = False  # a cache holds pooled features only
 
 
 @dataclass
@@ -66,12 +67,6 @@ class RunSpec:
     class_text: Optional[object] = None
     #: Clients also report their validation accuracy (model selection by validation).
     evaluate_val: bool = False
-    #: The raw (preprocessed) images of ``train_source``'s split, for session plug-ins whose
-    #: devices upload samples (``method.upload=samples``).
-    image_source: Optional[DataSource] = None
-    #: CDC-MMPG's text query (``method.query``) through the backbone's text tower, fused into
-    #: every frame of every session.
-    query_feature: Optional[torch.Tensor] = None
     #: Where models run (``cpu`` / ``cuda``) and in which precision (``fp32`` / ``bf16``),
     #: resolved once in the driver (:mod:`fedadapt.devices`).
     device: str = "cpu"
@@ -80,15 +75,14 @@ class RunSpec:
     #: set explicitly: CPU results depend on it, and Ray sets it (through OMP_NUM_THREADS)
     #: only where the environment does not.
     client_threads: int = 1
-    #: Server-trained methods: the original model's classifier from the original-model phase
-    #: (``original.train_backbone``, :mod:`fedadapt.federation.original`); None = trained on
-    #: the cached features.
-    original_classifier: Optional[dict[str, torch.Tensor]] = None
     #: Flower ClientApp mods (``module:function``) applied to each client's training and
     #: evaluation replies (``federation.*_mods``; ``dp=client_*`` puts Flower's clipping mod
     #: first).
     train_mods: list[str] = field(default_factory=list)
     evaluate_mods: list[str] = field(default_factory=list)
+    #: The method family's own fields (:meth:`fedadapt.methods.Family.prepare`; e.g.
+    #: :class:`fedadapt.methods.server_trained.ServerFields`), None where it has none.
+    family: Optional[object] = None
 
     @property
     def num_clients(self) -> int:

@@ -159,7 +159,7 @@ def client_tensors(spec: RunSpec, model, cid: int, received: dict[str, torch.Ten
 
 # -- training ---------------------------------------------------------------------------------
 
-def _injected(spec: RunSpec, server_round: int, cid: int, where: str) -> Optional[str]:
+def client_fault(spec: RunSpec, server_round: int, cid: int, where: str) -> Optional[str]:
     """The seeded fault this client injects (``faults.*``); a ``raise`` fault raises here."""
     fault = injected_fault(spec.seed, server_round, cid, spec.faults.fraction, spec.faults.kinds)
     if fault == "raise":
@@ -259,7 +259,7 @@ def train_clients(spec: RunSpec, msg: Message, context: Context) -> RecordDict:
             config = configs[cid] = records.view(content, cid).config_records["config"]
             rnd = int(config["server-round"])
             rates[cid] = (float(config["lr"]), float(config.get("proximal-mu", 0.0)))
-            faults[cid] = _injected(spec, rnd, cid, f"in round {rnd}")
+            faults[cid] = client_fault(spec, rnd, cid, f"in round {rnd}")
             tensors = client_tensors(spec, model, cid, received(cid), rnd - 1, context)
         except Exception as err:
             replies[cid] = records.error(_reason(err))

@@ -285,7 +285,7 @@ def sessions_table(runs: list[dict]) -> str:
                      fmt_bytes(median(rs, "down_bytes_median")),
                      "—" if gen_ms is None else f"{gen_ms:.2f}"])
         if gen_ms is not None:
-            from fedadapt.federation.sessions import delay_table
+            from fedadapt.methods.sessions.train import delay_table
 
             delays.append((label, delay_table({
                 "up_bytes_median": median(rs, "up_bytes_median"),

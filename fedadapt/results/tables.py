@@ -202,7 +202,7 @@ def sessions_table(summaries: list[dict]) -> str:
 
 def delay_markdown(rows: list[tuple[str, list[dict]]]) -> str:
     """The delay table (DUET Table 3, CDC-MMPG Table 6): per method, per link speed, upload /
-    download / total ms (``fedadapt.federation.sessions.delay_table`` rows)."""
+    download / total ms (``fedadapt.methods.sessions.train.delay_table`` rows)."""
     rates = [d["rate_MB_s"] for d in rows[0][1]]
     body = [[label, *(f"↑ {d['up_ms']:.3f} / ↓ {d['down_ms']:.3f} / total {d['total_ms']:.2f}"
                       for d in delay)] for label, delay in rows]

@@ -56,7 +56,7 @@ CONTEXTS = ("first", "previous", "session")
 @dataclass
 class SessionPluginConfig(MethodConfig):
     """What the session plug-ins (DUET, CDC-MMPG) share: sessions, server training, baselines
-    and what the device uploads. Trained once on the server (``fedadapt.federation.sessions``)
+    and what the device uploads. Trained once on the server (``fedadapt.methods.sessions.train``)
     from the foundation's cached features."""
 
     #: K, the samples of a session (the device's real-time samples).
@@ -230,7 +230,7 @@ class Duet(nn.Module):
         return [gen(emb(shared), self.temperature)                         # Eq. 5, 6
                 for emb, gen in zip(self.embeddings, self.generators)]
 
-    # -- the plug-in interface (fedadapt.federation.sessions) ----------------------------
+    # -- the plug-in interface (fedadapt.methods.sessions.train) ----------------------------
     def generate(self, upload: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The server's answer for one session: the dynamic layers, named like the device's."""
         layers = self(upload["embeddings"].unsqueeze(0))
@@ -312,7 +312,7 @@ def session_counts(generator: nn.Module, shapes: list[tuple[int, int]]) -> dict:
             "dynamic_params": dynamic, "download_bytes_per_session": 4 * dynamic}
 
 
-@register_method("duet", DuetConfig, trainer="sessions",
+@register_method("duet", DuetConfig, family="sessions",
                  counts=lambda cfg, d, c: _counts(cfg, d, c))
 def build(cfg: DuetConfig, backbone, num_classes, with_backbone):
     _check(cfg)

@@ -30,8 +30,10 @@ ADR (Sec. 3.3), this module's reading of the equations the text refers to:
   decoder predicted the mean anchor). beta ramps linearly from 0 over the first
   ``method.kl_warmup`` epochs, then stays 1 (KL warm-up, Bowman et al. 2016);
 - FDA then takes g in place of v (Eq. 11). Two stages with "the same adamw optimizer" (AdamW,
-  ``method.weight_decay``): ADR first (2e-5, 10 epochs), then FDA with ADR frozen (1e-4, 40
-  epochs), at constant rates (the paper's polynomial decay is not implemented).
+  ``method.weight_decay``): ADR first (2e-5, 10 epochs) with the paper's polynomial decay
+  (``method.adr_schedule=polynomial``, the default: torch's PolynomialLR, power 1, from
+  ``adr_lr`` to 0 over the ADR stage's steps; ``constant`` keeps the rate), then FDA with ADR
+  frozen (1e-4, 40 epochs) at a constant rate.
 
 Without ADR (``adr: false``) this is the paper's F-hyper ablation: the device uploads all K
 frames and FDA takes their average.
@@ -46,7 +48,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from fedadapt.adapters.duet import (
+from fedadapt.adapters.registry import register_method
+from fedadapt.config import check
+from fedadapt.methods.sessions.duet import (
     SessionPluginConfig,
     apply_dynamic,
     check_session_plugin,
@@ -55,8 +59,6 @@ from fedadapt.adapters.duet import (
     registry_model,
     session_counts,
 )
-from fedadapt.adapters.registry import register_method
-from fedadapt.config import check
 
 
 @dataclass
@@ -209,7 +211,7 @@ class CdcMmpg(nn.Module):
             return masked_mean(frames, mask)                               # v
         return self.adr(anchor, sample)[0]                                 # g (Eq. 11)
 
-    # -- the plug-in interface (fedadapt.federation.sessions) ----------------------------
+    # -- the plug-in interface (fedadapt.methods.sessions.train) ----------------------------
     def generate(self, upload: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.adr is None:
             summary = upload["embeddings"].mean(0, keepdim=True)
@@ -252,7 +254,7 @@ def _check(cfg: CdcMmpgConfig) -> None:
           "a text, or null for image sessions")
 
 
-@register_method("cdc_mmpg", CdcMmpgConfig, trainer="sessions",
+@register_method("cdc_mmpg", CdcMmpgConfig, family="sessions",
                  counts=lambda cfg, d, c: _counts(cfg, d, c))
 def build(cfg: CdcMmpgConfig, backbone, num_classes, with_backbone):
     _check(cfg)

@@ -270,7 +270,7 @@ def iciia_counts(dim: int, layers: int = 3, groups: int = 1, images: int = 16, h
 
 @dataclass
 class IciiaConfig(MethodConfig):
-    """ICIIA, trained once on the server (``fedadapt.federation.plugin``), delivered to the
+    """ICIIA, trained once on the server (``fedadapt.methods.plugin.train``), delivered to the
     clients for recognition only. ``iciia_b``: P = 1, ``iciia_t``: P = 256."""
 
     name: str = "iciia"
@@ -329,7 +329,7 @@ class IciiaHead(nn.Module):
         return self.module(feats)
 
 
-@register_method("iciia", IciiaConfig, trainer="server", counts=lambda cfg, d, c: _counts(cfg, d))
+@register_method("iciia", IciiaConfig, family="plugin", counts=lambda cfg, d, c: _counts(cfg, d))
 def build_iciia(cfg: IciiaConfig, backbone, num_classes, with_backbone):
     from fedadapt.adapters.model import AdaptedModel
 

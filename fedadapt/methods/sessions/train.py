@@ -16,7 +16,7 @@ Server training, from the training clients' cached features:
    stopping on the accuracy of the clients' validation sessions' scored samples, best epoch
    kept.
 
-Serving (:func:`fedadapt.federation.server.converse`), per client, in two messages:
+Serving (:func:`fedadapt.methods.sessions.run.converse`), per client, in two messages:
 
 1. ``session-upload`` (QUERY): the client cuts its test split, in its seeded arrival order, into
    sessions of K and replies with one ArrayRecord per session that has a context and samples to
@@ -48,18 +48,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedadapt.adapters.cdc_mmpg import build_cdc_mmpg, fuse
-from fedadapt.adapters.duet import (
-    DuetConfig,
-    apply_dynamic,
-    build_duet,
-    dynamic_layers,
-    weighted_session_ce,
-)
 from fedadapt.config import ConfigError
-from fedadapt.federation.plugin import (
+from fedadapt.federation.training import RunSpec, derive_seed
+from fedadapt.log import log as log_
+from fedadapt.methods.server_trained import (
     ServerData,
-    _accuracy,
+    accuracy,
     accuracy_over_clients,
     fit,
     pad,
@@ -67,8 +61,14 @@ from fedadapt.federation.plugin import (
     sequences,
     train_original,
 )
-from fedadapt.federation.training import RunSpec, derive_seed
-from fedadapt.log import log as log_
+from fedadapt.methods.sessions.cdc_mmpg import build_cdc_mmpg, fuse
+from fedadapt.methods.sessions.duet import (
+    DuetConfig,
+    apply_dynamic,
+    build_duet,
+    dynamic_layers,
+    weighted_session_ce,
+)
 
 #: Link speeds of DUET's Table 3 and CDC-MMPG's Table 6, in MB/s (1 MB = 10^6 bytes).
 RATES_MB_S = (5, 15, 50, 100)
@@ -78,13 +78,13 @@ def build_generator(spec: RunSpec) -> nn.Module:
     m = spec.method
     if isinstance(m, DuetConfig):
         return build_duet(m, spec.embed_dim, spec.num_classes)
-    q = 0 if spec.query_feature is None else len(spec.query_feature)
+    q = 0 if spec.family.query_feature is None else len(spec.family.query_feature)
     return build_cdc_mmpg(m, spec.embed_dim, spec.num_classes, q)
 
 
 def fused(spec: RunSpec, frames: torch.Tensor) -> torch.Tensor:
     """The frames with the run's text query concatenated to each (unchanged without one)."""
-    return fuse(frames, spec.query_feature)
+    return fuse(frames, spec.family.query_feature)
 
 
 def uses_anchor(generator: nn.Module) -> bool:
@@ -125,7 +125,7 @@ class SessionBatch(NamedTuple):
 
 class SessionBatches:
     """The training clients' sessions for server training: each client's split in a seeded
-    permutation cut into sessions of K (:func:`fedadapt.federation.plugin.sequences`), split by
+    permutation cut into sessions of K (:func:`fedadapt.methods.server_trained.sequences`), split by
     ``method.context``; a session without a context or without samples to score is left out.
     ``val`` holds the validation batches (drawn once), :meth:`epoch` draws a training epoch."""
 
@@ -348,7 +348,8 @@ def session_upload(spec: RunSpec, cid: int) -> tuple[dict[str, dict[str, torch.T
         if not (len(context) and len(scored)):
             continue  # nothing to generate from (a first session), or nothing to score
         frames, _ = spec.train_source.get(context)
-        images = spec.image_source.get(context)[0] if spec.method.upload == "samples" else None
+        images = (spec.family.image_source.get(context)[0] if spec.method.upload == "samples"
+                  else None)
         out[f"session.{i}"] = upload_of(spec, fused(spec, frames), images, gen)
     return out, {"sessions": len(out)}
 
@@ -387,7 +388,7 @@ def session_predict(spec: RunSpec, cid: int, arrays: dict[str, dict[str, torch.T
     cat = {k: torch.cat(v) if v else torch.empty(0, spec.num_classes) for k, v in logits.items()}
     # the same keys from every client (NaN: fine-tuning skipped, or no test data)
     metrics = {"num-examples": len(y), "sessions": scored_sessions, "original-fallback": fallback,
-               **{f"acc_{k}": _accuracy(v, y) if len(v) == len(y) else float("nan")
+               **{f"acc_{k}": accuracy(v, y) if len(v) == len(y) else float("nan")
                   for k, v in cat.items()}}
     scores = None
     if spec.num_classes == 2:  # labels stay here: the client's own AUC (and score histograms)
@@ -459,11 +460,11 @@ class SessionServer:
         return self.backbone(images)
 
     @torch.no_grad()
-    def answer(self, pid: int, uploads: dict[str, dict[str, torch.Tensor]],
+    def answer(self, cid: int, uploads: dict[str, dict[str, torch.Tensor]],
                upload_bytes: dict[str, int]) -> dict[str, dict[str, torch.Tensor]]:
         """``{"original": ..., "session.i": generated layers}`` for one client."""
         out = {"original": self.original}
-        records = self.by_client.setdefault(pid, [])
+        records = self.by_client.setdefault(cid, [])
         for name in sorted(uploads, key=lambda n: int(n.split(".")[1])):
             upload = uploads[name]
             t0 = time.perf_counter()
@@ -473,7 +474,7 @@ class SessionServer:
                 upload = {"anchor": fused(self.spec, self.embed(upload["anchor_sample"]))}
             out[name] = self.generator.generate(upload)
             seconds = time.perf_counter() - t0
-            records.append({"client": pid, "session": int(name.split(".")[1]),
+            records.append({"client": cid, "session": int(name.split(".")[1]),
                                  "up_bytes": upload_bytes[name],
                                  "up_tensor_bytes": tensor_bytes(uploads[name]),
                                  "down_tensor_bytes": tensor_bytes(out[name]), "gen_s": seconds})
@@ -484,8 +485,8 @@ class SessionServer:
         m = self.spec.method
         key = upload_key(m)
         anchor = key.startswith("anchor")
-        width = self.spec.embed_dim + (0 if self.spec.query_feature is None
-                                       else len(self.spec.query_feature))
+        width = self.spec.embed_dim + (0 if self.spec.family.query_feature is None
+                                       else len(self.spec.family.query_feature))
         for name, upload in uploads.items():
             if not name.split(".")[-1].isdigit():
                 return f"{name}: not a session"
@@ -506,15 +507,15 @@ class SessionServer:
     @property
     def records(self) -> list[dict]:
         """Every answered session, by client."""
-        return [r for pid in sorted(self.by_client) for r in self.by_client[pid]]
+        return [r for cid in sorted(self.by_client) for r in self.by_client[cid]]
 
     def keep_clients(self, clients: set[int]) -> None:
         """Drop the records of clients that did not complete the conversation."""
-        self.by_client = {pid: rs for pid, rs in self.by_client.items() if pid in clients}
+        self.by_client = {cid: rs for cid, rs in self.by_client.items() if cid in clients}
 
-    def note_download(self, pid: int, download_bytes: dict[str, int]) -> None:
+    def note_download(self, cid: int, download_bytes: dict[str, int]) -> None:
         """The serialized size of each session's answer, as Flower counts it."""
-        for r in self.by_client[pid]:
+        for r in self.by_client[cid]:
             r["down_bytes"] = download_bytes[f"session.{r['session']}"]
 
 

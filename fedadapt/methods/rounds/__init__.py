@@ -1,0 +1,68 @@
+"""The ``rounds`` family: the clients train, in federated rounds driven by a Flower strategy.
+
+Its methods are the modules of :mod:`fedadapt.adapters` (heads, FedCLIP's AttAI, the early-exit
+methods and the Accumulator). The server side is :mod:`fedadapt.methods.rounds.run` (the plan
+of the rounds, checkpoints and resume, the summary); the client side is
+:mod:`fedadapt.federation.worker` (clients trained side by side in a worker).
+"""
+
+from __future__ import annotations
+
+from fedadapt.methods import Family, register_family
+
+
+def _train(spec, msg, context):
+    from fedadapt.federation.worker import train_clients
+
+    return train_clients(spec, msg, context)
+
+
+def _personalize(spec, msg, context):
+    from fedadapt.federation.worker import personalize_clients
+
+    return personalize_clients(spec, msg.content, context)
+
+
+def _evaluate(spec, msg, context):
+    """The rounds' evaluation of each client, through the run's evaluate mods."""
+    from fedadapt.federation import mods
+    from fedadapt.federation.worker import evaluate_one, for_each_client
+
+    return for_each_client(msg.content, lambda cid, mine: mods.apply(
+        spec.evaluate_mods, msg, mine, evaluate_one(spec, cid, mine, context), context))
+
+
+class Rounds(Family):
+    name = "rounds"
+    clients_train = True
+    handlers = {("train", None): _train, ("train", "personalize"): _personalize,
+                ("evaluate", None): _evaluate}
+
+    def prepare(self, cfg, prep, *, backbone, images, original) -> None:
+        """The setting's exits, tiers and corruptions, the client mods; the strategy checked
+        against the real client count and what the clients send."""
+        from fedadapt.methods.rounds.run import apply_setting, check_strategy, client_mods
+
+        apply_setting(cfg, prep.spec, prep.model)
+        prep.spec.train_mods, prep.spec.evaluate_mods = client_mods(cfg)
+        check_strategy(cfg, prep)
+
+    def units(self, cfg) -> int:
+        return cfg.rounds
+
+    def run(self, cfg, run_dir, prep, **kw) -> dict:
+        from fedadapt.methods.rounds.run import run_rounds
+
+        return run_rounds(cfg, run_dir, prep, **kw)
+
+    def warm_up(self, spec, model) -> None:
+        """Find which tensors each exit trains (the first message would otherwise pay it)."""
+        from fedadapt.federation.worker import client_exits, used_tensors
+
+        used = used_tensors(spec, model)
+        for e in sorted({e for c in range(spec.num_clients)
+                         for e in (client_exits(spec, c) or [None])}, key=str):
+            used(e)
+
+
+register_family(Rounds())

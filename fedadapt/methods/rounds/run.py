@@ -1,0 +1,487 @@
+"""The ``rounds`` family's run: federated rounds driven by the run's Flower strategy.
+
+:func:`run_rounds` writes the run directory as the rounds go (``config.yaml``, the partition,
+``metrics.jsonl`` after every round, checkpoints, the tracker) and, after the last round, the
+per-client metrics, personalization, ``table.md``, the curves and ``summary.json`` (last).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from fedadapt import progress
+from fedadapt.adapters import AdaptedModel
+from fedadapt.config import ConfigError, RunConfig
+from fedadapt.data.partition import Partition
+from fedadapt.experiment import (
+    PreparedRun,
+    node_layout,
+    open_tracker,
+    simulation,
+    summary_head,
+    summary_tail,
+    write_partition,
+)
+from fedadapt.federation.training import RunSpec, SpecRef
+from fedadapt.log import log
+
+
+def client_mods(cfg: RunConfig) -> tuple[list[str], list[str]]:
+    """The ClientApp mods of training and evaluation replies: ``dp=client_*``'s clipping mod
+    first (outermost: it clips what the other mods left), then ``federation.*_mods``; each
+    imported once here, so a wrong name fails before anything runs."""
+    from fedadapt.federation.mods import resolve
+    from fedadapt.strategies.zoo import DP_MODS
+
+    train = ([DP_MODS[cfg.dp.name]] if cfg.dp.name in DP_MODS else []) + \
+        list(cfg.federation.train_mods)
+    for key, names in (("federation.train_mods", cfg.federation.train_mods),
+                       ("federation.evaluate_mods", cfg.federation.evaluate_mods)):
+        for name in names:
+            resolve(name, key)
+    return train, list(cfg.federation.evaluate_mods)
+
+
+def apply_setting(cfg: RunConfig, spec: RunSpec, model: AdaptedModel) -> None:
+    """Fill the spec's exits, tiers and corruptions for the setting; fail on a mismatch."""
+    from fedadapt.data.corruptions import check_kinds
+    from fedadapt.settings import assign_client_corruptions, client_exits, part_names, uses_exits
+
+    if cfg.train.crop_scale is not None and spec.train_source.kind != "images":
+        raise ConfigError("train.crop_scale augments images: it needs method.use_cache=false "
+                          "(cached features cannot be cropped)")
+    st = cfg.setting
+    if not uses_exits(st):
+        return
+    if not model.has_exits and st.name == "personalization":
+        # a model without exits: FL, then local fine-tuning at its own output
+        part_names(model, st.personalize)
+        if any(sev > 0 for sev in st.severities):
+            if spec.train_source.kind != "images":
+                raise ConfigError("setting=personalization with corruptions (setting.severities "
+                                  "> 0) needs method.use_cache=false; setting.severities=[0] "
+                                  "fine-tunes on the clients' clean data")
+            check_kinds(st.corruptions, spec.train_source.modality, cfg.dataset.name)
+            spec.client_corruptions = assign_client_corruptions(st, spec.num_clients, cfg.seed)
+        return
+    if not model.has_exits:
+        raise ConfigError(f"setting={st.name} needs a method with early exits (lw_linear, "
+                          f"lw_mlp, accumulator) on a ViT backbone, not method={cfg.method.name} "
+                          f"on backbone={cfg.backbone.name}")
+    spec.num_exits = model.num_exits
+    spec.client_exits = client_exits(st, spec.num_clients, spec.num_exits, cfg.seed)
+    if st.name == "personalization":
+        part_names(model, st.personalize)  # fails early for a part the method lacks
+        if spec.train_source.kind != "images":
+            raise ConfigError("setting=personalization corrupts images: it needs "
+                              "method.use_cache=false")
+        if any(sev > 0 for sev in st.severities):
+            check_kinds(st.corruptions, spec.train_source.modality, cfg.dataset.name)
+        spec.client_corruptions = assign_client_corruptions(st, spec.num_clients, cfg.seed)
+
+
+def _init_from(run_dir: str, model: AdaptedModel) -> dict:
+    """The communicated tensors of ``run_dir``'s last checkpoint, checked against ``model``."""
+    from fedadapt.federation.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+
+    folder = latest_checkpoint(Path(run_dir)) if Path(run_dir).is_dir() else None
+    if folder is None:
+        raise ConfigError(f"setting.init_from={run_dir!r} is invalid: no run directory with a "
+                          f"checkpoint there (point it at a finished multitier run)")
+    arrays, _ = load_checkpoint(folder)
+    expected = {n: tuple(t.shape) for n, t in model.tensors(model.communicated_names()).items()}
+    got = {n: tuple(t.shape) for n, t in arrays.items()}
+    if got != expected:
+        diff = sorted(set(got) ^ set(expected))[:3] or [n for n in got if got[n] != expected[n]][:3]
+        raise CheckpointError(f"setting.init_from={run_dir!r}: its checkpoint holds another "
+                              f"model's tensors (e.g. {diff}); use a run of the same method, "
+                              f"backbone and dataset")
+    return arrays
+
+
+def select_round(evals: list[dict], how: str) -> Optional[dict]:
+    """The evaluated round the summary reports: the last, or the one with the best mean
+    validation accuracy of the clients (ties: the earliest)."""
+    if not evals:
+        return None
+    if how == "best_val":
+        scored = [r for r in evals if r.get("val_acc") is not None]
+        if scored:
+            return max(scored, key=lambda r: r["val_acc"])
+    return evals[-1]
+
+
+def domain_summary(row: Optional[dict], partition: Partition,
+                   client_metrics: dict[str, dict[str, dict]]) -> Optional[dict]:
+    """FedCLIP's three numbers at the reported round of a domain partition: generalization
+    (the held-out domain), personalization (each participating domain's test split) and
+    overall (the mean over all four)."""
+    if row is None or partition.unseen is None or row.get("unseen_acc") is None:
+        return None
+    accs = {c: m.get("accuracy") for c, m in client_metrics.get(str(row["round"]), {}).items()}
+    pers = {name: accs.get(str(i)) for i, name in enumerate(partition.names)}
+    known = [v for v in pers.values() if v is not None]
+    return {
+        "holdout": partition.unseen_name,
+        "clients": list(partition.names),
+        "selected_round": row["round"],
+        "generalization": row["unseen_acc"],
+        "personalization": pers,
+        "personalization_mean": sum(known) / len(known) if known else None,
+        "overall": (row["unseen_acc"] + sum(known)) / (1 + len(known)),
+    }
+
+
+def _tier_counts(exits: list[int]) -> Optional[dict[str, int]]:
+    """``{exit: clients}`` of a multi-tier run (None when every client uses the last exit)."""
+    if not exits:
+        return None
+    return {str(e): exits.count(e) for e in sorted(set(exits))}
+
+
+def _progress(label: str, total: int, bar: Optional[progress.Bar] = None):
+    """The round hook's progress part: the round bar's text (loss, accuracies, bytes, time), or
+    a status line per round without a bar."""
+    def on_round(state) -> None:
+        row = state.history[-1]
+        acc = ""
+        if row["global_acc"] is not None:
+            acc += f" | global {100 * row['global_acc']:.1f}%"
+        if row["client_acc"] is not None:
+            acc += f" | client-mean {100 * row['client_acc']:.1f}%"
+        loss = f"{row['train_loss']:.3f}" if row["train_loss"] is not None else "—"
+        info = (f"loss {loss}{acc} | up {row['bytes_up'] / 1e3:.1f} kB down "
+                f"{row['bytes_down'] / 1e3:.1f} kB | {row['round_s']:.2f} s")
+        if bar is not None:
+            bar.update(completed=state.server_round, info=info)
+        else:
+            log(f"[{label}] round {state.server_round}/{total} | {info}")
+
+    return on_round
+
+
+def _resume_point(run_dir: Path, config_yaml: str, config_sha: str
+                  ) -> Optional[tuple[dict, dict]]:
+    """``(arrays, state)`` of the run directory's last checkpoint, or None if it has none.
+
+    Refuses when the run directory's ``config.yaml`` is not the config being resumed.
+    """
+    from fedadapt.federation.checkpoint import latest_checkpoint, load_checkpoint
+
+    saved = run_dir / "config.yaml"
+    old_yaml = saved.read_text() if saved.is_file() else config_yaml
+    if old_yaml != config_yaml:
+        old, new = old_yaml.splitlines(), config_yaml.splitlines()
+        diff = next((f"{a!r} became {b!r}" for a, b in zip(old, new) if a != b),
+                    "their lengths differ")
+        raise ConfigError(f"resume: {saved} differs from the config composed now ({diff}: conf/ "
+                          f"files edited, or FEDADAPT_CACHE / HOME changed?); refusing to mix "
+                          f"them")
+    folder = latest_checkpoint(run_dir)
+    if folder is None:
+        return None
+    return load_checkpoint(folder, config_sha=config_sha)
+
+
+def run_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, config_yaml: str, label: str,
+               execute: Optional[Callable] = None, resume: bool = False,
+               t0: Optional[float] = None) -> dict:
+    """Federate ``cfg`` in rounds driven by its Flower strategy and write the run directory;
+    return the summary. With ``resume``, the run continues from the run directory's last
+    checkpoint (or starts over when it has none)."""
+    import hashlib
+
+    from flwr.app import ArrayRecord
+
+    from fedadapt.clients.app import make_client_app
+    from fedadapt.results.store import METRICS, atomic_write, write_jsonl
+
+    t0 = time.time() if t0 is None else t0
+    spec, model = prep.spec, prep.model
+    config_sha = hashlib.sha256(config_yaml.encode()).hexdigest()
+    point = _resume_point(run_dir, config_yaml, config_sha) if resume else None
+    # personalization of a finished run's model: no FL rounds (checked before writing anything)
+    start = _init_from(cfg.setting.init_from, model) if cfg.setting.init_from else None
+    num_rounds = 0 if start is not None else cfg.rounds
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(run_dir / "config.yaml", lambda fh: fh.write(config_yaml))
+    write_partition(run_dir, cfg, prep)
+    spec.state_dir = str(run_dir / "clients")
+    metrics_path = run_dir / METRICS
+    resume_state = None
+    if point is not None:  # metrics.jsonl as it was at the checkpoint; rounds after it rerun
+        initial, resume_state = point
+        write_jsonl(metrics_path, resume_state["history"])
+        log(f"[{label}] resuming after round {resume_state['round']} from "
+            f"{run_dir / 'checkpoints'}")
+    else:
+        initial = start if start is not None else model.tensors(model.communicated_names())
+        metrics_path.unlink(missing_ok=True)
+    # in the model's order (a checkpoint's file has its own): Flower's strategies pair the
+    # global arrays with the replies' by position
+    initial = {n: initial[n] for n in model.communicated_names()}
+    if start is not None:
+        log(f"[{label}] personalizing the final model of {cfg.setting.init_from}")
+    resumed_round = resume_state["round"] if resume_state else 0
+    tracker = open_tracker(cfg, run_dir, config_yaml, label, resumed_round)
+    show = [None]  # the round bar's hook, set once the bar exists (below)
+    try:
+        plan = _rounds_plan(cfg, prep, ArrayRecord(initial), num_rounds, execute,
+                            on_round=_round_hook(cfg, run_dir, config_sha, tracker, show),
+                            resume=resume_state)
+        with progress.task(f"[{label}] round", total=max(num_rounds, 1), interval=0,
+                           for_job=True) as bar:
+            if resumed_round:  # the bar starts where the checkpoint left off
+                bar.update(completed=resumed_round)
+            show[0] = _progress(label, cfg.rounds, bar)
+            state = (execute or simulation(cfg))(plan, make_client_app(SpecRef(spec)))
+        summary = _finish_rounds(cfg, run_dir, prep, state, label=label, t0=t0,
+                                 num_rounds=num_rounds, resume_state=resume_state)
+    except BaseException:
+        tracker.close(run_dir, failed=True)
+        raise
+    tracker.close(run_dir)
+    return summary
+
+
+def _global_eval(prep: PreparedRun) -> Callable:
+    """The server's evaluation of the global tensors: the global test split (every exit of a
+    model with exits; the headline is their mean, the paper's "mean performance") and the
+    held-out domain."""
+    from fedadapt.federation.training import evaluate, evaluate_exits
+
+    spec, model, unseen = prep.spec, prep.model, prep.partition.unseen
+
+    def global_eval(arrays) -> dict:
+        model.load_tensors(dict(arrays.to_torch_state_dict()))
+        out = {}
+        if unseen is not None:  # generalization: the held-out domain, never trained on
+            out["unseen_acc"] = evaluate(model, spec.train_source, unseen,
+                                         precision=spec.precision)[1]
+        if len(spec.test_source.labels()) == 0:  # no global test split (dataset.test_fraction=0)
+            return out
+        if not spec.num_exits:
+            loss, acc, _ = evaluate(model, spec.test_source, precision=spec.precision)
+            return {**out, "global_acc": acc, "global_loss": loss}
+        losses, accs, _ = evaluate_exits(model, spec.test_source, list(range(spec.num_exits)),
+                                         precision=spec.precision)
+        return {**out, "global_acc": sum(accs) / len(accs),
+                "global_loss": sum(losses) / len(losses), "global_acc_last": accs[-1],
+                "exit_acc": accs}
+
+    return global_eval
+
+
+def _round_hook(cfg: RunConfig, run_dir: Path, config_sha: str, tracker, show: list) -> Callable:
+    """After each round: the metrics row, progress (``show[0]``, the round bar's hook), the
+    tracker, and every ``checkpoint_every`` rounds (and after the last) a checkpoint."""
+    from fedadapt.federation.checkpoint import save_checkpoint
+    from fedadapt.results.store import METRICS, append_jsonl
+
+    every = cfg.federation.checkpoint_every
+
+    def on_round(state) -> None:
+        append_jsonl(run_dir / METRICS, state.history[-1])
+        show[0](state)
+        tracker.log_round(state.history[-1])
+        rnd = state.server_round
+        if (every and rnd % every == 0) or rnd == state.num_rounds:
+            strategy, strategy_arrays = state.strategy_checkpoint()
+            save_checkpoint(run_dir, server_round=rnd,
+                            arrays=dict(state.arrays.to_torch_state_dict()),
+                            state={"history": state.history, "cum_bytes": state.cum_bytes,
+                                   "strategy": strategy,
+                                   "client_metrics": state.client_metrics,
+                                   "wall_s": state.history[-1]["wall_s"]},
+                            config_sha=config_sha, strategy_arrays=strategy_arrays)
+            state.checkpoint_round = rnd
+
+    return on_round
+
+
+def _rounds_plan(cfg: RunConfig, prep: PreparedRun, initial, num_rounds: int,
+                 execute: Optional[Callable], *, on_round: Callable, resume):
+    """The plan of a client-trained run's rounds (see :class:`ServerPlan`)."""
+    from fedadapt.federation.server import ServerPlan
+    from fedadapt.federation.training import lr_at
+    from fedadapt.federation.worker import sent_names
+
+    spec, model = prep.spec, prep.model
+    sampled = min(spec.num_clients, max(1, int(spec.num_clients * cfg.partition.fraction_fit)))
+    return ServerPlan(
+        num_clients=spec.num_clients,
+        make_strategy=lambda: make_strategy(cfg, prep),
+        seed=cfg.seed,
+        initial_arrays=initial,
+        num_rounds=num_rounds,
+        phases=[personalize_clients] if cfg.setting.name == "personalization" else [],
+        lr_at=lambda r: lr_at(cfg.train, r, cfg.rounds),
+        eval_every=cfg.federation.eval_every,
+        global_eval=_global_eval(prep) if model.federated else None,
+        counts={k: prep.counts[k] for k in ("trainable_params", "communicated_params")},
+        timeout=cfg.federation.round_timeout,
+        min_reply_fraction=cfg.federation.min_reply_fraction,
+        on_round=on_round,
+        resume=resume,
+        sent_names=lambda cid: sent_names(spec, cid, model),
+        **node_layout(cfg, prep, execute, sampled),
+    )
+
+
+def make_strategy(cfg: RunConfig, prep: PreparedRun):
+    """The run's Flower strategy (``strategy=``, wrapped by ``dp=``; see
+    :mod:`fedadapt.strategies.zoo`)."""
+    from fedadapt.strategies.zoo import build_strategy
+
+    p = cfg.partition
+    return build_strategy(cfg.strategy, cfg.dp, num_clients=prep.spec.num_clients,
+                          fraction_train=p.fraction_fit, fraction_evaluate=p.fraction_evaluate,
+                          weighting=cfg.method.weighting, lr=cfg.train.lr,
+                          federated=prep.model.federated)
+
+
+def check_strategy(cfg: RunConfig, prep: PreparedRun) -> None:
+    """The strategy against the partition's real client count and what the clients send
+    (before anything is written): refuses a strategy that needs every client to send every
+    tensor where some do not, and builds it once (Flower's own checks of its values)."""
+    from fedadapt.federation.worker import sent_names
+    from fedadapt.strategies.zoo import (
+        check_counts,
+        check_every_tensor,
+        sample_size,
+    )
+    from fedadapt.strategies.zoo import (
+        check_strategy as check_options,
+    )
+
+    spec, model = prep.spec, prep.model
+    check_options(cfg.strategy, cfg.dp, weighting=cfg.method.weighting, setting=cfg.setting.name)
+    if not model.federated:
+        return
+    check_counts(cfg.strategy, cfg.dp, num_clients=spec.num_clients,
+                 sampled=sample_size(spec.num_clients, cfg.partition.fraction_fit))
+    every = model.communicated_names()
+    partial = [c for c in range(spec.num_clients) if len(sent_names(spec, c, model)) < len(every)]
+    if partial:
+        check_every_tensor(cfg.strategy, cfg.dp, f"method={cfg.method.name}: client "
+                                                 f"{partial[0]} trains "
+                                                 f"{len(sent_names(spec, partial[0], model))} of "
+                                                 f"the {len(every)} communicated tensors")
+    make_strategy(cfg, prep)
+
+
+def _finish_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, state, *, label: str,
+                   t0: float, num_rounds: int, resume_state: Optional[dict]) -> dict:
+    """The run directory of a client-trained run after its rounds: per-client metrics,
+    personalization, the summary and its table and curves (``summary.json`` last)."""
+    from fedadapt.results.plots import plot_curves
+    from fedadapt.results.store import SUMMARY, atomic_write, write_json, write_jsonl
+    from fedadapt.results.tables import run_tables
+
+    spec, history = prep.spec, state.history
+    write_jsonl(run_dir / CLIENTS_FILE, [{"round": int(r), "client": int(c), **m}
+                                         for r, per in state.client_metrics.items()
+                                         for c, m in per.items()])
+    evals = [r for r in history if r["global_acc"] is not None or r["client_acc"] is not None]
+
+    def best(key):
+        vals = [r[key] for r in evals if r[key] is not None]
+        return max(vals) if vals else None
+
+    final = evals[-1] if evals else (history[-1] if history else {})
+    selected = select_round(evals, cfg.federation.select)
+    summary = {
+        **summary_head(cfg, label, prep, rounds=num_rounds, setting=cfg.setting.name),
+        "final": {k: final.get(k) for k in ("round", "global_acc", "client_acc",
+                                            "client_acc_weighted", "train_loss",
+                                            "global_acc_last", "exit_acc", "tier_acc",
+                                            "val_acc")},
+        "selection": cfg.federation.select,
+        "selected": ({k: selected.get(k) for k in ("round", "val_acc", "global_acc", "client_acc",
+                                                   "unseen_acc")} if selected else None),
+        "domains": domain_summary(selected, prep.partition, state.client_metrics),
+        "tiers": _tier_counts(spec.client_exits),
+        "personalization": _personalization(cfg, run_dir, spec, state.personalized),
+        "best": {"global_acc": best("global_acc"), "client_acc": best("client_acc")},
+        "params": prep.counts,
+        "strategy": _strategy_summary(cfg, state.strategy),
+        "privacy": _privacy_summary(cfg, state.strategy),
+        "total_bytes": state.cum_bytes,
+        "client_failures": sum(r.get("clients_failed", 0) for r in history),
+        "resumed_after_round": resume_state["round"] if resume_state else None,
+        "bytes_up": sum(r["bytes_up"] for r in history),
+        "bytes_down": sum(r["bytes_down"] for r in history),
+        # this process's time, plus the interrupted process's rounds when resumed
+        "wall_s": time.time() - t0 + (resume_state or {}).get("wall_s", 0.0),
+        "seconds_per_round": (sum(r["round_s"] for r in history) / len(history)
+                              if history else None),
+        **summary_tail(prep),
+    }
+    table = run_tables([summary], title=f"## {cfg.experiment}: {label} on {cfg.dataset.name}")
+    atomic_write(run_dir / "table.md", lambda fh: fh.write(table))
+    if history:
+        plot_curves({label: history}, run_dir / "curves.png",
+                    title=f"{label} | {cfg.dataset.name} | alpha {cfg.partition.alpha}")
+    write_json(run_dir / SUMMARY, summary)  # last: marks the run directory complete
+    return summary
+
+
+def _strategy_summary(cfg: RunConfig, strategy) -> dict:
+    """Which Flower strategy ran, with its keys (``strategy=`` / ``dp=``)."""
+    from dataclasses import asdict
+
+    from fedadapt.strategies.zoo import describe
+
+    return {"class": describe(strategy), "strategy": asdict(cfg.strategy),
+            "dp": asdict(cfg.dp)}
+
+
+def _privacy_summary(cfg: RunConfig, strategy) -> Optional[dict]:
+    """``dp=``'s guarantee at the end: epsilon at delta (fixed clipping with accounting), the
+    noise multiplier and the final clipping norm; None without DP."""
+    from fedadapt.strategies.zoo import privacy_spent
+
+    if cfg.dp.name == "none":
+        return None
+    return {"dp": cfg.dp.name, "noise_multiplier": float(strategy.noise_multiplier),
+            "clipping_norm": float(strategy.clipping_norm),
+            **(privacy_spent(strategy) or {"epsilon": None, "accounting": None})}
+
+
+#: Per-client evaluation results of a run, one line per (round, client), written at its end.
+CLIENTS_FILE = "clients.jsonl"
+
+
+def _personalization(cfg: RunConfig, run_dir: Path, spec: RunSpec, rows: list[dict]
+                     ) -> Optional[dict]:
+    if not rows:
+        return None
+    from fedadapt.results.store import write_json
+    from fedadapt.settings import summarize_personalization
+
+    rows = [{**r, "corruption": (spec.client_corruptions[r["client"]][0]
+                                 if spec.client_corruptions else "none")} for r in rows]
+    write_json(run_dir / "personalization.json", rows)
+    return {"part": cfg.setting.personalize, "epochs": cfg.setting.epochs,
+            **summarize_personalization(rows)}
+
+
+def personalize_clients(grid, state, plan) -> None:
+    """After the rounds (``setting=personalization``): every client personalizes the final
+    model on its own data and keeps what it trained; the replies carry metrics only. One row
+    per client that answered lands in ``state.personalized``."""
+    from flwr.app import ConfigRecord, MessageType, RecordDict
+
+    from fedadapt.federation.server import ask_every_client
+
+    server_round = state.num_rounds + 1
+    grid.trained = plan.sent_names
+    shared = RecordDict({"arrays": state.arrays, "config": ConfigRecord(
+        {"phase": "personalize", "server-round": server_round})})
+    rows, down, up = ask_every_client(grid, plan, shared, MessageType.TRAIN,
+                                      "personalization", server_round)
+    state.cum_bytes += down + up
+    state.personalized = [{k: (int(v) if k in ("tier", "severity") else v) for k, v in r.items()}
+                          for r in rows]

@@ -1,0 +1,99 @@
+"""The house rules of the code, checked: no import cycle between fedadapt's modules (imports
+inside functions included), no private name imported from another module, one name for a
+client's id (``cid``; ``pid`` is a process id), and method families that plug in."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+#: Where each part of the installed ``fedadapt`` package lives in the repository.
+ROOTS = {"fedadapt": REPO / "fedadapt", "fedadapt.strategies": REPO / "strategies",
+         "fedadapt.clients": REPO / "clients"}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for package, root in ROOTS.items():
+        for path in root.rglob("*.py"):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if "catalogue" in parts:
+                continue
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join([package, *parts])] = path
+    return out
+
+
+def imports(name: str, path: Path) -> list[tuple[str, str | None]]:
+    """``(module, imported name or None)`` of every import in the module, at any depth."""
+    out = []
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(a.name, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            out += [(base, a.name) for a in node.names]
+    return out
+
+
+def test_no_import_cycle():
+    mods = modules()
+    graph = {}
+    for name, path in mods.items():
+        deps = set()
+        for base, sym in imports(name, path):
+            if sym and f"{base}.{sym}" in mods:
+                deps.add(f"{base}.{sym}")
+            elif base in mods:
+                deps.add(base)
+        graph[name] = deps - {name}
+
+    def reaches(start: str, goal: str) -> list[str] | None:
+        seen, todo = set(), [[start]]
+        while todo:
+            path = todo.pop()
+            for nxt in sorted(graph[path[-1]]):
+                if nxt == goal:
+                    return path + [nxt]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(path + [nxt])
+        return None
+
+    cycles = [c for name in graph for c in [reaches(name, name)] if c]
+    assert not cycles, " -> ".join(cycles[0])
+
+
+def test_no_private_name_is_imported_from_another_module():
+    found = [f"{name} imports {base}.{sym}" for name, path in modules().items()
+             for base, sym in imports(name, path)
+             if base.startswith("fedadapt") and sym and sym.startswith("_")
+             and not sym.startswith("__") and not (base == "fedadapt" and sym == "_compat")]
+    assert not found, found
+
+
+def test_a_client_is_cid_everywhere():
+    """``pid`` means a process id (the run directory's lock owner), never a client."""
+    word = re.compile(r"\bpids?\b")
+    found = [f"{path.relative_to(REPO)}:{i}" for path in modules().values()
+             for i, line in enumerate(path.read_text().splitlines(), 1)
+             if word.search(line) and "getpid" not in line and "process" not in line
+             and path.name != "rundir.py"]
+    assert not found, found
+
+
+def test_the_core_never_names_a_family():
+    """experiment.py, cli.py and the ClientApp dispatch on the method's family object, never on
+    a family's name (or the names of the methods it trains)."""
+    names = re.compile(r"\.(family|trainer)\b|[\"'](plugin|sessions)[\"']|hasattr\(\w+, \"exit")
+    for path in (REPO / "fedadapt" / "experiment.py", REPO / "fedadapt" / "cli.py",
+                 REPO / "clients" / "app.py"):
+        hits = [line for line in path.read_text().splitlines() if names.search(line)]
+        assert not hits, (path.name, hits)
