@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Two-node Ray cluster on this machine, and a fedadapt simulation on it compared with the same
-# run on a private local instance (README, "Scaling out"). Not run by CI: it takes minutes.
+# run on a private local instance (docs/scaling.md). Not run by CI: it takes minutes.
 #
 #   1. `ray start --head` (1 CPU) and a second `ray start --address` (1 CPU, its own raylet and
 #      object store), each in its own process group, with its own temp dir and free ports;

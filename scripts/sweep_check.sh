@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A parallel sweep gives the metrics of the same runs done one by one (README, "Scaling out").
+# A parallel sweep gives the metrics of the same runs done one by one (docs/scaling.md).
 # Not run by CI: it takes minutes (tests/test_rundir.py has a 2-point version).
 #
 #   1. `fedadapt -m hydra/launcher=joblib hydra.launcher.n_jobs=2` over 4 points

@@ -349,10 +349,10 @@ def markdown_table() -> str:
              "Flower's own constructors (flwr " + _flwr_version() + "); "
              "`tests/test_strategy_zoo.py` checks that it is current.", "",
              "`strategy=NAME` picks one of Flower's strategies, unchanged; its keys are the "
-             "constructor's parameters (`strategy=fedadam strategy.eta=0.01`). "
-             "Set from the rest of the config, never typed twice: "
-             + "; ".join(f"`{k}` from {v}" for k, v in DERIVED.items()
-                         if k not in ("strategy", "accountant")) + ".", "",
+             "constructor's parameters (`strategy=fedadam strategy.eta=0.01`).", "",
+             "Set from the rest of the config, never typed twice:", "",
+             *[f"- `{k}` from {v}" for k, v in DERIVED.items()
+               if k not in ("strategy", "accountant")], "",
              "| strategy= | Flower class | keys (defaults) | settings |",
              "|---|---|---|---|"]
     for name, schema in strategy_schemas().items():

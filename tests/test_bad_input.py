@@ -1,6 +1,6 @@
 """Bad input ends in one line that names the setting or file, a non-zero exit, and nothing
-half-written (each fails before any data is prepared; the README gives the times): seed=-1, a
-garbled checkpoints/LATEST, a garbled job.json (or one without overrides), an empty
+half-written (each fails before any data is prepared; docs/reliability.md gives the times):
+seed=-1, a garbled checkpoints/LATEST, a garbled job.json (or one without overrides), an empty
 dataset.path or one of non-images, a read-only output_dir, a full disk at the first
 checkpoint."""
 
@@ -47,6 +47,7 @@ def job_folder(tmp_path: Path) -> Path:
     return job
 
 
+@pytest.mark.slow
 def test_bad_inputs_fail_with_one_line(tmp_path, cache_dir):
     """Each case as a user meets it, through the `fedadapt` command."""
     empty = tmp_path / "empty"
@@ -76,6 +77,7 @@ def test_bad_inputs_fail_with_one_line(tmp_path, cache_dir):
         assert not any(p.is_file() for p in cwd.rglob("*")), args  # nothing written
 
 
+@pytest.mark.slow
 def test_garbled_latest_is_refused_naming_it(tmp_path, cache_dir):
     job = job_folder(tmp_path)
     latest = job / "checkpoints" / "LATEST"
@@ -85,6 +87,7 @@ def test_garbled_latest_is_refused_naming_it(tmp_path, cache_dir):
     assert "checkpoints there: round-000002" in line
 
 
+@pytest.mark.slow
 def test_read_only_output_dir_as_a_user_meets_it(tmp_path, cache_dir):
     """A folder without write permission (for root, whom permissions do not bind, a path
     through a file is as unwritable)."""

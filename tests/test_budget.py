@@ -118,6 +118,7 @@ def test_tracker_agrees_with_the_cpu_allocator():
 # -- the rows ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("method", ["accumulator", "lw_linear"])
+@pytest.mark.slow
 def test_rows_grow_with_the_exit_and_frozen_is_cheaper(rows, method):
     out = rows[method]
     assert [r["exit"] for r in out] == [0, 1, 2]

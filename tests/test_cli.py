@@ -34,6 +34,7 @@ def run(args, tmp_path, cache_dir, timeout=300):
     ("partition=size", "partition.sizes=None is invalid"),
     ("objective=val_acc", "needs one method per job"),  # the quickstart compares four
 ])
+@pytest.mark.slow
 def test_bad_input_fails_fast_naming_the_key(override, needle, tmp_path, cache_dir):
     out = run([override], tmp_path, cache_dir, timeout=60)
     assert out.returncode != 0
@@ -43,6 +44,7 @@ def test_bad_input_fails_fast_naming_the_key(override, needle, tmp_path, cache_d
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*"))
 
 
+@pytest.mark.slow
 def test_sweep_writes_one_run_dir_per_value_and_report_aggregates(tmp_path, cache_dir):
     out = run(["-m", "method=linear_head", "partition.alpha=0.1,1000", *TINY], tmp_path,
               cache_dir)
@@ -59,6 +61,7 @@ def test_sweep_writes_one_run_dir_per_value_and_report_aggregates(tmp_path, cach
     assert all(r["seeds"] == "1" and 0 <= float(r["final global acc mean"]) <= 100 for r in rows)
 
 
+@pytest.mark.slow
 def test_compare_runs_each_method_into_its_own_dir(tmp_path, cache_dir):
     out = run(["compare=[linear_head,local_only]", *TINY], tmp_path, cache_dir)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -70,6 +73,7 @@ def test_compare_runs_each_method_into_its_own_dir(tmp_path, cache_dir):
     assert "| linear_head |" in table and "| local_only |" in table
 
 
+@pytest.mark.slow
 def test_report_needs_complete_runs(tmp_path):
     (tmp_path / "stopped").mkdir()
     (tmp_path / "stopped" / "metrics.jsonl").write_text("{}\n")
@@ -78,6 +82,7 @@ def test_report_needs_complete_runs(tmp_path):
     assert rep.returncode == 2 and "no complete run" in rep.stderr
 
 
+@pytest.mark.slow
 def test_inspect_counts_from_architecture_alone():
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     out = subprocess.run([sys.executable, "-c", "from fedadapt.inspect import main; main()",

@@ -64,6 +64,7 @@ def test_bad_addresses_are_refused(address, needle):
         cluster.resolve_address(address)
 
 
+@pytest.mark.slow
 def test_something_that_is_not_a_ray_gcs_is_refused_within_the_timeout():
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
@@ -77,6 +78,7 @@ def test_something_that_is_not_a_ray_gcs_is_refused_within_the_timeout():
     server.close()
 
 
+@pytest.mark.slow
 def test_unreachable_ray_address_fails_fast_with_one_line(tmp_path, cache_dir):
     address = f"127.0.0.1:{_free_port()}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "FEDADAPT_CACHE": cache_dir}
@@ -107,6 +109,7 @@ def _started(cluster_cls, **kwargs):
         return cluster_cls(initialize_head=True, **kwargs)
 
 
+@pytest.mark.slow
 def test_flower_actor_pool_spreads_over_every_node():
     """Flower sizes its actor pool from every node's resources: on a two-node cluster (one
     CPU each) the two client actors land one per node, and actor_placement sees that."""

@@ -43,6 +43,7 @@ def run(tmp_path, *overrides, execute=None, cache_dir=None):
     return summary, read_jsonl(tmp_path / "metrics.jsonl")
 
 
+@pytest.mark.slow
 def test_epsilon_after_every_round_in_metrics_summary_table_and_report(tmp_path, cache_dir):
     from flwr.supercore.privacy_accounting import (
         GaussianPrivacyEvent,
@@ -73,6 +74,7 @@ def test_epsilon_after_every_round_in_metrics_summary_table_and_report(tmp_path,
     assert "epsilon" in table and f"{eps[-1]:.2f}" in table
 
 
+@pytest.mark.slow
 def test_client_side_clipping_is_flowers_mod_per_client_grouped_or_not(tmp_path, cache_dir):
     """dp=client_fixed: Flower's fixedclipping_mod clips each client's update inside the worker;
     four clients side by side end where one at a time does."""
@@ -103,6 +105,7 @@ def test_client_side_clipping_is_flowers_mod_per_client_grouped_or_not(tmp_path,
         np.testing.assert_allclose(finals[0][name], finals[1][name], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_mod_sees_one_client_at_a_time(tmp_path, cache_dir):
     SEEN.clear()
     run(tmp_path / "mods", "federation.clients_per_worker=4",

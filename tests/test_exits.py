@@ -26,6 +26,7 @@ TINY_VIT = BackboneConfig(name="tiny_vit", family="vit", image_size=32, arch=dic
     ("lw_mlp", 8_949_936, 8_249_064),
     ("accumulator", 3_000_676, 2_986_046),
 ])
+@pytest.mark.slow
 def test_deit_small_counts(method, cifar, femnist):
     for dataset, expected in (("cifar100", cifar), ("femnist", femnist)):
         for pa, extra in (("false", 0), ("true", 595_200)):  # Table 5: adapters 0.60M
@@ -187,6 +188,7 @@ def test_exit_methods_need_a_vit():
             name="s", family="small_cnn", image_size=16)), 5, with_backbone=True)
 
 
+@pytest.mark.slow
 def test_accumulator_federates_end_to_end(cache_dir, tmp_path):
     cfg = tiny_run(cache_dir, AccumulatorConfig(head_hidden=[16], parallel_adapter=True,
                                                 adapter_bottleneck=4))

@@ -90,6 +90,7 @@ def test_fault_config_is_validated(cache_dir):
         validate(cfg)
 
 
+@pytest.mark.slow
 def test_run_with_20_percent_faulty_clients_completes(cache_dir, tmp_path):
     def run(faults: FaultConfig, name: str):
         cfg = tiny_run(cache_dir, LinearHeadConfig(), rounds=4, faults=faults,

@@ -27,6 +27,7 @@ def test_attai_shape_and_parameter_count(dim):
     assert att(torch.randn(3, dim)).shape == (3, dim)
 
 
+@pytest.mark.slow
 def test_attai_on_vit_b32_has_525312_parameters_from_the_architecture():
     """The acceptance command's count: ViT-B/32 with random weights (no download)."""
     from fedadapt.entry import compose_config, to_run_config
@@ -180,6 +181,7 @@ def pacs_like(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_pacs_shaped_experiment_end_to_end(pacs_like, cache_dir, tmp_path):
     """Acceptance: offline, a tiny random CLIP, leave-one-domain-out; the three tables."""
     from fedadapt.entry import compose_config, to_run_config

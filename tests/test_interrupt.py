@@ -1,6 +1,6 @@
 """Ctrl-C (SIGINT) and SIGTERM stop a run cleanly: one line that says how to resume, exit code
-130 / 143 with no hang (the README gives the seconds), Ray gone, the last checkpoint valid; the
-resumed run ends with the metrics of a run that was never interrupted."""
+130 / 143 with no hang (docs/reliability.md gives the seconds), Ray gone, the last checkpoint
+valid; the resumed run ends with the metrics of a run that was never interrupted."""
 
 import os
 import signal
@@ -57,6 +57,7 @@ def one_line(err: str, sig: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_sigint_at_round_3_exits_130_and_resumes_to_the_same_metrics(tmp_path, cache_dir):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "FEDADAPT_CACHE": cache_dir}
     args = ["method=linear_head", *TINY, "partition.fraction_fit=0.5"]
@@ -80,6 +81,7 @@ def test_sigint_at_round_3_exits_130_and_resumes_to_the_same_metrics(tmp_path, c
     assert metrics(run_dir) == metrics(ref_dir)
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_process_exits_143_with_one_line(tmp_path, cache_dir):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "FEDADAPT_CACHE": cache_dir}
     proc = fedadapt(["method=linear_head", *TINY, f"output_dir={tmp_path}/out"], env)
@@ -90,6 +92,7 @@ def test_sigterm_to_the_process_exits_143_with_one_line(tmp_path, cache_dir):
     assert left_in_group(proc.pid) == []
 
 
+@pytest.mark.slow
 def test_sigint_before_the_run_writes_anything(tmp_path, cache_dir):
     """Stopped while it loads (no job.json yet): nothing is left behind."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "FEDADAPT_CACHE": cache_dir}

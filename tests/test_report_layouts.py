@@ -84,6 +84,7 @@ def test_seed_statistics_sample_std_and_t_interval():
     assert "ddof = 1" in CONVENTION
 
 
+@pytest.mark.slow
 def test_runs_report_states_the_convention_and_writes_intervals(tmp_path):
     import csv
     import subprocess

@@ -12,6 +12,8 @@ import pytest
 
 from fedadapt.results.store import read_jsonl
 
+pytestmark = pytest.mark.slow  # fedadapt subprocesses (Ray), multi-round runs resumed
+
 #: Rounds of the killed run: enough that the kill, polled after round 5, lands before the end
 #: (a round of these tiny runs takes ~0.05 s; with 10 rounds the run could finish between two
 #: polls).

@@ -24,6 +24,7 @@ def _claim(args) -> str:
     return rundir.claim_new_dir(args)
 
 
+@pytest.mark.slow
 def test_simultaneous_claims_get_distinct_directories(tmp_path):
     with multiprocessing.get_context("fork").Pool(6) as pool:
         names = pool.map(_claim, [tmp_path / "2026-01-01_00-00-00"] * 6)
@@ -83,6 +84,7 @@ def test_a_signal_while_the_lock_is_taken_leaves_no_lock(tmp_path, monkeypatch):
     assert list(run.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_run_into_a_directory_holding_a_job_is_refused(tmp_path, cache_dir):
     taken = tmp_path / "taken"
     taken.mkdir()
@@ -168,6 +170,7 @@ def two_at_once(tmp_path_factory, cache_dir) -> list[Path]:
     return sorted(out.glob("run*"))
 
 
+@pytest.mark.slow
 def test_runs_started_together_get_separate_complete_directories(two_at_once):
     assert [d.name for d in two_at_once] == ["run", "run_2"]
     for d in two_at_once:
@@ -176,6 +179,7 @@ def test_runs_started_together_get_separate_complete_directories(two_at_once):
     assert _metrics(two_at_once[0]) == _metrics(two_at_once[1])  # same config and seed
 
 
+@pytest.mark.slow
 def test_joblib_sweep_gives_the_metrics_of_runs_done_alone(two_at_once, tmp_path, cache_dir):
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
     proc = _fedadapt(["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "seed=1,0",

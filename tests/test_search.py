@@ -50,6 +50,7 @@ def test_search_preset_composes_an_optuna_lr_search():
     assert sweeper.params["train.lr"] == "tag(log, interval(1e-4, 1.0))"
 
 
+@pytest.mark.slow
 def test_optuna_search_runs_trials_and_records_the_best(tmp_path, cache_dir):
     """Two trials (tiny model, 1 round, partition=pathological) in one process: each returns its
     validation accuracy; Optuna's result names the best train.lr; Flower's deprecation notice

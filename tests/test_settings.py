@@ -189,6 +189,7 @@ def test_random_resized_crop_is_seeded_and_validated(cache_dir):
         validate(cfg)
 
 
+@pytest.mark.slow
 def test_multitier_and_personalization_runs_end_to_end(cache_dir, tmp_path):
     cfg = vit_run(cache_dir, AccumulatorConfig(head_hidden=[16]),
                   SettingConfig(name="multitier", tiers=[0, 2]))

@@ -2,11 +2,14 @@
 
 import json
 
+import pytest
 from conftest import tiny_run
 
 from fedadapt.adapters.heads import FinetuneConfig, LinearHeadConfig
 from fedadapt.experiment import run_experiment
 from fedadapt.results.store import read_jsonl
+
+pytestmark = pytest.mark.slow  # Ray: Flower's simulation engine
 
 
 def test_three_clients_two_rounds(cache_dir, tmp_path):

@@ -313,6 +313,7 @@ def test_spectrogram_crop_is_seeded(speech_root, cache_dir):
     torch.testing.assert_close(whole, clean, atol=1e-3, rtol=1e-3)  # the full box: unchanged
 
 
+@pytest.mark.slow
 def test_accumulator_on_a_tiny_ast_end_to_end(speech_root, cache_dir, tmp_path):
     from fedadapt.experiment import run_experiment
     from fedadapt.federation.inprocess import run_in_process

@@ -158,7 +158,9 @@ def _round(strategy, arrays: ArrayRecord, rnd: int, streams: SeededStreams, seed
 
 @pytest.mark.parametrize("overrides", [
     ["strategy=fedadam"], ["strategy=fedavgm", "strategy.server_momentum=0.9"],
-    ["strategy=fedyogi"], ["strategy=qfedavg"],
+    ["strategy=fedyogi"],
+    # Flower's QFedAvg runs gc.collect() per array: seconds in a test process that holds much
+    pytest.param(["strategy=qfedavg"], marks=pytest.mark.slow),
     ["dp=server_adaptive", "method.weighting=uniform", "dp.noise_multiplier=0.1"],
     ["dp=server_fixed", "method.weighting=uniform"],
     ["dp=client_adaptive", "method.weighting=uniform", "dp.noise_multiplier=0.1"],
@@ -206,6 +208,7 @@ def test_an_attribute_it_cannot_write_fails_loudly(flower_task):
         strategy_state(strategy)
 
 
+@pytest.mark.slow
 def test_the_global_model_keeps_its_dtype_under_flowers_fedopt(tmp_path, cache_dir):
     """Flower's FedAdam returns float64 arrays (numpy 2 promotes by its float64 eta_norm); the
     global model stays float32, so FedAdam's rounds move the bytes FedAvg's do."""

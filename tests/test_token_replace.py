@@ -1,5 +1,5 @@
 """The Accumulator with token replace learns under strong label skew (issue: it sat at chance,
-9.7%, on the offline evidence at alpha 0.1; README "Token replace").
+9.7%, on the offline evidence at alpha 0.1; docs/papers/accumulator.md, "Token replace").
 
 The offline preset (``experiment=acc_offline``: a small ViT pretrained on Fashion-MNIST, frozen,
 adapted by 10 clients to digits with Dirichlet 0.1 label skew, the paper's optimiser), with the
@@ -13,6 +13,8 @@ from fedadapt.entry import compose_config, to_run_config
 from fedadapt.experiment import run_experiment
 from fedadapt.federation.inprocess import run_in_process
 from fedadapt.pretrain import save_backbone, train_backbone
+
+pytestmark = pytest.mark.slow  # pretraining plus a 20-round run: about two minutes
 
 
 @pytest.fixture(scope="module")

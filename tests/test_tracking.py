@@ -52,6 +52,7 @@ def read_mlflow(run_dir):
     return run, metrics, artifacts
 
 
+@pytest.mark.slow
 def test_tracker_writes_both_stores(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -77,6 +78,7 @@ def test_tracker_writes_both_stores(tmp_path):
     assert not (tmp_path / "none").exists()
 
 
+@pytest.mark.slow
 def test_acceptance_tracking_partition_plot_and_clean_log(tmp_path, cache_dir):
     """`fedadapt method=linear_head rounds=3 tracking.tensorboard=true tracking.mlflow=true`
     (tiny model, partition=shard) with its output redirected to a file: TensorBoard and MLflow
