@@ -108,6 +108,12 @@ def _class_text(cfg: RunConfig, backbone, class_names):
 
 def _check_method_settings(cfg: RunConfig, card) -> None:
     """Settings that hold only for some methods (before anything is loaded)."""
+    from fedadapt.strategies.zoo import check_strategy
+
+    # also checked where the config is composed (fedadapt.entry.to_run_config); here for runs
+    # built in Python
+    check_strategy(cfg.strategy, cfg.dp, weighting=cfg.method.weighting,
+                   setting=cfg.setting.name)
     if card.personalize_only and not (cfg.setting.name == "personalization"
                                       and cfg.setting.init_from):
         raise ConfigError(f"dataset={card.name} holds personalization clients only: it needs "

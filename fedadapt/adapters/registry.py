@@ -59,11 +59,14 @@ def load_methods() -> dict[str, MethodSpec]:
     if not _LOADED:
         _LOADED.append(True)
         here = Path(__file__).parent
-        for package, folder, skip in (("fedadapt.adapters", here, {"model", "registry"}),
-                                      ("fedadapt.methods", here.parent / "methods", set())):
-            for info in pkgutil.iter_modules([str(folder)]):
-                if info.name not in skip and not info.name.startswith("_"):
-                    importlib.import_module(f"{package}.{info.name}")
+        found = [f"fedadapt.adapters.{m.name}" for m in pkgutil.iter_modules([str(here)])
+                 if m.name not in ("model", "registry")]
+        # the family packages only (a module beside them, such as server_trained, is their code)
+        found += [f"fedadapt.methods.{m.name}"
+                  for m in pkgutil.iter_modules([str(here.parent / "methods")]) if m.ispkg]
+        for name in found:
+            if not name.rsplit(".", 1)[1].startswith("_"):
+                importlib.import_module(name)
     return METHODS
 
 

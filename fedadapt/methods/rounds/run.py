@@ -347,17 +347,9 @@ def check_strategy(cfg: RunConfig, prep: PreparedRun) -> None:
     (before anything is written): refuses a strategy that needs every client to send every
     tensor where some do not, and builds it once (Flower's own checks of its values)."""
     from fedadapt.federation.worker import sent_names
-    from fedadapt.strategies.zoo import (
-        check_counts,
-        check_every_tensor,
-        sample_size,
-    )
-    from fedadapt.strategies.zoo import (
-        check_strategy as check_options,
-    )
+    from fedadapt.strategies.zoo import check_counts, check_every_tensor, sample_size
 
     spec, model = prep.spec, prep.model
-    check_options(cfg.strategy, cfg.dp, weighting=cfg.method.weighting, setting=cfg.setting.name)
     if not model.federated:
         return
     check_counts(cfg.strategy, cfg.dp, num_clients=spec.num_clients,
