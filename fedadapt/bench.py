@@ -276,14 +276,17 @@ def throughput(cfg, *, steps: int, repeats: int, data_only: bool = False,
                       make_optimizer([p for p in model.parameters() if p.requires_grad], train,
                                      train.lr), steps, dev, spec.precision)
     loops = {"data": data} if data_only else {"data": data, "fedadapt": ours, "bare": bare}
-    rates: dict[str, list[float]] = {}
-    util = None
-    for name, fn in loops.items():
+    for fn in loops.values():
         fn()  # warm-up: kernels, allocator, the store's pages
-        with _Utilisation(dev) as u:
-            rates[name] = [_rate(fn, clients * steps * bs, dev) for _ in range(repeats)]
-        if name == "fedadapt":
-            util = u.mean
+    rates: dict[str, list[float]] = {name: [] for name in loops}
+    samples: list[float] = []
+    for _ in range(repeats):  # the sides interleaved: load on the machine hits them alike
+        for name, fn in loops.items():
+            with _Utilisation(dev) as u:
+                rates[name].append(_rate(fn, clients * steps * bs, dev))
+            if name == "fedadapt":
+                samples += u.samples
+    util = statistics.mean(samples) if samples else None
     med = {k: statistics.median(v) for k, v in rates.items()}
     return {"fedadapt_images_per_s": med.get("fedadapt"), "bare_images_per_s": med.get("bare"),
             "data_images_per_s": med["data"],

@@ -204,7 +204,8 @@ class SettingConfig:
     tiers: Optional[list[int]] = None
     #: personalization: ``trainable`` (everything the method trains), ``full`` (also the
     #: backbone), ``adapters`` (the parallel adapters only), ``accumulator`` (the Accumulator
-    #: and its head) or ``client_token``.
+    #: and its head), ``client_token`` or ``tuner`` (a PEFT method's tensors in the backbone:
+    #: LoRA's A and B, (IA)^3's vectors, BitFit's biases).
     personalize: str = "trainable"
     #: personalization: local epochs on the corrupted data (paper: 10).
     epochs: int = 10
@@ -413,7 +414,7 @@ CLASS_ASSIGNMENTS = ("random", "deterministic", "first-deterministic")
 #: ``objective``: what the task function can return to a searching sweeper.
 OBJECTIVES = ("val_acc",)
 KNOWN_SETTINGS = ("conventional", "anytime", "multitier", "personalization")
-PERSONALIZE_PARTS = ("trainable", "full", "adapters", "accumulator", "client_token")
+PERSONALIZE_PARTS = ("trainable", "full", "adapters", "accumulator", "client_token", "tuner")
 KNOWN_OPTIMIZERS = ("sgd", "adam", "adamw")
 KNOWN_WEIGHTINGS = ("examples", "uniform")
 KNOWN_SELECTIONS = ("last", "best_val")

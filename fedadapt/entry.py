@@ -76,6 +76,25 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     return run
 
 
+def run_config_from(data) -> RunConfig:
+    """A :class:`RunConfig` from a run directory's ``config.yaml`` (a path) or its plain
+    mapping: each polymorphic group (method, strategy, dp) typed by its own schema."""
+    from fedadapt.adapters import load_methods
+    from fedadapt.config import ConfigError, validate
+    from fedadapt.strategies.zoo import dp_schemas, strategy_schemas
+
+    loaded = OmegaConf.load(data) if not isinstance(data, (dict, DictConfig)) else \
+        OmegaConf.create(data)
+    typed = OmegaConf.structured(RunConfig)
+    for group, schemas in (("method", {n: s.config_cls for n, s in load_methods().items()}),
+                           ("strategy", strategy_schemas()), ("dp", dp_schemas())):
+        name = loaded.get(group, {}).get("name")
+        if name not in schemas:
+            raise ConfigError(f"{group}.name={name!r} is unknown to this fedadapt")
+        typed[group] = OmegaConf.structured(schemas[name])
+    return validate(OmegaConf.to_object(OmegaConf.merge(typed, loaded)))
+
+
 def undeclared_keys(cfg: DictConfig, prefix: str = "") -> list[tuple[str, str, list[str]]]:
     """``(key, where, valid keys)`` of every key under a schema-typed node that its dataclass
     does not declare (free-form dict fields, e.g. ``backbone.arch``, take any key)."""

@@ -81,12 +81,15 @@ def part_names(model, part: str) -> list[str]:
         chosen = [n for n in trainable if n.startswith("head.") and _is_accumulator(model)]
     elif part == "client_token":
         chosen = [n for n in trainable if n == "head.client_token"]
+    elif part == "tuner":  # a PEFT method's tensors in the backbone (LoRA, (IA)^3, BitFit)
+        chosen = model.tuner_names()
     else:
         raise ConfigError(f"setting.personalize={part!r} is invalid")
     if not chosen:
         raise ConfigError(f"setting.personalize={part!r} is invalid for this method: it has no "
                           f"such parameters (adapters need method.parallel_adapter=true; "
-                          f"accumulator and client_token need method=accumulator)")
+                          f"accumulator and client_token need method=accumulator; tuner needs a "
+                          f"PEFT method: lora, dora, ia3, bitfit)")
     return chosen
 
 

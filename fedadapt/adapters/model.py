@@ -29,6 +29,9 @@ class AdaptedModel(nn.Module):
     #: Capability: the model has early exits (``num_exits``, ``exit_logits``); declared by
     #: the class, never detected.
     has_exits: bool = False
+    #: Capability: trainable tensors live inside the frozen backbone (PEFT tuners), so the
+    #: backbone runs with gradients although its own weights are frozen.
+    adapts_backbone: bool = False
 
     def __init__(
         self,
@@ -66,7 +69,8 @@ class AdaptedModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # images [B,3,H,W] or feats [B,D]
         if self.backbone is not None:
-            with torch.set_grad_enabled(self.train_backbone and torch.is_grad_enabled()):
+            grad = self.train_backbone or self.adapts_backbone
+            with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
                 x = self.backbone(x)
         return self.head(x)
 
@@ -83,6 +87,11 @@ class AdaptedModel(nn.Module):
         if not self.federated:
             return names
         return [n for n in names if n.startswith(self.personal)] if self.personal else []
+
+    def tuner_names(self) -> list[str]:
+        """The tensors a PEFT method trains inside the backbone (none here;
+        :class:`~fedadapt.adapters.tuners.Tuned` models have them)."""
+        return []
 
     def communicated_names(self) -> list[str]:
         personal = set(self.personal_names())

@@ -30,7 +30,8 @@ class Backbone(nn.Module):
     """A frozen feature extractor.
 
     Capabilities are declared by the class: ``has_exits`` (per-layer tokens for early exits,
-    ``forward_exits``).
+    ``forward_exits``); ``peft_targets`` (the module names the PEFT methods of
+    :mod:`fedadapt.adapters.tuners` adapt by default, inside :meth:`tuning_module`).
 
     Attributes
     ----------
@@ -68,6 +69,10 @@ class Backbone(nn.Module):
     #: Normalisation layers keep their pretrained statistics when the backbone is fine-tuned.
     has_batchnorm: bool = False
     modality: str = "image"
+    #: Default target modules of the PEFT tuners, by their last name component: ``lora`` (LoRA
+    #: and DoRA), ``ia3`` and ``ia3_feedforward`` ((IA)^3's targets, and those of them whose
+    #: input it scales). Empty: the backbone names none (``method.target_modules`` must).
+    peft_targets: dict[str, tuple[str, ...]] = {}
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:  # [B,3,H,W] -> [B,D]
         raise NotImplementedError
@@ -81,6 +86,12 @@ class Backbone(nn.Module):
         for p in self.parameters():
             p.requires_grad_(False)
         return self.eval()
+
+    def tuning_module(self) -> nn.Module:
+        """The module the PEFT tuners adapt (and an exported adapter belongs to): the network
+        that computes the pooled feature (for CLIP, its image tower): the wrapped ``model``, or
+        the backbone itself when it wraps none."""
+        return self._modules.get("model") or self
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -28,6 +28,13 @@ from fedadapt.log import log
 class ClipBackbone(Backbone):
     """Frozen open_clip model; ``forward`` returns the (unnormalised) image embedding."""
 
+    #: open_clip's attention keeps query, key and value in one packed ``in_proj_weight``, which
+    #: peft adapts only through its MultiheadAttention layer, and that layer cannot run under
+    #: ``vmap`` (grouped clients), and its ``out_proj`` is read as a bare weight (a LoRA there
+    #: would never run): the PEFT methods adapt the image tower's MLPs.
+    peft_targets = {"lora": ("c_fc", "c_proj"), "ia3": ("c_fc", "c_proj"),
+                    "ia3_feedforward": ("c_proj",)}
+
     def __init__(self, *, model: nn.Module, tokenizer, weights_id: str, image_size: int) -> None:
         super().__init__()
         self.model = model
@@ -48,6 +55,9 @@ class ClipBackbone(Backbone):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:  # [B,3,H,W] -> [B,D]
         return self.model.encode_image(images)
+
+    def tuning_module(self) -> nn.Module:
+        return self.model.visual
 
     def tokenize(self, prompts: list[str]) -> torch.Tensor:  # -> [C, context_length]
         return self.tokenizer(prompts)

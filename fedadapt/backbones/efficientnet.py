@@ -47,6 +47,10 @@ class EfficientNetLiteBackbone(Backbone):
     # The TF-Lite models were trained on inputs scaled by (x - 127) / 128.
     mean = (127.0 / 255,) * 3
     std = (128.0 / 255,) * 3
+    #: The pointwise (1x1) convolutions of every MBConv block: its expansion and projection.
+    peft_targets = {"lora": ("_expand_conv", "_project_conv"),
+                    "ia3": ("_expand_conv", "_project_conv"),
+                    "ia3_feedforward": ("_project_conv",)}
 
     def __init__(self, *, model: torch.nn.Module, weights_id: str, image_size: int) -> None:
         super().__init__()
@@ -60,6 +64,21 @@ class EfficientNetLiteBackbone(Backbone):
         self.embed_dim = model._conv_head.out_channels
         self.image_size = image_size
         self.weights_id = weights_id
+
+    def tuning_module(self) -> torch.nn.Module:
+        """The network, its pointwise convolutions made plain ``nn.Conv2d`` (the same weights):
+        peft builds a LoRA convolution of its base layer's own class, and the package's
+        ``Conv2dStaticSamePadding`` cannot be built without an image size. A 1x1 convolution of
+        stride 1 pads nothing, so the output is unchanged."""
+        for name, m in list(self.model.named_modules()):
+            if type(m).__name__ == "Conv2dStaticSamePadding" and m.kernel_size == (1, 1) \
+                    and m.stride == (1, 1):
+                plain = torch.nn.Conv2d(m.in_channels, m.out_channels, 1, bias=m.bias is not None,
+                                        groups=m.groups)
+                plain.weight, plain.bias = m.weight, m.bias
+                parent, _, leaf = name.rpartition(".")
+                setattr(self.model.get_submodule(parent), leaf, plain)
+        return self.model
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:  # [B,3,H,W] -> [B,1280]
         x = self.model.extract_features(images)  # [B, 1280, h, w]

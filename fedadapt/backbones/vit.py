@@ -46,6 +46,10 @@ class ViTBackbone(Backbone):
     """
 
     has_exits = True
+    #: LoRA on the attention's query and value projections (Hu et al.'s choice); (IA)^3 on the
+    #: keys, values and the MLP's second linear layer, whose input it scales (Liu et al. 2022).
+    peft_targets = {"lora": ("q_proj", "v_proj"), "ia3": ("k_proj", "v_proj", "fc2"),
+                    "ia3_feedforward": ("fc2",)}
 
     #: DeiT's image processor (facebook/deit-*-patch16-224): bicubic resize to 256, centre
     #: crop 224, ImageNet mean / std. Weights that ship a processor config override these.

@@ -148,16 +148,25 @@ def build_run_model(spec: RunSpec, backbone=None) -> AdaptedModel:
         from fedadapt.backbones import build_backbone
 
         backbone = build_backbone(spec.backbone)
-    torch.manual_seed(derive_seed(spec.seed, 0x1417))
-    model = build_model(spec.method, backbone if needs_backbone else BackboneInfo(spec.embed_dim),
-                        spec.num_classes, with_backbone=needs_backbone,
-                        class_text=spec.class_text)
+    model = seeded_model(spec.method, spec.seed,
+                         backbone if needs_backbone else BackboneInfo(spec.embed_dim),
+                         spec.num_classes, with_backbone=needs_backbone,
+                         class_text=spec.class_text)
     model = model.to(spec.device)
     st = spec.setting
     personalize_all = st.name == "personalization" and st.personalize == "full"
     if needs_backbone and not personalize_all:  # full personalization trains the backbone
         hold_frozen(model.backbone, spec.precision)
     return model
+
+
+def seeded_model(method, seed: int, backbone, num_classes: int, *, with_backbone: bool,
+                 class_text=None) -> AdaptedModel:
+    """``method``'s model with the run's seeded initialisation (every process, and an export
+    rebuilt later, draws the same initial tensors, FFA-LoRA's frozen ``A`` among them)."""
+    torch.manual_seed(derive_seed(seed, 0x1417))
+    return build_model(method, backbone, num_classes, with_backbone=with_backbone,
+                       class_text=class_text)
 
 
 _MODELS: dict[str, tuple[AdaptedModel, dict]] = {}

@@ -68,7 +68,8 @@ def apply_setting(cfg: RunConfig, spec: RunSpec, model: AdaptedModel) -> None:
         return
     if not model.has_exits:
         raise ConfigError(f"setting={st.name} needs a method with early exits (lw_linear, "
-                          f"lw_mlp, accumulator) on a ViT backbone, not method={cfg.method.name} "
+                          f"lw_mlp, accumulator, or a PEFT method with method.exits=true) on a "
+                          f"ViT backbone, not method={cfg.method.name} "
                           f"on backbone={cfg.backbone.name}")
     spec.num_exits = model.num_exits
     spec.client_exits = client_exits(st, spec.num_clients, spec.num_exits, cfg.seed)
