@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from fedadapt.config import ConfigError
+from fedadapt.config import ConfigError, FedadaptError
 
 EXPORT_JSON = "fedadapt_export.json"
 
@@ -298,10 +298,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         out = export_run(args.run_dir, args.out, merge=args.merge, quiet=False)
-    except ConfigError as err:
+    except FedadaptError as err:  # a bad run directory, a corrupt checkpoint, missing weights
         print(f"fedadapt-export: error: {str(err).removeprefix('fedadapt-export: ')}",
               file=sys.stderr)
         return 2
+    except OSError as err:  # a full disk or an unwritable --out: the OS's own words
+        print(f"fedadapt-export: error: {err.filename or args.out}: {err.strerror or err}",
+              file=sys.stderr)
+        return 1
     print(f"Exported to {out}")
     return 0
 

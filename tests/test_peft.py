@@ -315,3 +315,16 @@ def test_every_kind_of_flower_strategy_aggregates_lora_tensors(tmp_path, cache_d
         assert np.isfinite(summary["final"]["global_acc"]), name
         sent = summary["params"]["communicated_params"]
         assert rows[0]["bytes_up"] >= 6 * 4 * sent, name  # 6 clients x float32 x tensors
+
+
+def test_export_refuses_what_is_not_a_finished_run(tmp_path, capsys):
+    from fedadapt.export import main
+
+    assert main([str(tmp_path / "nowhere")]) == 2
+    assert "has no summary.json" in capsys.readouterr().err
+    job = tmp_path / "job"
+    (job / "linear_head").mkdir(parents=True)
+    (job / "linear_head" / "summary.json").write_text("{}")
+    assert main([str(job)]) == 2
+    err = capsys.readouterr().err
+    assert "a job folder: export one of its runs, linear_head" in err and err.count("\n") == 1

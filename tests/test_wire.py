@@ -15,6 +15,7 @@ from fedadapt.clients.app import PERSONAL_KEY
 from flwr.app import ArrayRecord, Message, MessageType, Metadata, MetricRecord, RecordDict
 
 from fedadapt.adapters import load_methods
+from fedadapt.adapters.bitfit import BitfitConfig
 from fedadapt.adapters.exits import AccumulatorConfig, LwLinearConfig, LwMlpConfig
 from fedadapt.adapters.fedclip import FedClipConfig
 from fedadapt.adapters.heads import (
@@ -23,6 +24,8 @@ from fedadapt.adapters.heads import (
     LocalOnlyConfig,
     MlpHeadConfig,
 )
+from fedadapt.adapters.ia3 import Ia3MethodConfig
+from fedadapt.adapters.lora import DoraMethodConfig, LoraMethodConfig
 from fedadapt.config import (
     BackboneConfig,
     DatasetConfig,
@@ -85,6 +88,12 @@ def runs(cache_dir, binary_data):
         cfg = tiny_run(cache_dir, m, backbone=TINY_VIT, setting=setting)
         exits.append((m, cfg))
     fedclip = [(FedClipConfig(), tiny_run(cache_dir, FedClipConfig(), backbone=TINY_CLIP))]
+    # the PEFT methods: a personal LoRA (it must never leave its client), LoRA per tier
+    peft = [(m, tiny_run(cache_dir, m, backbone=TINY_VIT, setting=setting)) for m, setting in (
+        (LoraMethodConfig(rank=2, personal=True), SettingConfig()),
+        (LoraMethodConfig(rank=2, exits=True, ffa=True), SettingConfig(name="multitier")),
+        (DoraMethodConfig(rank=2), SettingConfig()), (Ia3MethodConfig(), SettingConfig()),
+        (BitfitConfig(), SettingConfig()))]
     iciia = [(m, tiny_run(cache_dir, m, partition=SESSION_PARTITION)) for m in
              [IciiaConfig(images=4, min_history=1, finetune_epochs=1, **SERVER)]]
     binary = DatasetConfig(name="inaturalist", path=binary_data)
@@ -94,7 +103,7 @@ def runs(cache_dir, binary_data):
                                      **SERVER),
                           CdcMmpgConfig(adr_epochs=1, finetune_steps=2, auc_bins=32,
                                         **SERVER))]
-    listed = heads + exits + fedclip + iciia + sessions
+    listed = heads + exits + fedclip + peft + iciia + sessions
     # a method added since (docs/adding-a-method.md) is audited with its defaults on the tiny run
     named = {m.name for m, _ in listed}
     added = [(spec.config_cls(), tiny_run(cache_dir, spec.config_cls()))
@@ -146,7 +155,7 @@ def test_no_reply_of_any_method_carries_labels_test_features_or_personal_tensors
         seen.add(method.name)
         kinds = {sent.metadata.message_type for sent, _ in exchanges}
         assert MessageType.QUERY in kinds and len(exchanges) > cfg.partition.num_clients
-        if method.name == "local_only":
+        if method.name == "local_only" or getattr(method, "personal", False):
             assert secrets.personal  # there was something to find
         if method.name == "accumulator":  # the personalized client tokens, kept on disk
             assert len(secrets.personal) >= cfg.partition.num_clients
