@@ -50,13 +50,21 @@ def test_reply_holds_exactly_the_communicated_tensors(method, cache_dir, flower_
     assert PERSONAL_KEY not in ctx.state.array_records
 
 
-def test_a_worker_trains_its_clients_side_by_side_and_alone_alike(cache_dir, flower_task):
+def test_a_worker_trains_its_clients_side_by_side_and_alone_alike(cache_dir, flower_task,
+                                                                 monkeypatch):
     """One message names three clients: each gets its own records; grouping (K = 3) gives
-    what one after another (K = 1) gives, to floating-point tolerance."""
+    what one after another (K = 1) gives, to floating-point tolerance, and the grouped call
+    trains no client alone (a silent fallback to one at a time would pass the comparison)."""
+    from fedadapt.federation import worker
+
     prep = prepare_run(tiny_run(cache_dir, LinearHeadConfig()), quiet=True)
     app = make_client_app(lambda ctx: prep.spec)
     sent = prep.model.tensors(prep.model.communicated_names())
     alone = call(app, prep, "train", context(0), sent, clients=(0, 1, 2), group=1)
+
+    def not_alone(*a, **kw):
+        raise AssertionError("a grouped client was trained alone")
+    monkeypatch.setattr(worker, "train_local", not_alone)
     grouped = call(app, prep, "train", context(0), sent, clients=(0, 1, 2), group=3)
     assert sorted(alone) == sorted(grouped) == [0, 1, 2]
     for cid in range(3):
@@ -66,6 +74,47 @@ def test_a_worker_trains_its_clients_side_by_side_and_alone_alike(cache_dir, flo
             torch.testing.assert_close(g[name], a[name], atol=1e-5, rtol=1e-4)
         assert (grouped[cid].metric_records["metrics"]["num-examples"]
                 == len(prep.spec.clients[cid].train))
+
+
+def test_a_group_that_fails_side_by_side_retries_alone_with_its_cause(cache_dir, flower_task,
+                                                                      monkeypatch):
+    """A fault inside the grouped step of one group (clients 0 and 1 of groups {0, 1}, {2}):
+    only that group's clients are retried one at a time, with one log line naming the cause;
+    every client's result is what the unbroken worker gives."""
+    from fedadapt.federation import worker
+
+    prep = prepare_run(tiny_run(cache_dir, LinearHeadConfig()), quiet=True)
+    app = make_client_app(lambda ctx: prep.spec)
+    sent = prep.model.tensors(prep.model.communicated_names())
+    clean = call(app, prep, "train", context(0), sent, clients=(0, 1, 2), group=2)
+    lines, alone = [], []
+    real_group, real_local = worker.train_group, worker.train_local
+
+    def broken_group(model, source, jobs, *a, **kw):
+        if any(j.cid == 0 for j in jobs):
+            raise RuntimeError("vmap: no batching rule for this op")
+        return real_group(model, source, jobs, *a, **kw)
+
+    def local(model, source, indices, *a, **kw):
+        alone.append(next(c for c in range(3) if np.array_equal(
+            prep.spec.clients[c].train, indices)))
+        return real_local(model, source, indices, *a, **kw)
+    monkeypatch.setattr(worker, "train_group", broken_group)
+    monkeypatch.setattr(worker, "train_local", local)
+    monkeypatch.setattr(worker, "log", lines.append)
+    monkeypatch.setattr(worker, "_FALLBACK_CAUSES", set())
+    out = call(app, prep, "train", context(0), sent, clients=(0, 1, 2), group=2)
+    out_again = call(app, prep, "train", context(0), sent, clients=(0, 1, 2), group=2)
+    assert sorted(alone) == [0, 0, 1, 1, 2, 2]  # group {0, 1} retried alone; {2} is one client
+    assert lines == ["[worker] a group of 2 clients failed side by side (RuntimeError: vmap: no "
+                     "batching rule for this op): training its clients one at a time (only this "
+                     "group)"]  # once per cause
+    for cid in range(3):
+        want = clean[cid].array_records["arrays"].to_torch_state_dict()
+        for got in (out, out_again):
+            got = got[cid].array_records["arrays"].to_torch_state_dict()
+            for name in want:
+                torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-4)
 
 
 def test_a_failing_client_fails_alone(cache_dir, flower_task):

@@ -1,6 +1,6 @@
 """Grouped local training equals K sequential clients (train_local) to floating-point
 tolerance: every client-trained method, K = 1, 3, 8, clients of unequal sizes, anytime exits,
-multi-tier, FedProx, gradient clipping, SGD / Adam / AdamW, crops; dropout by distribution."""
+multi-tier, FedProx, gradient clipping, SGD / Adam / AdamW, crops, dropout."""
 
 from dataclasses import replace
 
@@ -120,23 +120,98 @@ def test_attai_and_finetune(cache_dir):
     assert_same(fine, jobs_for(fine, 3), atol=5e-5)
 
 
-def test_dropout_draws_depend_on_the_group_but_not_their_distribution(cache_dir):
-    """With dropout the masks come from the global generator under vmap: a client's result
-    differs with its group, but over many seeds its mean final loss is the same alone and in a
-    group of eight (within three standard errors)."""
+def test_dropout_masks_are_each_clients_own_alone_or_grouped(cache_dir):
+    """Dropout draws from the client's own step keys (fedadapt.federation.dropout), so a
+    client's masks, and its result, do not depend on its group: K = 8 equals one at a time,
+    anytime exits and FedProx included; and the masks are live (dropout 0.5 trains otherwise
+    than dropout 0, and two seeds draw different masks)."""
     prep = prepared(cache_dir, LwMlpConfig(hidden_dim=16, dropout=0.5), backbone=TINY_VIT)
-    jobs = jobs_for(prep, 8, exits=[2])
-    alone, grouped = [], []
-    for s in range(12):
-        first = replace(jobs[0], seed=derive_seed(11, s))
-        alone.append(train_group(prep.model, prep.spec.train_source, [first],
-                                 prep.spec.train, lr=0.05)[0].loss)
-        grouped.append(train_group(prep.model, prep.spec.train_source, [first, *jobs[1:]],
-                                   prep.spec.train, lr=0.05)[0].loss)
-    a, g = np.array(alone), np.array(grouped)
-    assert not np.allclose(a, g)
-    sem = np.sqrt(a.var(ddof=1) / len(a) + g.var(ddof=1) / len(g))
-    assert abs(a.mean() - g.mean()) < 3 * sem + 1e-6
+    jobs = jobs_for(prep, 8, exits=[0, 1, 2])
+    assert_same(prep, jobs, mu=0.01)
+    one = train_group(prep.model, prep.spec.train_source, jobs[:1], prep.spec.train, lr=0.05)
+    reseeded = train_group(prep.model, prep.spec.train_source, [replace(jobs[0], seed=99)],
+                           prep.spec.train, lr=0.05)
+    assert one[0].loss != pytest.approx(reseeded[0].loss, rel=1e-6)
+    plain = prepared(cache_dir, LwMlpConfig(hidden_dim=16, dropout=0.0), backbone=TINY_VIT)
+    nodrop = train_group(plain.model, plain.spec.train_source, jobs[:1], plain.spec.train,
+                         lr=0.05)
+    assert one[0].loss != pytest.approx(nodrop[0].loss, rel=1e-4)
+
+
+def test_dropout_keeps_one_minus_p_and_rescales():
+    from fedadapt.federation import dropout
+
+    layer = torch.nn.Dropout(0.3).train()
+    dropout.install(layer)
+    x = torch.ones(200_000)
+    with dropout.keyed(torch.tensor(dropout.step_key(3, 0))):
+        out = layer(x)
+        again = layer(x)  # the forward's second call: another mask
+    kept = out > 0
+    assert kept.float().mean().item() == pytest.approx(0.7, abs=0.005)
+    assert torch.allclose(out[kept], torch.full_like(out[kept], 1 / 0.7))
+    assert not torch.equal(kept, again > 0)
+    with dropout.keyed(torch.tensor(dropout.step_key(3, 0))):
+        assert torch.equal(layer(x), out)  # the same key, the same mask
+    assert torch.equal(layer.eval()(x), x)
+
+
+def test_the_grouped_step_reads_nothing_back_per_step(cache_dir, monkeypatch):
+    """Host reads (item, bool, float, int, tolist, numpy, cpu on a tensor) per grouped
+    training, outside the data path and the host-side schedule draws: the same small count for
+    2 clients x 1 epoch as for 8 clients x 3 epochs, anytime with FedProx, however many steps and
+    tensors (the final tensors and the losses, once per group)."""
+    prep = prepared(cache_dir, AccumulatorConfig(), backbone=TINY_VIT)
+    counts = []
+    for k, epochs in ((2, 1), (8, 3)):
+        calls = [0]
+        train = replace(prep.spec.train, local_epochs=epochs)
+        model, source, jobs = prep.model, prep.spec.train_source, jobs_for(prep, k, exits=[0, 2])
+        from fedadapt.federation import grouped
+        from fedadapt.federation.grouped import UsedTensors
+
+        used = UsedTensors(model, source, int(jobs[0].indices[0]))
+        for e in (0, 2):
+            used(e)  # found once per run in a worker, before any group trains
+        for name in ("item", "__bool__", "__float__", "__int__", "tolist", "numpy", "cpu"):
+            orig = getattr(torch.Tensor, name)
+
+            def counted(self, *a, _orig=orig, _calls=calls, **kw):
+                _calls[0] += 1
+                return _orig(self, *a, **kw)
+            monkeypatch.setattr(torch.Tensor, name, counted)
+        def schedule(job, train, _orig=grouped._schedule, _calls=calls):
+            before = _calls[0]  # the client's batches and exits: host-side generator draws
+            out = _orig(job, train)
+            _calls[0] = before
+            return out
+        monkeypatch.setattr(grouped, "_schedule", schedule)
+        train_group(model, _ReadsNotCounted(source, calls), jobs, train, lr=0.05,
+                    proximal_mu=0.01, used=used)
+        monkeypatch.undo()
+        counts.append(calls[0])
+    assert counts[0] == counts[1] <= 3, counts
+
+
+class _ReadsNotCounted:
+    """The data source, whose own reads (the data path's, not the step's) are not counted."""
+
+    def __init__(self, source, calls):
+        self.source, self.calls = source, calls
+
+    def __getattr__(self, name):
+        return getattr(self.source, name)
+
+    def stream(self, *a, **kw):
+        it = self.source.stream(*a, **kw)
+        while True:
+            before = self.calls[0]
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            self.calls[0] = before
+            yield batch
 
 
 def test_personalization_side_by_side_equals_one_after_another(cache_dir, flower_task):

@@ -157,6 +157,14 @@ def test_lora_with_exits_anytime_grouped(cache_dir):
     assert_same(prep, jobs_for(prep, 8, exits=[0, 1, 2]), atol=1e-5)
 
 
+def test_lora_dropout_and_the_heads_dropout_are_each_clients_own_grouped(cache_dir):
+    """peft's lora_dropout and the MLP head's dropout draw from the client's own keys, so
+    grouped equals one at a time with dropout on (fedadapt.federation.dropout)."""
+    prep = prepared(cache_dir, LoraMethodConfig(rank=4, lora_dropout=0.3, head="mlp",
+                                                hidden_dim=16, dropout=0.3), backbone=TINY_VIT)
+    assert_same(prep, jobs_for(prep, 8), atol=1e-5)
+
+
 # -- what travels ------------------------------------------------------------------------------
 
 def test_a_tier_client_sends_only_its_blocks_lora_and_its_exit_head(cache_dir):

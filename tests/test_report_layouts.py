@@ -6,8 +6,10 @@ import pytest
 import yaml
 
 from fedadapt.results.report import (
+    aggregate,
     communication_table,
     find_runs,
+    paired_deltas,
     paper_table,
     personalization_table,
     rounds_to,
@@ -22,7 +24,7 @@ def make_run(root, name, *, label, alpha, seed, accs, params=1_000_000, part=Non
     history = [{"round": r + 1, "global_acc": a, "cum_bytes": 100 * (r + 1)}
                for r, a in enumerate(accs)]
     (d / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
-    summary = {"method": label, "final": {"global_acc": accs[-1]},
+    summary = {"method": label, "seed": seed, "final": {"global_acc": accs[-1]},
                "best": {"global_acc": max(accs)},
                "params": {"trainable_params": params, "communicated_params": params},
                "personalization": None if part is None else {
@@ -108,3 +110,24 @@ def test_mlflow_artifact_copies_are_not_runs(tmp_path):
     make_run(tmp_path, "mlartifacts/1/abc/artifacts", label="linear_head", alpha=0.5, seed=0,
              accs=[0.5])  # what tracking.mlflow copies of the run directory
     assert [r["dir"] for r in find_runs([str(tmp_path)])] == [str(tmp_path / "quickstart/run")]
+
+
+def test_against_pairs_each_seed_with_the_baseline_under_the_same_settings(tmp_path):
+    # seed s: the baseline at 0.40 + s / 10 (a partition effect shared by both methods), lora
+    # 0.05 above it at alpha 0.1 and 0.01 below at alpha 1000
+    for alpha, gap in ((0.1, 0.05), (1000, -0.01)):
+        for seed in range(3):
+            base = 0.40 + seed / 10
+            make_run(tmp_path, f"b{alpha}{seed}", label="linear_head", alpha=alpha, seed=seed,
+                     accs=[base])
+            make_run(tmp_path, f"l{alpha}{seed}", label="lora", alpha=alpha, seed=seed,
+                     accs=[base + gap])
+    varying, rows = aggregate(find_runs([str(tmp_path)]))
+    column = paired_deltas(varying, rows, "linear_head")
+    by = {(r["method.name"], r["partition.alpha"]): r[column] for r in rows}
+    assert by[("linear_head", 0.1)] is None
+    assert by[("lora", 0.1)].mean == pytest.approx(5.0)
+    assert by[("lora", 0.1)].std == pytest.approx(0.0, abs=1e-9)  # the seeds' spread cancels
+    assert by[("lora", 1000)].mean == pytest.approx(-1.0)
+    with pytest.raises(ValueError, match="--against dora: no run of method 'dora'"):
+        paired_deltas(varying, rows, "dora")

@@ -10,12 +10,11 @@ client as batched matmuls. The losses are summed, so each client's gradient is i
 The same semantics as :func:`fedadapt.federation.training.train_local` run K times:
 
 * every random draw comes from the client's own seed: its shuffling, its exit per step (anytime),
-  its crops (a hash of its crop seed and the image), so results never depend on which clients
-  share a group. Dropout is the exception: under ``vmap`` it draws from the global generator
-  (``randomness="different"``), so a model with dropout gets other masks than alone (same
-  distribution; tests check the group composition does not change it);
+  its crops (a hash of its crop seed and the image), its dropout masks (a hash of its step key,
+  :mod:`fedadapt.federation.dropout`), so results never depend on which clients share a group;
 * clients of different sizes leave the group when their batches run out (their tensors are
-  taken at their last step); a step's clients are split into buckets of equal batch size;
+  taken at their last step); a step's clients are split into buckets of equal batch size and
+  equal exit, so an anytime client that drew exit 3 runs blocks 0..3 only, grouped or alone;
 * the optimiser (:class:`StackedOptimizer`: SGD with momentum / Adam / AdamW, torch's update
   rules) keeps per-client state and updates a client's tensor only at steps where that client's
   loss used it, as torch's optimisers skip tensors without a gradient: an anytime client that
@@ -24,6 +23,11 @@ The same semantics as :func:`fedadapt.federation.training.train_local` run K tim
 
 With these the grouped result equals K sequential clients to floating-point tolerance
 (``tests/test_grouped.py``: K = 1, 3, 8, unequal sizes, every client-trained method).
+
+The step loop reads nothing back from the device: which tensors each client's step updates is
+known on the host from its exit (one ``[steps, tensors, K]`` mask sent once per group), losses
+are summed on the device, and the final tensors and losses come back in two transfers per group
+(``tests/test_grouped.py`` counts them).
 """
 
 from __future__ import annotations
@@ -74,23 +78,18 @@ class _Call(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor, exit_onehot: Optional[torch.Tensor],
-                last_exit: Optional[int]) -> torch.Tensor:
-        if last_exit is None:
+    def forward(self, x: torch.Tensor, y: torch.Tensor, exit_: Optional[int]) -> torch.Tensor:
+        if exit_ is None:
             return self.model.training_loss(x, y)
-        if exit_onehot is None:  # every client of the bucket at the same exit
-            logits = self.model.exit_logits(x, last_exit=last_exit, all_exits=False)[-1]
-            return F.cross_entropy(logits, y)
-        # anytime: clients drew different exits; run to the deepest and take each one's own
-        # (exit e's logits depend on blocks 0..e only, so this is exact)
-        every = torch.stack(self.model.exit_logits(x, last_exit=last_exit, all_exits=True))
-        return F.cross_entropy(torch.einsum("e,ebc->bc", exit_onehot, every), y)
+        logits = self.model.exit_logits(x, last_exit=exit_, all_exits=False)[-1]
+        return F.cross_entropy(logits, y)
 
 
 class StackedOptimizer:
     """Per-client SGD (momentum, weight decay) / Adam / AdamW over ``[K, ...]`` tensors, torch's
-    update rules; ``step(used)`` updates client k's slice of tensor n only where
-    ``used[n][k]``, as torch skips a tensor without a gradient (its state untouched too)."""
+    update rules; ``step(used, active)`` updates client k's slice of the i-th tensor only where
+    ``used[i, k]`` (a device tensor), as torch skips a tensor without a gradient (its state
+    untouched too); ``active[i]`` (on the host): whether any client used it."""
 
     def __init__(self, stacked: dict[str, torch.Tensor], train: TrainConfig, lr: float) -> None:
         self.tensors, self.train, self.lr = stacked, train, lr
@@ -101,13 +100,12 @@ class StackedOptimizer:
             t.grad = None
 
     @torch.no_grad()
-    def step(self, used: dict[str, torch.Tensor]) -> None:
-        for name, p in self.tensors.items():
-            mask = used[name]
-            if p.grad is None or not bool(mask.any()):
+    def step(self, used: torch.Tensor, active) -> None:
+        for i, (name, p) in enumerate(self.tensors.items()):
+            if p.grad is None or not active[i]:
                 continue
             shape = (-1,) + (1,) * (p.dim() - 1)
-            m = mask.view(shape)
+            m = used[i].view(shape)
             new = self._sgd(name, p, m) if self.train.optimizer == "sgd" else \
                 self._adam(name, p, m, shape)
             p.copy_(torch.where(m, new, p))
@@ -178,14 +176,29 @@ def _schedule(job: ClientJob, train: TrainConfig) -> _Schedule:
 
 def _plan(scheds: list[_Schedule]) -> list[tuple[int, list[int]]]:
     """``(step, clients)`` buckets: at each step the clients with a batch left, split by batch
-    size (a client's last batch of an epoch may be smaller)."""
+    size (a client's last batch of an epoch may be smaller) and by the exit they drew."""
     out = []
     for t in range(max((len(s.batches) for s in scheds), default=0)):
-        by_size: dict[int, list[int]] = {}
+        by_kind: dict[tuple, list[int]] = {}
         for k, s in enumerate(scheds):
             if t < len(s.batches):
-                by_size.setdefault(len(s.batches[t]), []).append(k)
-        out += [(t, ks) for _, ks in sorted(by_size.items(), reverse=True)]
+                kind = (len(s.batches[t]), -1 if s.exits[t] is None else s.exits[t])
+                by_kind.setdefault(kind, []).append(k)
+        out += [(t, ks) for _, ks in sorted(by_kind.items(), reverse=True)]
+    return out
+
+
+def _masks(plan, scheds: list[_Schedule], names: list[str], used, every: bool
+           ) -> np.ndarray:
+    """``[steps, tensors, K]``: whether client k's step t gives tensor n a gradient (all of them
+    with FedProx, whose term reaches every tensor)."""
+    steps = max((len(s.batches) for s in scheds), default=0)
+    out = np.zeros((steps, len(names), len(scheds)), dtype=bool)
+    index = {n: i for i, n in enumerate(names)}
+    for t, ks in plan:
+        for k in ks:
+            rows = range(len(names)) if every else [index[n] for n in used(scheds[k].exits[t])]
+            out[t, list(rows), k] = True
     return out
 
 
@@ -208,7 +221,7 @@ class UsedTensors:
 
             model.zero_grad(set_to_none=True)
             with torch.enable_grad(), autocast(dev.type, self.precision):
-                loss = _Call(model)(x, y, None, exit_)
+                loss = _Call(model)(x, y, exit_)
             loss.float().backward()
             self.cache[key] = frozenset(n for n, p in model.named_parameters()
                                         if p.requires_grad and p.grad is not None)
@@ -220,21 +233,28 @@ def train_group(model: nn.Module, source: DataSource, jobs: list[ClientJob], tra
                 *, lr: float, precision: str = "fp32", proximal_mu: float = 0.0,
                 used: Optional[UsedTensors] = None) -> list[ClientResult]:
     """Train ``jobs`` side by side (see the module docstring); one result per job, in order."""
+    from fedadapt.federation import dropout
+
     dev = next(model.parameters()).device
+    dropout.install(model)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     frozen = {f"model.{n}": p for n, p in model.named_parameters() if not p.requires_grad}
     frozen.update({f"model.{n}": b for n, b in model.named_buffers()})
     stacked = {n: torch.stack([j.tensors[n].to(dev, torch.float32) for j in jobs])
                .requires_grad_(True) for n in names}
+    final = {n: t.detach().clone() for n, t in stacked.items()}  # each client's last step
     start = {n: t.detach().clone() for n, t in stacked.items()} if proximal_mu > 0 else None
     opt = StackedOptimizer(stacked, train, lr)
     scheds = [_schedule(j, train) for j in jobs]
     plan = _plan(scheds)
     used = used or UsedTensors(model, source, _first_index(jobs), precision)
-    loss_sum, seen = np.zeros(len(jobs)), np.zeros(len(jobs), dtype=np.int64)
-    results: list[Optional[ClientResult]] = [None] * len(jobs)
+    host_masks = _masks(plan, scheds, names, used, every=start is not None)
+    masks = torch.from_numpy(host_masks).to(dev)
+    active = host_masks.any(axis=2)
+    loss_sum = torch.zeros(len(jobs), dtype=torch.float64, device=dev)
+    seen = np.zeros(len(jobs), dtype=np.int64)
     call = _Call(model)
-    torch.manual_seed(derive_seed(jobs[0].seed, len(jobs), 0xD809))  # dropout (see docstring)
+    torch.manual_seed(derive_seed(jobs[0].seed, len(jobs), 0xD809))  # any other draw
     model.train()
     crops = _crops(jobs, scheds, plan, train, source)
     step_of = [t for t, _ in plan]
@@ -242,33 +262,48 @@ def train_group(model: nn.Module, source: DataSource, jobs: list[ClientJob], tra
         t, ks = plan[i]
         if i == 0 or step_of[i - 1] != t:
             opt.zero_grad()
-            mask = {n: torch.zeros(len(jobs), dtype=torch.bool, device=dev) for n in names}
-        exits = [scheds[k].exits[t] for k in ks]
-        losses = _bucket_losses(call, stacked, frozen, ks, x, y, exits, precision, dev)
+        size = len(scheds[ks[0]].batches[t])
+        pos = torch.tensor(ks, device=dev)
+        keys = torch.tensor([dropout.step_key(jobs[k].seed, t) for k in ks], device=dev)
+        losses = _bucket_losses(call, stacked, frozen, pos, x, y, keys,
+                                scheds[ks[0]].exits[t], precision, dev)
         if start is not None:
-            pos = torch.tensor(ks, device=dev)
             losses = losses + 0.5 * proximal_mu * sum(
                 (stacked[n][pos] - start[n][pos]).pow(2).reshape(len(ks), -1).sum(1)
                 for n in names)
         losses.sum().backward()
-        for j, k in enumerate(ks):
-            loss_sum[k] += float(losses[j].detach()) * len(scheds[k].batches[t])
-            seen[k] += len(scheds[k].batches[t])
-            step_used = used(exits[j]) if start is None else names
-            for n in step_used:
-                mask[n][k] = True
+        loss_sum.index_add_(0, pos, losses.detach().double() * size)
+        seen[ks] += size
         if i + 1 == len(plan) or step_of[i + 1] != t:  # the step's last bucket: update
             if train.clip_grad_norm is not None:
                 _clip(stacked, train.clip_grad_norm)
-            opt.step(mask)
-            for k in range(len(jobs)):
-                if results[k] is None and len(scheds[k].batches) == t + 1:
-                    results[k] = ClientResult(
-                        {n: stacked[n][k].detach().cpu().clone() for n in names},
-                        loss_sum[k] / max(seen[k], 1), int(seen[k]))
-    return [r if r is not None else ClientResult(
-        {n: j.tensors[n].detach().cpu().clone() for n in names}, 0.0, 0)
-        for r, j in zip(results, jobs)]
+            opt.step(masks[t], active[t])
+            done = [k for k in range(len(jobs)) if len(scheds[k].batches) == t + 1]
+            if done:
+                at = torch.tensor(done, device=dev)
+                for n in names:
+                    final[n].index_copy_(0, at, stacked[n].detach().index_select(0, at))
+    return _results(jobs, names, final, loss_sum, seen)
+
+
+def _results(jobs: list[ClientJob], names: list[str], final: dict[str, torch.Tensor],
+             loss_sum: torch.Tensor, seen: np.ndarray) -> list[ClientResult]:
+    """Every client's tensors and mean loss, in two transfers from the device."""
+    flat = torch.cat([final[n].reshape(len(jobs), -1) for n in names], 1).cpu() if names \
+        else torch.zeros(len(jobs), 0)
+    losses = loss_sum.cpu().numpy()
+    sizes = [final[n][0].numel() for n in names]
+    out = []
+    for k, job in enumerate(jobs):
+        if seen[k] == 0:  # no batch: its tensors as they came
+            out.append(ClientResult({n: job.tensors[n].detach().cpu().clone() for n in names},
+                                    0.0, 0))
+            continue
+        parts = flat[k].split(sizes) if names else []
+        out.append(ClientResult({n: part.view(final[n].shape[1:]).clone()
+                                 for n, part in zip(names, parts)},
+                                float(losses[k] / seen[k]), int(seen[k])))
+    return out
 
 
 def _stream(source: DataSource, jobs: list[ClientJob], scheds: list[_Schedule], plan, dev,
@@ -297,28 +332,24 @@ def _crops(jobs, scheds, plan, train: TrainConfig, source: DataSource):
             if all(jobs[k].crop_seed is not None for k in ks) else None for t, ks in plan]
 
 
-def _bucket_losses(call: _Call, stacked: dict, frozen: dict, ks: list[int], x: torch.Tensor,
-                   y: torch.Tensor, exits: list[Optional[int]], precision: str,
+def _bucket_losses(call: _Call, stacked: dict, frozen: dict, pos: torch.Tensor, x: torch.Tensor,
+                   y: torch.Tensor, keys: torch.Tensor, exit_: Optional[int], precision: str,
                    dev: torch.device) -> torch.Tensor:
-    """``[len(ks)]`` losses of one bucket: its clients' batches through the model at once."""
+    """``[len(pos)]`` losses of one bucket (its clients at one exit): their batches through the
+    model at once, each client's dropout drawn from its own ``keys`` entry."""
     from fedadapt.devices import autocast
+    from fedadapt.federation.dropout import keyed
 
-    kb = len(ks)
-    pos = torch.tensor(ks, device=dev)
+    kb = len(pos)
     params = {f"model.{n}": t.index_select(0, pos) for n, t in stacked.items()}
     xs, ys = x.reshape(kb, -1, *x.shape[1:]), y.reshape(kb, -1)
-    if exits[0] is None or len(set(exits)) == 1:
-        last, onehot = exits[0], None
-    else:
-        last = max(exits)
-        onehot = F.one_hot(torch.tensor(exits, device=dev), last + 1).to(torch.float32)
 
-    def one(p, xk, yk, hk):  # one client: its tensors, its batch
-        return functional_call(call, {**frozen, **p}, (xk, yk, hk, last), strict=False)
+    def one(p, xk, yk, key):  # one client: its tensors, its batch, its dropout key
+        with keyed(key):
+            return functional_call(call, {**frozen, **p}, (xk, yk, exit_), strict=False)
 
     with autocast(dev.type, precision), _attention_for_vmap(dev):
-        out = vmap(one, in_dims=(0, 0, 0, None if onehot is None else 0),
-                   randomness="different")(params, xs, ys, onehot)
+        out = vmap(one, randomness="different")(params, xs, ys, keys)
     return out.float()
 
 

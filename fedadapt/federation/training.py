@@ -241,23 +241,25 @@ def train_local(
     gets its seeded ``RandomResizedCrop``. ``train.clip_grad_norm`` clips the gradients' norm.
     """
     from fedadapt.devices import autocast
+    from fedadapt.federation import dropout
 
     dev = next(model.parameters()).device
+    dropout.install(model)  # the client's own masks, as when it trains in a group
     params = [p for p in model.parameters() if p.requires_grad]
     anchor = [p.detach().clone() for p in params] if proximal_mu > 0 else None
     opt = make_optimizer(params, train, lr)
     gen = torch.Generator().manual_seed(seed)
     exit_gen = torch.Generator().manual_seed(derive_seed(seed, 0xE817))
-    torch.manual_seed(seed)  # dropout / drop-connect
+    torch.manual_seed(seed)  # any draw other than dropout's
     model.train()
-    total, seen = 0.0, 0
+    total, seen = torch.zeros((), dtype=torch.float64, device=dev), 0
     batches = batches_of(indices, train.batch_size, train.local_epochs, gen)
     crops = None
     if crop_seed is not None and train.crop_scale is not None:
         scale = (float(train.crop_scale[0]), float(train.crop_scale[1]))
         crops = [(scale, np.full(len(b), crop_seed, dtype=np.uint64)) for b in batches]
-    for x, y in source.stream(batches, dev, crops):
-        with autocast(dev.type, precision):
+    for t, (x, y) in enumerate(source.stream(batches, dev, crops)):
+        with autocast(dev.type, precision), dropout.keyed(torch.tensor(dropout.step_key(seed, t))):
             if exits is None:
                 loss = model.training_loss(x, y)
             else:
@@ -273,9 +275,9 @@ def train_local(
         if train.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, train.clip_grad_norm)
         opt.step()
-        total += float(loss.detach()) * len(y)
+        total += loss.detach().double() * len(y)  # read once, after the last step
         seen += len(y)
-    return total / max(seen, 1), seen
+    return float(total) / max(seen, 1), seen
 
 
 @torch.no_grad()

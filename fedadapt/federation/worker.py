@@ -17,7 +17,6 @@ or, without a state folder (a deployment client), in its ``context.state``.
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -229,10 +228,11 @@ def _train_groups(spec: RunSpec, model, jobs: list[ClientJob], size: int,
                 f"groups of {half} (set federation.clients_per_worker={half})")
             pending[:0] = [((lr, mu), group[:half]), ((lr, mu), group[half:])]
             continue
-        except Exception:  # isolate the client at fault
+        except Exception as err:  # isolate the client at fault
             if len(group) == 1:
-                keep(group[0].cid, _reason(sys.exc_info()[1]))
+                keep(group[0].cid, _reason(err))
                 continue
+            _log_fallback(len(group), err)
             for job in group:
                 try:
                     res = _run_group(spec, model, [job], lr, mu, train)[0]
@@ -243,6 +243,20 @@ def _train_groups(spec: RunSpec, model, jobs: list[ClientJob], size: int,
         for job, res in zip(group, results):
             keep(job.cid, res)
     return out
+
+
+#: The causes already logged by :func:`_log_fallback` in this process.
+_FALLBACK_CAUSES: set[str] = set()
+
+
+def _log_fallback(size: int, err: BaseException) -> None:
+    """A group that raised is trained one client at a time: say so, with the cause, once per
+    cause (a grouped path that silently fell back would make every speed figure a lie)."""
+    cause = _reason(err)
+    if cause not in _FALLBACK_CAUSES:
+        _FALLBACK_CAUSES.add(cause)
+        log(f"[worker] a group of {size} clients failed side by side ({cause}): training its "
+            f"clients one at a time (only this group)")
 
 
 def train_clients(spec: RunSpec, msg: Message, context: Context) -> RecordDict:

@@ -103,9 +103,36 @@ def aggregate(runs: list[dict]) -> tuple[list[str], list[dict]]:
         for name, path, scale in metrics:
             vals = [v for v in (_get(m["summary"], path) for m in members) if v is not None]
             row[name] = describe([v * scale for v in vals] if scale else vals)
+        row["runs"] = members
         rows.append(row)
     rows.sort(key=lambda r: [repr(r[k]) for k in varying])
     return varying, rows
+
+
+def paired_deltas(varying: list[str], rows: list[dict], against: str) -> str:
+    """Add to each row its final global accuracy minus method ``against``'s, paired by seed
+    (the same seed gives both methods the same partition, so the pair removes the partition's
+    share of the spread) under the same non-method settings; mean ± std over the pairs. Returns
+    the column's name."""
+    column = f"Δ vs {against} (paired by seed)"
+    context = [k for k in varying if not k.startswith("method.")]
+
+    def key(run: dict) -> tuple:
+        return (*(repr(run["config"].get(k)) for k in context), run["summary"].get("seed"))
+
+    def acc(run: dict):
+        return _get(run["summary"], ("final", "global_acc"))
+
+    base = {key(r): acc(r) for row in rows if row.get("method.name") == against
+            for r in row["runs"]}
+    if not base:
+        raise ValueError(f"--against {against}: no run of method {against!r} among these runs")
+    for row in rows:
+        diffs = [100.0 * (acc(r) - base[key(r)]) for r in row["runs"]
+                 if row.get("method.name") != against and base.get(key(r)) is not None
+                 and acc(r) is not None]
+        row[column] = describe(diffs) if diffs else None
+    return column
 
 
 def _cell(name: str, value) -> str:
@@ -128,8 +155,10 @@ def _csv_cells(value) -> list:
     return [value.mean, "" if value.std is None else value.std, lo, hi]
 
 
-def render(varying: list[str], rows: list[dict]) -> tuple[str, str]:
+def render(varying: list[str], rows: list[dict], extra: tuple[str, ...] = ()
+           ) -> tuple[str, str]:
     metrics = METRICS + ([EPSILON] if rows and EPSILON[0] in rows[0] else [])
+    metrics += [(name, None, None) for name in extra]
     header = [*varying, "seeds", "trainable", "communicated", *(m[0] for m in metrics)]
     md_rows = [[str(r[k]) for k in varying] + [str(r["seeds"]), fmt_count(r["trainable"]),
                                                fmt_count(r["communicated"])]
@@ -317,6 +346,9 @@ def main(argv: list[str] | None = None) -> None:
                              "DUET / CDC-MMPG (accuracy, payloads, delay table)")
     parser.add_argument("--target-method", default="lw_linear",
                         help="communication layout: whose best accuracy is the target")
+    parser.add_argument("--against", metavar="METHOD",
+                        help="runs layout: add each group's final global accuracy minus "
+                             "METHOD's, paired by seed under the same other settings")
     args = parser.parse_args(argv)
     missing = [d for d in args.dirs if not Path(d).is_dir()]
     if missing:
@@ -340,7 +372,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"Wrote {out / f'report-{args.layout}.md'}")
         return
     varying, rows = aggregate(runs)
-    md, csv_text = render(varying, rows)
+    extra = ()
+    if args.against:
+        try:
+            extra = (paired_deltas(varying, rows, args.against),)
+        except ValueError as err:
+            print(f"fedadapt-report: error: {err}", file=sys.stderr)
+            sys.exit(2)
+    md, csv_text = render(varying, rows, extra)
     title = (f"# fedadapt report: {len(runs)} runs in {len(rows)} groups (mean ± std over "
              f"seeds)\n\n{CONVENTION}\n\n")
     atomic_write(out / "report.md", lambda fh: fh.write(title + md))

@@ -1,0 +1,70 @@
+"""Dropout whose masks are the client's own, alone or side by side with other clients.
+
+torch's dropout draws from the one global generator, and under ``vmap`` (grouped clients,
+:mod:`fedadapt.federation.grouped`) every client of the group draws from it too, so a client's
+masks would depend on which clients share its group. Here a mask is a counter-based hash of
+(the client's key for this step, the dropout call's place in the forward, the element's index):
+a client draws the same masks in :func:`~fedadapt.federation.training.train_local` and in any
+group, and the key can be a batched tensor (one key per client) inside ``vmap``.
+
+:func:`install` points every ``nn.Dropout`` of a model (the MLP heads', peft's ``lora_dropout``)
+at :func:`_forward`; inside :func:`keyed` they use the key, elsewhere (evaluation, server-side
+training) they are torch's dropout.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from functools import partial
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_M31 = (1 << 31) - 1
+_STATE: dict = {"key": None, "calls": 0}
+
+
+def step_key(seed: int, step: int) -> int:
+    """A client's key at one local step: from its training seed and the step's index."""
+    return int(np.random.SeedSequence([int(seed), int(step), 0xD209]).generate_state(1)[0]) \
+        & _M31
+
+
+@contextmanager
+def keyed(key: torch.Tensor):
+    """Dropout in this forward draws from ``key`` (an int64 scalar; batched under ``vmap``)."""
+    _STATE.update(key=key, calls=0)
+    try:
+        yield
+    finally:
+        _STATE.update(key=None, calls=0)
+
+
+def uniform(key: torch.Tensor, call: int, shape: torch.Size, device) -> torch.Tensor:
+    """``shape`` floats in [0, 1): a 31-bit integer hash of (key, call, element index); every
+    product stays below 2^62, so int64 never overflows."""
+    idx = torch.arange(shape.numel(), dtype=torch.int64, device=device).view(shape)
+    h = (idx + key * 0x2545F491 + call * 0x61C88647) & _M31
+    for _ in range(2):
+        h = (((h >> 16) ^ h) * 0x45D9F3B) & _M31
+    h = (h >> 16) ^ h
+    return h.to(torch.float32) * (1.0 / (1 << 31))
+
+
+def _forward(module: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
+    key = _STATE["key"]
+    if key is None or not module.training or module.p == 0:
+        return F.dropout(x, module.p, module.training, module.inplace)
+    call = _STATE["calls"]
+    _STATE["calls"] = call + 1
+    keep = uniform(key, call, x.shape, x.device) >= module.p
+    return x * keep.to(x.dtype) * (1.0 / (1.0 - module.p))
+
+
+def install(model: nn.Module) -> None:
+    """Every ``nn.Dropout`` of ``model`` draws from the key of :func:`keyed` (idempotent)."""
+    for m in model.modules():
+        if type(m) is nn.Dropout and not isinstance(m.__dict__.get("forward"), partial):
+            m.forward = partial(_forward, m)
