@@ -70,6 +70,8 @@ def resume_target(path: str) -> tuple[Path, list[str]]:
     ``path`` is a job folder (it has ``job.json``) or one method's run directory inside it.
     """
     p = Path(path).expanduser().resolve()
+    if not p.is_dir():  # <job>/finetune that does not exist must not resume the whole job
+        raise ConfigError(f"resume={path!r} is invalid: no such folder")
     for job_dir in (p, p.parent):
         if (job_dir / JOB).is_file():
             return job_dir, read_job(job_dir / JOB, path)
@@ -400,11 +402,21 @@ def os_error_line(err: OSError, job_dir: Path | None = None) -> str:
     hint = {errno.ENOSPC: f" (free some space, then continue with `fedadapt resume={job}`)",
             errno.EROFS: " (point output_dir / FEDADAPT_CACHE at a writable folder)",
             errno.EACCES: " (check the folder's permissions)"}.get(err.errno, "")
-    return f"{err.strerror or type(err).__name__}{where}{hint}"
+    # numpy's short write and PIL's truncated image raise an OSError with no strerror: its own
+    # message is the cause ("1839360 requested and 262112 written", "image file is truncated")
+    cause = err.strerror or str(err) or type(err).__name__
+    return f"{cause}{where}{hint}"
 
 
 def main() -> None:
     """Console-script entry point."""
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        from fedadapt.entry import tool_help
+
+        print(tool_help(__doc__.replace("the Hydra main", "federated adaptation of frozen "
+                                        "models on Flower"))
+              + "\nHydra's own flags (-m, --cfg job, --multirun, ...): fedadapt --hydra-help.")
+        sys.exit(0)
     problem = missing_launcher(sys.argv[1:]) or config_problem(sys.argv[1:])
     if problem:
         print(f"fedadapt: error: {problem}", file=sys.stderr)

@@ -177,6 +177,22 @@ def compose_config(overrides: list[str], *, default_experiment: str = "custom") 
         return compose(config_name="config", overrides=overrides)
 
 
+def config_groups() -> dict[str, list[str]]:
+    """The config groups users choose from (``group=option``) and their options."""
+    from fedadapt.paths import conf_file
+
+    return {g.name: sorted(f.name[:-5] for f in g.iterdir() if f.name.endswith(".yaml"))
+            for g in sorted(conf_file().iterdir(), key=lambda g: g.name)
+            if g.is_dir() and g.name not in ("hydra", "__pycache__")}
+
+
+def tool_help(doc: str) -> str:
+    """A Hydra-configured tool's ``--help``: its module docstring, then the groups."""
+    groups = "\n".join(f"  {g}: {', '.join(opts)}" for g, opts in config_groups().items())
+    return (f"{doc.strip()}\n\nOverrides as for fedadapt (group=option, key=value); the "
+            f"groups:\n{groups}\n\nEvery key and default: docs/configuration.md.")
+
+
 def run_cli(fn: Callable[[list[str]], int], argv: list[str] | None = None) -> None:
     """Run ``fn(argv)``; turn config and missing-asset errors into one clear line, exit 2."""
     from hydra.errors import HydraException
@@ -186,8 +202,12 @@ def run_cli(fn: Callable[[list[str]], int], argv: list[str] | None = None) -> No
     from fedadapt.progress import configure_output
 
     configure_output()  # bars on a terminal, plain lines without escape codes elsewhere
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(tool_help(sys.modules[fn.__module__].__doc__ or ""))
+        sys.exit(0)
     try:
-        sys.exit(fn(sys.argv[1:] if argv is None else argv))
+        sys.exit(fn(argv))
     except (FedadaptError, HydraException, OmegaConfBaseException) as err:
         print(f"{sys.argv[0].rsplit('/', 1)[-1]}: error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -120,3 +120,29 @@ def test_full_disk_at_the_first_checkpoint_leaves_nothing_half_written(tmp_path,
     assert "fedadapt resume=" in line and "\n" not in line
     assert not (run_dir / "summary.json").exists()
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == []  # no partial folder
+
+
+def test_an_os_error_without_strerror_keeps_its_own_message():
+    """numpy's short write (a full disk under the feature cache) and PIL's truncated image raise
+    OSError(message) with no strerror: the line keeps the message, not the type's name."""
+    from fedadapt.cli import os_error_line
+
+    assert os_error_line(OSError("1839360 requested and 262112 written")) == \
+        "1839360 requested and 262112 written"
+    assert os_error_line(OSError("image file is truncated")) == "image file is truncated"
+    assert os_error_line(OSError()) == "OSError"
+
+
+def test_resume_of_a_run_folder_that_does_not_exist_is_refused(tmp_path):
+    """``resume=<job>/finetune`` where no finetune run exists must not resume the whole job."""
+    import json
+
+    from fedadapt.cli import resume_target
+    from fedadapt.config import ConfigError
+
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "job.json").write_text(json.dumps({"overrides": ["experiment=quickstart"]}))
+    assert resume_target(str(job))[0] == job.resolve()
+    with pytest.raises(ConfigError, match="resume=.*finetune.* is invalid: no such folder"):
+        resume_target(str(job / "finetune"))

@@ -247,3 +247,39 @@ def test_personalization_side_by_side_equals_one_after_another(cache_dir, flower
         assert one["train_loss"] == pytest.approx(side["train_loss"], rel=1e-4)
         for name, t in states[0][c].items():
             torch.testing.assert_close(states[1][c][name], t, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_run_with_dropout_anytime_fedprox_and_crops_is_the_same_for_k_1_4_8(cache_dir,
+                                                                            tmp_path):
+    """The issue's run: L.W. MLP + PA (dropout 0.1), anytime, Dirichlet 0.3, FedProx, the
+    paper's crops; clients_per_worker 1, 4 and 8 give the same global arrays (1e-6) and train
+    losses (rel 1e-6) after 2 rounds: a client's draws never depend on its group."""
+    import json
+
+    from fedadapt.entry import compose_config, to_run_config
+    from fedadapt.experiment import run_experiment
+    from fedadapt.federation.checkpoint import latest_checkpoint, load_checkpoint
+    from fedadapt.federation.inprocess import in_process
+
+    base = ["experiment=custom", "dataset=digits", "dataset.max_samples=300",
+            "backbone=tiny_vit", "backbone.image_size=32", "method=lw_mlp_pa",
+            "method.hidden_dim=16", "setting=anytime", "partition=dirichlet",
+            "partition.alpha=0.3", "partition.num_clients=8", "partition.fraction_fit=1.0",
+            "partition.fraction_evaluate=0.0", "rounds=2", "train.batch_size=8",
+            "train.lr=0.05", "train.crop_scale=[0.3,1.0]", "strategy=fedprox",
+            "strategy.proximal_mu=0.1", "federation.workers=1", "federation.num_cpus=1",
+            f"cache_dir={cache_dir}"]
+    arrays, losses = {}, {}
+    for k in (1, 4, 8):
+        out = tmp_path / f"k{k}"
+        cfg = to_run_config(compose_config(base + [f"federation.clients_per_worker={k}"]))
+        assert cfg.method.dropout == 0.1
+        run_experiment(cfg, out, config_yaml="k\n", execute=in_process("workers"))
+        arrays[k] = {n: v.numpy() for n, v in load_checkpoint(latest_checkpoint(out))[0].items()}
+        losses[k] = [json.loads(line)["train_loss"] for line in
+                     (out / "metrics.jsonl").read_text().splitlines()]
+    for k in (4, 8):
+        assert losses[k] == pytest.approx(losses[1], rel=1e-6)
+        for n, v in arrays[1].items():
+            np.testing.assert_allclose(arrays[k][n], v, rtol=0, atol=1e-6, err_msg=f"K={k} {n}")
