@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The evidence tables of docs/peft.md, regenerated: LoRA r = 4 / 8 / 16, FFA-LoRA, (IA)^3 and
 # BitFit against the linear head (EfficientNet-Lite0, the main job's shape), and against the
-# layer-wise linear head, the Accumulator and the Accumulator + parallel adapters (the offline
+# layer-wise linear head (alone and with parallel adapters), the Accumulator and the Accumulator +
+# parallel adapters (the offline
 # pretrained small ViT of experiment=acc_offline, conventional setting), at Dirichlet 0.1 and
 # 1000.
 #   EfficientNet: the preset's optimiser (SGD lr 0.002, momentum 0.9), seeds 0-2; LoRA r = 8 and
@@ -10,9 +11,10 @@
 #     0, and seeds 1-2 of LoRA r = 8, L.W. linear and the Accumulator + PA; then a learning-rate
 #     sweep (seed 0): 0.02 / 0.05 / 0.1 / 0.2 for LoRA r = 8, L.W. linear and the Accumulator +
 #     PA (and 0.4 for LoRA), 0.02 / 0.1 for the Accumulator, 0.1 for the others; then seeds 1-2
-#     of the three at the learning rate with the best seed-0 mean over both alphas.
+#     of the three at the learning rate with the best seed-0 mean over both alphas; L.W. linear +
+#     PA at 0.005 / 0.05 / 0.2, and seeds 1-2 at 0.05.
 # One report per backbone, with each row's difference to the baseline paired by seed.
-# Offline; about 3 h 30 min on 2 CPU cores.
+# Offline; about 3 h 45 min on 2 CPU cores.
 #   bash scripts/peft_evidence.sh [OUT]        (default outputs/peft_evidence)
 set -euo pipefail
 out=${1:-outputs/peft_evidence}
@@ -41,6 +43,8 @@ sweep vit_lr_ffa "${vit[@]}" method=lora method.ffa=true train.lr=0.1 $alphas
 sweep vit_lr_rank "${vit[@]}" method=lora method.rank=4,16 train.lr=0.1 $alphas
 sweep vit_tuned "${vit[@]}" method=lora,lw_linear train.lr=0.2 $alphas seed=1,2
 sweep vit_tuned_pa "${vit[@]}" method=accumulator_pa train.lr=0.05 $alphas seed=1,2
+sweep vit_lw_pa "${vit[@]}" method=lw_linear_pa train.lr=0.005,0.05,0.2 $alphas
+sweep vit_lw_pa_s12 "${vit[@]}" method=lw_linear_pa train.lr=0.05 $alphas seed=1,2
 sweep eff_lr experiment=quickstart compare=[] method=lora,linear_head train.lr=0.01 $alphas
 
 fedadapt-report "$out"/eff_* --out "$out/report_efficientnet" --against linear_head
