@@ -1,4 +1,4 @@
-"""``fedadapt``: the Hydra main.
+"""``fedadapt``: federated adaptation of frozen models on Flower (the Hydra main).
 
 ``fedadapt`` runs the quickstart experiment; ``fedadapt experiment=NAME key=value ...`` any other;
 ``fedadapt -m partition.alpha=0.1,1000`` sweeps; ``fedadapt resume=DIR`` continues a job that
@@ -413,8 +413,7 @@ def main() -> None:
     if sys.argv[1:2] in (["-h"], ["--help"]):
         from fedadapt.entry import tool_help
 
-        print(tool_help(__doc__.replace("the Hydra main", "federated adaptation of frozen "
-                                        "models on Flower"))
+        print(tool_help(__doc__)
               + "\nHydra's own flags (-m, --cfg job, --multirun, ...): fedadapt --hydra-help.")
         sys.exit(0)
     problem = missing_launcher(sys.argv[1:]) or config_problem(sys.argv[1:])

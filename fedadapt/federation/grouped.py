@@ -194,11 +194,16 @@ def _masks(plan, scheds: list[_Schedule], names: list[str], used, every: bool
     with FedProx, whose term reaches every tensor)."""
     steps = max((len(s.batches) for s in scheds), default=0)
     out = np.zeros((steps, len(names), len(scheds)), dtype=bool)
-    index = {n: i for i, n in enumerate(names)}
+    rows: dict = {}  # per exit: which tensors its step reaches
+
+    def reached(exit_: Optional[int]) -> np.ndarray:
+        if exit_ not in rows:
+            hit = frozenset(names) if every else used(exit_)
+            rows[exit_] = np.array([n in hit for n in names], dtype=bool)
+        return rows[exit_]
     for t, ks in plan:
         for k in ks:
-            rows = range(len(names)) if every else [index[n] for n in used(scheds[k].exits[t])]
-            out[t, list(rows), k] = True
+            out[t, :, k] = reached(scheds[k].exits[t])
     return out
 
 
@@ -242,7 +247,8 @@ def train_group(model: nn.Module, source: DataSource, jobs: list[ClientJob], tra
     frozen.update({f"model.{n}": b for n, b in model.named_buffers()})
     stacked = {n: torch.stack([j.tensors[n].to(dev, torch.float32) for j in jobs])
                .requires_grad_(True) for n in names}
-    final = {n: t.detach().clone() for n, t in stacked.items()}  # each client's last step
+    final = {n: torch.empty_like(t) for n, t in stacked.items()}  # filled at each client's
+    # last step (a client with no batch returns its tensors as they came)
     start = {n: t.detach().clone() for n, t in stacked.items()} if proximal_mu > 0 else None
     opt = StackedOptimizer(stacked, train, lr)
     scheds = [_schedule(j, train) for j in jobs]
