@@ -313,12 +313,23 @@ def config_problem(argv: list[str]) -> str | None:
     from hydra.errors import HydraException, MissingConfigException
     from omegaconf.errors import OmegaConfBaseException
 
-    from fedadapt.entry import compose_config, nearest
+    from fedadapt.entry import compose_config, nearest, undeclared_keys
 
     if any(a.startswith("-") for a in argv):
         return None
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if key.startswith("~"):
+            return (f"{arg}: deleting a setting is not supported (every key has a default); set "
+                    f"it instead, e.g. {key.lstrip('~')}.<key>=<value> or {key.lstrip('~')}="
+                    f"<option>")
+        if eq and key.lstrip("+") in ("hydra.run.dir", "hydra.sweep.dir", "output_dir") \
+                and not value.strip():
+            return f"{key.lstrip('+')} is empty: name a folder (or leave it out for the default)"
     try:
-        compose_config(argv, default_experiment="quickstart")
+        composed = compose_config(argv, default_experiment="quickstart")
+        for key, _, _ in undeclared_keys(composed):  # +trian.lr=0.1: composes, declared nowhere
+            return _unknown_key(argv, key)
         return None
     except MissingConfigException as err:
         text = str(err)
@@ -338,7 +349,42 @@ def config_problem(argv: list[str]) -> str | None:
         if unknown:
             return _unknown_key(argv, unknown.group(1))
         first = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
-        return f"{full_key.group(1)}: {first}" if full_key else first
+        return _explained(argv, full_key.group(1) if full_key else None, first, text)
+
+
+#: Hydra's and OmegaConf's messages for an override it cannot take, and what to do instead.
+_UNPARSABLE = ("LexerNoViableAltException", "Error parsing override", "mismatched input",
+               "extraneous input", "no viable alternative", "token recognition error")
+
+
+def _explained(argv: list[str], key: str | None, first: str, text: str) -> str:
+    """One line for a command line that names real keys but does not compose: the argument at
+    fault, what Hydra said, and what works."""
+    import re
+
+    if any(marker in text for marker in _UNPARSABLE):
+        bad = next((a for a in argv if a in text or a.split("=")[0] in text), None)
+        if bad is not None and "=" not in bad:
+            return (f"{bad!r} is not KEY=VALUE: a value with spaces needs quotes around the "
+                    f"whole override, e.g. 'dataset.path=\"my folder\"'")
+        shown = bad or first
+        k, _, v = shown.partition("=")
+        return (f"{shown}: Hydra cannot parse this value; quote it ({k}='\"{v}\"' in the "
+                f"shell) when it holds spaces, non-ASCII letters or symbols such as = : [ ] ,")
+    if "Ambiguous value for argument" in text:
+        arg = re.search(r"argument '([^']+)'", text)
+        shown = arg.group(1) if arg else first
+        return (f"{shown}: several values sweep a setting only with -m (fedadapt -m {shown}); "
+                f"a value holding commas needs quotes")
+    where = f"{key}: " if key else ""
+    sub = re.search(r"is not a subclass of (\w+)", first)
+    if key and sub:
+        return f"{key} is a group of settings, not a value: set its keys ({key}.<key>=<value>)"
+    if key and "is not a ListConfig" in first:
+        value = next((a.partition("=")[2] for a in argv if a.split("=")[0].lstrip("+") == key),
+                     "...")
+        return f"{key}={value} is invalid: a list is expected, e.g. {key}=[{value}]"
+    return f"{where}{first}"
 
 
 def _unknown_key(argv: list[str], key: str) -> str:
@@ -365,10 +411,24 @@ def _unknown_key(argv: list[str], key: str) -> str:
         node = OmegaConf.select(node, parent[-1])
     keys = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
     missing, where = ".".join(parent + parts[:1]), ".".join(parent)
+    elsewhere = _methods_with(parts[0]) if where == "method" else []
     if where and "name" in keys:
         where = f"{where}={node.get('name')}"
-    return (f"{missing} is not a key of {where or 'the config'}{nearest(parts[0], keys)}"
+    hint = (f" (it is a key of method={', '.join(elsewhere[:6])}"
+            f"{', ...' if len(elsewhere) > 6 else ''})" if elsewhere
+            else nearest(parts[0], keys))
+    return (f"{missing} is not a key of {where or 'the config'}{hint}"
             + (f" (its keys: {', '.join(keys)})" if keys else ""))
+
+
+def _methods_with(key: str) -> list[str]:
+    """The methods whose settings include ``key`` (``rank``: lora, dora, ...)."""
+    import dataclasses
+
+    from fedadapt.adapters import load_methods
+
+    return sorted(name for name, spec in load_methods().items()
+                  if key in {f.name for f in dataclasses.fields(spec.config_cls)})
 
 
 def resume_hint(job_dir: Path) -> str:

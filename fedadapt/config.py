@@ -275,7 +275,8 @@ class FederationConfig:
     #: Evaluate every k rounds (and always at the last round).
     eval_every: int = 1
     #: Seconds to wait for client replies in a round; None = no limit. Late clients are dropped
-    #: from the round.
+    #: from the round. In simulation a worker's clients train one group after another, so a
+    #: client is late when its reply exists (plus any injected delay) after the timeout.
     round_timeout: Optional[float] = None
     #: The run stops when fewer than this fraction of a round's sampled clients reply usably.
     min_reply_fraction: float = 0.5
@@ -313,10 +314,13 @@ class FaultConfig:
     """Fault injection: a seeded random ``fraction`` of the clients misbehave in each round."""
 
     fraction: float = 0.0
-    #: Any of ``raise``, ``nan``, ``wrong_keys``, ``wrong_shape``, ``timeout``.
+    #: Any of ``raise``, ``nan``, ``wrong_keys``, ``wrong_shape``, ``timeout`` (the client
+    #: replies 2 s after ``federation.round_timeout``: the round ends at the timeout without
+    #: it), ``straggler`` (the client replies ``delay_s`` late; in time if that is within the
+    #: round's timeout).
     kinds: list[str] = field(default_factory=lambda: ["raise", "nan", "wrong_keys",
                                                       "wrong_shape"])
-    #: How long a ``timeout`` client sleeps before replying (default: round_timeout + 2 s).
+    #: How many seconds a ``straggler`` client's reply is late.
     delay_s: Optional[float] = None
 
 
@@ -421,7 +425,7 @@ KNOWN_SELECTIONS = ("last", "best_val")
 #: ``train.precision`` (see :mod:`fedadapt.devices`).
 PRECISIONS = ("auto", "fp32", "bf16")
 #: ``faults.kinds`` (see :mod:`fedadapt.federation.faults`).
-FAULT_KINDS = ("raise", "nan", "wrong_keys", "wrong_shape", "timeout")
+FAULT_KINDS = ("raise", "nan", "wrong_keys", "wrong_shape", "timeout", "straggler")
 
 
 def check(ok: bool, key: str, value: Any, rule: str) -> None:
@@ -601,6 +605,9 @@ def _validate_faults(fl: FaultConfig, f: FederationConfig) -> None:
     check(not (fl.fraction > 0 and "timeout" in fl.kinds and f.round_timeout is None),
            "faults.kinds", list(fl.kinds),
            "a 'timeout' fault needs federation.round_timeout to be set")
+    check(not (fl.fraction > 0 and "straggler" in fl.kinds and not fl.delay_s),
+           "faults.delay_s", fl.delay_s,
+           "a 'straggler' fault needs faults.delay_s > 0 (how many seconds late it replies)")
 
 
 #: Seeds feed numpy's SeedSequence and torch.manual_seed, which take unsigned 64-bit values.

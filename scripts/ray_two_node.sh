@@ -4,11 +4,12 @@
 #
 #   1. `ray start --head` (1 CPU) and a second `ray start --address` (1 CPU, its own raylet and
 #      object store), each in its own process group, with its own temp dir and free ports;
-#   2. `fedadapt federation.ray_address=<head>` with 4 clients trained per round: Flower's
-#      actor pool takes one CPU per client on every node, so the clients land on both nodes;
-#   3. the same run with no ray_address (a private local instance);
-#   4. checks: both complete, metrics.jsonl equal (wall-clock fields aside), and the cluster's
-#      actor table shows this run's client actors on both nodes;
+#   2. `fedadapt federation.ray_address=<head>` with 4 clients trained per round: the workers are
+#      sized per node (two workers of one CPU), Flower's actor pool puts one on each node;
+#   3. the same run on a private local instance with the same two workers of one CPU;
+#   4. checks: both complete, metrics.jsonl equal (wall-clock fields aside), every round of the
+#      cluster run trained clients on both nodes (its rows' `trained_on`), and the cluster's
+#      actor table shows this run's worker actors on both nodes;
 #   5. stops exactly the processes it started (their process groups; never `ray stop`, which
 #      would stop every Ray instance on the machine).
 #
@@ -99,7 +100,7 @@ run() {  # run NAME OVERRIDES...: a fedadapt run into $WORK/NAME
     log "$name run: $((SECONDS - t)) s; $(grep -h '\[ray\]' "$WORK/$name.log" | tail -1)"
 }
 run cluster federation.ray_address="$addr"
-run local
+run local federation.workers=2 federation.ray_num_cpus=2
 
 python - "$WORK" "$addr" <<'EOF'
 import json, logging, sys
@@ -108,15 +109,22 @@ from pathlib import Path
 import ray
 
 work, addr = Path(sys.argv[1]), sys.argv[2]
-WALL = {"round_s", "wall_s"}
+WALL = {"round_s", "wall_s", "trained_on"}
+
+
+def rows_of(name):
+    (summary,) = (work / name).rglob("summary.json")
+    rows = [json.loads(x) for x in (summary.parent / "metrics.jsonl").read_text().splitlines()]
+    return summary.parent, rows
 
 
 def metrics(name):
-    (summary,) = (work / name).rglob("summary.json")
-    rows = [json.loads(x) for x in (summary.parent / "metrics.jsonl").read_text().splitlines()]
-    return summary.parent, [{k: v for k, v in r.items() if k not in WALL} for r in rows]
+    folder, rows = rows_of(name)
+    return folder, [{k: v for k, v in r.items() if k not in WALL} for r in rows]
 
 
+spread = [r.get("trained_on", {}) for r in rows_of("cluster")[1]]
+assert all(len(s) == 2 for s in spread), f"clients trained per node and round: {spread}"
 (cdir, cluster), (ldir, local) = metrics("cluster"), metrics("local")
 assert cluster == local, "metrics differ between the cluster and the local run"
 ray.init(address=addr, logging_level=logging.ERROR, log_to_driver=False)
@@ -129,7 +137,8 @@ for actor in state.actors().values():
         placed[node] = placed.get(node, 0) + 1
 assert len(placed) == 2, f"client actors on {placed}, not on both nodes"
 last = cluster[-1]
-print(f"cluster run: {cdir}\nlocal run:   {ldir}\nclient actors per node: {placed}\n"
+print(f"cluster run: {cdir}\nlocal run:   {ldir}\nworker actors per node: {placed}\n"
+      f"clients trained per node, round by round: {spread}\n"
       f"{len(cluster)} rounds, metrics equal; final global acc {100 * last['global_acc']:.2f}, "
       f"client-mean {100 * last['client_acc']:.2f}, train loss {last['train_loss']:.6f}")
 EOF

@@ -146,3 +146,31 @@ def test_resume_of_a_run_folder_that_does_not_exist_is_refused(tmp_path):
     assert resume_target(str(job))[0] == job.resolve()
     with pytest.raises(ConfigError, match="resume=.*finetune.* is invalid: no such folder"):
         resume_target(str(job / "finetune"))
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["trian.lr=0.1"], "trian is not a key of the config (did you mean train?)"),
+    (["+trian.lr=0.1"], "trian is not a key of the config (did you mean train?)"),
+    (["++trian.lr=0.1"], "trian is not a key of the config (did you mean train?)"),
+    (["train.lr=abc"], "train.lr: Value 'abc' of type 'str' could not be converted to Float"),
+    (["rounds=1.5"], "rounds: Value '1.5' of type 'float' could not be converted to Integer"),
+    (["train.lr=0.1", "0.2"], "'0.2' is not KEY=VALUE: a value with spaces needs quotes"),
+    (["seed=1", "2"], "'2' is not KEY=VALUE"),
+    (["seed=ü"], "seed=ü: Hydra cannot parse this value; quote it"),
+    (["train.lr==0.1"], "train.lr==0.1: Hydra cannot parse this value"),
+    (["train="], "train is a group of settings, not a value: set its keys"),
+    (["~train"], "~train: deleting a setting is not supported"),
+    (["hydra.run.dir="], "hydra.run.dir is empty"),
+    (["output_dir= "], "output_dir is empty"),
+    (["train.lr=0.1,0.2"], "train.lr=0.1,0.2: several values sweep a setting only with -m"),
+    (["faults.kinds=melt"], "faults.kinds=melt is invalid: a list is expected"),
+    (["method.rank=4"],
+     "method.rank is not a key of method=linear_head (it is a key of method=dora, lora)"),
+    (["method=lora", "method.rnak=4"], "method.rnak is not a key of method=lora (did you mean"),
+])
+def test_a_command_line_that_does_not_compose_is_one_line_naming_the_setting(argv, says):
+    from fedadapt.cli import config_problem
+
+    problem = config_problem(argv)
+    assert problem is not None and problem.startswith(says), problem
+    assert "\n" not in problem and "Exception" not in problem

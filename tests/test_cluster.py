@@ -1,9 +1,8 @@
 """The Ray cluster a simulation runs on (fedadapt.federation.cluster): ray.init arguments from
-the config, an unreachable federation.ray_address failing fast with one line, and Flower's
-actor pool spreading over every node of a cluster.
-
-The end-to-end two-node check (``ray start --head`` + ``ray start --address``, a simulation
-compared with a local one) takes minutes here: it is ``scripts/ray_two_node.sh``, not a test.
+the config, an unreachable federation.ray_address failing fast with one line, and a run on a
+two-node cluster (Ray's test cluster in this process) training clients on both nodes with the
+metrics of a one-node run. ``scripts/ray_two_node.sh`` does the same with two ``ray start``
+processes, as a user would.
 """
 
 import os
@@ -16,7 +15,7 @@ import time
 import pytest
 from conftest import tiny_run
 
-from fedadapt.config import ConfigError, FederationConfig, validate
+from fedadapt.config import ConfigError, FederationConfig, PartitionConfig, validate
 from fedadapt.federation import cluster
 
 
@@ -110,12 +109,18 @@ def _started(cluster_cls, **kwargs):
 
 
 @pytest.mark.slow
-def test_flower_actor_pool_spreads_over_every_node():
-    """Flower sizes its actor pool from every node's resources: on a two-node cluster (one
-    CPU each) the two client actors land one per node, and actor_placement sees that."""
+def test_a_run_on_two_nodes_trains_clients_on_both_and_matches_one_node(cache_dir, tmp_path):
+    """A two-node loopback cluster (one CPU each) runs the current worker design: the workers
+    are sized per node (two workers of one CPU, not one of two that no node has), Flower's actor
+    pool puts one on each node, both nodes train clients in every round (the rows'
+    ``trained_on``), and the metrics equal a one-node run's with the same two workers."""
     import ray
-    from flwr.simulation.ray_transport.ray_actor import BasicActorPool, ClientAppActor
     from ray.cluster_utils import Cluster
+
+    from fedadapt.adapters.heads import LinearHeadConfig
+    from fedadapt.experiment import run_experiment
+    from fedadapt.federation.sizing import size_simulation
+    from fedadapt.results.store import read_jsonl
 
     assert not ray.is_initialized()
     two = _started(Cluster, head_node_args={
@@ -123,19 +128,23 @@ def test_flower_actor_pool_spreads_over_every_node():
     try:
         two.add_node(num_cpus=1, object_store_memory=80 * 2**20)
         two.wait_for_nodes()
-        fed = FederationConfig(ray_address=two.address)
-        assert cluster.cluster_nodes(fed) == [{"CPU": 1.0, "GPU": 0.0}] * 2  # for sizing
-        assert not ray.is_initialized()
-        ray.init(address=two.address, logging_level="ERROR", include_dashboard=False)
-        pool = BasicActorPool(actor_type=ClientAppActor,
-                              client_resources={"num_cpus": 1, "num_gpus": 0.0},
-                              actor_kwargs={})
-        assert pool.actors_capacity == 2
-        pool.add_actors_to_pool(pool.actors_capacity)
-        ray.get([a.__ray_ready__.remote() for a in pool.pool], timeout=120)
-        placed = cluster.actor_placement()
-        assert sorted(placed.values()) == [1, 1] and len(placed) == 2
-        assert cluster.describe_cluster().startswith("2 node(s), 2 CPUs")
+        fed = FederationConfig(ray_address=two.address, eval_every=1)
+        assert cluster.cluster_nodes(fed) == [{"CPU": 1.0, "GPU": 0.0}] * 2
+        sizing = size_simulation(fed, "cpu", sampled=4, batch_size=16)
+        assert (sizing.workers, sizing.num_cpus) == (2, 1.0)
+        cfg = tiny_run(cache_dir, LinearHeadConfig(), federation=fed,
+                       partition=PartitionConfig(kind="iid", num_clients=4, fraction_fit=1.0))
+        run_experiment(cfg, tmp_path / "two", config_yaml="two\n")
     finally:
         ray.shutdown()
         two.shutdown()
+    local = tiny_run(cache_dir, LinearHeadConfig(), partition=cfg.partition,
+                     federation=FederationConfig(eval_every=1, workers="2", ray_num_cpus=2))
+    run_experiment(local, tmp_path / "one", config_yaml="one\n")
+    on_two, on_one = (read_jsonl(tmp_path / name / "metrics.jsonl") for name in ("two", "one"))
+    for row in on_two:
+        assert len(row["trained_on"]) == 2 and sum(row["trained_on"].values()) == 4, row
+    assert all("trained_on" not in row for row in on_one)  # one node: nothing to tell
+    skip = {"round_s", "wall_s", "trained_on"}
+    assert [{k: v for k, v in r.items() if k not in skip} for r in on_two] == \
+        [{k: v for k, v in r.items() if k not in skip} for r in on_one]

@@ -1,37 +1,73 @@
-"""Workers and clients per worker (fedadapt.federation.sizing): what auto picks on the CPU,
-explicit values, clamping with a note, and bad values named."""
-
-import os
+"""Workers and clients per worker (fedadapt.federation.sizing), by what they let run: every
+planned worker fits on a node as Flower's actor pool counts it, every node is used, a request no
+node can hold is refused naming the key, and K never exceeds what a worker gets."""
 
 import pytest
 
 from fedadapt.config import ConfigError, FederationConfig
-from fedadapt.federation.sizing import CPU_IMAGES_PER_STEP, size_simulation
+from fedadapt.federation.sizing import actors_that_fit, plan_workers, size_simulation
+
+#: Node layouts: one machine (2, 3, 16 cores), a loopback pair of one-CPU nodes, an uneven pair.
+CPU_CLUSTERS = [[(2.0, 0.0)], [(3.0, 0.0)], [(16.0, 0.0)], [(1.0, 0.0), (1.0, 0.0)],
+                [(1.0, 0.0), (8.0, 0.0)]]
+GPU_CLUSTERS = [[(16.0, 1.0)], [(16.0, 2.0), (8.0, 1.0)], [(32.0, 8.0)], [(16.0, 1.0), (4.0, 0.0)]]
 
 
 def fed(**kw) -> FederationConfig:
     return FederationConfig(**kw)
 
 
-def test_auto_on_the_cpu_one_worker_per_two_cores_and_a_bounded_group():
-    s = size_simulation(fed(), "cpu", sampled=100, batch_size=10)
-    assert s.workers == max(1, (os.cpu_count() or 1) // 2)
-    per_worker = -(-100 // s.workers)
-    assert s.group_size == min(per_worker, CPU_IMAGES_PER_STEP // 10)
-    assert s.num_gpus == 0.0 and s.num_cpus >= 1
+@pytest.mark.parametrize("device,nodes", [("cpu", n) for n in CPU_CLUSTERS]
+                         + [("cuda", n) for n in GPU_CLUSTERS])
+@pytest.mark.parametrize("workers", ["auto", "1", "3", "5"])
+def test_every_planned_worker_fits_on_a_node_and_no_node_is_left_idle(device, nodes, workers):
+    n, cpus, gpus, _ = plan_workers(fed(workers=workers), device, nodes)
+    assert n == (int(workers) if workers != "auto" else n) >= 1
+    assert any(cpus <= c and gpus <= g for c, g in nodes)  # one worker fits on some node
+    assert actors_that_fit(nodes, cpus, gpus) >= n  # all of them, at once
+    if workers == "auto":  # every node that can host one does (a GPU each on the GPU)
+        hosts = [actors_that_fit([node], cpus, gpus) for node in nodes]
+        assert all(h >= 1 for h, (c, g) in zip(hosts, nodes) if g or device == "cpu")
+        if device == "cuda":
+            assert n == sum(int(g) for _, g in nodes) and gpus == 1.0
 
 
-def test_a_model_that_trains_whole_trains_its_clients_one_after_another_on_the_cpu():
-    s = size_simulation(fed(), "cpu", sampled=10, batch_size=32, trains_whole=True)
-    assert s.group_size == 1 and "trains whole" in s.note
+def test_two_one_cpu_nodes_get_one_worker_each_not_one_that_fits_nowhere():
+    n, cpus, gpus, _ = plan_workers(fed(), "cpu", [(1.0, 0.0), (1.0, 0.0)])
+    assert (n, cpus, gpus) == (2, 1.0, 0.0)
+    assert [actors_that_fit([node], cpus, gpus) for node in [(1.0, 0.0)] * 2] == [1, 1]
+
+
+@pytest.mark.parametrize("device,nodes,kw,key", [
+    ("cpu", [(1.0, 0.0), (1.0, 0.0)], {"num_cpus": 2.0}, "federation.num_cpus"),
+    ("cuda", [(8.0, 1.0), (8.0, 1.0)], {"num_gpus": 2.0}, "federation.num_gpus"),
+    ("cuda", [(8.0, 0.0)], {}, "no node of the cluster has one"),
+])
+def test_a_worker_no_node_can_hold_is_refused_naming_the_key(device, nodes, kw, key):
+    with pytest.raises(ConfigError, match=key) as err:
+        plan_workers(fed(**kw), device, nodes)
+    assert "\n" not in str(err.value)
+
+
+def test_more_workers_than_fit_at_once_run_with_a_note():
+    n, cpus, _, note = plan_workers(fed(workers="4", num_cpus=1.0), "cpu", [(2.0, 0.0)])
+    assert n == 4 and cpus == 1.0 and "2 fit on the nodes at once" in note
+
+
+def test_auto_k_fills_a_worker_and_a_model_that_trains_whole_trains_one_at_a_time():
+    s = size_simulation(fed(), "cpu", sampled=10, batch_size=32, nodes=[(2.0, 0.0)])
+    assert s.workers == 1 and s.group_size == 10  # the round's 10 clients in one step
+    whole = size_simulation(fed(), "cpu", sampled=10, batch_size=32, trains_whole=True,
+                            nodes=[(2.0, 0.0)])
+    assert whole.group_size == 1 and "trains whole" in whole.note
     forced = size_simulation(fed(clients_per_worker="3"), "cpu", sampled=10, batch_size=32,
-                             trains_whole=True)
+                             trains_whole=True, nodes=[(2.0, 0.0)])
     assert forced.group_size == 3  # an explicit K is kept
 
 
-def test_explicit_values_and_a_k_above_the_clients_per_worker_is_clamped_with_a_note():
+def test_a_k_above_what_a_worker_gets_is_clamped_with_a_note():
     s = size_simulation(fed(workers="2", clients_per_worker="50"), "cpu", sampled=10,
-                        batch_size=10)
+                        batch_size=10, nodes=[(2.0, 0.0)])
     assert s.workers == 2 and s.group_size == 5
     assert "more than the 5 clients a worker gets per round" in s.note
 
@@ -40,4 +76,5 @@ def test_explicit_values_and_a_k_above_the_clients_per_worker_is_clamped_with_a_
                                        ("clients_per_worker", "-2")])
 def test_bad_counts_are_named(key, value):
     with pytest.raises(ConfigError, match=f"federation.{key}"):
-        size_simulation(fed(**{key: value}), "cpu", sampled=10, batch_size=10)
+        size_simulation(fed(**{key: value}), "cpu", sampled=10, batch_size=10,
+                        nodes=[(2.0, 0.0)])

@@ -19,9 +19,11 @@ those arguments from :class:`fedadapt.config.FederationConfig`:
 Placement across nodes: Flower sizes its actor pool from every node's resources
 (``pool_size_from_resources``: per node, ``CPU // federation.num_cpus``, capped by GPUs) and
 creates all the actors at once, so the pool fills the whole cluster and the clients a round
-samples are served by actors on every node. :func:`log_placement` logs where this run's actors
-ran. Every node needs the same Python environment (fedadapt installed) and ``cache_dir`` at the
-same path (the actors read the prepared data and feature cache by path).
+samples are served by actors on every node. The workers are sized per node to match
+(:mod:`fedadapt.federation.sizing`): a worker never asks for more than one node has.
+:func:`log_placement` logs where this run's actors ran. Every node needs the same Python
+environment (fedadapt installed) and ``cache_dir`` at the same path (the actors read the
+prepared data and feature cache by path).
 """
 
 from __future__ import annotations
@@ -148,21 +150,21 @@ def _local_cpus(fed: FederationConfig) -> Optional[int]:
     return int(slurm) if slurm.isdigit() else None
 
 
-def capacity(fed: FederationConfig, device: str) -> tuple[int, int]:
-    """``(cpus, gpus)`` the run's workers are sized to: the live nodes' totals on a cluster
-    (``federation.ray_address``), else this machine's (or ``federation.ray_num_*``)."""
+def node_resources(fed: FederationConfig, device: str) -> list[tuple[float, float]]:
+    """``(cpus, gpus)`` of each node the run's workers are placed on: the live nodes of the
+    cluster at ``federation.ray_address``, else this machine (or ``federation.ray_num_*``), as
+    one node. GPUs count only on the ``cuda`` device."""
     import torch
 
     nodes = cluster_nodes(fed)
     if nodes is not None:
-        return (max(1, int(sum(n["CPU"] for n in nodes))),
-                int(sum(n["GPU"] for n in nodes)) if device == "cuda" else 0)
+        return [(n["CPU"], n["GPU"] if device == "cuda" else 0.0) for n in nodes]
     cpus = _local_cpus(fed) or os.cpu_count() or 1
     gpus = 0
     if device == "cuda":
         gpus = (int(fed.ray_num_gpus) if fed.ray_num_gpus is not None
                 else torch.cuda.device_count())
-    return cpus, gpus
+    return [(float(cpus), float(gpus))]
 
 
 def init_args(fed: FederationConfig, *, logging_level: int) -> dict[str, Any]:

@@ -13,7 +13,10 @@ across runs and resumes: the partition id plus :data:`NODE_BASE`), in partition 
 * unpacks each worker's reply into one reply ``Message`` per client, from that client's node:
   its content, or an error carrying its own failure (a worker message that failed as a whole
   gives each of its clients that error); a client that did not answer in time gets no reply,
-  as on Flower's own grids;
+  as on Flower's own grids. In simulation the worker judges that per client (the packing
+  record carries the timeout; :class:`fedadapt.federation.worker.Deadline`): it replies at the
+  timeout without the late ones, so its other clients are not lost with them, and the worker's
+  own message is given :data:`TRANSPORT_GRACE_S` more to travel back;
 * counts the bytes each client would send and receive on a real device
   (:meth:`ClientGrid.take_bytes`): the arrays addressed to it, restricted to the tensors it
   trains when the server says which (:attr:`ClientGrid.trained`), although a worker receives
@@ -42,6 +45,10 @@ NODE_BASE = 1_000_000_000
 #: Clients per worker message when the clients' records are their own (each holds its own
 #: copy of arrays): larger messages would hold too many copies at once.
 CHUNK = 32
+#: Seconds a simulated worker's reply may take past the round's timeout to reach the server: the
+#: worker itself leaves out the clients that were late (a worker that does not answer at all is
+#: dropped, with all its clients, this long after the timeout).
+TRANSPORT_GRACE_S = 2.0
 
 
 def node_id(cid: int) -> int:
@@ -122,6 +129,7 @@ class ClientGrid(Grid):
         self.trained: Optional[Callable[[int], list[str]]] = None
         self._down: dict[int, int] = {}
         self._up: dict[int, int] = {}
+        self._served: dict[str, int] = {}
         self._sizes: dict[tuple, int] = {}
         self._pending: dict[str, Message] = {}
         self._replies: dict[str, Message] = {}
@@ -177,6 +185,12 @@ class ClientGrid(Grid):
         self._down, self._up = {}, {}
         return out
 
+    def take_nodes(self) -> dict[str, int]:
+        """``{Ray node: clients whose replies it sent}`` since the last call (a worker tags
+        its reply with its node; empty outside Ray)."""
+        out, self._served = self._served, {}
+        return out
+
     def _counted(self, record: ArrayRecord, cid: int) -> ArrayRecord:
         if self.trained is None:
             return record
@@ -189,7 +203,8 @@ class ClientGrid(Grid):
             self._sizes[key] = self._counted(record, cid).count_bytes()
         return self._sizes[key]
 
-    def _pack(self, group: list[tuple[int, Message]]) -> RecordDict:
+    def _pack(self, group: list[tuple[int, Message]], timeout: Optional[float] = None
+              ) -> RecordDict:
         """One Flower message's content for ``group``'s clients."""
         names: list[str] = []
         for _, msg in group:
@@ -216,7 +231,8 @@ class ClientGrid(Grid):
                              and isinstance(held[0], ArrayRecord) else held[0])
         out[records.GRID] = ConfigRecord({records.CLIENTS: [p for p, _ in group],
                                           "group-size": self.group_size,
-                                          "nodes": self.nodes.kind})
+                                          "nodes": self.nodes.kind,
+                                          records.TIMEOUT: float(timeout or 0.0)})
         return out
 
     def _exchange(self, messages: list[Message], timeout: Optional[float]) -> None:
@@ -245,7 +261,10 @@ class ClientGrid(Grid):
         sent = []
         for node, part in self.nodes.assign(cids, CHUNK if own else None):
             group = [(p, by_pid[p]) for p in part]
-            sent.append((Message(self._pack(group), dst_node_id=node, message_type=kind), group))
+            sent.append((Message(self._pack(group, timeout), dst_node_id=node,
+                                 message_type=kind), group))
+        if timeout is not None and self.nodes.kind == "workers":
+            timeout += TRANSPORT_GRACE_S  # the worker leaves its late clients out itself
         replies = list(self._grid.send_and_receive([m for m, _ in sent], timeout=timeout))
         groups = {m.metadata.message_id: group for m, group in sent}  # ids set by the push
         for reply in replies:
@@ -256,6 +275,9 @@ class ClientGrid(Grid):
                                        reply_to=msg))
                 continue
             per_client = records.unpack(reply.content)
+            node = str(records.packing(reply.content).get(records.NODE, ""))
+            if node and per_client:
+                self._served[node] = self._served.get(node, 0) + len(per_client)
             for cid, msg in group:
                 content = per_client.get(cid)
                 if content is None:  # no record: it answered too late

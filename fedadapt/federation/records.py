@@ -7,18 +7,23 @@ client's message) have plain names and travel once; a client's own records are p
 partition id: ``c17/arrays``. The record :data:`GRID` lists the clients the message is for and
 how the worker trains them; it is the worker's, and no client sees it.
 
-A reply holds only per-client records: each client's arrays and metrics, or ``c17/error`` (a
+A reply holds per-client records: each client's arrays and metrics, or ``c17/error`` (a
 ConfigRecord with the reason) when that client failed; a client with no record at all did not
-answer in time. On the deployment engine a node is one client and a message names just it.
+answer in time. Its own :data:`GRID` record names the Ray node that served it (:data:`NODE`,
+empty outside Ray). On the deployment engine a node is one client and a message names just it.
 """
 
 from __future__ import annotations
 
 from flwr.app import ConfigRecord, RecordDict
 
-#: The packing record: ``clients`` (partition ids), ``group-size``, ``nodes``.
+#: The packing record: ``clients`` (partition ids), ``group-size``, ``nodes``, ``timeout``.
 GRID = "fedadapt.grid"
 CLIENTS = "clients"
+#: The exchange's timeout in seconds (0: none), for the worker to judge its clients' lateness.
+TIMEOUT = "timeout"
+#: A reply's Ray node id (first 8 hex digits), for the rounds' ``trained_on``.
+NODE = "node"
 ERROR = "error"
 #: Train replies carry this metric (1 per client) for ``method.weighting=uniform``.
 UNIFORM_KEY = "unit-weight"
@@ -60,6 +65,16 @@ def pack(replies: dict[int, RecordDict], out: RecordDict | None = None) -> Recor
         for name, record in content.items():
             out[key(cid, name)] = record
     return out
+
+
+def served_by(content: RecordDict) -> RecordDict:
+    """``content`` with a :data:`GRID` record naming the Ray node this process runs on."""
+    import sys
+
+    ray = sys.modules.get("ray")  # never imported here: only an actor has it loaded
+    node = ray.get_runtime_context().get_node_id()[:8] if ray and ray.is_initialized() else ""
+    content[GRID] = ConfigRecord({NODE: node})
+    return content
 
 
 def error(reason: str) -> RecordDict:

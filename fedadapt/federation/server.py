@@ -204,6 +204,7 @@ def _train_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd: in
                                         rnd)
     require_enough(screened, len(sent), plan.min_reply_fraction, rnd)
     down, up = grid.take_bytes()
+    served = grid.take_nodes()
     weight = getattr(_inner(strategy), "weighted_by_key", "num-examples")
     good = [content for _, content in screened.good]
     # read before the strategy aggregates: some strategies consume the replies' arrays
@@ -216,9 +217,12 @@ def _train_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd: in
         state.arrays = _in_dtypes_of(state.arrays, new_arrays)
     row = {"round": rnd, "lr": plan.lr_at(rnd), "clients_sampled": len(sent),
            "clients_trained": len(screened.good), "clients_failed": len(screened.dropped),
-           "failures": screened.counts(), "train_loss": train_loss,
+           "failures": screened.counts(),
+           "late_clients": sorted(c for c, kind, _ in screened.dropped if kind == "timeout"),
+           "train_loss": train_loss,
            "global_acc": None, "global_loss": None, "client_acc": None,
-           "client_acc_weighted": None, "clients_evaluated": None, **_privacy_row(strategy)}
+           "client_acc_weighted": None, "clients_evaluated": None, **_privacy_row(strategy),
+           **({"trained_on": served} if len(served) > 1 else {})}
     del messages, sent, replies, screened, good  # freed before the next round
     return_freed_memory()
     return row, sum(down.values()), sum(up.values())
@@ -261,8 +265,7 @@ def run_rounds(grid: ClientGrid, state: ServerState, plan: ServerPlan) -> Server
     """Run rounds ``state.server_round + 1 .. state.num_rounds``."""
     for rnd in range(state.server_round + 1, state.num_rounds + 1):
         t0 = time.time()
-        config = {"lr": plan.lr_at(rnd), "checkpoint-round": state.checkpoint_round,
-                  "round-timeout": float(plan.timeout or 0.0)}
+        config = {"lr": plan.lr_at(rnd), "checkpoint-round": state.checkpoint_round}
         row, bytes_down, bytes_up = _train_round(grid, state, plan, rnd, ConfigRecord(config))
         if rnd % plan.eval_every == 0 or rnd == state.num_rounds:
             bytes_down += _evaluate_round(grid, state, plan, rnd, ConfigRecord(config), row)

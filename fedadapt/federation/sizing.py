@@ -1,10 +1,13 @@
 """How many workers a simulation runs and how many clients each trains side by side
 (``federation.workers``, ``federation.clients_per_worker``).
 
-* **Workers** (``auto``): one per GPU; on the CPU one per two cores (of this machine, of
-  ``federation.ray_num_*``, or of every live node at ``federation.ray_address``).
-  Each is a Ray actor holding the frozen backbone once; a round's sampled clients split evenly
-  over them.
+* **Workers** (``auto``): one per GPU; on the CPU one per two cores. Planned per node (this
+  machine, ``federation.ray_num_*``, or each live node at ``federation.ray_address``): every
+  worker asks for the same CPUs and GPUs (Flower gives all its actors one request), the most
+  that lets each node host its share, so a worker never asks for more than one node has (2
+  nodes x 1 CPU: 2 workers of 1 CPU, one on each). Each worker is a Ray actor holding the frozen
+  backbone once; a round's sampled clients split evenly over them. An explicit
+  ``federation.num_cpus`` / ``num_gpus`` that no node has is refused before Ray starts.
 * **Clients per worker** ``K`` (``auto``): on a GPU, from the measured memory of one client's
   training step: a group of one and of two clients are each stepped once on the device and
   their peak allocations give the memory a group needs per client and in common; K is what fits
@@ -60,17 +63,90 @@ def parse_count(value: str, key: str) -> Optional[int]:
     return n
 
 
+def actors_that_fit(nodes: list[tuple[float, float]], cpus: float, gpus: float) -> int:
+    """How many workers asking ``(cpus, gpus)`` each fit on ``nodes`` at once, counted per node
+    as Flower's actor pool counts them (``pool_size_from_resources``)."""
+    total = 0
+    for node_cpus, node_gpus in nodes:
+        n = int(node_cpus / cpus + 1e-9)
+        if gpus > 0:
+            n = min(n, int(node_gpus / gpus + 1e-9))
+        total += n
+    return total
+
+
+def _largest_share(amounts: list[float], n: int) -> float:
+    """The largest per-worker share of a resource that still lets ``n`` workers fit on nodes
+    holding ``amounts`` of it."""
+    shares = sorted({a / k for a in amounts if a > 0 for k in range(1, n + 1)}, reverse=True)
+    for share in shares:
+        if sum(int(a / share + 1e-9) for a in amounts) >= n:
+            return share
+    return 0.0
+
+
+def _per_node(nodes, cpus: float, gpus: float) -> list[int]:
+    return [actors_that_fit([node], cpus, gpus) for node in nodes]
+
+
+def _show(nodes) -> str:
+    return ", ".join(f"{c:g} CPUs" + (f" {g:g} GPUs" if g else "") for c, g in nodes)
+
+
+def plan_workers(fed: FederationConfig, device: str, nodes: list[tuple[float, float]]
+                 ) -> tuple[int, float, float, str]:
+    """``(workers, num_cpus, num_gpus, note)`` for ``nodes`` (``(cpus, gpus)`` each): see the
+    module docstring. Raises :class:`ConfigError` when no node can host one worker."""
+    workers = parse_count(fed.workers, "federation.workers")
+    cuda = device == "cuda"
+    if cuda and not any(g >= 1 or (fed.num_gpus and g >= fed.num_gpus) for _, g in nodes):
+        raise ConfigError(f"federation.ray_address: this machine trains on its GPU, but no node "
+                          f"of the cluster has one (nodes: {_show(nodes)})")
+    if fed.num_gpus is not None:
+        gpus = float(fed.num_gpus)
+    elif cuda:
+        gpus = 1.0 if workers is None else _largest_share([g for _, g in nodes], workers)
+    else:
+        gpus = 0.0
+    if fed.num_cpus is not None:
+        cpus = float(fed.num_cpus)
+    elif cuda:  # the CPUs of each GPU's node, shared by the workers it hosts
+        slots = [int(g / gpus + 1e-9) if gpus > 0 else 0 for _, g in nodes]
+        cpus = min((c / n for (c, _), n in zip(nodes, slots) if n and c > 0), default=1.0)
+    elif workers is None:
+        cpus = min(2.0, min((c for c, _ in nodes if c > 0), default=1.0))
+    else:
+        cpus = _largest_share([c for c, _ in nodes], workers)
+    fit = actors_that_fit(nodes, cpus, gpus) if cpus > 0 else 0
+    if fit == 0:
+        key = "federation.num_gpus" if gpus and fed.num_gpus is not None else \
+            "federation.num_cpus" if fed.num_cpus is not None else "federation.workers"
+        raise ConfigError(f"{key}: a worker asking for {cpus:g} CPUs and {gpus:g} GPUs fits on "
+                          f"no node (nodes: {_show(nodes)}); lower federation.num_cpus / "
+                          f"num_gpus")
+    if workers is None:
+        workers = fit
+    if fed.num_cpus is None and not cuda:  # each node's CPUs shared by the workers it hosts
+        per = _per_node(nodes, cpus, gpus)
+        cpus = min(c / n for (c, _), n in zip(nodes, per) if n)
+    note = ""
+    if workers > fit:
+        note = (f"federation.workers={workers}: {fit} fit on the nodes at once ({_show(nodes)}); "
+                f"the others' messages wait for a free one")
+    return workers, cpus, gpus, note
+
+
 def size_simulation(fed: FederationConfig, device: str, sampled: int, batch_size: int,
-                    measure=None, *, trains_whole: bool = False) -> Sizing:
+                    measure=None, *, trains_whole: bool = False,
+                    nodes: Optional[list[tuple[float, float]]] = None) -> Sizing:
     """Workers, K and each worker's Ray resources for a round of ``sampled`` clients;
     ``measure()`` returns ``(per_client, common)`` bytes of a group step on the GPU.
     ``trains_whole``: most of the model trains (full fine-tuning), so a group shares no frozen
     weights; on the CPU its clients then train one after another (K = 1: measured 2x faster
-    than K = 3 for the quickstart's fine-tuning)."""
-    cpus, gpus = cluster.capacity(fed, device)
-    workers = parse_count(fed.workers, "federation.workers")
-    if workers is None:
-        workers = max(1, gpus) if device == "cuda" else max(1, cpus // 2)
+    than K = 3 for the quickstart's fine-tuning). ``nodes``: ``(cpus, gpus)`` per node (default:
+    :func:`fedadapt.federation.cluster.node_resources`)."""
+    nodes = cluster.node_resources(fed, device) if nodes is None else nodes
+    workers, num_cpus, num_gpus, place_note = plan_workers(fed, device, nodes)
     per_worker = max(1, math.ceil(sampled / workers))
     k = parse_count(fed.clients_per_worker, "federation.clients_per_worker")
     note = ""
@@ -92,10 +168,8 @@ def size_simulation(fed: FederationConfig, device: str, sampled: int, batch_size
         note = (f"federation.clients_per_worker={k} is more than the {per_worker} clients a "
                 f"worker gets per round: using {per_worker}")
         k = per_worker
-    num_cpus = fed.num_cpus if fed.num_cpus is not None else max(1.0, cpus / workers)
-    num_gpus = fed.num_gpus if fed.num_gpus is not None else (gpus / workers if gpus else 0.0)
     return Sizing(workers=workers, group_size=k, num_cpus=float(num_cpus),
-                  num_gpus=float(num_gpus), note=note)
+                  num_gpus=float(num_gpus), note="; ".join(n for n in (place_note, note) if n))
 
 
 def measure_group_memory(spec, model) -> tuple[int, int]:

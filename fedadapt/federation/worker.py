@@ -158,13 +158,67 @@ def client_tensors(spec: RunSpec, model, cid: int, received: dict[str, torch.Ten
 
 # -- training ---------------------------------------------------------------------------------
 
+def fault_of(spec: RunSpec, server_round: int, cid: int) -> Optional[str]:
+    """The seeded fault this client injects in this round (``faults.*``), or None."""
+    return injected_fault(spec.seed, server_round, cid, spec.faults.fraction, spec.faults.kinds)
+
+
 def client_fault(spec: RunSpec, server_round: int, cid: int, where: str) -> Optional[str]:
-    """The seeded fault this client injects (``faults.*``); a ``raise`` fault raises here."""
-    fault = injected_fault(spec.seed, server_round, cid, spec.faults.fraction, spec.faults.kinds)
+    """:func:`fault_of`; a ``raise`` fault raises here."""
+    fault = fault_of(spec, server_round, cid)
     if fault == "raise":
         raise RuntimeError(f"injected fault (faults.fraction={spec.faults.fraction}): "
                            f"client {cid} raises {where}")
     return fault
+
+
+#: How many seconds after the round's timeout a ``timeout`` fault's client replies.
+TIMEOUT_OVERRUN_S = 2.0
+
+
+class Deadline:
+    """When the replies of a message's clients arrive, and which are too late.
+
+    A client's reply arrives when it is made (seconds after the message reached this node) plus
+    the delay its fault injects: ``timeout`` replies :data:`TIMEOUT_OVERRUN_S` after the
+    exchange's timeout, ``straggler`` ``faults.delay_s`` late. On the deployment engine a node
+    is one client: it sleeps that long and the server's grid drops it if it is late. A
+    simulated worker answers for many clients, so it judges each itself: a client whose reply
+    would arrive after the timeout is left out (it was late), and the worker replies when its
+    last punctual client's reply arrives, or at the timeout when one was late, so the round
+    lasts what it would with real devices."""
+
+    def __init__(self, content: RecordDict, straggle_s: Optional[float] = None) -> None:
+        grid = records.packing(content)
+        self.start = time.monotonic()
+        self.timeout = float(grid.get(records.TIMEOUT, 0.0)) or None
+        self.deployment = grid.get("nodes", "workers") == "clients"
+        self.straggle_s = float(straggle_s or 0.0)
+        self.due = 0.0
+        self.late: dict[int, float] = {}
+
+    def delay(self, fault: Optional[str]) -> float:
+        if fault == "timeout":
+            return (self.timeout or 0.0) + TIMEOUT_OVERRUN_S
+        return self.straggle_s if fault == "straggler" else 0.0
+
+    def in_time(self, cid: int, fault: Optional[str]) -> bool:
+        """Whether client ``cid``'s reply, made now, arrives within the timeout."""
+        delay = self.delay(fault)
+        if self.deployment:
+            time.sleep(delay)
+            return True
+        at = time.monotonic() - self.start + delay
+        if self.timeout is not None and at > self.timeout:
+            self.late[cid] = at
+            return False
+        self.due = max(self.due, at)
+        return True
+
+    def wait(self) -> None:
+        """Sleep until the worker's reply is due (see the class docstring)."""
+        until = self.timeout if self.late else self.due
+        time.sleep(max(0.0, until - (time.monotonic() - self.start)))
 
 
 def _reason(err: BaseException) -> str:
@@ -265,6 +319,7 @@ def train_clients(spec: RunSpec, msg: Message, context: Context) -> RecordDict:
     the run's train mods."""
     content = msg.content
     grid = records.packing(content)
+    deadline = Deadline(content, spec.faults.delay_s)
     model = cached_model(spec)
     replies: dict[int, RecordDict] = {}
     jobs, faults, rates, configs, received = [], {}, {}, {}, arrays_by_client(content)
@@ -282,12 +337,11 @@ def train_clients(spec: RunSpec, msg: Message, context: Context) -> RecordDict:
                               seed=derive_seed(spec.seed, rnd, cid),
                               crop_seed=derive_seed(spec.seed, rnd, cid, 7),
                               exits=client_exits(spec, cid)))
-    deployment = grid.get("nodes", "workers") == "clients"
 
     def reply(cid: int, res: ClientResult | str) -> Optional[RecordDict]:
-        """The client's reply record, made as soon as it has trained; None: no reply."""
+        """The client's reply record, made as soon as it has trained; None: it was late."""
         if isinstance(res, str):
-            return records.error(res)
+            return records.error(res) if deadline.in_time(cid, None) else None
         config = configs[cid]
         rnd = int(config["server-round"])
         personal = model.personal_names()
@@ -299,10 +353,8 @@ def train_clients(spec: RunSpec, msg: Message, context: Context) -> RecordDict:
         res.tensors.clear()  # the record below holds the only copy of what is sent
         if faults[cid] in TENSOR_FAULTS:
             sent = corrupt(sent, faults[cid])
-        elif faults[cid] == "timeout":
-            if not deployment:
-                return None  # the client's record misses the reply: it answered too late
-            time.sleep(spec.faults.delay_s or float(config.get("round-timeout", 0)) + 2.0)
+        if not deadline.in_time(cid, faults[cid]):
+            return None
         out = RecordDict({
             "arrays": ArrayRecord(torch_state_dict=sent, keep_input=False),
             "metrics": MetricRecord({"num-examples": len(spec.clients[cid].train),
@@ -315,7 +367,8 @@ def train_clients(spec: RunSpec, msg: Message, context: Context) -> RecordDict:
     replies.update({cid: r for cid, r in made.items() if r is not None})
     del jobs, received
     return_freed_memory()
-    return records.pack(replies)
+    deadline.wait()
+    return records.served_by(records.pack(replies))
 
 
 def personalize_clients(spec: RunSpec, content: RecordDict, context: Context) -> RecordDict:
@@ -414,20 +467,25 @@ def evaluate_one(spec: RunSpec, cid: int, content: RecordDict, context: Context)
 
 
 def for_each_client(content: RecordDict,
-                    one: Callable[[int, RecordDict], Optional[RecordDict]]) -> RecordDict:
+                    one: Callable[[int, RecordDict], Optional[RecordDict]],
+                    deadline: Optional[Deadline] = None,
+                    fault: Optional[Callable[[int], Optional[str]]] = None) -> RecordDict:
     """``one(cid, that client's records)`` for every client the message names; an exception
-    becomes that client's error record, None leaves it out (it answered too late)."""
+    becomes that client's error record. Each reply is timed as it is made (:class:`Deadline`;
+    ``fault(cid)``: the client's injected fault) and a late one left out."""
+    deadline = Deadline(content) if deadline is None else deadline
     replies = {}
     for cid in records.clients_of(content):
         try:
             out = one(cid, records.view(content, cid))
         except Exception as err:
             out = records.error(_reason(err))
-        if out is not None:
+        if deadline.in_time(cid, fault(cid) if fault else None):
             replies[cid] = out
+    deadline.wait()
     return records.pack(replies)
 
 
-__all__ = ["PERSONAL_KEY", "client_exits", "evaluate_one", "for_each_client", "keep_personal",
-           "load_personal", "local_accuracy", "personalize_clients", "sent_names",
-           "train_clients"]
+__all__ = ["PERSONAL_KEY", "Deadline", "client_exits", "client_fault", "evaluate_one",
+           "fault_of", "for_each_client", "keep_personal", "load_personal", "local_accuracy",
+           "personalize_clients", "sent_names", "train_clients"]

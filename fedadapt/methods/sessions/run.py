@@ -16,7 +16,7 @@ from fedadapt.federation.faults import TENSOR_FAULTS, Screened, corrupt, require
 from fedadapt.federation.grid import node_id
 from fedadapt.federation.server import exchange, record_phase
 from fedadapt.federation.training import RunSpec
-from fedadapt.federation.worker import client_fault, for_each_client
+from fedadapt.federation.worker import Deadline, client_fault, fault_of, for_each_client
 from fedadapt.log import log
 from fedadapt.methods.server_trained import finish_server_run, serve_clients
 
@@ -131,19 +131,18 @@ def upload(spec: RunSpec, msg, context) -> RecordDict:
     session."""
     from fedadapt.methods.sessions.train import session_upload
 
-    def one(cid: int, _) -> Optional[RecordDict]:
+    def one(cid: int, _) -> RecordDict:
         fault = client_fault(spec, 1, cid, "in its session upload")
         uploads, metrics = session_upload(spec, cid)
         if fault in TENSOR_FAULTS:
             uploads = {name: corrupt(arrays, fault) for name, arrays in uploads.items()}
-        elif fault == "timeout":
-            return None  # answered too late
         content = RecordDict({"metrics": MetricRecord(metrics)})
         for name, arrays in uploads.items():
             content[name] = ArrayRecord(arrays)
         return content
 
-    return for_each_client(msg.content, one)
+    return for_each_client(msg.content, one, Deadline(msg.content, spec.faults.delay_s),
+                           lambda cid: fault_of(spec, 1, cid))
 
 
 def predict(spec: RunSpec, msg, context) -> RecordDict:
