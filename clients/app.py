@@ -62,6 +62,9 @@ def make_client_app(get_spec: Callable[[Context], RunSpec]) -> ClientApp:
     """Build the ClientApp; ``get_spec(context)`` returns the run's :class:`RunSpec`. Every
     message goes to the handler its method family registered for its type and phase
     (:func:`fedadapt.methods.client_handler`); a query without a phase is the handshake."""
+    from fedadapt.progress import quiet_libraries
+
+    quiet_libraries()  # in each Ray worker too: Flower's actor noise, transformers' bars
     app = ClientApp()
 
     def reply(kind: str, msg: Message, context: Context) -> Message:

@@ -26,7 +26,12 @@ from omegaconf import DictConfig, OmegaConf
 import fedadapt  # noqa: F401  (torchvision shim first)
 from fedadapt.config import ConfigError, FedadaptError, RunConfig
 from fedadapt.entry import register_configs, to_run_config, with_method_train
-from fedadapt.federation.interrupt import RunInterrupted, exit_stopped, stop_on_signals
+from fedadapt.federation.interrupt import (
+    RunInterrupted,
+    exit_stopped,
+    last_words,
+    stop_on_signals,
+)
 from fedadapt.paths import CONF_PATH
 from fedadapt.results import rundir
 
@@ -228,8 +233,18 @@ def _main(cfg: DictConfig) -> Optional[float]:
     root = Path(cfg.output_dir).resolve().parent  # before resume swaps cfg for the job's config
     overrides = list(HydraConfig.get().overrides.task)
     job_dir = run_dir
+    held: list[Path] = []  # the locked job folder, for a stop the watch thread ends
+
+    def stop_line(stop: RunInterrupted) -> None:
+        where = held[0] if held else job_dir
+        print(f"fedadapt: {stop}; {resume_hint(where)}", file=sys.stderr)
+        if held:
+            rundir.unlock_run_dir(held[0])
+        _remove_if_empty(run_dir, root)
+
     try:
         with stop_on_signals():  # Ctrl-C / SIGTERM: RunInterrupted, handled below
+            last_words(stop_line)
             if cfg.resume:
                 from hydra import compose
 
@@ -239,10 +254,12 @@ def _main(cfg: DictConfig) -> Optional[float]:
                 _remove_if_empty(run_dir, root)
                 job_dir, overrides = resume_target(cfg.resume)
                 cfg = compose(config_name="config", overrides=overrides)
+                held.append(job_dir)
                 with _holding(job_dir, resume=True):
                     return objective_value(cfg, run_job(cfg, job_dir, overrides, resume=True))
             if cfg.get("objective") is not None and len(job_configs(cfg, overrides)) != 1:
                 objective_value(cfg, [])  # refused before anything runs
+            held.append(run_dir)
             with _holding(run_dir):  # before anything is written: one run per directory
                 return objective_value(cfg, run_job(cfg, run_dir, overrides))
     except RunInterrupted as stop:

@@ -32,7 +32,6 @@ class PreparedRun:
 
 def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
     """Load and partition the data, build the backbone and (if used) the feature cache."""
-    import datasets
     from fedadapt.backbones import build_backbone
     from fedadapt.data.cache import cached_features
     from fedadapt.data.catalogue import load_card
@@ -41,10 +40,11 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
     from fedadapt.data.sources import DataSource, input_source
     from fedadapt.devices import resolve_precision, run_device
     from fedadapt.federation.training import build_run_model
+    from fedadapt.progress import quiet_libraries
     from fedadapt.tracking import check_available
 
     check_available(cfg.tracking)
-    datasets.disable_progress_bars()
+    quiet_libraries()
     dev = run_device(cfg.federation.num_gpus)
     precision = resolve_precision(cfg.train.precision, dev)
     card = load_card(cfg.dataset.name)

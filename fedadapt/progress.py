@@ -443,25 +443,38 @@ def job(name: str, units: dict[str, int]) -> Iterator[Job]:
                 _stop_live()
 
 
-class _OnceFilter(logging.Filter):
-    """Let Flower's ``run_simulation`` deprecation notice through once per process, as one
-    line (Flower prints five lines per call, i.e. per method of a job)."""
-
-    shown = False
+class _NoiseFilter(logging.Filter):
+    """Drop Flower's records that say nothing a fedadapt user can act on: ``run_simulation``'s
+    deprecation notice (five lines per method of a job; fedadapt runs Flower's simulation
+    engine through it on purpose, with Flower pinned: docs/deployment.md) and the actors'
+    ``Manually terminating ClientAppActor`` at the end of every simulation. Everything else
+    passes untouched."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        msg = str(record.msg)
-        if not msg.startswith("DEPRECATED FEATURE") or "run_simulation" not in str(record.args):
-            return True
-        if _OnceFilter.shown:
+        msg, args = str(record.msg), str(record.args)
+        if msg.startswith("DEPRECATED FEATURE") and "run_simulation" in args:
             return False
-        _OnceFilter.shown = True
-        record.msg, record.args = "DEPRECATED FEATURE: %s", record.args
-        return True
+        return not msg.startswith("Manually terminating")
 
 
-def quiet_flower_banner() -> None:
-    """Install :class:`_OnceFilter` on Flower's logger (idempotent)."""
+def quiet_libraries() -> None:
+    """Silence the libraries' noise in this process (the driver, or a Ray worker): Flower's
+    (:class:`_NoiseFilter`) and the progress bars of datasets, transformers ("Loading
+    weights") and the Hub, which write ``\\r`` lines into logs. Idempotent."""
+    import datasets
+
     logger = logging.getLogger("flwr")
-    if not any(isinstance(f, _OnceFilter) for f in logger.filters):
-        logger.addFilter(_OnceFilter())
+    if not any(isinstance(f, _NoiseFilter) for f in logger.filters):
+        logger.addFilter(_NoiseFilter())
+    datasets.disable_progress_bars()
+    # "Parameter 'indices'=[...] couldn't be hashed properly, a random hash was used": datasets
+    # fingerprints a select() for its cache, which fedadapt does not use
+    logging.getLogger("datasets.fingerprint").setLevel(logging.ERROR)
+    try:
+        import transformers
+        from huggingface_hub.utils import disable_progress_bars
+
+        transformers.utils.logging.disable_progress_bar()
+        disable_progress_bars()
+    except ImportError:  # pragma: no cover  (both are dependencies)
+        pass

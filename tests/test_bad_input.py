@@ -174,3 +174,73 @@ def test_a_command_line_that_does_not_compose_is_one_line_naming_the_setting(arg
     problem = config_problem(argv)
     assert problem is not None and problem.startswith(says), problem
     assert "\n" not in problem and "Exception" not in problem
+
+
+def _class_folders(root: Path, classes: int = 10, per_class: int = 10) -> Path:
+    """``root/<class>/<i>.png``: 8x8 images, as digits' card declares them."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for c in range(classes):
+        (root / str(c)).mkdir(parents=True)
+        for i in range(per_class):
+            Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(
+                root / str(c) / f"{i}.png")
+    return root
+
+
+def _truncated_jpeg(root: Path) -> None:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(1).integers(0, 255, (64, 64, 3), dtype=np.uint8)
+                    ).save(buf, "JPEG")
+    (root / "3" / "bad.jpg").write_bytes(buf.getvalue()[:len(buf.getvalue()) // 2])
+
+
+def _odd_size(root: Path) -> None:
+    import numpy as np
+    from PIL import Image
+
+    Image.fromarray(np.zeros((20, 30, 3), np.uint8)).save(root / "5" / "odd.png")
+
+
+def _empty_class(root: Path) -> None:
+    import shutil
+
+    shutil.rmtree(root / "7")
+    (root / "7").mkdir()
+
+
+@pytest.mark.parametrize("spoil,says", [
+    (_truncated_jpeg, "bad.jpg (class folder '3', image"),
+    (_odd_size, "odd.png (class folder '5', image"),
+    (_empty_class, "has no image files"),
+])
+def test_a_bad_image_folder_names_the_file_or_class_folder(spoil, says, tmp_path):
+    """A truncated JPEG passes PIL's verify() and fails only when decoded; an image of another
+    size fails against the card's; an empty class folder would make a class fewer. Each names
+    the file (or folder) and the cause, not an OSError or an image index."""
+    from fedadapt.config import FedadaptError
+    from fedadapt.entry import compose_config, to_run_config
+    from fedadapt.experiment import prepare_run
+
+    root = _class_folders(tmp_path / "images")
+    spoil(root)
+    cfg = to_run_config(compose_config([
+        "method=linear_head", f"dataset.path={root}", "backbone=small_cnn",
+        "backbone.image_size=16", "partition.num_clients=3", f"cache_dir={tmp_path / 'cache'}"]))
+    with pytest.raises(FedadaptError) as err:
+        prepare_run(cfg, quiet=True)
+    line = str(err.value)
+    assert says in line and "\n" not in line, line
+    if spoil is _truncated_jpeg:
+        assert "cannot be decoded: image file is truncated" in line
+    if spoil is _odd_size:
+        assert "is 30x20, but the dataset card declares image_size 8x8" in line
+    if spoil is _empty_class:
+        assert str(root / "7") in line

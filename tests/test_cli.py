@@ -144,3 +144,21 @@ def test_every_tool_answers_help_with_what_it_does(script, monkeypatch, capsys):
     assert len(out.splitlines()) > 3
     if script in ("fedadapt", "fedadapt-inspect", "fedadapt-prefetch"):
         assert "\n  method: " in out and "schema" not in out
+
+
+@pytest.mark.slow
+def test_a_runs_log_holds_fedadapts_lines_only(tmp_path, cache_dir):
+    """Through Flower's simulation engine (Ray): every line on standard error is fedadapt's
+    (``[data]``, ``[job]``, ``[federation]``, ``[<method>] round``, ``[ray]``, and the data
+    preparation's progress: ``images digits/train 300/300 ...``): no Flower
+    deprecation banner, no ``Manually terminating ClientAppActor``, no Ray IP probe warning, no
+    progress bar's carriage returns, no traceback."""
+    out = run(["method=linear_head", *TINY], tmp_path, cache_dir)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stderr.splitlines()
+    progress = ("images ", "features ")
+    assert lines and all(ln.startswith(("[", *progress)) for ln in lines), lines
+    for noise in ("DEPRECATED", "Manually terminating", "8.8.8.8", "\r", "Traceback",
+                  "hashed properly", "WARNING"):
+        assert noise not in out.stderr, noise
+    assert any(ln.startswith("[linear_head] round 2/2") for ln in lines)

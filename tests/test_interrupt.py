@@ -108,6 +108,54 @@ def test_sigint_before_the_run_writes_anything(tmp_path, cache_dir):
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [0.5, 3.0])
+def test_sigterm_to_the_group_while_ray_starts_ends_with_the_stop_line_and_no_lock(
+        tmp_path, cache_dir, delay):
+    """As ``timeout`` sends it (SIGTERM to the whole process group, Ray's workers included),
+    while the job is being prepared or Ray starts: exit 143, one stop line, the lock released,
+    no traceback (this once hung after a handler's exception was swallowed by a garbage
+    collector callback, or while the main thread waited inside ray.init)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "FEDADAPT_CACHE": cache_dir}
+    proc = fedadapt(["method=linear_head", *TINY, f"output_dir={tmp_path}/out"], env)
+    deadline = time.time() + 120
+    while not list((tmp_path / "out").rglob("job.json")) and time.time() < deadline:
+        time.sleep(0.02)
+    time.sleep(delay)
+    rc, err = stop(proc, signal.SIGTERM, group=True)
+    assert rc == 143, (rc, err[-3000:])
+    assert "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
+    assert [ln for ln in err.splitlines() if ln.startswith("fedadapt: ")][0].startswith(
+        "fedadapt: stopped by SIGTERM")
+    assert not list((tmp_path / "out").rglob(".fedadapt.lock"))
+
+
+WATCHED = """
+import sys, time
+from fedadapt.federation.interrupt import last_words, stop_on_signals
+
+with stop_on_signals():
+    last_words(lambda stop: print(f"fedadapt: {stop}; said by the watch", file=sys.stderr))
+    print("ready", flush=True)
+    while True:  # code that swallows the stop, as a garbage collector callback does
+        try:
+            time.sleep(60)
+        except BaseException:
+            pass
+"""
+
+
+@pytest.mark.slow
+def test_a_stop_the_main_thread_swallows_is_ended_by_the_watch_thread():
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", WATCHED], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout.readline().strip() == "ready"
+    rc, err = stop(proc, signal.SIGTERM, group=False)
+    assert rc == 143 and err.strip() == "fedadapt: stopped by SIGTERM; said by the watch", err
+
+
 class NeverAnswers:
     """A grid whose clients never reply."""
 

@@ -116,3 +116,19 @@ def test_inspect_partition(tmp_path, cache_dir):
     assert info["partition"] == "shard" and info["num_clients"] == 5
     assert info["classes_per_client"]["max"] <= 4  # two label-sorted shards each
     assert (tmp_path / "x.png").stat().st_size > 1000
+
+
+def test_flwr_datasets_redraw_notes_are_one_line(capsys):
+    """flwr-datasets warns at every Dirichlet redraw (about 400 characters each): one line
+    with their count; any other note once, with its count."""
+    from fedadapt.config import PartitionConfig
+    from fedadapt.data.partition import _log_notes
+
+    redraw = ("The specified min_partition_size (10) was not satisfied for alpha ([np.float64("
+              "0.5)]) after {} attempts at sampling from the Dirichlet distribution.")
+    _log_notes([redraw.format(i) for i in range(5)] + ["sizes do not sum"] * 2,
+               PartitionConfig(min_partition_size=10))
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["[data] flwr-datasets redrew the Dirichlet partition 5 time(s): a client "
+                     "had fewer than partition.min_partition_size=10 samples",
+                     "[data] flwr-datasets: sizes do not sum (2 times)"]

@@ -83,11 +83,11 @@ def test_job_counts_methods_and_estimates_the_whole_job(plain, monkeypatch):
     assert "[job] method 1/3: a done" in text and "[job] method 2/3: b complete already" in text
 
 
-def test_flower_deprecation_banner_once_and_on_one_line(monkeypatch):
-    monkeypatch.setattr(progress._OnceFilter, "shown", False)
-    progress.quiet_flower_banner()
-    progress.quiet_flower_banner()  # idempotent
+def test_flowers_noise_is_dropped_and_the_rest_passes():
+    progress.quiet_libraries()
+    progress.quiet_libraries()  # idempotent
     logger = logging.getLogger("flwr")
+    assert sum(isinstance(f, progress._NoiseFilter) for f in logger.filters) == 1
     seen = []
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())
@@ -97,12 +97,13 @@ def test_flower_deprecation_banner_once_and_on_one_line(monkeypatch):
 
         for _ in range(3):
             warn_deprecated_feature("The `run_simulation` function is deprecated ...")
+        logger.warning("Manually terminating %s", "ClientAppActor")
         warn_deprecated_feature("something else")
+        logger.warning("round 3: dropped 1 of 10 training replies")
     finally:
         logger.removeHandler(handler)
-    assert seen == ["DEPRECATED FEATURE: The `run_simulation` function is deprecated ...",
-                    seen[-1]]
-    assert "something else" in seen[-1]  # other notices pass untouched
+    assert len(seen) == 2 and "something else" in seen[0]  # other notices pass untouched
+    assert seen[1] == "round 3: dropped 1 of 10 training replies"
 
 
 def test_fmt_seconds():

@@ -223,6 +223,10 @@ def _load_image_folder(p: Path, path: str):
             f"dataset.path={path!r} is invalid: no image files ({', '.join(IMAGE_SUFFIXES)}) "
             f"in {p} ({others} other file(s)); it takes a save_to_disk folder, IDX files, "
             f"<class>/<image> folders or <domain>/<class>/<image> folders")
+    for folder in _subdirs(p):  # an empty class would silently be a class fewer
+        if not any(f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES for f in folder.rglob("*")):
+            raise ConfigError(f"dataset.path={path!r}: class folder {folder} has no image files "
+                              f"({', '.join(IMAGE_SUFFIXES)}); add its images or remove it")
     try:
         return load_dataset("imagefolder", data_dir=str(p))
     except Exception as err:  # datasets' own errors, deep inside its builder

@@ -87,6 +87,25 @@ def _partitioner(cfg: PartitionConfig, card: DatasetCard, seed: int, mixed: int 
     return fp.NaturalIdPartitioner(partition_by=key)
 
 
+def _log_notes(notes: list[str], cfg: PartitionConfig) -> None:
+    """flwr-datasets' notes (e.g. "sizes do not sum to the data set") as one line per kind:
+    its Dirichlet partitioner warns at every redraw, 400 characters each, so those become one
+    line with their count. (Library deprecation chatter is dropped before this.)"""
+    import re
+
+    kinds: dict[str, list[str]] = {}
+    for note in notes:
+        kinds.setdefault(re.sub(r"\[[^\]]*\]|\d+", "#", note), []).append(note)
+    for kind, seen in kinds.items():
+        if kind.startswith("The specified min_partition_size"):
+            log(f"[data] flwr-datasets redrew the Dirichlet partition {len(seen)} time(s): a "
+                f"client had fewer than partition.min_partition_size={cfg.min_partition_size} "
+                f"samples")
+        else:
+            log(f"[data] flwr-datasets: {seen[0]}"
+                + (f" ({len(seen)} times)" if len(seen) > 1 else ""))
+
+
 def _refused(cfg: PartitionConfig, err: Exception) -> ConfigError:
     """flwr-datasets' refusal of a partition, as one line naming the settings."""
     if cfg.kind == "dirichlet":
@@ -163,11 +182,8 @@ def partition_dataset(train_ds, cfg: PartitionConfig, card: DatasetCard, seed: i
                                                 for i in range(partitioner.num_partitions)]
     except ValueError as err:
         raise _refused(cfg, err) from err
-    # flwr-datasets' notes (e.g. "sizes do not sum to the data set") as one line each;
-    # library deprecation chatter (pyarrow's, via datasets' sort) dropped
-    for note in dict.fromkeys(str(w.message) for w in caught
-                              if not issubclass(w.category, (DeprecationWarning, FutureWarning))):
-        log(f"[data] flwr-datasets: {note}")
+    _log_notes([str(w.message) for w in caught
+                if not issubclass(w.category, (DeprecationWarning, FutureWarning))], cfg)
     empty = [i for i, part in enumerate(parts) if len(part) == 0]
     if empty and cfg.kind not in ("natural", "domain"):
         raise ConfigError(f"partition={cfg.kind} with partition.num_clients={cfg.num_clients} "

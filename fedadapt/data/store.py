@@ -141,11 +141,36 @@ def _decode_chunk(args) -> int:
 
     out_path, data_path, split, geo, a, b = args
     out = np.load(out_path, mmap_mode="r+")
-    images = open_prepared(data_path)[split][a:b]["image"]
-    for i, im in enumerate(images):
-        out[a + i] = decode(im, geo, a + i)
+    rows = open_prepared(data_path)[split]
+    try:  # datasets decodes (PIL's load()) the whole slice here
+        images = rows[a:b]["image"]
+    except (OSError, ValueError):  # one of them is broken: find it, one at a time below
+        images = None
+    for i in range(b - a):
+        try:
+            im = images[i] if images is not None else rows[a + i]["image"]
+            out[a + i] = decode(im, geo, a + i)
+        except ConfigError as err:  # another size than the card's
+            raise ConfigError(f"{source_file(data_path, split, a + i)} {err}") from err
+        except (OSError, ValueError) as err:  # PIL: a truncated or garbled file
+            raise ConfigError(f"{source_file(data_path, split, a + i)} cannot be decoded: "
+                              f"{err}") from err
     out.flush()
     return b - a
+
+
+def source_file(data_path: str, split: str, index: int) -> str:
+    """Which file image ``index`` of a prepared split came from, for an error: its file name
+    and class folder as the data set recorded them."""
+    from datasets import Image
+    from fedadapt.data.loading import open_prepared
+
+    ds = open_prepared(data_path)[split]
+    record = ds.cast_column("image", Image(decode=False))[index]
+    name = (record["image"] or {}).get("path") or "an image without a file name"
+    label = ds.features["label"].names[record["label"]] if "label" in ds.features else None
+    where = f"class folder {label!r}, " if label is not None else ""
+    return f"{name} ({where}image {index} of {Path(data_path).name}/{split})"
 
 
 def decode(im, geo: Geometry, index: int) -> np.ndarray:
@@ -155,11 +180,11 @@ def decode(im, geo: Geometry, index: int) -> np.ndarray:
     if geo.native:
         arr = np.asarray(im.convert("L" if geo.channels == 1 else "RGB"), dtype=np.uint8)
         if arr.shape[:2] != (geo.height, geo.width):
-            raise ConfigError(f"image {index} is {arr.shape[1]}x{arr.shape[0]}, but the dataset "
-                              f"card declares image_size {geo.height}x{geo.width} (remove "
-                              f"image_size from the card for data of mixed sizes)")
+            raise ConfigError(f"is {arr.shape[1]}x{arr.shape[0]}, but the dataset card declares "
+                              f"image_size {geo.height}x{geo.width} (remove image_size from the "
+                              f"card for data of mixed sizes)")
         return arr.reshape(geo.height, geo.width, geo.channels)
-    im = im.convert("RGB")
+    im = im.convert("RGB")  # decodes: a truncated file raises here (OSError)
     w, h = im.size
     size = geo.height
     nw, nh = (size, int(size * h / w)) if w <= h else (int(size * w / h), size)

@@ -28,11 +28,12 @@ prepared data and feature cache by path).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
 from collections import Counter
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from fedadapt.config import ConfigError, FederationConfig
 from fedadapt.log import log
@@ -185,6 +186,48 @@ def init_args(fed: FederationConfig, *, logging_level: int) -> dict[str, Any]:
     probe(address, fed.ray_address or address)
     args["address"] = address
     return args
+
+
+def _routes_out() -> bool:
+    """Whether this machine has a route to the internet (a UDP connect sends nothing)."""
+    for family, target in ((socket.AF_INET, ("8.8.8.8", 53)),
+                           (socket.AF_INET6, ("2001:4860:4860::8888", 53))):
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect(target)
+                return True
+        except OSError:
+            continue
+    return False
+
+
+@contextlib.contextmanager
+def no_ip_probe(fed: FederationConfig) -> Iterator[None]:
+    """Within: a private local instance on a machine with no route out gets its node address
+    by hostname resolution directly, which is where Ray ends up, without Ray first probing
+    8.8.8.8 and logging ``Failed to determine local IP via external connectivity`` (a warning
+    in every run on an offline machine). A cluster, or a machine with a route, is untouched."""
+    if fed.ray_address is not None or _routes_out():
+        yield
+        return
+    import ray.util
+    from ray._private import services
+
+    original = services.get_node_ip_address
+
+    def by_hostname(address=None):
+        if address is None and getattr(services.ray._private.worker, "_global_node", None) is None:
+            try:
+                return socket.gethostbyname(socket.gethostname())
+            except OSError:
+                return "127.0.0.1"
+        return original(address)
+
+    services.get_node_ip_address = ray.util.get_node_ip_address = by_hostname
+    try:
+        yield
+    finally:
+        services.get_node_ip_address = ray.util.get_node_ip_address = original
 
 
 def describe_cluster() -> str:

@@ -9,8 +9,18 @@ a thread of its own, which a signal does not interrupt: its grid (:class:`Stoppa
 raises :class:`RunStopped` at the next message it would send or wait for, so a checkpoint being
 written is finished first, and no new round starts. Checkpoints are written under a temporary
 name and renamed (:mod:`fedadapt.federation.checkpoint`), so the last complete one stays valid
-whenever the process ends. :func:`exit_stopped` then gives the remaining threads a few seconds
-and ends the process with 128 + the signal's number. A second signal ends the process at once.
+whenever the process ends. :func:`exit_stopped` then gives the remaining busy threads until
+:data:`GRACE_S` after the signal and ends the process with 128 + the signal's number. A second
+signal ends the process at once.
+
+A Python signal handler runs only when the main thread runs Python code: not while it waits in
+C (``ray.init``, a Ray call, a long torch op), and an exception it raises inside a garbage
+collector callback is swallowed. So the signal also reaches a *watch* thread at once, through
+``signal.set_wakeup_fd`` (written by the C-level handler): it sets :data:`STOP`, and if the
+process is still alive :data:`WATCH_S` after the signal, it says the run's last words itself
+(the stop line, the lock released: :func:`last_words`) and ends the process with the same code.
+Every stop, wherever it lands (process or process group, under ``timeout``), is over within
+about :data:`WATCH_S` seconds.
 
 ``ray.init`` replaces the driver's SIGTERM handler by its own (``sys.exit(15)``):
 :func:`ray_keeps_our_handlers` stops it from doing so during a run (else Flower's engine would
@@ -38,8 +48,16 @@ from fedadapt.config import FedadaptError
 STOP = threading.Event()
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _ACTIVE: list[bool] = [False]
-#: The seconds a stop may take in all (the simulation's shutdown included).
-GRACE_S = 12.0
+#: The seconds after the signal that a stop waits for the run's busy threads (a checkpoint
+#: being written finishes well within it; an unfinished one stays under its temporary name).
+GRACE_S = 1.5
+#: The seconds after the signal at which the watch thread ends a stop the main thread has not.
+WATCH_S = 2.0
+#: ``(signal number, time.monotonic() when it came)`` of the run's first stop signal.
+_SIGNALLED: list[tuple[int, float]] = []
+#: Said (stop line, lock released) by whichever thread ends the process; see :func:`last_words`.
+_LAST_WORDS: list = []
+_ENDING = threading.Lock()
 #: Depth of :func:`signals_deferred` blocks, and the signals that came within them.
 _DEFER: list[int] = [0]
 _DEFERRED: list[int] = []
@@ -64,12 +82,77 @@ def _handler(signum: int, frame) -> None:
     if _DEFER[0]:  # within signals_deferred(): stop when the block ends
         _DEFERRED.append(signum)
         return
-    if STOP.is_set():  # a second signal: no more waiting
+    if _RAISED:  # a second signal: no more waiting
         os.write(2, f"fedadapt: {signal.Signals(signum).name} again: exiting now\n".encode())
         os._exit(128 + signum)
-    STOP.set()
-    quiet_flower()
+    _RAISED.append(signum)
+    _noticed(signum)
     raise RunInterrupted(signum)
+
+
+#: The signal the main thread's handler has raised for (once).
+_RAISED: list[int] = []
+
+
+def _noticed(signum: int) -> None:
+    """The first stop signal: the run stops (:data:`STOP`), Flower goes quiet."""
+    if not _SIGNALLED:
+        _SIGNALLED.append((signum, time.monotonic()))
+        STOP.set()
+        quiet_flower()
+
+
+def last_words(say) -> None:
+    """Within a run, ``say(interrupted)`` prints the stop line and releases the run's lock;
+    whichever of the main thread (:func:`exit_stopped`) and the watch thread ends the process
+    calls it, once."""
+    _LAST_WORDS[:] = [say]
+
+
+def _end(interrupted: "RunInterrupted") -> None:
+    """Say the last words (once) and end the process with the stop's exit code."""
+    with _ENDING:
+        for say in _LAST_WORDS:
+            try:
+                say(interrupted)
+            except BaseException as err:  # noqa: BLE001  (ending anyway)
+                os.write(2, f"fedadapt: {interrupted} ({type(err).__name__}: {err})\n".encode())
+        _LAST_WORDS.clear()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(interrupted.exit_code)
+
+
+def _watch(reader) -> None:
+    """The watch thread: a stop signal's number arrives through the wakeup fd as it lands."""
+    while True:
+        try:
+            data = reader.recv(64)
+        except OSError:
+            return
+        if not data:
+            return
+        signums = [b for b in data if b in (int(signal.SIGINT), int(signal.SIGTERM))]
+        if not signums or not _ACTIVE[0]:
+            continue
+        _noticed(signums[0])
+        signum, at = _SIGNALLED[0]
+        time.sleep(max(0.0, at + WATCH_S - time.monotonic()))
+        if _ACTIVE[0] or _LAST_WORDS:  # the main thread has not ended the stop: end it here
+            stop = RunInterrupted(signum)
+            stop.at = at
+            _end(stop)
+        return
+
+
+def _unraisable(hook):
+    """``sys.unraisablehook`` that drops a :class:`RunInterrupted` a garbage collector callback
+    swallowed (the watch thread ends that stop); anything else goes to ``hook``."""
+    def unraisable(info) -> None:
+        if not isinstance(info.exc_value, RunInterrupted):
+            hook(info)
+    return unraisable
 
 
 class StopFilter(logging.Filter):
@@ -105,24 +188,38 @@ def filter_flower() -> None:
 @contextlib.contextmanager
 def ray_keeps_our_handlers() -> Iterator[None]:
     """Within, ``ray.init`` leaves the SIGTERM handler of :func:`stop_on_signals` in place (it
-    would install ``sys.exit(15)``); outside a run of ours it is untouched."""
+    would install ``sys.exit(15)``), and the Ray processes it starts (GCS, raylet, and the
+    workers the raylet starts) leave the driver's process group: a SIGTERM to the group (as
+    ``timeout`` sends it) is then the driver's alone, which stops the run and shuts Ray down in
+    order, instead of killing the raylet under a running driver (whose core worker then exits
+    with 1 before the stop line). They still end with the driver: Ray starts them fate-shared
+    (``PR_SET_PDEATHSIG``). Outside a run of ours both are untouched."""
     try:
         from ray._private import utils as ray_utils
     except ImportError:  # another Ray layout: from_ray_exit still reads its exit
         yield
         return
     original = getattr(ray_utils, "set_sigterm_handler", None)
+    fate_shared = getattr(ray_utils, "set_kill_on_parent_death_linux", None)
 
     def set_sigterm_handler(handler) -> None:
         if not _ACTIVE[0] and original is not None:
             original(handler)
 
+    def own_group_fate_shared() -> None:  # runs in the child, before it executes Ray
+        os.setpgrp()
+        fate_shared()
+
     ray_utils.set_sigterm_handler = set_sigterm_handler
+    if fate_shared is not None:
+        ray_utils.set_kill_on_parent_death_linux = own_group_fate_shared
     try:
         yield
     finally:
         if original is not None:
             ray_utils.set_sigterm_handler = original
+        if fate_shared is not None:
+            ray_utils.set_kill_on_parent_death_linux = fate_shared
 
 
 def quiet_flower() -> None:
@@ -162,8 +259,19 @@ def stop_on_signals() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    import socket
+
     STOP.clear()
+    _SIGNALLED.clear()
+    _RAISED.clear()
     old = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    old_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    old_hook = sys.unraisablehook
+    sys.unraisablehook = _unraisable(old_hook)
+    threading.Thread(target=_watch, args=(reader,), name="fedadapt-stop-watch",
+                     daemon=True).start()
     _ACTIVE[0] = True
     reinstall()
     try:
@@ -172,14 +280,17 @@ def stop_on_signals() -> Iterator[None]:
         _ACTIVE[0] = False
         for sig, handler in old.items():
             signal.signal(sig, handler)
+        signal.set_wakeup_fd(old_fd)
+        sys.unraisablehook = old_hook
+        writer.close()  # the watch thread's recv ends
+        _LAST_WORDS.clear()
 
 
 def from_ray_exit(err: SystemExit) -> Optional[RunInterrupted]:
     """The :class:`RunInterrupted` that ``ray.init``'s SIGTERM handler (``sys.exit(15)``)
     stands for during a run, or None for any other exit."""
     if _ACTIVE[0] and err.code == signal.SIGTERM:
-        STOP.set()
-        quiet_flower()
+        _noticed(signal.SIGTERM)
         return RunInterrupted(signal.SIGTERM)
     return None
 
@@ -221,6 +332,22 @@ class StoppableGrid:
         return replies
 
 
+def _idle(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is an executor's worker waiting for work (``concurrent.futures``
+    leaves them running, non-daemon, until the interpreter exits): nothing to wait for."""
+    frame = sys._current_frames().get(thread.ident)
+    waiting = False
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "get" and code.co_filename.endswith("queue.py"):
+            waiting = True
+        if code.co_name == "_worker" and code.co_filename.endswith(
+                os.path.join("concurrent", "futures", "thread.py")):
+            return waiting
+        frame = frame.f_back
+    return False
+
+
 def exit_stopped(interrupted: RunInterrupted) -> None:
     """End the process with ``interrupted.exit_code`` (130 for SIGINT, 143 for SIGTERM).
 
@@ -230,11 +357,10 @@ def exit_stopped(interrupted: RunInterrupted) -> None:
     handler, having seen a SIGTERM, aborts the process. Every file is complete by then or
     under a temporary name."""
 
+    if _SIGNALLED:  # the stop began with the signal, not when the main thread saw it
+        interrupted.at = min(interrupted.at, _SIGNALLED[0][1])
     for t in threading.enumerate():
-        if t is threading.main_thread() or t.daemon:
+        if t is threading.main_thread() or t.daemon or _idle(t):
             continue
         t.join(timeout=max(0.0, interrupted.at + GRACE_S - time.monotonic()))
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(interrupted.exit_code)
+    _end(interrupted)

@@ -24,7 +24,7 @@ from fedadapt.federation.interrupt import (
     reinstall,
 )
 from fedadapt.federation.server import ServerPlan, ServerState, make_server_app
-from fedadapt.progress import quiet_flower_banner
+from fedadapt.progress import quiet_libraries
 
 
 @contextlib.contextmanager
@@ -92,7 +92,7 @@ def run_simulation(plan: ServerPlan, client_app, fed: FederationConfig) -> Serve
     flwr_logger.setLevel(level)
     flwr_logger.propagate = False  # it has its own handler; Hydra's root handler would repeat it
     resources = dict(plan.resources)
-    quiet_flower_banner()  # run_simulation's deprecation notice: once per process, one line
+    quiet_libraries()  # Flower's deprecation notice and progress bars: not in the log
     filter_flower()  # a stop's dead actors are the stop, not errors
     backend_config = {
         "client_resources": resources,
@@ -109,7 +109,8 @@ def run_simulation(plan: ServerPlan, client_app, fed: FederationConfig) -> Serve
 
     cpu_only = not resources.get("num_gpus")
     try:
-        with _gpus_hidden(cpu_only), ray_keeps_our_handlers(), warnings.catch_warnings():
+        with _gpus_hidden(cpu_only), ray_keeps_our_handlers(), cluster.no_ip_probe(fed), \
+                warnings.catch_warnings():
             # Ray's notice that it hides GPUs from actors that ask for none: fedadapt relies
             # on it
             warnings.filterwarnings("ignore", message="Tip: In future versions of Ray",

@@ -7,6 +7,12 @@ one row; rows whose resolved configs differ only in ``seed`` are grouped and rep
 identify a group are the config keys that vary across the runs (e.g. ``method`` and
 ``partition.alpha`` for a sweep). Writes ``report.md`` and
 ``report.csv`` (atomically) into ``--out`` (default: the first folder) and prints the table.
+
+``--provenance`` adds, under any layout's table, where each of its runs came from: the run
+directory, the git commit of the fedadapt that ran it (``+dirty``: with uncommitted changes;
+``wheel``: an installed package) and the hash of its resolved config (:func:`config_hash`: the
+same experiment and seed, the same hash), in the table's row order; a docs table carries it as its
+footer (``scripts/regenerate_tables.py``).
 """
 
 from __future__ import annotations
@@ -35,12 +41,16 @@ METRICS = [("final global acc", ("final", "global_acc"), 100.0),
            ("s/round", ("seconds_per_round",), None)]
 #: Shown when a run has it: the privacy spent (``dp=`` with accounting).
 EPSILON = ("epsilon", ("privacy", "epsilon"), None)
+#: Shown when a run dropped clients (failures, late replies: ``faults.*``).
+DROPPED = ("clients dropped", ("client_failures",), None)
 
 
 def metrics_of(runs: list[dict]) -> list[tuple]:
-    """The report's metric columns: :data:`METRICS`, and epsilon when a run reports one."""
+    """The report's metric columns: :data:`METRICS`, epsilon when a run reports one, and the
+    clients dropped when a run dropped some."""
     return METRICS + ([EPSILON] if any(_get(r["summary"], EPSILON[1]) is not None
-                                       for r in runs) else [])
+                                       for r in runs) else []) \
+        + ([DROPPED] if any(_get(r["summary"], DROPPED[1]) for r in runs) else [])
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -74,6 +84,48 @@ def _get(summary: dict, path: tuple):
     for p in path:
         summary = summary.get(p) if isinstance(summary, dict) else None
     return summary
+
+
+#: Machine-local keys of a config.yaml, left out of its hash.
+LOCAL_KEYS = ("output_dir", "cache_dir", "hydra")
+
+
+def config_hash(run_dir: str) -> str:
+    """The first 12 hex digits of the SHA-256 of a run directory's resolved config (its
+    ``config.yaml`` as sorted JSON, without the machine-local :data:`LOCAL_KEYS`): the same
+    experiment and seed give the same hash on any machine."""
+    import hashlib
+    import json
+
+    config = yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {}
+    kept = {k: v for k, v in config.items() if k not in LOCAL_KEYS}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def provenance(runs: list[dict]) -> str:
+    """Markdown: each run's row label (the keys that vary, seed included), run directory, git
+    commit and config hash; the commits in one line when all runs share one."""
+    varying = varying_keys(runs) or ["method.name"]
+    if "seed" not in varying and any("seed" in r["summary"] for r in runs):
+        varying = [*varying, "seed"]
+
+    def label(run: dict) -> str:
+        values = {**run["config"], "seed": run["summary"].get("seed")}
+        return ", ".join(f"{k}={values.get(k)}" for k in varying)
+
+    ordered = sorted(runs, key=lambda r: [repr({**r["config"], "seed": r["summary"].get(
+        "seed")}.get(k)) for k in varying])
+    commits = sorted({str(r["summary"].get("git_commit") or "wheel") for r in runs})
+    lines = [f"Provenance (`fedadapt-report --provenance`): {len(runs)} run(s), fedadapt commit "
+             f"{', '.join(commits)}.", "", "| run | run directory | git commit | config hash |",
+             "|---|---|---|---|"]
+    for run in ordered:
+        where = Path(run["dir"]).resolve()
+        shown = where.relative_to(Path.cwd()) if where.is_relative_to(Path.cwd()) else where
+        lines.append(f"| {label(run)} | {shown} | "
+                     f"{str(run['summary'].get('git_commit') or 'wheel')[:12]} | "
+                     f"{config_hash(run['dir'])} |")
+    return "\n".join(lines) + "\n"
 
 
 def varying_keys(runs: list[dict]) -> list[str]:
@@ -144,6 +196,8 @@ def _cell(name: str, value) -> str:
         return f"{value.mean:.2f}"
     if name == "epsilon":
         return f"{value.mean:.2f}"
+    if name == "clients dropped":  # a count: its mean over seeds, ± its spread
+        return f"{value.mean:g}" + (f" ± {value.std:.1f}" if value.std else "")
     return fmt(value)
 
 
@@ -157,7 +211,7 @@ def _csv_cells(value) -> list:
 
 def render(varying: list[str], rows: list[dict], extra: tuple[str, ...] = ()
            ) -> tuple[str, str]:
-    metrics = METRICS + ([EPSILON] if rows and EPSILON[0] in rows[0] else [])
+    metrics = METRICS + [m for m in (EPSILON, DROPPED) if rows and m[0] in rows[0]]
     metrics += [(name, None, None) for name in extra]
     header = [*varying, "seeds", "trainable", "communicated", *(m[0] for m in metrics)]
     md_rows = [[str(r[k]) for k in varying] + [str(r["seeds"]), fmt_count(r["trainable"]),
@@ -346,6 +400,9 @@ def main(argv: list[str] | None = None) -> None:
                              "DUET / CDC-MMPG (accuracy, payloads, delay table)")
     parser.add_argument("--target-method", default="lw_linear",
                         help="communication layout: whose best accuracy is the target")
+    parser.add_argument("--provenance", action="store_true",
+                        help="add each run's directory, git commit and config hash under the "
+                             "table")
     parser.add_argument("--against", metavar="METHOD",
                         help="runs layout: add each group's final global accuracy minus "
                              "METHOD's, paired by seed under the same other settings")
@@ -367,6 +424,8 @@ def main(argv: list[str] | None = None) -> None:
               }[args.layout](runs)
         title = (f"# fedadapt report ({args.layout}): {len(runs)} runs, mean ± std over seeds"
                  f"\n\n{CONVENTION}\n\n")
+        if args.provenance:
+            md = f"{md}\n{provenance(runs)}"
         atomic_write(out / f"report-{args.layout}.md", lambda fh: fh.write(title + md))
         print(title + md)
         print(f"Wrote {out / f'report-{args.layout}.md'}")
@@ -380,6 +439,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"fedadapt-report: error: {err}", file=sys.stderr)
             sys.exit(2)
     md, csv_text = render(varying, rows, extra)
+    if args.provenance:
+        md = f"{md}\n{provenance(runs)}"
     title = (f"# fedadapt report: {len(runs)} runs in {len(rows)} groups (mean ± std over "
              f"seeds)\n\n{CONVENTION}\n\n")
     atomic_write(out / "report.md", lambda fh: fh.write(title + md))

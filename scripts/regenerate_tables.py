@@ -1,0 +1,94 @@
+"""Rebuild an evidence table of the docs from its commands (docs/tables.yaml), with the
+provenance footer of `fedadapt-report --provenance`: every run's directory, fedadapt commit and
+config hash, so each row can be traced to the run that made it and rerun.
+
+    python scripts/regenerate_tables.py NAME [NAME ...]        rerun the commands (offline)
+    python scripts/regenerate_tables.py NAME --from DIR        from run directories kept in DIR
+    python scripts/regenerate_tables.py --list                 the tables it knows
+
+The runs go to outputs/tables/NAME/<time>/ (kept: the footer names them); the table in its doc,
+between `<!-- table: NAME -->` and `<!-- /table: NAME -->`, is replaced atomically."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from fedadapt.results.report import find_runs, provenance
+from fedadapt.results.store import atomic_write
+
+ROOT = Path(__file__).resolve().parents[1]
+REGISTRY = ROOT / "docs" / "tables.yaml"
+
+
+def run_commands(name: str, entry: dict, out: Path) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    for i, overrides in enumerate(entry["runs"]):
+        cmd = ["fedadapt", *overrides, f"output_dir={out / str(i)}"]
+        print(f"[tables] {name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+        subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+
+
+def table_of(entry: dict, folder: Path) -> str:
+    """The table's markdown (without the footer) from the runs under ``folder``."""
+    if entry.get("table", "report") == "job":
+        (job,) = {p.parent for p in folder.rglob("table.md") if (p.parent / "job.json").is_file()}
+        return "\n".join(ln for ln in (job / "table.md").read_text().splitlines()
+                         if ln.startswith("|")) + "\n"
+    done = subprocess.run([sys.executable, "-m", "fedadapt.results.report", str(folder),
+                           "--out", str(folder), *entry.get("report", [])],
+                          capture_output=True, text=True, check=True)
+    md = (folder / "report.md").read_text()
+    return md[md.index("\n|"):].lstrip("\n") if "\n|" in md else done.stdout
+
+
+def replace_block(doc: Path, name: str, block: str) -> None:
+    text = doc.read_text()
+    pattern = re.compile(rf"(<!-- table: {re.escape(name)} -->\n).*?(<!-- /table: "
+                         rf"{re.escape(name)} -->)", re.S)
+    if not pattern.search(text):
+        raise SystemExit(f"regenerate_tables: {doc} has no <!-- table: {name} --> block")
+    new = pattern.sub(lambda m: m.group(1) + block + m.group(2), text)
+    atomic_write(doc, lambda fh: fh.write(new))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("names", nargs="*")
+    parser.add_argument("--from", dest="source", help="run directories already made")
+    parser.add_argument("--list", action="store_true")
+    args = parser.parse_args()
+    registry = yaml.safe_load(REGISTRY.read_text())
+    if args.list or not args.names:
+        for name, entry in registry.items():
+            print(f"{name}: {entry['doc']} ({len(entry['runs'])} command(s))")
+        return
+    unknown = [n for n in args.names if n not in registry]
+    if unknown:
+        raise SystemExit(f"regenerate_tables: unknown table(s) {unknown}; known: "
+                         f"{sorted(registry)}")
+    for name in args.names:
+        entry = registry[name]
+        if args.source:
+            folder = Path(args.source)
+        else:
+            folder = ROOT / "outputs" / "tables" / name / time.strftime("%Y-%m-%d_%H-%M-%S")
+            run_commands(name, entry, folder)
+        runs = find_runs([str(folder)])
+        if len(runs) < len(entry["runs"]):
+            raise SystemExit(f"regenerate_tables: {folder} holds {len(runs)} complete run(s), "
+                             f"{name} needs {len(entry['runs'])}")
+        block = f"{table_of(entry, folder)}\n{provenance(runs)}"
+        replace_block(ROOT / entry["doc"], name, block)
+        print(f"[tables] {name}: {entry['doc']} rewritten from {folder}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
