@@ -74,13 +74,16 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"regenerate_tables: unknown table(s) {unknown}; known: "
                          f"{sorted(registry)}")
-    for name in args.names:
-        entry = registry[name]
+    folders = {}
+    for name in args.names:  # every command first: the docs change only after (the runs'
+        entry = registry[name]  # commit is then the clean checkout's, not "+dirty")
         if args.source:
-            folder = Path(args.source)
+            folders[name] = Path(args.source)
         else:
-            folder = ROOT / "outputs" / "tables" / name / time.strftime("%Y-%m-%d_%H-%M-%S")
-            run_commands(name, entry, folder)
+            folders[name] = ROOT / "outputs" / "tables" / name / time.strftime("%Y-%m-%d_%H-%M-%S")
+            run_commands(name, entry, folders[name])
+    for name, folder in folders.items():
+        entry = registry[name]
         runs = find_runs([str(folder)])
         if len(runs) < len(entry["runs"]):
             raise SystemExit(f"regenerate_tables: {folder} holds {len(runs)} complete run(s), "
@@ -88,7 +91,6 @@ def main() -> None:
         block = f"{table_of(entry, folder)}\n{provenance(runs)}"
         replace_block(ROOT / entry["doc"], name, block)
         print(f"[tables] {name}: {entry['doc']} rewritten from {folder}", file=sys.stderr)
-
 
 if __name__ == "__main__":
     main()
