@@ -64,10 +64,10 @@ def make_client_app(get_spec: Callable[[Context], RunSpec]) -> ClientApp:
     (:func:`fedadapt.methods.client_handler`); a query without a phase is the handshake."""
     from fedadapt.progress import quiet_libraries
 
-    quiet_libraries()  # in each Ray worker too: Flower's actor noise, transformers' bars
     app = ClientApp()
 
     def reply(kind: str, msg: Message, context: Context) -> Message:
+        quiet_libraries()  # here, in the node's own process (a Ray worker): once per process
         spec = get_spec(context)
         phase = phase_of(msg.content)
         if kind == "query" and phase is None:  # the handshake: which node is this

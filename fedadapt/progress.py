@@ -252,7 +252,9 @@ def _eta_text(bar: Bar) -> str:
 
 
 def _emit(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
+    from fedadapt.log import log
+
+    log(text)  # whole, never interleaved with another thread's line
 
 
 def _start_live() -> None:
@@ -457,10 +459,16 @@ class _NoiseFilter(logging.Filter):
         return not msg.startswith("Manually terminating")
 
 
+_QUIETED: list[bool] = []
+
+
 def quiet_libraries() -> None:
     """Silence the libraries' noise in this process (the driver, or a Ray worker): Flower's
     (:class:`_NoiseFilter`) and the progress bars of datasets, transformers ("Loading
-    weights") and the Hub, which write ``\\r`` lines into logs. Idempotent."""
+    weights") and the Hub, which write ``\\r`` lines into logs. Once per process."""
+    if _QUIETED:
+        return
+    _QUIETED.append(True)
     import datasets
 
     logger = logging.getLogger("flwr")

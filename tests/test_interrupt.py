@@ -130,6 +130,46 @@ def test_sigterm_to_the_group_while_ray_starts_ends_with_the_stop_line_and_no_lo
     assert not list((tmp_path / "out").rglob(".fedadapt.lock"))
 
 
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (Ray's GCS, raylet, agents and workers of a run)."""
+    ps = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
+    children: dict[int, list[int]] = {}
+    for line in ps.splitlines():
+        child, parent = map(int, line.split())
+        children.setdefault(parent, []).append(child)
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def alive(pids: set[int], wait: float = 15.0) -> set[int]:
+    deadline = time.time() + wait
+    while True:
+        left = {p for p in pids if os.path.exists(f"/proc/{p}")
+                and "zombie" not in open(f"/proc/{p}/status").read().lower()}
+        if not left or time.time() > deadline:
+            return left
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_a_sigkill_of_the_driver_alone_leaves_no_ray_process(tmp_path, cache_dir):
+    """Ray's processes run in process groups of their own (so a SIGTERM to the run's group is
+    the driver's to handle); when the driver dies without a word, even by SIGKILL, the reaper
+    kills them, the agents the raylet started included."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "FEDADAPT_CACHE": cache_dir}
+    proc = fedadapt(["method=linear_head", *TINY, f"output_dir={tmp_path}/out"], env)
+    started(tmp_path / "out", 2, proc)
+    ray = descendants(proc.pid)
+    assert len(ray) >= 3  # GCS, raylet, a worker at least
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert alive(ray) == set()
+
+
 WATCHED = """
 import sys, time
 from fedadapt.federation.interrupt import last_words, stop_on_signals

@@ -192,15 +192,22 @@ def ray_keeps_our_handlers() -> Iterator[None]:
     workers the raylet starts) leave the driver's process group: a SIGTERM to the group (as
     ``timeout`` sends it) is then the driver's alone, which stops the run and shuts Ray down in
     order, instead of killing the raylet under a running driver (whose core worker then exits
-    with 1 before the stop line). They still end with the driver: Ray starts them fate-shared
-    (``PR_SET_PDEATHSIG``). Outside a run of ours both are untouched."""
+    with 1 before the stop line). They still end with the driver however it ends: a reaper
+    process (:data:`REAPER`, in a session of its own) holds a pipe from the driver and, when the
+    pipe closes without the word ``done`` (the driver was killed, or a stop ended it before
+    Ray's shutdown finished), kills their process groups, which a SIGKILL to the driver's group
+    reached before. Outside a run of ours nothing is changed."""
     try:
         from ray._private import utils as ray_utils
     except ImportError:  # another Ray layout: from_ray_exit still reads its exit
         yield
         return
+    from ray._private import services
+
     original = getattr(ray_utils, "set_sigterm_handler", None)
     fate_shared = getattr(ray_utils, "set_kill_on_parent_death_linux", None)
+    start_process = getattr(services, "start_ray_process", None)
+    reaper: list = []
 
     def set_sigterm_handler(handler) -> None:
         if not _ACTIVE[0] and original is not None:
@@ -210,16 +217,63 @@ def ray_keeps_our_handlers() -> Iterator[None]:
         os.setpgrp()
         fate_shared()
 
+    def start_ray_process(*args, **kwargs):
+        info = start_process(*args, **kwargs)
+        pid = getattr(getattr(info, "process", None), "pid", None)
+        if pid is not None:
+            if not reaper:
+                reaper.append(_start_reaper())
+            _tell(reaper[0], f"{pid}\n")  # its own group: pgid == pid
+        return info
+
     ray_utils.set_sigterm_handler = set_sigterm_handler
-    if fate_shared is not None:
+    if fate_shared is not None and start_process is not None:
         ray_utils.set_kill_on_parent_death_linux = own_group_fate_shared
+        services.start_ray_process = start_ray_process
     try:
         yield
     finally:
         if original is not None:
             ray_utils.set_sigterm_handler = original
-        if fate_shared is not None:
+        if fate_shared is not None and start_process is not None:
             ray_utils.set_kill_on_parent_death_linux = fate_shared
+            services.start_ray_process = start_process
+        for proc in reaper:  # Ray has shut down in order: nothing left to reap
+            _tell(proc, "done\n")
+            proc.stdin.close()
+
+
+#: The reaper: reads process group ids until ``done`` (exit) or the end of its input (the
+#: driver is gone), then kills those groups.
+REAPER = """
+import os, signal, sys
+groups = []
+for line in sys.stdin:
+    if line.strip() == "done":
+        sys.exit(0)
+    groups.append(int(line))
+for group in groups:
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except OSError:
+        pass
+"""
+
+
+def _start_reaper():
+    import subprocess
+
+    return subprocess.Popen([sys.executable, "-c", REAPER], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+
+
+def _tell(proc, line: str) -> None:
+    try:
+        proc.stdin.write(line)
+        proc.stdin.flush()
+    except (OSError, ValueError):  # the reaper is gone: Ray's fate-sharing still holds
+        pass
 
 
 def quiet_flower() -> None:
