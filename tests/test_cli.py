@@ -13,6 +13,21 @@ TINY = ["backbone=small_cnn", "backbone.image_size=16", "dataset.max_samples=300
         "partition.num_clients=3", "rounds=2", "federation.eval_every=1"]
 
 
+def assert_only_fedadapts(stderr: str, expected: str) -> None:
+    """Every line on standard error is fedadapt's (``[data]``, ``[job]``, ``[federation]``,
+    ``[<method>] round``, ``[ray]``, and the data preparation's progress: ``images
+    digits/train 300/300 ...``): no Flower deprecation banner, no ``Manually terminating
+    ClientAppActor``, no Ray IP probe warning, no progress bar's carriage returns, no traceback,
+    and no line broken by another thread's."""
+    lines = stderr.splitlines()
+    strangers = [ln for ln in lines if not ln.startswith(("[", "images ", "features "))]
+    assert lines and not strangers, strangers
+    for noise in ("DEPRECATED", "Manually terminating", "8.8.8.8", "\r", "Traceback",
+                  "hashed properly", "WARNING"):
+        assert noise not in stderr, noise
+    assert any(ln.startswith(expected) for ln in lines), expected
+
+
 def run(args, tmp_path, cache_dir, timeout=300):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "FEDADAPT_CACHE": cache_dir}
     return subprocess.run([sys.executable, "-m", "fedadapt.cli", *args,
@@ -63,8 +78,11 @@ def test_sweep_writes_one_run_dir_per_value_and_report_aggregates(tmp_path, cach
 
 @pytest.mark.slow
 def test_compare_runs_each_method_into_its_own_dir(tmp_path, cache_dir):
+    """Two methods of one job, each in its own run directory, through Flower's simulation
+    engine (Ray); the job's log holds fedadapt's lines only (:func:`assert_only_fedadapts`)."""
     out = run(["compare=[linear_head,local_only]", *TINY], tmp_path, cache_dir)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert_only_fedadapts(out.stderr, "[linear_head] round 2/2")
     job = next((tmp_path / "out").glob("quickstart/*"))
     assert (job / "table.md").is_file() and (job / "curves.png").is_file()
     for m in ("linear_head", "local_only"):
@@ -144,22 +162,3 @@ def test_every_tool_answers_help_with_what_it_does(script, monkeypatch, capsys):
     assert len(out.splitlines()) > 3
     if script in ("fedadapt", "fedadapt-inspect", "fedadapt-prefetch"):
         assert "\n  method: " in out and "schema" not in out
-
-
-@pytest.mark.slow
-def test_a_runs_log_holds_fedadapts_lines_only(tmp_path, cache_dir):
-    """Through Flower's simulation engine (Ray): every line on standard error is fedadapt's
-    (``[data]``, ``[job]``, ``[federation]``, ``[<method>] round``, ``[ray]``, and the data
-    preparation's progress: ``images digits/train 300/300 ...``): no Flower
-    deprecation banner, no ``Manually terminating ClientAppActor``, no Ray IP probe warning, no
-    progress bar's carriage returns, no traceback."""
-    out = run(["method=linear_head", *TINY], tmp_path, cache_dir)
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = out.stderr.splitlines()
-    progress = ("images ", "features ")
-    strangers = [ln for ln in lines if not ln.startswith(("[", *progress))]
-    assert lines and not strangers, strangers
-    for noise in ("DEPRECATED", "Manually terminating", "8.8.8.8", "\r", "Traceback",
-                  "hashed properly", "WARNING"):
-        assert noise not in out.stderr, noise
-    assert any(ln.startswith("[linear_head] round 2/2") for ln in lines)

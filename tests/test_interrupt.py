@@ -109,9 +109,8 @@ def test_sigint_before_the_run_writes_anything(tmp_path, cache_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("delay", [0.5, 3.0])
 def test_sigterm_to_the_group_while_ray_starts_ends_with_the_stop_line_and_no_lock(
-        tmp_path, cache_dir, delay):
+        tmp_path, cache_dir):
     """As ``timeout`` sends it (SIGTERM to the whole process group, Ray's workers included),
     while the job is being prepared or Ray starts: exit 143, one stop line, the lock released,
     no traceback (this once hung after a handler's exception was swallowed by a garbage
@@ -121,7 +120,7 @@ def test_sigterm_to_the_group_while_ray_starts_ends_with_the_stop_line_and_no_lo
     deadline = time.time() + 120
     while not list((tmp_path / "out").rglob("job.json")) and time.time() < deadline:
         time.sleep(0.02)
-    time.sleep(delay)
+    time.sleep(3.0)  # the data is prepared; Ray is starting (measured: 2-5 s after job.json)
     rc, err = stop(proc, signal.SIGTERM, group=True)
     assert rc == 143, (rc, err[-3000:])
     assert "Traceback" not in err and "Exception ignored" not in err, err[-3000:]

@@ -219,11 +219,11 @@ def ray_keeps_our_handlers() -> Iterator[None]:
 
     def start_ray_process(*args, **kwargs):
         info = start_process(*args, **kwargs)
-        pid = getattr(getattr(info, "process", None), "pid", None)
-        if pid is not None:
+        started = getattr(info, "process", None)  # its process, leader of its own group
+        if started is not None:
             if not reaper:
                 reaper.append(_start_reaper())
-            _tell(reaper[0], f"{pid}\n")  # its own group: pgid == pid
+            _tell(reaper[0], f"{started.pid}\n")  # its process id: its group id
         return info
 
     ray_utils.set_sigterm_handler = set_sigterm_handler
