@@ -233,13 +233,12 @@ def _main(cfg: DictConfig) -> Optional[float]:
     root = Path(cfg.output_dir).resolve().parent  # before resume swaps cfg for the job's config
     overrides = list(HydraConfig.get().overrides.task)
     job_dir = run_dir
-    held: list[Path] = []  # the locked job folder, for a stop the watch thread ends
 
     def stop_line(stop: RunInterrupted) -> None:
-        where = held[0] if held else job_dir
-        print(f"fedadapt: {stop}; {resume_hint(where)}", file=sys.stderr)
-        if held:
-            rundir.unlock_run_dir(held[0])
+        """The stop's last words, from the main thread or the watch thread: how to resume,
+        the lock released (if it is this process's), an empty job folder removed."""
+        print(f"fedadapt: {stop}; {resume_hint(job_dir)}", file=sys.stderr)
+        rundir.unlock_run_dir(job_dir)
         _remove_if_empty(run_dir, root)
 
     try:
@@ -254,17 +253,14 @@ def _main(cfg: DictConfig) -> Optional[float]:
                 _remove_if_empty(run_dir, root)
                 job_dir, overrides = resume_target(cfg.resume)
                 cfg = compose(config_name="config", overrides=overrides)
-                held.append(job_dir)
                 with _holding(job_dir, resume=True):
                     return objective_value(cfg, run_job(cfg, job_dir, overrides, resume=True))
             if cfg.get("objective") is not None and len(job_configs(cfg, overrides)) != 1:
                 objective_value(cfg, [])  # refused before anything runs
-            held.append(run_dir)
             with _holding(run_dir):  # before anything is written: one run per directory
                 return objective_value(cfg, run_job(cfg, run_dir, overrides))
     except RunInterrupted as stop:
-        print(f"fedadapt: {stop}; {resume_hint(job_dir)}", file=sys.stderr)
-        _remove_if_empty(run_dir, root)
+        stop_line(stop)
         exit_stopped(stop)
     except FedadaptError as err:
         print(f"fedadapt: error: {err}", file=sys.stderr)
@@ -394,8 +390,7 @@ def _explained(argv: list[str], key: str | None, first: str, text: str) -> str:
         return (f"{shown}: several values sweep a setting only with -m (fedadapt -m {shown}); "
                 f"a value holding commas needs quotes")
     where = f"{key}: " if key else ""
-    sub = re.search(r"is not a subclass of (\w+)", first)
-    if key and sub:
+    if key and "is not a subclass of" in first:
         return f"{key} is a group of settings, not a value: set its keys ({key}.<key>=<value>)"
     if key and "is not a ListConfig" in first:
         value = next((a.partition("=")[2] for a in argv if a.split("=")[0].lstrip("+") == key),

@@ -10,16 +10,12 @@ def prefetch(run) -> list[str]:
     Progress is one :func:`fedadapt.progress.task` bar over the steps (data set, weights);
     Hugging Face's own download bars are off, so the display (or a log file) stays clean.
     """
-    from huggingface_hub.utils import disable_progress_bars
-
-    import datasets
     from fedadapt import progress
     from fedadapt.backbones import build_backbone
     from fedadapt.data.catalogue import load_card
     from fedadapt.data.hub import hub_load
 
-    datasets.disable_progress_bars()
-    disable_progress_bars()
+    progress.quiet_libraries()
     done = []
     card = load_card(run.dataset.name)
     with progress.task("prefetch", total=2, unit="steps", interval=0) as bar:

@@ -99,17 +99,16 @@ def train_backbone(run: RunConfig, *, epochs: int, lr: float, batch_size: int,
     ``pretrain.json`` records."""
     import transformers
 
-    import datasets
     from fedadapt.backbones import build_backbone
     from fedadapt.data.catalogue import load_card
     from fedadapt.data.loading import prepare_dataset
     from fedadapt.data.sources import DataSource
     from fedadapt.data.store import geometry, image_store
     from fedadapt.data.transforms import Preprocess
+    from fedadapt.progress import quiet_libraries
 
     t0 = time.time()
-    datasets.disable_progress_bars()
-    transformers.utils.logging.disable_progress_bar()  # save_pretrained's "Writing model shards"
+    quiet_libraries()  # progress bars off (save_pretrained's "Writing model shards" too)
     prepared = prepare_dataset(run.dataset, run.cache_dir, run.seed)
     backbone = build_backbone(run.backbone, load_weights=False)
     preprocess = Preprocess.for_backbone(backbone)

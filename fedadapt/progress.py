@@ -469,20 +469,15 @@ def quiet_libraries() -> None:
     if _QUIETED:
         return
     _QUIETED.append(True)
+    import transformers
+    from huggingface_hub.utils import disable_progress_bars
+
     import datasets
 
-    logger = logging.getLogger("flwr")
-    if not any(isinstance(f, _NoiseFilter) for f in logger.filters):
-        logger.addFilter(_NoiseFilter())
+    logging.getLogger("flwr").addFilter(_NoiseFilter())
     datasets.disable_progress_bars()
     # "Parameter 'indices'=[...] couldn't be hashed properly, a random hash was used": datasets
     # fingerprints a select() for its cache, which fedadapt does not use
     logging.getLogger("datasets.fingerprint").setLevel(logging.ERROR)
-    try:
-        import transformers
-        from huggingface_hub.utils import disable_progress_bars
-
-        transformers.utils.logging.disable_progress_bar()
-        disable_progress_bars()
-    except ImportError:  # pragma: no cover  (both are dependencies)
-        pass
+    transformers.utils.logging.disable_progress_bar()
+    disable_progress_bars()

@@ -211,12 +211,12 @@ def no_ip_probe(fed: FederationConfig) -> Iterator[None]:
         yield
         return
     import ray.util
-    from ray._private import services
+    from ray._private import services, worker
 
     original = services.get_node_ip_address
 
     def by_hostname(address=None):
-        if address is None and getattr(services.ray._private.worker, "_global_node", None) is None:
+        if address is None and getattr(worker, "_global_node", None) is None:
             try:
                 return socket.gethostbyname(socket.gethostname())
             except OSError:

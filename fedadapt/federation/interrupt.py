@@ -58,6 +58,8 @@ _SIGNALLED: list[tuple[int, float]] = []
 #: Said (stop line, lock released) by whichever thread ends the process; see :func:`last_words`.
 _LAST_WORDS: list = []
 _ENDING = threading.Lock()
+#: The signal the main thread's handler has raised for (once): a second one exits at once.
+_RAISED: list[int] = []
 #: Depth of :func:`signals_deferred` blocks, and the signals that came within them.
 _DEFER: list[int] = [0]
 _DEFERRED: list[int] = []
@@ -89,9 +91,6 @@ def _handler(signum: int, frame) -> None:
     _noticed(signum)
     raise RunInterrupted(signum)
 
-
-#: The signal the main thread's handler has raised for (once).
-_RAISED: list[int] = []
 
 
 def _noticed(signum: int) -> None:

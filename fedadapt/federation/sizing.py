@@ -63,16 +63,17 @@ def parse_count(value: str, key: str) -> Optional[int]:
     return n
 
 
+def _count(amount: float, share: float) -> int:
+    """How many shares of ``share`` an ``amount`` of a resource holds (as Flower counts, with
+    room for float error: 1.0 / (1/3) is 3)."""
+    return int(amount / share + 1e-9)
+
+
 def actors_that_fit(nodes: list[tuple[float, float]], cpus: float, gpus: float) -> int:
     """How many workers asking ``(cpus, gpus)`` each fit on ``nodes`` at once, counted per node
     as Flower's actor pool counts them (``pool_size_from_resources``)."""
-    total = 0
-    for node_cpus, node_gpus in nodes:
-        n = int(node_cpus / cpus + 1e-9)
-        if gpus > 0:
-            n = min(n, int(node_gpus / gpus + 1e-9))
-        total += n
-    return total
+    return sum(min(_count(c, cpus), _count(g, gpus)) if gpus > 0 else _count(c, cpus)
+               for c, g in nodes)
 
 
 def _largest_share(amounts: list[float], n: int) -> float:
@@ -80,7 +81,7 @@ def _largest_share(amounts: list[float], n: int) -> float:
     holding ``amounts`` of it."""
     shares = sorted({a / k for a in amounts if a > 0 for k in range(1, n + 1)}, reverse=True)
     for share in shares:
-        if sum(int(a / share + 1e-9) for a in amounts) >= n:
+        if sum(_count(a, share) for a in amounts) >= n:
             return share
     return 0.0
 
@@ -111,7 +112,7 @@ def plan_workers(fed: FederationConfig, device: str, nodes: list[tuple[float, fl
     if fed.num_cpus is not None:
         cpus = float(fed.num_cpus)
     elif cuda:  # the CPUs of each GPU's node, shared by the workers it hosts
-        slots = [int(g / gpus + 1e-9) if gpus > 0 else 0 for _, g in nodes]
+        slots = [_count(g, gpus) if gpus > 0 else 0 for _, g in nodes]
         cpus = min((c / n for (c, _), n in zip(nodes, slots) if n and c > 0), default=1.0)
     elif workers is None:
         cpus = min(2.0, min((c for c, _ in nodes if c > 0), default=1.0))

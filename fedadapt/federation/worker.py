@@ -195,29 +195,29 @@ class Deadline:
         self.deployment = grid.get("nodes", "workers") == "clients"
         self.straggle_s = float(straggle_s or 0.0)
         self.due = 0.0
-        self.late: dict[int, float] = {}
+        self.any_late = False
 
     def delay(self, fault: Optional[str]) -> float:
         if fault == "timeout":
             return (self.timeout or 0.0) + TIMEOUT_OVERRUN_S
         return self.straggle_s if fault == "straggler" else 0.0
 
-    def in_time(self, cid: int, fault: Optional[str]) -> bool:
-        """Whether client ``cid``'s reply, made now, arrives within the timeout."""
+    def in_time(self, fault: Optional[str]) -> bool:
+        """Whether a reply made now, delayed by ``fault``, arrives within the timeout."""
         delay = self.delay(fault)
         if self.deployment:
             time.sleep(delay)
             return True
         at = time.monotonic() - self.start + delay
         if self.timeout is not None and at > self.timeout:
-            self.late[cid] = at
+            self.any_late = True
             return False
         self.due = max(self.due, at)
         return True
 
     def wait(self) -> None:
         """Sleep until the worker's reply is due (see the class docstring)."""
-        until = self.timeout if self.late else self.due
+        until = self.timeout if self.any_late else self.due
         time.sleep(max(0.0, until - (time.monotonic() - self.start)))
 
 
@@ -341,7 +341,7 @@ def train_clients(spec: RunSpec, msg: Message, context: Context) -> RecordDict:
     def reply(cid: int, res: ClientResult | str) -> Optional[RecordDict]:
         """The client's reply record, made as soon as it has trained; None: it was late."""
         if isinstance(res, str):
-            return records.error(res) if deadline.in_time(cid, None) else None
+            return records.error(res) if deadline.in_time(None) else None
         config = configs[cid]
         rnd = int(config["server-round"])
         personal = model.personal_names()
@@ -353,7 +353,7 @@ def train_clients(spec: RunSpec, msg: Message, context: Context) -> RecordDict:
         res.tensors.clear()  # the record below holds the only copy of what is sent
         if faults[cid] in TENSOR_FAULTS:
             sent = corrupt(sent, faults[cid])
-        if not deadline.in_time(cid, faults[cid]):
+        if not deadline.in_time(faults[cid]):
             return None
         out = RecordDict({
             "arrays": ArrayRecord(torch_state_dict=sent, keep_input=False),
@@ -467,20 +467,21 @@ def evaluate_one(spec: RunSpec, cid: int, content: RecordDict, context: Context)
 
 
 def for_each_client(content: RecordDict,
-                    one: Callable[[int, RecordDict], Optional[RecordDict]],
-                    deadline: Optional[Deadline] = None,
-                    fault: Optional[Callable[[int], Optional[str]]] = None) -> RecordDict:
+                    one: Callable[[int, RecordDict], RecordDict],
+                    fault: Optional[Callable[[int], Optional[str]]] = None,
+                    straggle_s: Optional[float] = None) -> RecordDict:
     """``one(cid, that client's records)`` for every client the message names; an exception
     becomes that client's error record. Each reply is timed as it is made (:class:`Deadline`;
-    ``fault(cid)``: the client's injected fault) and a late one left out."""
-    deadline = Deadline(content) if deadline is None else deadline
+    ``fault(cid)``: the client's injected fault, ``straggle_s``: a straggler's delay) and a
+    late one left out."""
+    deadline = Deadline(content, straggle_s)
     replies = {}
     for cid in records.clients_of(content):
         try:
             out = one(cid, records.view(content, cid))
         except Exception as err:
             out = records.error(_reason(err))
-        if deadline.in_time(cid, fault(cid) if fault else None):
+        if deadline.in_time(fault(cid) if fault else None):
             replies[cid] = out
     deadline.wait()
     return records.pack(replies)

@@ -109,22 +109,21 @@ def provenance(runs: list[dict]) -> str:
     if "seed" not in varying and any("seed" in r["summary"] for r in runs):
         varying = [*varying, "seed"]
 
-    def label(run: dict) -> str:
-        values = {**run["config"], "seed": run["summary"].get("seed")}
-        return ", ".join(f"{k}={values.get(k)}" for k in varying)
+    def values(run: dict) -> list:
+        known = {**run["config"], "seed": run["summary"].get("seed")}
+        return [known.get(k) for k in varying]
 
-    ordered = sorted(runs, key=lambda r: [repr({**r["config"], "seed": r["summary"].get(
-        "seed")}.get(k)) for k in varying])
-    commits = sorted({str(r["summary"].get("git_commit") or "wheel") for r in runs})
+    def commit(run: dict) -> str:
+        return str(run["summary"].get("git_commit") or "wheel")
+
     lines = [f"Provenance (`fedadapt-report --provenance`): {len(runs)} run(s), fedadapt commit "
-             f"{', '.join(commits)}.", "", "| run | run directory | git commit | config hash |",
-             "|---|---|---|---|"]
-    for run in ordered:
+             f"{', '.join(sorted({commit(r) for r in runs}))}.", "",
+             "| run | run directory | git commit | config hash |", "|---|---|---|---|"]
+    for run in sorted(runs, key=lambda r: [repr(v) for v in values(r)]):
+        label = ", ".join(f"{k}={v}" for k, v in zip(varying, values(run)))
         where = Path(run["dir"]).resolve()
         shown = where.relative_to(Path.cwd()) if where.is_relative_to(Path.cwd()) else where
-        lines.append(f"| {label(run)} | {shown} | "
-                     f"{str(run['summary'].get('git_commit') or 'wheel')[:12]} | "
-                     f"{config_hash(run['dir'])} |")
+        lines.append(f"| {label} | {shown} | {commit(run)[:12]} | {config_hash(run['dir'])} |")
     return "\n".join(lines) + "\n"
 
 

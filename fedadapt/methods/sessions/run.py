@@ -16,7 +16,7 @@ from fedadapt.federation.faults import TENSOR_FAULTS, Screened, corrupt, require
 from fedadapt.federation.grid import node_id
 from fedadapt.federation.server import exchange, record_phase
 from fedadapt.federation.training import RunSpec
-from fedadapt.federation.worker import Deadline, client_fault, fault_of, for_each_client
+from fedadapt.federation.worker import client_fault, fault_of, for_each_client
 from fedadapt.log import log
 from fedadapt.methods.server_trained import finish_server_run, serve_clients
 
@@ -141,8 +141,8 @@ def upload(spec: RunSpec, msg, context) -> RecordDict:
             content[name] = ArrayRecord(arrays)
         return content
 
-    return for_each_client(msg.content, one, Deadline(msg.content, spec.faults.delay_s),
-                           lambda cid: fault_of(spec, 1, cid))
+    return for_each_client(msg.content, one, lambda cid: fault_of(spec, 1, cid),
+                           spec.faults.delay_s)
 
 
 def predict(spec: RunSpec, msg, context) -> RecordDict:
