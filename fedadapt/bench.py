@@ -77,15 +77,17 @@ def plain_loop(prep, cfg) -> list[float]:
         for cid in sampler.sample("train", n, k_train):
             model.load_tensors(global_t)
             train_local(model, spec.train_source, spec.clients[cid].train, spec.train,
-                        lr=lr_at(spec.train, rnd, cfg.rounds), seed=derive_seed(cfg.seed, rnd, cid))
+                        lr=lr_at(spec.train, rnd, cfg.rounds), seed=derive_seed(cfg.seed, rnd, cid),
+                        precision=spec.precision)
             results.append((model.tensors(names), len(spec.clients[cid].train)))
         total = sum(w for _, w in results)
         global_t = {nm: sum(t[nm] * (w / total) for t, w in results) for nm in names}
         if rnd == cfg.rounds:
             model.load_tensors(global_t)
-            evaluate(model, spec.test_source)
+            evaluate(model, spec.test_source, precision=spec.precision)
             for cid in sampler.sample("evaluate", n, k_eval):  # those Flower's run evaluates
-                evaluate(model, spec.train_source, spec.clients[cid].test)
+                evaluate(model, spec.train_source, spec.clients[cid].test,
+                         precision=spec.precision)
         times.append(time.perf_counter() - t0)
     return times
 

@@ -8,7 +8,8 @@
   native bf16 (AVX512-BF16 / AMX), else the run refuses to start. Under bf16 the matmuls,
   convolutions and attention run in bf16 while trainable tensors, optimiser state, everything
   communicated and every reported number stay fp32; the frozen backbone's weights may be held in
-  bf16 (:func:`hold_frozen`). TF32 matmuls are on for fp32 work on CUDA.
+  bf16 (:func:`hold_frozen`). TF32 matmuls are on for fp32 work on CUDA, unless the environment
+  sets ``FEDADAPT_TF32=0`` (the test suite does, so that fp32 compares exactly on a GPU too).
 * **Determinism.** ``train.deterministic=true`` turns on torch's deterministic algorithms and sets
   cuBLAS's workspace (``CUBLAS_WORKSPACE_CONFIG=:4096:8``) for bit-exact reruns on a GPU.
 """
@@ -64,8 +65,9 @@ def setup(device: str, deterministic: bool = False) -> None:
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
     if device == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+        tf32 = os.environ.get("FEDADAPT_TF32", "1") != "0"
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
 
 
 def autocast(device: str, precision: str) -> contextlib.AbstractContextManager:

@@ -28,6 +28,9 @@ class PreparedRun:
     partition: Partition
     model: AdaptedModel  # server-side copy with the seeded initial weights
     counts: dict
+    #: How a simulation's clients were laid out (:func:`node_layout`): workers, clients side by
+    #: side per worker and why; recorded in the summary.
+    layout: Optional[dict] = None
 
 
 def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
@@ -231,7 +234,8 @@ def summary_tail(prep: PreparedRun) -> dict:
     return {"partition_stats": {k: prep.partition.stats[k] for k in
                                 ("num_clients", "samples_per_client", "classes_per_client")},
             "versions": versions(), "git_commit": git_commit(), "device": prep.spec.device,
-            "precision": prep.spec.precision, "reproducibility": reproducibility(prep.spec)}
+            "precision": prep.spec.precision, "layout": prep.layout,
+            "reproducibility": reproducibility(prep.spec)}
 
 
 def reproducibility(spec) -> dict:
@@ -261,19 +265,22 @@ def node_layout(cfg: RunConfig, prep: PreparedRun, execute: Optional[Callable],
                  sampled: int) -> dict:
     """The plan's nodes: on the deployment engine (``execute`` given) one per client; in
     simulation the workers, their Ray resources and the clients each trains side by side."""
-    from fedadapt.federation.sizing import announce, measure_group_memory, size_simulation
+    from fedadapt.federation.sizing import announce, probe_group, size_simulation
 
     spec = prep.spec
     if execute is not None and getattr(execute, "nodes", "clients") == "clients":
         return {"nodes": "clients", "num_nodes": spec.num_clients, "group_size": 1}
-    measure = (lambda: measure_group_memory(spec, prep.model)) if spec.device == "cuda" \
+    probe = (lambda: probe_group(spec, prep.model)) if family_of(cfg.method).clients_train \
         else None
     backbone_trained = prep.model.count([n for n in prep.model.trainable_names()
                                          if n.startswith("backbone.")])
     sizing = size_simulation(cfg.federation, spec.device, sampled, cfg.train.batch_size,
-                             measure, trains_whole=backbone_trained
+                             probe, trains_whole=backbone_trained
                              >= prep.counts["backbone_params"] / 2)
     announce(sizing)
+    prep.layout = {"workers": sizing.workers, "clients_per_worker": sizing.group_size,
+                   "num_cpus": sizing.num_cpus, "num_gpus": sizing.num_gpus,
+                   "note": sizing.note}
     spec.client_threads = max(1, int(sizing.num_cpus))  # each worker's torch threads
     return {"nodes": "workers", "num_nodes": sizing.workers, "group_size": sizing.group_size,
             "resources": {"num_cpus": sizing.num_cpus, "num_gpus": sizing.num_gpus}}

@@ -36,7 +36,7 @@ def main() -> None:
     pool = np.concatenate([c.train for c in prep.spec.clients])[:k * args.steps * bs]
     start = model.tensors(model.trainable_names())
     exits = list(range(model.num_exits))
-    used = UsedTensors(model, src, int(pool[0]))
+    used = UsedTensors(model, src, int(pool[0]), precision=prep.spec.precision)
 
     def jobs(draw: list[int]) -> list[ClientJob]:
         return [ClientJob(cid=i, indices=pool[i * args.steps * bs:(i + 1) * args.steps * bs],
@@ -47,7 +47,8 @@ def main() -> None:
     for rep in range(args.repeats + 1):
         for name, group in sides.items():
             t0 = time.perf_counter()
-            train_group(model, src, group, train, lr=train.lr, used=used)
+            train_group(model, src, group, train, lr=train.lr, used=used,
+                        precision=prep.spec.precision)
             if rep:  # the first pass warms up
                 times[name].append(time.perf_counter() - t0)
     med = {name: statistics.median(v) for name, v in times.items()}

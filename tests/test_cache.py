@@ -19,7 +19,7 @@ def train_head(cache_dir, use_cache: bool, method_cls=LinearHeadConfig):
     assert spec.train_source.kind == ("features" if use_cache else "images")
     for rnd in (1, 2):
         train_local(model, spec.train_source, spec.clients[0].train, spec.train, lr=0.05,
-                    seed=derive_seed(spec.seed, rnd, 0))
+                    seed=derive_seed(spec.seed, rnd, 0), precision=spec.precision)
     return {k: v.clone() for k, v in model.tensors(model.communicated_names()).items()}
 
 
@@ -57,7 +57,7 @@ def test_cache_is_reused_and_keyed_exactly(cache_dir):
     assert key != feature_key(b, prepared, "train", t, precision="bf16")
     cfg.backbone.arch = {"width": 8, "init_seed": 1}  # other (random) weights, other key
     assert key != feature_key(build_backbone(cfg.backbone), prepared, "train", t)
-    assert cached_features(b, images, cache_dir) == path
+    assert cached_features(b, images, cache_dir, precision=prep.spec.precision) == path
 
 
 def test_feature_file_altered_in_place_is_rebuilt(cache_dir):

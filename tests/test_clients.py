@@ -175,7 +175,8 @@ def test_any_worker_continues_a_client_from_its_saved_state(cache_dir, flower_ta
     from fedadapt.federation.training import derive_seed, train_local
 
     train_local(model, prep.spec.train_source, prep.spec.clients[2].train, prep.spec.train,
-                lr=0.05, seed=derive_seed(0, 2, 2), crop_seed=derive_seed(0, 2, 2, 7))
+                lr=0.05, seed=derive_seed(0, 2, 2), crop_seed=derive_seed(0, 2, 2, 7),
+                precision=prep.spec.precision)
     after2 = load_client_state(tmp_path / "clients" / "2", 2)
     for name, t in model.tensors(model.personal_names()).items():
         torch.testing.assert_close(after2[name], t)

@@ -4,7 +4,7 @@ used by the clients for recognition only; the counts that fedadapt-inspect print
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_run
+from conftest import needs_efficientnet_weights, tiny_run
 
 from fedadapt.config import ConfigError, PartitionConfig, validate
 from fedadapt.experiment import prepare_run, run_experiment
@@ -70,6 +70,7 @@ def test_bad_values_name_the_setting(cache_dir):
         prepare_run(iciia_run(cache_dir, groups=3), quiet=True)
 
 
+@needs_efficientnet_weights
 @pytest.mark.parametrize("preset,dim,params_m,flops", [
     ("iciia_b", 1280, 30, 0.47e9), ("iciia_t", 1280, 0.14, 3.8e6),
     ("iciia_b", 2048, 76, 1.2e9), ("iciia_t", 2048, 0.33, 7.9e6),

@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_CLIP, tiny_run
+from conftest import TINY_CLIP, needs_efficientnet_weights, tiny_run
 from test_grouped import TINY_VIT, assert_same, jobs_for, prepared
 
 from fedadapt.adapters.bitfit import BitfitConfig
@@ -79,6 +79,7 @@ def test_dora_ia3_and_bitfit_train_their_own_tensors(cfg, expect):
         assert all(n.endswith(".bias") for n in tuned)
 
 
+@needs_efficientnet_weights
 def test_clip_and_efficientnet_take_their_own_default_targets():
     clip = build_model(LoraMethodConfig(rank=2), build_backbone(TINY_CLIP), 5, with_backbone=True)
     assert {n.split(".")[-4] for n in clip.tuner_names()} == {"c_fc", "c_proj"}

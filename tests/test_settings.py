@@ -12,6 +12,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, R
 
 from fedadapt.adapters.exits import AccumulatorConfig, LwLinearConfig
 from fedadapt.config import BackboneConfig, ConfigError, SettingConfig, validate
+from fedadapt.devices import autocast
 from fedadapt.experiment import prepare_run, run_experiment
 from fedadapt.federation import records
 from fedadapt.federation.inprocess import run_in_process
@@ -58,11 +59,12 @@ def test_a_tier_trains_only_its_exit_and_anytime_trains_several(cache_dir):
     model, spec = prep.model, prep.spec
     idx = spec.clients[0].train
     start = model.tensors(model.trainable_names())
-    train_local(model, spec.train_source, idx, spec.train, lr=0.1, seed=1, exits=[1])
+    train_local(model, spec.train_source, idx, spec.train, lr=0.1, seed=1, exits=[1],
+                precision=spec.precision)
     assert _heads_changed(start, model) == ["1"]  # head of exit 1 only (lw heads: head.heads.i)
     model.load_tensors(start)
     train_local(model, spec.train_source, idx, spec.train, lr=0.1, seed=1,
-                exits=[0, 1, 2])  # anytime: each step draws an exit
+                exits=[0, 1, 2], precision=spec.precision)  # anytime: each step draws an exit
     assert len(_heads_changed(start, model)) >= 2
 
 
@@ -71,10 +73,11 @@ def test_evaluate_exits_matches_each_exit_alone(cache_dir):
                                SettingConfig(name="anytime")), quiet=True)
     model, src = prep.model, prep.spec.test_source
     idx = np.arange(40)
-    _, accs, n = evaluate_exits(model, src, [0, 1, 2], idx)
+    _, accs, n = evaluate_exits(model, src, [0, 1, 2], idx, precision=prep.spec.precision)
     assert n == 40 and len(accs) == 3
-    x, y = src.get(idx, next(model.parameters()).device)  # on the model's device (CPU or GPU)
-    with torch.no_grad():
+    dev = next(model.parameters()).device
+    x, y = src.get(idx, dev)  # on the model's device (CPU or GPU), in the run's precision
+    with torch.no_grad(), autocast(dev.type, prep.spec.precision):
         for e in range(3):
             alone = model.exit_logits(x, last_exit=e, all_exits=False)[-1]
             assert accs[e] == pytest.approx(float((alone.argmax(1) == y).float().mean()))

@@ -78,3 +78,51 @@ def test_bad_counts_are_named(key, value):
     with pytest.raises(ConfigError, match=f"federation.{key}"):
         size_simulation(fed(**{key: value}), "cpu", sampled=10, batch_size=10,
                         nodes=[(2.0, 0.0)])
+
+
+@pytest.mark.parametrize("device,nodes", [("cpu", [(2.0, 0.0)]), ("cuda", [(16.0, 1.0)])])
+def test_a_sizing_probe_that_raises_gives_one_client_at_a_time_and_names_the_cause(device, nodes):
+    def probe():
+        raise RuntimeError("LSE is not correctly aligned (strideH)\n  deep in a kernel")
+
+    s = size_simulation(fed(), device, sampled=10, batch_size=10, probe=probe, nodes=nodes)
+    assert s.group_size == 1
+    assert s.note == ("federation.clients_per_worker=auto: K=1, one client at a time: clients "
+                      "side by side failed in the sizing probe (RuntimeError: LSE is not "
+                      "correctly aligned (strideH))")
+    called = []
+    forced = size_simulation(fed(clients_per_worker="4"), device, sampled=10, batch_size=10,
+                             probe=lambda: called.append(1), nodes=nodes)
+    assert forced.group_size == 4 and not called  # an explicit K is not probed
+
+
+def test_a_run_whose_grouped_step_fails_finishes_one_client_at_a_time(cache_dir, tmp_path,
+                                                                       monkeypatch, capsys):
+    """The grouped step broken (as bf16 and attention broke it on a GPU): the sizing probe
+    says why in one line and picks K = 1, and the run finishes and records it."""
+    import json
+
+    from fedadapt.entry import compose_config, to_run_config
+    from fedadapt.experiment import run_experiment
+    from fedadapt.federation import grouped
+    from fedadapt.federation.inprocess import in_process
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Input type (float) and bias type (c10::BFloat16) should be the same")
+
+    monkeypatch.setattr(grouped, "_bucket_losses", broken)
+    cfg = to_run_config(compose_config([
+        "experiment=custom", "dataset=digits", "dataset.max_samples=200", "backbone=tiny_vit",
+        "backbone.image_size=32", "method=accumulator", "partition.num_clients=4",
+        "partition.fraction_fit=1.0", "rounds=2", "train.batch_size=16",
+        "federation.workers=1", "federation.num_cpus=1", f"cache_dir={cache_dir}"]))
+    run_experiment(cfg, tmp_path, config_yaml="k\n", execute=in_process("workers"))
+    err = capsys.readouterr().err
+    line = ("[federation] federation.clients_per_worker=auto: K=1, one client at a time: "
+            "clients side by side failed in the sizing probe (RuntimeError: Input type (float) "
+            "and bias type (c10::BFloat16) should be the same)")
+    assert line in err.splitlines()
+    assert "failed side by side" not in err  # no group was tried
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["layout"]["clients_per_worker"] == 1
+    assert summary["client_failures"] == 0 and summary["final"]["round"] == 2

@@ -23,13 +23,16 @@ import torch.nn.functional as F
 from torch import nn
 
 _M31 = (1 << 31) - 1
+#: The seed stream of a client's dropout keys (one of the streams shared by
+#: :func:`~fedadapt.federation.training.train_local` and grouped training).
+DROPOUT_STREAM = 0xD209
 _STATE: dict = {"key": None, "calls": 0}
 
 
 def step_key(seed: int, step: int) -> int:
     """A client's key at one local step: from its training seed and the step's index."""
-    return int(np.random.SeedSequence([int(seed), int(step), 0xD209]).generate_state(1)[0]) \
-        & _M31
+    seq = np.random.SeedSequence([int(seed), int(step), DROPOUT_STREAM])
+    return int(seq.generate_state(1)[0]) & _M31
 
 
 @contextmanager

@@ -32,6 +32,7 @@ are summed on the device, and the final tensors and losses come back in two tran
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
@@ -40,10 +41,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vmap
+from torch.overrides import TorchFunctionMode
 
 from fedadapt.config import TrainConfig
 from fedadapt.data.sources import DataSource
-from fedadapt.federation.training import batches_of, derive_seed
+from fedadapt.devices import autocast
+from fedadapt.federation.training import derive_seed, local_schedule
 
 
 @dataclass
@@ -165,13 +168,7 @@ class _Schedule:
 
 
 def _schedule(job: ClientJob, train: TrainConfig) -> _Schedule:
-    gen = torch.Generator().manual_seed(job.seed)
-    batches = batches_of(job.indices, train.batch_size, train.local_epochs, gen)
-    exit_gen = torch.Generator().manual_seed(derive_seed(job.seed, 0xE817))
-    exits = [None if job.exits is None else
-             job.exits[int(torch.randint(len(job.exits), (1,), generator=exit_gen))]
-             for _ in batches]
-    return _Schedule(batches, exits)
+    return _Schedule(*local_schedule(job.indices, train, job.seed, job.exits))
 
 
 def _plan(scheds: list[_Schedule]) -> list[tuple[int, list[int]]]:
@@ -211,8 +208,8 @@ class UsedTensors:
     """Which trainable tensors a training step at a given exit gives a gradient (found once per
     exit with a one-sample step: torch leaves the others' gradients None)."""
 
-    def __init__(self, model: nn.Module, source: DataSource, sample_index: int,
-                 precision: str = "fp32") -> None:
+    def __init__(self, model: nn.Module, source: DataSource, sample_index: int, *,
+                 precision: str) -> None:
         self.model, self.source, self.index, self.cache = model, source, sample_index, {}
         self.precision = precision
 
@@ -222,8 +219,6 @@ class UsedTensors:
         if key not in self.cache:  # per exit and trainable set (personalization changes it)
             dev = next(model.parameters()).device
             x, y = self.source.get(np.array([self.index]), dev)
-            from fedadapt.devices import autocast
-
             model.zero_grad(set_to_none=True)
             with torch.enable_grad(), autocast(dev.type, self.precision):
                 loss = _Call(model)(x, y, exit_)
@@ -234,62 +229,110 @@ class UsedTensors:
         return self.cache[key]
 
 
+@dataclass
+class _Group:
+    """A group's training state on the device, set up once (:func:`_set_up`)."""
+
+    jobs: list[ClientJob]
+    names: list[str]  # the trainable tensors, in the model's order
+    frozen: dict[str, torch.Tensor]  # shared by every client (weights and buffers)
+    stacked: dict[str, torch.Tensor]  # ``[K, ...]`` trainable tensors, fp32
+    final: dict[str, torch.Tensor]  # each client's tensors at its last step
+    start: Optional[dict[str, torch.Tensor]]  # FedProx's anchor
+    opt: StackedOptimizer
+    scheds: list[_Schedule]
+    plan: list[tuple[int, list[int]]]  # ``(step, clients)`` buckets, in order
+    masks: torch.Tensor  # ``[steps, tensors, K]`` on the device
+    active: np.ndarray  # ``[steps, tensors]`` on the host
+    loss_sum: torch.Tensor  # ``[K]`` float64, on the device
+    seen: np.ndarray  # ``[K]``
+
+
 def train_group(model: nn.Module, source: DataSource, jobs: list[ClientJob], train: TrainConfig,
-                *, lr: float, precision: str = "fp32", proximal_mu: float = 0.0,
+                *, lr: float, precision: str, proximal_mu: float = 0.0,
                 used: Optional[UsedTensors] = None) -> list[ClientResult]:
-    """Train ``jobs`` side by side (see the module docstring); one result per job, in order."""
+    """Train ``jobs`` side by side (see the module docstring) in ``precision`` (``fp32`` /
+    ``bf16``, the run's); one result per job, in order."""
+    dev = next(model.parameters()).device
+    g = _set_up(model, source, jobs, train, lr, precision, proximal_mu, used, dev)
+    call = _Call(model)
+    torch.manual_seed(derive_seed(jobs[0].seed, len(jobs), OTHER_STREAM))  # any other draw
+    model.train()
+    crops = _crops(jobs, g.scheds, g.plan, train, source)
+    for i, (x, y) in enumerate(_stream(source, jobs, g.scheds, g.plan, dev, crops)):
+        t = g.plan[i][0]
+        if i == 0 or g.plan[i - 1][0] != t:
+            g.opt.zero_grad()
+        _bucket_step(g, call, g.plan[i][1], t, x, y, proximal_mu, precision, dev)
+        if i + 1 == len(g.plan) or g.plan[i + 1][0] != t:  # the step's last bucket: update
+            _update(g, t, train, dev)
+    return _results(jobs, g.names, g.final, g.loss_sum, g.seen)
+
+
+#: The seed stream of a group's draws other than its clients' own (none should happen).
+OTHER_STREAM = 0xD809
+
+
+def _set_up(model: nn.Module, source: DataSource, jobs: list[ClientJob], train: TrainConfig,
+            lr: float, precision: str, proximal_mu: float, used: Optional[UsedTensors],
+            dev: torch.device) -> _Group:
+    """The stacked tensors, the optimiser, the clients' schedules, their buckets and masks."""
     from fedadapt.federation import dropout
 
-    dev = next(model.parameters()).device
     dropout.install(model)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     frozen = {f"model.{n}": p for n, p in model.named_parameters() if not p.requires_grad}
     frozen.update({f"model.{n}": b for n, b in model.named_buffers()})
     stacked = {n: torch.stack([j.tensors[n].to(dev, torch.float32) for j in jobs])
                .requires_grad_(True) for n in names}
-    final = {n: torch.empty_like(t) for n, t in stacked.items()}  # filled at each client's
-    # last step (a client with no batch returns its tensors as they came)
     start = {n: t.detach().clone() for n, t in stacked.items()} if proximal_mu > 0 else None
-    opt = StackedOptimizer(stacked, train, lr)
     scheds = [_schedule(j, train) for j in jobs]
     plan = _plan(scheds)
-    used = used or UsedTensors(model, source, _first_index(jobs), precision)
+    used = used or UsedTensors(model, source, _first_index(jobs), precision=precision)
     host_masks = _masks(plan, scheds, names, used, every=start is not None)
-    masks = torch.from_numpy(host_masks).to(dev)
-    active = host_masks.any(axis=2)
-    loss_sum = torch.zeros(len(jobs), dtype=torch.float64, device=dev)
-    seen = np.zeros(len(jobs), dtype=np.int64)
-    call = _Call(model)
-    torch.manual_seed(derive_seed(jobs[0].seed, len(jobs), 0xD809))  # any other draw
-    model.train()
-    crops = _crops(jobs, scheds, plan, train, source)
-    step_of = [t for t, _ in plan]
-    for i, (x, y) in enumerate(_stream(source, jobs, scheds, plan, dev, crops)):
-        t, ks = plan[i]
-        if i == 0 or step_of[i - 1] != t:
-            opt.zero_grad()
-        size = len(scheds[ks[0]].batches[t])
-        pos = torch.tensor(ks, device=dev)
-        keys = torch.tensor([dropout.step_key(jobs[k].seed, t) for k in ks], device=dev)
-        losses = _bucket_losses(call, stacked, frozen, pos, x, y, keys,
-                                scheds[ks[0]].exits[t], precision, dev)
-        if start is not None:
-            losses = losses + 0.5 * proximal_mu * sum(
-                (stacked[n][pos] - start[n][pos]).pow(2).reshape(len(ks), -1).sum(1)
-                for n in names)
-        losses.sum().backward()
-        loss_sum.index_add_(0, pos, losses.detach().double() * size)
-        seen[ks] += size
-        if i + 1 == len(plan) or step_of[i + 1] != t:  # the step's last bucket: update
-            if train.clip_grad_norm is not None:
-                _clip(stacked, train.clip_grad_norm)
-            opt.step(masks[t], active[t])
-            done = [k for k in range(len(jobs)) if len(scheds[k].batches) == t + 1]
-            if done:
-                at = torch.tensor(done, device=dev)
-                for n in names:
-                    final[n].index_copy_(0, at, stacked[n].detach().index_select(0, at))
-    return _results(jobs, names, final, loss_sum, seen)
+    return _Group(
+        jobs=jobs, names=names, frozen=frozen, stacked=stacked,
+        # filled at each client's last step (a client with no batch returns its tensors as
+        # they came)
+        final={n: torch.empty_like(t) for n, t in stacked.items()}, start=start,
+        opt=StackedOptimizer(stacked, train, lr), scheds=scheds, plan=plan,
+        masks=torch.from_numpy(host_masks).to(dev), active=host_masks.any(axis=2),
+        loss_sum=torch.zeros(len(jobs), dtype=torch.float64, device=dev),
+        seen=np.zeros(len(jobs), dtype=np.int64))
+
+
+def _bucket_step(g: _Group, call: "_Call", ks: list[int], t: int, x: torch.Tensor,
+                 y: torch.Tensor, proximal_mu: float, precision: str, dev: torch.device
+                 ) -> None:
+    """One bucket (clients ``ks`` at step ``t``, one batch size and exit): its losses'
+    gradients accumulated into the stacked tensors, its losses into the running sums."""
+    from fedadapt.federation import dropout
+
+    size = len(g.scheds[ks[0]].batches[t])
+    pos = torch.tensor(ks, device=dev)
+    keys = torch.tensor([dropout.step_key(g.jobs[k].seed, t) for k in ks], device=dev)
+    losses = _bucket_losses(call, g.stacked, g.frozen, pos, x, y, keys,
+                            g.scheds[ks[0]].exits[t], precision, dev)
+    if g.start is not None:
+        losses = losses + 0.5 * proximal_mu * sum(
+            (g.stacked[n][pos] - g.start[n][pos]).pow(2).reshape(len(ks), -1).sum(1)
+            for n in g.names)
+    losses.sum().backward()
+    g.loss_sum.index_add_(0, pos, losses.detach().double() * size)
+    g.seen[ks] += size
+
+
+def _update(g: _Group, t: int, train: TrainConfig, dev: torch.device) -> None:
+    """The end of step ``t``: clip, step each client that trained, and keep the tensors of
+    the clients whose last step it was."""
+    if train.clip_grad_norm is not None:
+        _clip(g.stacked, train.clip_grad_norm)
+    g.opt.step(g.masks[t], g.active[t])
+    done = [k for k in range(len(g.jobs)) if len(g.scheds[k].batches) == t + 1]
+    if done:
+        at = torch.tensor(done, device=dev)
+        for n in g.names:
+            g.final[n].index_copy_(0, at, g.stacked[n].detach().index_select(0, at))
 
 
 def _results(jobs: list[ClientJob], names: list[str], final: dict[str, torch.Tensor],
@@ -343,7 +386,6 @@ def _bucket_losses(call: _Call, stacked: dict, frozen: dict, pos: torch.Tensor, 
                    dev: torch.device) -> torch.Tensor:
     """``[len(pos)]`` losses of one bucket (its clients at one exit): their batches through the
     model at once, each client's dropout drawn from its own ``keys`` entry."""
-    from fedadapt.devices import autocast
     from fedadapt.federation.dropout import keyed
 
     kb = len(pos)
@@ -354,22 +396,87 @@ def _bucket_losses(call: _Call, stacked: dict, frozen: dict, pos: torch.Tensor, 
         with keyed(key):
             return functional_call(call, {**frozen, **p}, (xk, yk, exit_), strict=False)
 
-    with autocast(dev.type, precision), _attention_for_vmap(dev):
+    with autocast(dev.type, precision), VmapAutocast(precision), attention_for_vmap(dev), \
+            _no_mha_fast_path():
         out = vmap(one, randomness="different")(params, xs, ys, keys)
     return out.float()
 
 
-def _attention_for_vmap(dev: torch.device):
-    """Attention kernels that ``vmap`` batches into one call: on the CPU the math form (the
-    fused CPU kernel has no batching rule, so torch would loop over the clients); on CUDA the
-    flash and memory-efficient kernels, which have batching rules, or the math form (cuDNN's
-    kernel, which torch may prefer on Hopper, has none)."""
+@contextmanager
+def _no_mha_fast_path():
+    """``nn.MultiheadAttention``'s fused inference path (CLIP's frozen attention takes it when
+    nothing in it needs a gradient) has no batching rule: under ``vmap`` torch would run it
+    once per client. Its plain path (``multi_head_attention_forward``) is batched."""
+    was = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(was)
+
+
+#: The ops whose autocast does not reach inside ``vmap`` (torch 2.11-2.13, CPU and CUDA):
+#: convolutions run in their inputs' dtype (an fp32 input meets a bf16-held weight: "Input type
+#: (float) and bias type (c10::BFloat16) should be the same"), ``linear``, ``addmm`` and
+#: ``baddbmm`` add their bias in fp32, attention runs in fp32, and ``cross_entropy`` in bf16;
+#: ``batch_norm``'s batching rule refuses a bf16 input with fp32 statistics ("expected scalar
+#: type BFloat16 but found Float", EfficientNet), so it gets fp32, as CPU autocast gives it.
+#: (Nested calls inside a function the mode intercepts are not seen again, hence
+#: ``multi_head_attention_forward``, CLIP's attention, whose inner ``linear`` would escape.)
+_BF16_OPS = frozenset({F.linear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d,
+                       F.conv_transpose2d, F.conv_transpose3d, F.scaled_dot_product_attention,
+                       F.multi_head_attention_forward, torch.addmm, torch.baddbmm})
+_FP32_OPS = frozenset({F.cross_entropy, F.batch_norm})
+
+
+class VmapAutocast(TorchFunctionMode):
+    """bf16 autocast's casts, applied by hand to the ops whose autocast does not reach inside
+    ``vmap`` (:data:`_BF16_OPS` get bf16 inputs, :data:`_FP32_OPS` fp32 ones), as
+    :func:`fedadapt.devices.autocast` casts them for one client: grouped clients compute what
+    one client computes, in the same dtypes, on the CPU and on CUDA. Outside ``bf16`` a no-op.
+    Costs one Python call per torch function in the forward (~380 for DeiT-S: well under a
+    millisecond)."""
+
+    def __init__(self, precision: str) -> None:
+        super().__init__()
+        self.on = precision == "bf16"
+
+    def __enter__(self):
+        return super().__enter__() if self.on else self
+
+    def __exit__(self, *exc):
+        return super().__exit__(*exc) if self.on else None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        dtype = torch.bfloat16 if func in _BF16_OPS else \
+            torch.float32 if func in _FP32_OPS else None
+        if dtype is not None:
+            args = tuple(_cast(a, dtype) for a in args)
+            kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+
+def _cast(value, dtype: torch.dtype):
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+        return value.to(dtype)
+    return value
+
+
+def attention_for_vmap(dev: torch.device):
+    """The attention kernel grouped clients use: the math form, on the CPU and on CUDA.
+
+    On the CPU the fused kernel has no batching rule (torch would loop over the clients). On
+    CUDA the memory-efficient kernel's backward fails under ``vmap`` ("LSE is not correctly
+    aligned (strideH)", seen on an H200 with torch 2.11 in fp32 and bf16), and cuDNN's has no
+    batching rule; flash attention has not been proven under ``vmap`` on a GPU here
+    (``scripts/vmap_attention.py`` checks each kernel against the math form, forward and
+    backward, and ``scripts/gpu_check.sh`` reports it). Until one is, the math form: its
+    matmuls and softmax have batching rules and run as one batched call for the group."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    if dev.type != "cuda":
-        return sdpa_kernel(SDPBackend.MATH)
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                        SDPBackend.MATH])
+    return sdpa_kernel(SDPBackend.MATH)
 
 
-__all__ = ["ClientJob", "ClientResult", "StackedOptimizer", "UsedTensors", "train_group"]
+__all__ = ["ClientJob", "ClientResult", "StackedOptimizer", "UsedTensors", "VmapAutocast",
+           "train_group"]

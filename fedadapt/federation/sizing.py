@@ -138,33 +138,43 @@ def plan_workers(fed: FederationConfig, device: str, nodes: list[tuple[float, fl
 
 
 def size_simulation(fed: FederationConfig, device: str, sampled: int, batch_size: int,
-                    measure=None, *, trains_whole: bool = False,
+                    probe=None, *, trains_whole: bool = False,
                     nodes: Optional[list[tuple[float, float]]] = None) -> Sizing:
-    """Workers, K and each worker's Ray resources for a round of ``sampled`` clients;
-    ``measure()`` returns ``(per_client, common)`` bytes of a group step on the GPU.
-    ``trains_whole``: most of the model trains (full fine-tuning), so a group shares no frozen
-    weights; on the CPU its clients then train one after another (K = 1: measured 2x faster
-    than K = 3 for the quickstart's fine-tuning). ``nodes``: ``(cpus, gpus)`` per node (default:
+    """Workers, K and each worker's Ray resources for a round of ``sampled`` clients.
+    ``probe()`` (:func:`probe_group`) steps clients side by side once before K is chosen: on the
+    GPU it returns ``(per_client, common)`` bytes of a group step, elsewhere None; when it
+    raises, K = 1 (one client at a time) and the note names the cause. ``trains_whole``: most
+    of the model trains (full fine-tuning), so a group shares no frozen weights; on the CPU its
+    clients then train one after another (K = 1: measured 2x faster than K = 3 for the
+    quickstart's fine-tuning). ``nodes``: ``(cpus, gpus)`` per node (default:
     :func:`fedadapt.federation.cluster.node_resources`)."""
     nodes = cluster.node_resources(fed, device) if nodes is None else nodes
     workers, num_cpus, num_gpus, place_note = plan_workers(fed, device, nodes)
     per_worker = max(1, math.ceil(sampled / workers))
     k = parse_count(fed.clients_per_worker, "federation.clients_per_worker")
+    cuda = device == "cuda"
     note = ""
-    if k is None and device == "cuda" and measure is not None:
-        per_client, common = measure()
-        free = torch.cuda.mem_get_info()[0] * GPU_MEMORY_FRACTION
-        fits = int((free - common) // max(per_client, 1))
-        k = max(1, min(per_worker, fits))
-        note = (f"federation.clients_per_worker=auto: K={k} ({per_client / 2**20:.0f} MB per "
-                f"client, {common / 2**20:.0f} MB in common, {free / 2**30:.1f} GB usable)")
-    elif k is None and trains_whole:
+    if k is None and trains_whole and not cuda:
         k = 1
         note = ("federation.clients_per_worker=auto: K=1 on the CPU (the model trains whole: "
                 "no frozen weights for a group to share)")
     elif k is None:
-        k = max(1, min(per_worker, CPU_IMAGES_PER_STEP // max(batch_size, 1)))
-        note = f"federation.clients_per_worker=auto: K={k} on the CPU"
+        fits = per_worker if cuda else CPU_IMAGES_PER_STEP // max(batch_size, 1)
+        k = max(1, min(per_worker, fits))
+        note = f"federation.clients_per_worker=auto: K={k} on the {'GPU' if cuda else 'CPU'}"
+        try:
+            measured = probe() if k > 1 and probe is not None else None
+        except Exception as err:  # the run goes on, one client at a time
+            k, measured = 1, None
+            note = (f"federation.clients_per_worker=auto: K=1, one client at a time: clients "
+                    f"side by side failed in the sizing probe ({one_line(err)})")
+        if measured is not None:
+            per_client, common = measured
+            free = torch.cuda.mem_get_info()[0] * GPU_MEMORY_FRACTION
+            k = max(1, min(per_worker, int((free - common) // max(per_client, 1))))
+            note = (f"federation.clients_per_worker=auto: K={k} ({per_client / 2**20:.0f} MB "
+                    f"per client, {common / 2**20:.0f} MB in common, {free / 2**30:.1f} GB "
+                    f"usable)")
     elif k > per_worker:
         note = (f"federation.clients_per_worker={k} is more than the {per_worker} clients a "
                 f"worker gets per round: using {per_worker}")
@@ -173,26 +183,42 @@ def size_simulation(fed: FederationConfig, device: str, sampled: int, batch_size
                   num_gpus=float(num_gpus), note="; ".join(n for n in (place_note, note) if n))
 
 
-def measure_group_memory(spec, model) -> tuple[int, int]:
-    """Peak GPU bytes of one grouped training step of 1 and of 2 clients (one batch each):
-    ``(per_client, common)`` with ``peak(K) = common + K * per_client``."""
+def one_line(err: BaseException) -> str:
+    """``Type: the first line of its message``."""
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
+def probe_group(spec, model) -> Optional[tuple[int, int]]:
+    """One grouped training step (one batch a client, learning rate 0) of 1 and 2 clients on
+    the GPU, of 2 on the CPU, in the run's precision; raises what the grouped step raises.
+    On the GPU, the peak allocations give ``(per_client, common)`` bytes with
+    ``peak(K) = common + K * per_client``; elsewhere None. The model's tensors and the global
+    random state are left as they were."""
     from fedadapt.federation.grouped import ClientJob, train_group
     from fedadapt.federation.worker import client_exits, used_tensors
 
     dev = torch.device(spec.device)
+    cuda = dev.type == "cuda"
     base = model.tensors(model.trainable_names())
     donors = [c for c in spec.clients if len(c.train)] or spec.clients
     idx = np.asarray(donors[0].train[:spec.train.batch_size])
     peaks = []
-    for k in (1, 2):
-        jobs = [ClientJob(cid=i, indices=idx, tensors=base, seed=i, crop_seed=i,
-                          exits=client_exits(spec, 0)) for i in range(k)]
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        train_group(model, spec.train_source, jobs, _one_epoch(spec.train), lr=0.0,
-                    precision=spec.precision, used=used_tensors(spec, model))
-        torch.cuda.synchronize(dev)
-        peaks.append(torch.cuda.max_memory_allocated(dev))
+    with torch.random.fork_rng(devices=[dev] if cuda else []):
+        for k in (1, 2) if cuda else (2,):
+            jobs = [ClientJob(cid=i, indices=idx, tensors=base, seed=i, crop_seed=i,
+                              exits=client_exits(spec, 0)) for i in range(k)]
+            if cuda:
+                torch.cuda.synchronize(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
+            train_group(model, spec.train_source, jobs, _one_epoch(spec.train), lr=0.0,
+                        precision=spec.precision, used=used_tensors(spec, model))
+            if cuda:
+                torch.cuda.synchronize(dev)
+                peaks.append(torch.cuda.max_memory_allocated(dev))
+    model.eval()
+    if not cuda:
+        return None
     torch.cuda.empty_cache()
     per_client = max(peaks[1] - peaks[0], 1)
     return per_client, max(peaks[0] - per_client, 0)

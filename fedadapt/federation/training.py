@@ -219,6 +219,27 @@ def batches_of(indices: np.ndarray, batch_size: int, epochs: int, gen: torch.Gen
     return out
 
 
+#: The seed streams of a client's local training, drawn alike alone (:func:`train_local`) and side
+#: by side (:func:`fedadapt.federation.grouped.train_group`), so a client's result never depends
+#: on its group: its batches come from ``seed`` itself, the exit each step trains from
+#: ``derive_seed(seed, EXIT_STREAM)``, its dropout masks from
+#: :func:`fedadapt.federation.dropout.step_key` (``DROPOUT_STREAM``) and its crops from the
+#: ``crop_seed`` its caller derives.
+EXIT_STREAM = 0xE817
+
+
+def local_schedule(indices: np.ndarray, train: TrainConfig, seed: int,
+                   exits: Optional[list[int]]) -> tuple[list[np.ndarray], list[Optional[int]]]:
+    """A client's batches and the exit each of its steps trains (None: the model's own
+    forward), drawn uniformly from ``exits``: one schedule, alone or in a group."""
+    batches = batches_of(indices, train.batch_size, train.local_epochs,
+                         torch.Generator().manual_seed(seed))
+    if exits is None:
+        return batches, [None] * len(batches)
+    gen = torch.Generator().manual_seed(derive_seed(seed, EXIT_STREAM))
+    return batches, [exits[int(torch.randint(len(exits), (1,), generator=gen))] for _ in batches]
+
+
 def train_local(
     model: AdaptedModel,
     source: DataSource,
@@ -230,7 +251,7 @@ def train_local(
     proximal_mu: float = 0.0,
     exits: Optional[list[int]] = None,
     crop_seed: Optional[int] = None,
-    precision: str = "fp32",
+    precision: str,
 ) -> tuple[float, int]:
     """Train ``model`` in place on ``source[indices]``; return (mean loss, samples seen).
 
@@ -239,6 +260,7 @@ def train_local(
     each step draws one exit uniformly from them (seeded) and trains that exit's logits,
     running only the blocks up to it. With ``crop_seed`` (and ``train.crop_scale``), every image
     gets its seeded ``RandomResizedCrop``. ``train.clip_grad_norm`` clips the gradients' norm.
+    ``precision`` (``fp32`` / ``bf16``, the run's :attr:`RunSpec.precision`) is the forward's.
     """
     from fedadapt.devices import autocast
     from fedadapt.federation import dropout
@@ -248,24 +270,21 @@ def train_local(
     params = [p for p in model.parameters() if p.requires_grad]
     anchor = [p.detach().clone() for p in params] if proximal_mu > 0 else None
     opt = make_optimizer(params, train, lr)
-    gen = torch.Generator().manual_seed(seed)
-    exit_gen = torch.Generator().manual_seed(derive_seed(seed, 0xE817))
+    batches, step_exits = local_schedule(indices, train, seed, exits)
     torch.manual_seed(seed)  # any draw other than dropout's
     model.train()
     total, seen = torch.zeros((), dtype=torch.float64, device=dev), 0
-    batches = batches_of(indices, train.batch_size, train.local_epochs, gen)
     crops = None
     if crop_seed is not None and train.crop_scale is not None:
         scale = (float(train.crop_scale[0]), float(train.crop_scale[1]))
         crops = [(scale, np.full(len(b), crop_seed, dtype=np.uint64)) for b in batches]
     for t, (x, y) in enumerate(source.stream(batches, dev, crops)):
         with autocast(dev.type, precision), dropout.keyed(torch.tensor(dropout.step_key(seed, t))):
-            if exits is None:
+            if step_exits[t] is None:
                 loss = model.training_loss(x, y)
             else:
-                e = exits[int(torch.randint(len(exits), (1,), generator=exit_gen))]
-                loss = F.cross_entropy(model.exit_logits(x, last_exit=e, all_exits=False)[-1],
-                                       y)
+                loss = F.cross_entropy(model.exit_logits(x, last_exit=step_exits[t],
+                                                         all_exits=False)[-1], y)
         loss = loss.float()
         if anchor is not None:
             loss = loss + 0.5 * proximal_mu * sum(
@@ -313,16 +332,17 @@ def _evaluate_logits(model, source: DataSource, indices: Optional[np.ndarray], b
 
 
 def evaluate(model: AdaptedModel, source: DataSource, indices: Optional[np.ndarray] = None,
-             batch_size: int = 256, precision: str = "fp32") -> tuple[float, float, int]:
-    """(mean loss, accuracy, n) of ``model`` on ``source[indices]`` (all samples if None)."""
+             batch_size: int = 256, *, precision: str) -> tuple[float, float, int]:
+    """(mean loss, accuracy, n) of ``model`` on ``source[indices]`` (all samples if None), its
+    forward in ``precision`` (the run's)."""
     losses, accs, n = _evaluate_logits(model, source, indices, batch_size,
                                        lambda x: [model(x)], precision)
     return losses[0], accs[0], n
 
 
 def evaluate_exits(model, source: DataSource, exits: list[int],
-                   indices: Optional[np.ndarray] = None, batch_size: int = 256,
-                   precision: str = "fp32") -> tuple[list[float], list[float], int]:
+                   indices: Optional[np.ndarray] = None, batch_size: int = 256, *,
+                   precision: str) -> tuple[list[float], list[float], int]:
     """Per-exit (losses, accuracies, n) of an early-exit model: one pass up to ``max(exits)``
     serves every exit."""
     last = max(exits)

@@ -63,7 +63,8 @@ def used_tensors(spec: RunSpec, model=None) -> UsedTensors:
         _USED.clear()
         model = cached_model(spec) if model is None else model
         sample = next((int(c.train[0]) for c in spec.clients if len(c.train)), 0)
-        _USED[spec.run_id] = UsedTensors(model, spec.train_source, sample, spec.precision)
+        _USED[spec.run_id] = UsedTensors(model, spec.train_source, sample,
+                                            precision=spec.precision)
     return _USED[spec.run_id]
 
 

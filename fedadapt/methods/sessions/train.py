@@ -453,11 +453,16 @@ class SessionServer:
         if spec.method.upload == "samples":  # loaded before any session is timed
             from fedadapt.backbones import build_backbone
 
-            self.backbone = build_backbone(spec.backbone).eval()
+            self.backbone = build_backbone(spec.backbone).eval().to(spec.device)
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
-        """``method.upload=samples``: the server runs the frozen backbone (static layers)."""
-        return self.backbone(images)
+        """``method.upload=samples``: the server runs the frozen backbone (static layers) on the
+        run's device and in its precision, as the clients' cached features were computed."""
+        from fedadapt.devices import autocast
+
+        dev = torch.device(self.spec.device)
+        with torch.no_grad(), autocast(dev.type, self.spec.precision):
+            return self.backbone(images.to(dev)).float().cpu()
 
     @torch.no_grad()
     def answer(self, cid: int, uploads: dict[str, dict[str, torch.Tensor]],

