@@ -31,16 +31,24 @@ data=$out/cifar100-synthetic
 if [ $small = 1 ]; then
   sizes=(--train 5000 --test 500)
   model=(backbone=small_vit)
-  tests=${PYTEST_ARGS:-tests/test_grouped_bf16.py tests/test_sizing.py -q -p no:cacheprovider}
+  tests=(tests/test_grouped_bf16.py tests/test_sizing.py -q -p no:cacheprovider)
   steps=4; t_tests=300; t_run=300; t_tp=240
   small_run=(partition.num_clients=10 partition.fraction_fit=0.5)  # 100 classes, few images
 else
   sizes=()
   model=(backbone=deit_small backbone.weights=null)
-  tests=${PYTEST_ARGS:--m "not slow" -n 12 -q -p no:cacheprovider}
+  tests=(-m "not slow" -n 12 -q -p no:cacheprovider)
   steps=8; t_tests=240; t_run=180; t_tp=90
   small_run=()
 fi
+# PYTEST_ARGS: the tests' arguments, as a shell would split them (quotes kept); none: no tests.
+if [ "${PYTEST_ARGS:-}" = none ]; then tests=()
+elif [ -n "${PYTEST_ARGS:-}" ]; then eval "tests=($PYTEST_ARGS)"; fi
+# RUNS and THROUGHPUT: which runs (name:preset:rounds) and throughput rows
+# (clients:batch:precision:method) to measure; by default all of them.
+runs=${RUNS:-conventional:acc_conventional:5 anytime:acc_anytime:3}
+rows=${THROUGHPUT:-1:10:bf16:accumulator_pa 1:64:bf16:accumulator_pa 10:10:bf16:accumulator_pa \
+10:10:fp32:accumulator_pa 32:10:bf16:accumulator_pa 10:10:bf16:lora}
 paper=(dataset=cifar100 "dataset.path=$data" "${model[@]}" method=accumulator_pa)
 
 # step NAME SECONDS COMMAND...: runs COMMAND under its timeout, its output in NAME.log; records
@@ -68,18 +76,16 @@ watch_gpu() {
 step versions 60 python "$here/gpu_check_report.py" --versions
 step data 120 python "$here/synthetic_cifar100.py" "$data" "${sizes[@]}"
 step attention 90 python "$here/vmap_attention.py" --out "$out/attention.md"
-# shellcheck disable=SC2086  # the selection is a list of pytest arguments
-step tests "$t_tests" python -m pytest $tests
+[ "${#tests[@]}" -gt 0 ] && step tests "$t_tests" python -m pytest "${tests[@]}"
 
-for run in conventional:acc_conventional:5 anytime:acc_anytime:3; do
+for run in $runs; do
   IFS=: read -r name preset rounds <<< "$run"
   smi=$(watch_gpu "run-$name")
   step "run-$name" "$t_run" fedadapt "experiment=$preset" "${paper[@]}" "rounds=$rounds" \
     "federation.eval_every=$rounds" "output_dir=$out/runs/$name" "${small_run[@]}"
   [ -n "$smi" ] && kill "$smi" 2> /dev/null
   if [ "$name" = conventional ]; then  # the table, after the run that matters most
-    for tp in 1:10:bf16:accumulator_pa 1:64:bf16:accumulator_pa 10:10:bf16:accumulator_pa \
-              10:10:fp32:accumulator_pa 32:10:bf16:accumulator_pa 10:10:bf16:lora; do
+    for tp in $rows; do
       IFS=: read -r k bs prec method <<< "$tp"
       [ $small = 1 ] && [ "$prec" = bf16 ] && prec=auto  # the CPU's own precision
       step "throughput-$method-k$k-b$bs-$prec" "$t_tp" fedadapt-bench --throughput \

@@ -108,3 +108,49 @@ def test_bf16_computes_in_bf16_grouped_as_alone(cache_dir, bf16, device):
                                 prep.spec.train, lr=0.05, precision=precision)
         assert seen == {"conv2d": {dtype}, "linear": {dtype},
                         "scaled_dot_product_attention": {dtype}}, precision
+
+
+def test_an_op_cast_by_hand_runs_as_autocast_runs_it(monkeypatch):
+    """Inside ``vmap`` an op of the bf16 list gets bf16 inputs and runs with autocast off (its
+    inner ops are not cast again: on CUDA the math attention kernel's softmax would become
+    ``softmax(bf16, dtype=float32)``, whose backward CUDA refuses), an op of the fp32 list gets
+    fp32 inputs; other ops are left to autocast."""
+    from torch.func import vmap
+    from torch.overrides import handle_torch_function, has_torch_function
+
+    from fedadapt.federation import grouped
+
+    seen = {}
+
+    def low(x, w):
+        seen["low"] = (x.dtype, w.dtype, torch.is_autocast_enabled("cpu"))
+        return x @ w
+
+    def high(x):
+        seen["high"] = (x.dtype, torch.is_autocast_enabled("cpu"))
+        return x * 2
+
+    def dispatch(fn):  # a Python op that torch function modes see, as F.linear is
+        def op(*args):
+            if has_torch_function(args):
+                return handle_torch_function(op, args, *args)
+            return fn(*args)
+        return op
+
+    low_op, high_op = dispatch(low), dispatch(high)
+    monkeypatch.setattr(grouped, "_BF16_OPS", grouped._BF16_OPS | {low_op})
+    monkeypatch.setattr(grouped, "_FP32_OPS", grouped._FP32_OPS | {high_op})
+    w = torch.randn(4, 3)
+
+    def one(x):
+        return high_op(low_op(x, w)).sum()
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            grouped.VmapAutocast("bf16", torch.device("cpu")):
+        vmap(one)(torch.randn(2, 5, 4))
+    assert seen["low"] == (torch.bfloat16, torch.bfloat16, False)
+    assert seen["high"] == (torch.float32, False)
+    seen.clear()
+    with grouped.VmapAutocast("fp32", torch.device("cpu")):
+        vmap(one)(torch.randn(2, 5, 4))
+    assert seen["low"][:2] == (torch.float32, torch.float32)  # fp32: nothing cast

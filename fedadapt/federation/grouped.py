@@ -396,7 +396,7 @@ def _bucket_losses(call: _Call, stacked: dict, frozen: dict, pos: torch.Tensor, 
         with keyed(key):
             return functional_call(call, {**frozen, **p}, (xk, yk, exit_), strict=False)
 
-    with autocast(dev.type, precision), VmapAutocast(precision), attention_for_vmap(dev), \
+    with autocast(dev.type, precision), VmapAutocast(precision, dev), attention_for_vmap(dev), \
             _no_mha_fast_path():
         out = vmap(one, randomness="different")(params, xs, ys, keys)
     return out.float()
@@ -420,26 +420,31 @@ def _no_mha_fast_path():
 #: (float) and bias type (c10::BFloat16) should be the same"), ``linear``, ``addmm`` and
 #: ``baddbmm`` add their bias in fp32, attention runs in fp32, and ``cross_entropy`` in bf16;
 #: ``batch_norm``'s batching rule refuses a bf16 input with fp32 statistics ("expected scalar
-#: type BFloat16 but found Float", EfficientNet), so it gets fp32, as CPU autocast gives it.
-#: (Nested calls inside a function the mode intercepts are not seen again, hence
-#: ``multi_head_attention_forward``, CLIP's attention, whose inner ``linear`` would escape.)
+#: type BFloat16 but found Float", EfficientNet), so it gets fp32, as CPU autocast gives it;
+#: ``softmax`` of a bf16 input reaches CUDA as ``softmax(x, dtype=float32)``, whose backward
+#: CUDA refuses for bf16 ("expected input and grad types to match, or input to be at::Half and
+#: grad to be at::Float", seen on an H200), so it gets an fp32 input, as CUDA autocast gives it.
+#: Nested calls inside a function the mode intercepts are not seen again, hence
+#: ``multi_head_attention_forward`` (CLIP's attention), whose inner ``linear`` would escape.
 _BF16_OPS = frozenset({F.linear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d,
                        F.conv_transpose2d, F.conv_transpose3d, F.scaled_dot_product_attention,
                        F.multi_head_attention_forward, torch.addmm, torch.baddbmm})
-_FP32_OPS = frozenset({F.cross_entropy, F.batch_norm})
+_FP32_OPS = frozenset({F.cross_entropy, F.batch_norm, F.softmax, F.log_softmax, torch.softmax,
+                       torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax})
 
 
 class VmapAutocast(TorchFunctionMode):
     """bf16 autocast's casts, applied by hand to the ops whose autocast does not reach inside
-    ``vmap`` (:data:`_BF16_OPS` get bf16 inputs, :data:`_FP32_OPS` fp32 ones), as
-    :func:`fedadapt.devices.autocast` casts them for one client: grouped clients compute what
-    one client computes, in the same dtypes, on the CPU and on CUDA. Outside ``bf16`` a no-op.
-    Costs one Python call per torch function in the forward (~380 for DeiT-S: well under a
-    millisecond)."""
+    ``vmap`` (:data:`_BF16_OPS` get bf16 inputs, :data:`_FP32_OPS` fp32 ones), each then run
+    with autocast off, as autocast runs an op it has cast (the math attention kernel's own
+    softmax must not be cast again). Grouped clients compute what one client computes under
+    :func:`fedadapt.devices.autocast`, in the same dtypes, on the CPU and on CUDA. Outside
+    ``bf16`` a no-op. Costs one Python call per torch function in the forward (~380 for DeiT-S:
+    well under a millisecond)."""
 
-    def __init__(self, precision: str) -> None:
+    def __init__(self, precision: str, device: torch.device) -> None:
         super().__init__()
-        self.on = precision == "bf16"
+        self.on, self.device_type = precision == "bf16", device.type
 
     def __enter__(self):
         return super().__enter__() if self.on else self
@@ -451,10 +456,12 @@ class VmapAutocast(TorchFunctionMode):
         kwargs = kwargs or {}
         dtype = torch.bfloat16 if func in _BF16_OPS else \
             torch.float32 if func in _FP32_OPS else None
-        if dtype is not None:
-            args = tuple(_cast(a, dtype) for a in args)
-            kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
-        return func(*args, **kwargs)
+        if dtype is None:
+            return func(*args, **kwargs)
+        args = tuple(_cast(a, dtype) for a in args)
+        kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
+        with torch.autocast(self.device_type, enabled=False):
+            return func(*args, **kwargs)
 
 
 def _cast(value, dtype: torch.dtype):
