@@ -57,6 +57,19 @@ def resolve_precision(precision: str, device: str) -> str:
     return precision
 
 
+def tf32_enabled() -> bool:
+    """Whether fp32 matmuls and convolutions on CUDA run in TF32 (unless ``FEDADAPT_TF32=0``)."""
+    return os.environ.get("FEDADAPT_TF32", "1") != "0"
+
+
+def compute_precision(device: str, precision: str) -> str:
+    """What a run's matmuls really compute in: ``bf16``, ``fp32``, or ``tf32`` for fp32 on
+    CUDA with TF32 on. Features cached under one are not those of another."""
+    if precision == "fp32" and device == "cuda" and tf32_enabled():
+        return "tf32"
+    return precision
+
+
 def setup(device: str, deterministic: bool = False) -> None:
     """Per process, before the first CUDA call: TF32 matmuls, and deterministic algorithms
     (with cuBLAS's workspace setting) when asked."""
@@ -65,9 +78,8 @@ def setup(device: str, deterministic: bool = False) -> None:
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
     if device == "cuda":
-        tf32 = os.environ.get("FEDADAPT_TF32", "1") != "0"
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-        torch.backends.cudnn.allow_tf32 = tf32
+        torch.backends.cuda.matmul.allow_tf32 = tf32_enabled()
+        torch.backends.cudnn.allow_tf32 = tf32_enabled()
 
 
 def autocast(device: str, precision: str) -> contextlib.AbstractContextManager:

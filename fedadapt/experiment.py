@@ -41,7 +41,7 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
     from fedadapt.data.loading import prepare_dataset
     from fedadapt.data.partition import format_stats, partition_dataset
     from fedadapt.data.sources import DataSource, input_source
-    from fedadapt.devices import resolve_precision, run_device
+    from fedadapt.devices import resolve_precision, run_device, setup
     from fedadapt.federation.training import build_run_model
     from fedadapt.progress import quiet_libraries
     from fedadapt.tracking import check_available
@@ -50,6 +50,7 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
     quiet_libraries()
     dev = run_device(cfg.federation.num_gpus)
     precision = resolve_precision(cfg.train.precision, dev)
+    setup(dev, cfg.train.deterministic)  # before any work on the device (features, phases)
     card = load_card(cfg.dataset.name)
     _check_method_settings(cfg, card)
     prepared = prepare_dataset(cfg.dataset, cfg.cache_dir, cfg.seed)

@@ -37,7 +37,7 @@ if [ $small = 1 ]; then
 else
   sizes=()
   model=(backbone=deit_small backbone.weights=null)
-  tests=(-m "not slow" -n 12 -q -p no:cacheprovider)
+  tests=(-m "not slow" -n 12 -q -p no:cacheprovider --durations=15)
   steps=8; t_tests=240; t_run=180; t_tp=90
   small_run=()
 fi

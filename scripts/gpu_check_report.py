@@ -148,8 +148,12 @@ def report(out: Path) -> str:
     if "tests" in steps:
         log = out / "tests.log"
         text = log.read_text(errors="replace") if log.exists() else ""
-        failed = [line for line in text.splitlines() if line.startswith(("FAILED", "ERROR"))]
-        parts += ["", "## Tests", "", "```", _tail(log, 1), *failed[:40], "```"]
+        lines = text.splitlines()
+        failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+        slow = next((i for i, line in enumerate(lines) if "slowest" in line and "durations"
+                     in line), None)
+        slowest = lines[slow:slow + 16] if slow is not None else []
+        parts += ["", "## Tests", "", "```", _tail(log, 1), *failed[:40], *slowest, "```"]
     rows = _throughput(out)
     if len(rows) > 2:
         parts += ["", "## Throughput of local training (`fedadapt-bench --throughput`)", "",

@@ -189,3 +189,26 @@ def test_bad_writer_selections_name_the_setting():
     with pytest.raises(ConfigError, match="partition.num_clients=100 .*select_ids=381"):
         to_run_config(compose_config(["dataset=femnist", "partition=natural",
                                       "partition.num_clients=100", "partition.select_ids=381"]))
+
+
+def test_the_synthetic_cifar100_loads_as_cifar100_through_dataset_path(tmp_path, cache_dir,
+                                                                       monkeypatch):
+    """scripts/synthetic_cifar100.py (the GPU check's stand-in for the hub's CIFAR-100) writes
+    CIFAR-100's columns, so dataset=cifar100 dataset.path=... loads it: 100 classes, 32x32 RGB,
+    the same images for the same seed."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    module = importlib.import_module("synthetic_cifar100")  # importable: its pool pickles
+    for name in ("a", "b"):
+        monkeypatch.setattr(sys, "argv", ["x", str(tmp_path / name), "--train", "300",
+                                          "--test", "100", "--seed", "3"])
+        module.main()
+    prepared = prepare_dataset(DatasetConfig(name="cifar100", path=str(tmp_path / "a")),
+                               cache_dir, seed=0)
+    assert (prepared.num_train, prepared.num_test, prepared.num_classes) == (300, 100, 100)
+    a, b = (DatasetDict.load_from_disk(str(tmp_path / n))["train"] for n in "ab")
+    assert a[0]["img"].size == (32, 32) and a[0]["img"].mode == "RGB"
+    assert a["fine_label"] == b["fine_label"] and a[5]["img"].tobytes() == b[5]["img"].tobytes()

@@ -1,6 +1,12 @@
-"""Clients side by side in bf16, the precision a GPU runs by default: every client-trained
-method's grouped step equals one client at a time within the bf16 tolerance
-(:data:`test_grouped.BF16_TOLERANCE`), on this CPU and, where one is visible, on CUDA.
+"""Clients side by side in bf16, the precision a GPU runs by default: for every client-trained
+method, training side by side adds no more error than bf16 itself makes. Grouped and alone
+differ in batch shapes, so a bf16 product may round to its neighbour, and training carries such
+differences forward (Adam turns them into whole steps where a gradient is near zero): a fixed
+tolerance that holds on one processor fails on another. The yardstick is the run's own: the
+largest distance, over the clients' trained tensors, between grouped-bf16 and alone-bf16 must be
+at most twice that between alone-bf16 and alone-fp32, plus 1e-4 (measured here: at most 1.5x
+for a whole group), and the same for the losses (plus 0.1%). On this CPU and, where one is
+visible, CUDA.
 
 torch runs bf16 autocast on any x86 CPU, natively or not; a run refuses bf16 on a CPU without
 native bf16 (it would be slow), so the ``bf16`` fixture lifts that check for the test alone."""
@@ -8,7 +14,7 @@ native bf16 (it would be slow), so the ``bf16`` fixture lifts that check for the
 import pytest
 import torch
 from conftest import TINY_CLIP
-from test_grouped import TINY_VIT, assert_same, jobs_for, prepared
+from test_grouped import TINY_VIT, jobs_for, prepared, sequential
 
 from fedadapt import devices
 from fedadapt.adapters.bitfit import BitfitConfig
@@ -18,6 +24,7 @@ from fedadapt.adapters.heads import FinetuneConfig, LinearHeadConfig, MlpHeadCon
 from fedadapt.adapters.ia3 import Ia3MethodConfig
 from fedadapt.adapters.lora import DoraMethodConfig, LoraMethodConfig
 from fedadapt.config import BackboneConfig, SettingConfig
+from fedadapt.federation.grouped import train_group
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 EFFICIENTNET = BackboneConfig(name="efficientnet_lite0", family="efficientnet_lite",
@@ -49,7 +56,7 @@ CASES = {
     "bitfit": (BitfitConfig(), TINY_VIT, None, {}, 0.05, None, False),
     "lora_clip_adamw": (LoraMethodConfig(rank=2), TINY_CLIP, None,
                         {"optimizer": "adamw", "weight_decay": 0.1}, 1e-3, None, False),
-    "lora_efficientnet": (LoraMethodConfig(rank=2), EFFICIENTNET, None, {}, 0.005, None, False),
+    "lora_efficientnet": (LoraMethodConfig(rank=2), EFFICIENTNET, None, {}, 0.05, None, False),
     "linear_head_efficientnet_live": (LinearHeadConfig(use_cache=False), EFFICIENTNET, None, {},
                                       0.05, None, False),
 }
@@ -70,8 +77,23 @@ def test_grouped_equals_alone_in_bf16(cache_dir, bf16, device, case):
                             reason="EfficientNet-Lite0's weights package is not installed")
     prep = prepared(cache_dir, method, backbone=backbone, setting=setting, precision="bf16",
                     device=device, **train)
+    fp32 = prepared(cache_dir, method, backbone=backbone, setting=setting, precision="fp32",
+                    device=device, **train)
     assert prep.spec.precision == "bf16" and prep.spec.device == device
-    assert_same(prep, jobs_for(prep, 3, exits=exits, crop=crops), lr=lr)
+    jobs = jobs_for(prep, 3, exits=exits, crop=crops)
+    grouped = train_group(prep.model, prep.spec.train_source, jobs, prep.spec.train, lr=lr,
+                          precision="bf16")
+    alone, exact = sequential(prep, jobs, lr=lr), sequential(fp32, jobs, lr=lr)
+
+    def farthest(a, b):
+        return max(float((a[n] - b[n]).abs().max()) for n in b)
+    gap = max(farthest(g.tensors, a[0]) for g, a in zip(grouped, alone))
+    own = max(farthest(a[0], e[0]) for a, e in zip(alone, exact))
+    assert gap <= 2 * own + 1e-4, (gap, own)
+    assert [g.seen for g in grouped] == [a[2] for a in alone]
+    loss_gap = max(abs(g.loss - a[1]) for g, a in zip(grouped, alone))
+    loss_own = max(abs(a[1] - e[1]) for a, e in zip(alone, exact))
+    assert loss_gap <= 2 * loss_own + 1e-3 * alone[0][1], (loss_gap, loss_own)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -62,11 +62,15 @@ def extract_features(backbone, source, *, batch_size: int = 256, device: str = "
 
 def cached_features(backbone, source, cache_dir: str, *, device: str = "cpu",
                     precision: str = "fp32") -> str:
-    """Path of the sealed ``.npy`` feature file of ``source``'s images through ``backbone``."""
+    """Path of the sealed ``.npy`` feature file of ``source``'s images through ``backbone``,
+    computed on ``device`` in ``precision`` (keyed by what the matmuls compute in: TF32 on CUDA
+    is not fp32)."""
     from fedadapt.data.integrity import save_npy, valid_or_removed
+    from fedadapt.devices import compute_precision
 
     prepared, split = source.prepared, source.split
-    key = feature_key(backbone, prepared, split, source.preprocess, precision)
+    key = feature_key(backbone, prepared, split, source.preprocess,
+                      compute_precision(device, precision))
     folder = Path(cache_dir).expanduser() / "features"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{prepared.name}-{split}-{key}.npy"

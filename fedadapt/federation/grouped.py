@@ -21,8 +21,27 @@ The same semantics as :func:`fedadapt.federation.training.train_local` run K tim
   draws exit 3 leaves exit 7's head (and its momentum) alone;
 * FedProx's ``mu/2 ||w - w_start||^2`` and gradient-norm clipping are per client.
 
-With these the grouped result equals K sequential clients to floating-point tolerance
-(``tests/test_grouped.py``: K = 1, 3, 8, unequal sizes, every client-trained method).
+With these the grouped result equals K sequential clients to floating-point tolerance in fp32
+(``tests/test_grouped.py``: K = 1, 3, 8, unequal sizes, every client-trained method), and in
+bf16 adds no more error than bf16 itself makes (``tests/test_grouped_bf16.py``, on the CPU and
+on CUDA).
+
+Precision and kernels inside ``vmap`` (seen with torch 2.11 on an H200 and 2.13 on the CPU):
+
+* **bf16.** Autocast does not reach several ops inside ``vmap`` (a convolution meets a
+  bf16-held weight with an fp32 input and raises; ``linear`` adds its bias in fp32; attention
+  runs in fp32); :class:`VmapAutocast` applies autocast's casts to those ops by hand and runs
+  them with autocast off, as autocast does, so a grouped client computes in the dtypes one
+  client computes in.
+* **Attention.** The math kernel, on every device (:func:`attention_for_vmap`):
+  ``scripts/vmap_attention.py`` found on an H200 that the memory-efficient kernel's backward
+  fails under ``vmap`` (fp32 and bf16), cuDNN's runs in bf16 but returns wrong values (3.5
+  relative error), and flash runs in bf16 only (1.2e-2 from fp32, as the math kernel's 1.5e-2);
+  flash is the candidate for bf16 once a grouped run has been checked with it on a GPU.
+* **Fallback.** A group that raises is retried one client at a time
+  (:mod:`fedadapt.federation.worker`), and the sizing probe that raises makes a run train one
+  client at a time from the start (:func:`fedadapt.federation.sizing.size_simulation`), each
+  with one line naming the cause.
 
 The step loop reads nothing back from the device: which tensors each client's step updates is
 known on the host from its exit (one ``[steps, tensors, K]`` mask sent once per group), losses
@@ -474,12 +493,13 @@ def attention_for_vmap(dev: torch.device):
     """The attention kernel grouped clients use: the math form, on the CPU and on CUDA.
 
     On the CPU the fused kernel has no batching rule (torch would loop over the clients). On
-    CUDA the memory-efficient kernel's backward fails under ``vmap`` ("LSE is not correctly
-    aligned (strideH)", seen on an H200 with torch 2.11 in fp32 and bf16), and cuDNN's has no
-    batching rule; flash attention has not been proven under ``vmap`` on a GPU here
-    (``scripts/vmap_attention.py`` checks each kernel against the math form, forward and
-    backward, and ``scripts/gpu_check.sh`` reports it). Until one is, the math form: its
-    matmuls and softmax have batching rules and run as one batched call for the group."""
+    CUDA (an H200, torch 2.11, ``scripts/vmap_attention.py``: each kernel under ``vmap``,
+    forward and backward, against the math form one client at a time) the memory-efficient
+    kernel's backward fails ("LSE is not correctly aligned (strideH)", fp32 and bf16), cuDNN's
+    returns wrong values in bf16 and has no fp32 kernel, and flash has no fp32 kernel; flash in
+    bf16 matched (and took 1.2 ms against the math form's 1.8-2.1 ms at 10 clients x batch 10),
+    but no grouped run has used it yet. Until one has, the math form: its matmuls and softmax
+    have batching rules and run as one batched call for the group."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel(SDPBackend.MATH)
