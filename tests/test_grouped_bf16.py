@@ -99,12 +99,15 @@ def test_grouped_equals_alone_in_bf16(cache_dir, bf16, device, case):
 @pytest.mark.parametrize("device", DEVICES)
 def test_bf16_computes_in_bf16_grouped_as_alone(cache_dir, bf16, device):
     """The grouped step's convolutions, matmuls and attention run in bf16, as autocast runs
-    them for one client (autocast alone does not reach them inside ``vmap``); fp32 is fp32."""
+    them for one client (autocast alone does not reach them inside ``vmap``); fp32 is fp32.
+    Attention takes the math kernel alone, in both (the fused kernels fail or err under
+    ``vmap`` on CUDA: ``attention_for_vmap``)."""
     from torch.overrides import TorchFunctionMode
 
     from fedadapt.federation import grouped
 
     seen: dict[str, set] = {}
+    kernels: set[tuple] = set()
 
     class Dtypes(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -112,6 +115,10 @@ def test_bf16_computes_in_bf16_grouped_as_alone(cache_dir, bf16, device):
             name = getattr(func, "__name__", "")
             if name in ("conv2d", "linear", "scaled_dot_product_attention"):
                 seen.setdefault(name, set()).add(out.dtype)
+            if name == "scaled_dot_product_attention":  # the kernels sdpa may choose from
+                b = torch.backends.cuda
+                kernels.add((b.math_sdp_enabled(), b.flash_sdp_enabled(),
+                             b.mem_efficient_sdp_enabled(), b.cudnn_sdp_enabled()))
             return out
 
     original = grouped._bucket_losses
@@ -130,6 +137,7 @@ def test_bf16_computes_in_bf16_grouped_as_alone(cache_dir, bf16, device):
                                 prep.spec.train, lr=0.05, precision=precision)
         assert seen == {"conv2d": {dtype}, "linear": {dtype},
                         "scaled_dot_product_attention": {dtype}}, precision
+        assert kernels == {(True, False, False, False)}, precision  # math only
 
 
 def test_an_op_cast_by_hand_runs_as_autocast_runs_it(monkeypatch):
@@ -167,12 +175,11 @@ def test_an_op_cast_by_hand_runs_as_autocast_runs_it(monkeypatch):
     def one(x):
         return high_op(low_op(x, w)).sum()
 
-    with torch.autocast("cpu", dtype=torch.bfloat16), \
-            grouped.VmapAutocast("bf16", torch.device("cpu")):
+    with torch.autocast("cpu", dtype=torch.bfloat16), grouped.vmap_autocast("cpu", "bf16"):
         vmap(one)(torch.randn(2, 5, 4))
     assert seen["low"] == (torch.bfloat16, torch.bfloat16, False)
     assert seen["high"] == (torch.float32, False)
     seen.clear()
-    with grouped.VmapAutocast("fp32", torch.device("cpu")):
+    with grouped.vmap_autocast("cpu", "fp32"):
         vmap(one)(torch.randn(2, 5, 4))
     assert seen["low"][:2] == (torch.float32, torch.float32)  # fp32: nothing cast

@@ -51,6 +51,7 @@ are summed on the device, and the final tensors and losses come back in two tran
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
@@ -265,6 +266,9 @@ class _Group:
     active: np.ndarray  # ``[steps, tensors]`` on the host
     loss_sum: torch.Tensor  # ``[K]`` float64, on the device
     seen: np.ndarray  # ``[K]``
+    precision: str
+    proximal_mu: float
+    dev: torch.device
 
 
 def train_group(model: nn.Module, source: DataSource, jobs: list[ClientJob], train: TrainConfig,
@@ -282,10 +286,10 @@ def train_group(model: nn.Module, source: DataSource, jobs: list[ClientJob], tra
         t = g.plan[i][0]
         if i == 0 or g.plan[i - 1][0] != t:
             g.opt.zero_grad()
-        _bucket_step(g, call, g.plan[i][1], t, x, y, proximal_mu, precision, dev)
+        _bucket_step(g, call, g.plan[i][1], t, x, y)
         if i + 1 == len(g.plan) or g.plan[i + 1][0] != t:  # the step's last bucket: update
-            _update(g, t, train, dev)
-    return _results(jobs, g.names, g.final, g.loss_sum, g.seen)
+            _update(g, t, train)
+    return _results(g)
 
 
 #: The seed stream of a group's draws other than its clients' own (none should happen).
@@ -317,23 +321,23 @@ def _set_up(model: nn.Module, source: DataSource, jobs: list[ClientJob], train: 
         opt=StackedOptimizer(stacked, train, lr), scheds=scheds, plan=plan,
         masks=torch.from_numpy(host_masks).to(dev), active=host_masks.any(axis=2),
         loss_sum=torch.zeros(len(jobs), dtype=torch.float64, device=dev),
-        seen=np.zeros(len(jobs), dtype=np.int64))
+        seen=np.zeros(len(jobs), dtype=np.int64), precision=precision,
+        proximal_mu=proximal_mu, dev=dev)
 
 
 def _bucket_step(g: _Group, call: "_Call", ks: list[int], t: int, x: torch.Tensor,
-                 y: torch.Tensor, proximal_mu: float, precision: str, dev: torch.device
-                 ) -> None:
+                 y: torch.Tensor) -> None:
     """One bucket (clients ``ks`` at step ``t``, one batch size and exit): its losses'
     gradients accumulated into the stacked tensors, its losses into the running sums."""
     from fedadapt.federation import dropout
 
     size = len(g.scheds[ks[0]].batches[t])
-    pos = torch.tensor(ks, device=dev)
-    keys = torch.tensor([dropout.step_key(g.jobs[k].seed, t) for k in ks], device=dev)
+    pos = torch.tensor(ks, device=g.dev)
+    keys = torch.tensor([dropout.step_key(g.jobs[k].seed, t) for k in ks], device=g.dev)
     losses = _bucket_losses(call, g.stacked, g.frozen, pos, x, y, keys,
-                            g.scheds[ks[0]].exits[t], precision, dev)
+                            g.scheds[ks[0]].exits[t], g.precision, g.dev)
     if g.start is not None:
-        losses = losses + 0.5 * proximal_mu * sum(
+        losses = losses + 0.5 * g.proximal_mu * sum(
             (g.stacked[n][pos] - g.start[n][pos]).pow(2).reshape(len(ks), -1).sum(1)
             for n in g.names)
     losses.sum().backward()
@@ -341,7 +345,7 @@ def _bucket_step(g: _Group, call: "_Call", ks: list[int], t: int, x: torch.Tenso
     g.seen[ks] += size
 
 
-def _update(g: _Group, t: int, train: TrainConfig, dev: torch.device) -> None:
+def _update(g: _Group, t: int, train: TrainConfig) -> None:
     """The end of step ``t``: clip, step each client that trained, and keep the tensors of
     the clients whose last step it was."""
     if train.clip_grad_norm is not None:
@@ -349,28 +353,28 @@ def _update(g: _Group, t: int, train: TrainConfig, dev: torch.device) -> None:
     g.opt.step(g.masks[t], g.active[t])
     done = [k for k in range(len(g.jobs)) if len(g.scheds[k].batches) == t + 1]
     if done:
-        at = torch.tensor(done, device=dev)
+        at = torch.tensor(done, device=g.dev)
         for n in g.names:
             g.final[n].index_copy_(0, at, g.stacked[n].detach().index_select(0, at))
 
 
-def _results(jobs: list[ClientJob], names: list[str], final: dict[str, torch.Tensor],
-             loss_sum: torch.Tensor, seen: np.ndarray) -> list[ClientResult]:
+def _results(g: _Group) -> list[ClientResult]:
     """Every client's tensors and mean loss, in two transfers from the device."""
+    jobs, names, final = g.jobs, g.names, g.final
     flat = torch.cat([final[n].reshape(len(jobs), -1) for n in names], 1).cpu() if names \
         else torch.zeros(len(jobs), 0)
-    losses = loss_sum.cpu().numpy()
+    losses = g.loss_sum.cpu().numpy()
     sizes = [final[n][0].numel() for n in names]
     out = []
     for k, job in enumerate(jobs):
-        if seen[k] == 0:  # no batch: its tensors as they came
+        if g.seen[k] == 0:  # no batch: its tensors as they came
             out.append(ClientResult({n: job.tensors[n].detach().cpu().clone() for n in names},
                                     0.0, 0))
             continue
         parts = flat[k].split(sizes) if names else []
         out.append(ClientResult({n: part.view(final[n].shape[1:]).clone()
                                  for n, part in zip(names, parts)},
-                                float(losses[k] / seen[k]), int(seen[k])))
+                                float(losses[k] / g.seen[k]), int(g.seen[k])))
     return out
 
 
@@ -415,8 +419,8 @@ def _bucket_losses(call: _Call, stacked: dict, frozen: dict, pos: torch.Tensor, 
         with keyed(key):
             return functional_call(call, {**frozen, **p}, (xk, yk, exit_), strict=False)
 
-    with autocast(dev.type, precision), VmapAutocast(precision, dev), attention_for_vmap(dev), \
-            _no_mha_fast_path():
+    with autocast(dev.type, precision), vmap_autocast(dev.type, precision), \
+            attention_for_vmap(dev), _no_mha_fast_path():
         out = vmap(one, randomness="different")(params, xs, ys, keys)
     return out.float()
 
@@ -452,24 +456,24 @@ _FP32_OPS = frozenset({F.cross_entropy, F.batch_norm, F.softmax, F.log_softmax, 
                        torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax})
 
 
+def vmap_autocast(device: str, precision: str) -> contextlib.AbstractContextManager:
+    """:class:`VmapAutocast` under ``bf16``; a no-op for fp32 (as
+    :func:`fedadapt.devices.autocast`)."""
+    return VmapAutocast(device) if precision == "bf16" else contextlib.nullcontext()
+
+
 class VmapAutocast(TorchFunctionMode):
     """bf16 autocast's casts, applied by hand to the ops whose autocast does not reach inside
     ``vmap`` (:data:`_BF16_OPS` get bf16 inputs, :data:`_FP32_OPS` fp32 ones), each then run
-    with autocast off, as autocast runs an op it has cast (the math attention kernel's own
-    softmax must not be cast again). Grouped clients compute what one client computes under
-    :func:`fedadapt.devices.autocast`, in the same dtypes, on the CPU and on CUDA. Outside
-    ``bf16`` a no-op. Costs one Python call per torch function in the forward (~380 for DeiT-S:
-    well under a millisecond)."""
+    with autocast off on ``device``, as autocast runs an op it has cast (the math attention
+    kernel's own softmax must not be cast again). Grouped clients compute what one client
+    computes under :func:`fedadapt.devices.autocast`, in the same dtypes, on the CPU and on
+    CUDA. Costs one Python call per torch function in the forward (~380 for DeiT-S: well under
+    a millisecond)."""
 
-    def __init__(self, precision: str, device: torch.device) -> None:
+    def __init__(self, device: str) -> None:
         super().__init__()
-        self.on, self.device_type = precision == "bf16", device.type
-
-    def __enter__(self):
-        return super().__enter__() if self.on else self
-
-    def __exit__(self, *exc):
-        return super().__exit__(*exc) if self.on else None
+        self.device_type = device
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -506,4 +510,4 @@ def attention_for_vmap(dev: torch.device):
 
 
 __all__ = ["ClientJob", "ClientResult", "StackedOptimizer", "UsedTensors", "VmapAutocast",
-           "train_group"]
+           "train_group", "vmap_autocast"]
