@@ -103,6 +103,23 @@ class StrategyConfig:
 
 
 @dataclass
+class StrategyCustomConfig(StrategyConfig):
+    """``strategy=custom``: any Flower strategy, named by import path
+    (``strategy.target=pkg.module.Class``, or ``path/to/file.py:Class`` relative to the working
+    directory or to a ``--config-dir``); every other key of the node is a constructor argument,
+    checked against the class's signature (:mod:`fedadapt.strategies.custom`). The typed config
+    carries them in :attr:`kwargs`."""
+
+    name: str = "custom"
+    target: str = MISSING
+
+    @property
+    def kwargs(self) -> dict:
+        """The constructor arguments given as keys (``strategy.step=0.5``)."""
+        return self.__dict__.get("_kwargs", {})
+
+
+@dataclass
 class DPConfig:
     """``dp=NAME``: one of Flower's differential-privacy wrappers around the strategy
     (``server_fixed``, ``client_fixed``, ``server_adaptive``, ``client_adaptive``), with the
@@ -287,8 +304,19 @@ class FederationConfig:
     #: Flower ClientApp mods (``module:function``, e.g. ``flwr.clientapp.mod:arrays_size_mod``)
     #: applied to each client's training / evaluation reply, inside the worker that trains it
     #: (``dp=client_*`` adds Flower's clipping mod itself).
-    train_mods: list[str] = field(default_factory=list)
-    evaluate_mods: list[str] = field(default_factory=list)
+    train_mods: list[Any] = field(default_factory=list)
+    evaluate_mods: list[Any] = field(default_factory=list)
+    #: A server-side evaluation with Flower's signature, ``evaluate_fn(server_round, arrays) ->
+    #: MetricRecord | None`` (``pkg.module.fn`` or ``file.py:fn``), called after every evaluated
+    #: round (and before round 1 with ``eval_round0``); its metrics go into ``metrics.jsonl`` as
+    #: ``evaluate_fn/<key>``. It adds to fedadapt's own global evaluation, or replaces it with
+    #: ``global_eval=false`` (its ``accuracy`` and ``loss`` then fill the tables' global columns).
+    evaluate_fn: Optional[str] = None
+    #: fedadapt's own evaluation of the global model on the global test split.
+    global_eval: bool = True
+    #: Evaluate the initial global model before round 1 (a ``round: 0`` row; as Flower's
+    #: ``Strategy.start`` does with an ``evaluate_fn``).
+    eval_round0: bool = False
     #: The Ray cluster the simulated clients run on (see fedadapt.federation.cluster): null =
     #: a private local Ray instance for this run (ignores ``$RAY_ADDRESS`` and clusters left
     #: by ``ray start``); ``HOST:PORT`` = a running cluster's GCS address (what ``ray start

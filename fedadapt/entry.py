@@ -32,6 +32,7 @@ def register_configs() -> None:
         DatasetConfig,
         PartitionConfig,
         SettingConfig,
+        StrategyCustomConfig,
     )
     from fedadapt.strategies.zoo import dp_schemas, strategy_schemas
 
@@ -46,6 +47,11 @@ def register_configs() -> None:
         cs.store(group=f"{SCHEMA_GROUP}/method", name=name, node=spec.config_cls)
     for name, schema in strategy_schemas().items():
         cs.store(group=f"{SCHEMA_GROUP}/strategy", name=name, node=schema)
+    # strategy=custom: the constructor's keys are the user's class's, so the node takes any key
+    # (to_run_config checks them against the class's signature)
+    custom = OmegaConf.structured(StrategyCustomConfig)
+    OmegaConf.set_struct(custom, False)
+    cs.store(group=f"{SCHEMA_GROUP}/strategy", name="custom", node=custom)
     for name, schema in dp_schemas().items():
         cs.store(group=f"{SCHEMA_GROUP}/dp", name=name, node=schema)
 
@@ -70,7 +76,16 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
                           f" (its keys: {', '.join(known)})")
     from fedadapt.strategies.zoo import check_strategy  # reads Flower's strategies
 
-    run = validate(OmegaConf.to_object(with_method_train(cfg)))
+    cfg = with_method_train(cfg)
+    if cfg.strategy.get("name") == "custom" and OmegaConf.is_missing(cfg.strategy, "target"):
+        raise ConfigError("strategy=custom needs strategy.target=pkg.module.Class (your Flower "
+                          "strategy), e.g. strategy.target=mystrat.HalfStepFedAvg")
+    run = OmegaConf.to_object(cfg)
+    if run.strategy.name == "custom":  # the user's class: its keys checked by its signature
+        from fedadapt.strategies.custom import custom_config
+
+        run.strategy = custom_config(cfg.strategy)
+    run = validate(run)
     check_strategy(run.strategy, run.dp, weighting=run.method.weighting,
                    setting=run.setting.name)
     return run
@@ -86,12 +101,24 @@ def run_config_from(data) -> RunConfig:
     loaded = OmegaConf.load(data) if not isinstance(data, (dict, DictConfig)) else \
         OmegaConf.create(data)
     typed = OmegaConf.structured(RunConfig)
+    custom = loaded.get("strategy", {}).get("name") == "custom"
     for group, schemas in (("method", {n: s.config_cls for n, s in load_methods().items()}),
                            ("strategy", strategy_schemas()), ("dp", dp_schemas())):
         name = loaded.get(group, {}).get("name")
+        if group == "strategy" and custom:
+            continue
         if name not in schemas:
             raise ConfigError(f"{group}.name={name!r} is unknown to this fedadapt")
         typed[group] = OmegaConf.structured(schemas[name])
+    if custom:  # the user's class: typed by its own signature
+        from fedadapt.strategies.custom import custom_config
+
+        strategy = custom_config(loaded.strategy)
+        loaded = loaded.copy()
+        del loaded["strategy"]
+        run = OmegaConf.to_object(OmegaConf.merge(typed, loaded))
+        run.strategy = strategy
+        return validate(run)
     return validate(OmegaConf.to_object(OmegaConf.merge(typed, loaded)))
 
 
@@ -100,10 +127,12 @@ def undeclared_keys(cfg: DictConfig, prefix: str = "") -> list[tuple[str, str, l
     does not declare (free-form dict fields, e.g. ``backbone.arch``, take any key)."""
     import dataclasses
 
+    from fedadapt.config import StrategyCustomConfig
+
     out = []
     schema = cfg._metadata.object_type
-    if not dataclasses.is_dataclass(schema):
-        return out
+    if not dataclasses.is_dataclass(schema) or schema is StrategyCustomConfig:
+        return out  # strategy=custom: its keys are checked against the user's class
     known = [f.name for f in dataclasses.fields(schema)]
     where = (f"{prefix.rstrip('.')}={cfg.get('name')}" if prefix and "name" in known
              else prefix.rstrip(".") or "the config")

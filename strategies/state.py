@@ -11,9 +11,14 @@ changes which clients train); both share one numpy stream.
 **State.** :func:`strategy_state` writes a strategy's instance attributes (FedAdam's ``m_t`` /
 ``v_t``, FedAvgM's momentum, the adaptive clipping norm, the accountant's ledger, ... of the
 strategy and of every strategy it wraps) as JSON plus named numpy arrays, with no pickle;
-:func:`load_strategy_state` puts them back. Callables (aggregation functions) are configuration,
-not state, and are left out; an attribute of a type it cannot write fails loudly rather than
-resuming inexactly.
+:func:`load_strategy_state` puts them back. What it writes: plain values (numbers, strings,
+None, and lists and string-keyed dicts of them), numpy arrays and Flower ArrayRecords, lists and
+dicts mixing these, numpy's ``Generator`` and ``RandomState``, ``torch.Generator``, Python's
+``random.Random``, and any object with ``state_dict()`` / ``load_state_dict()``. A strategy
+class that defines ``state_dict()`` / ``load_state_dict()`` itself (a researcher's own) is saved
+through them instead of its attributes. Callables (aggregation functions) are configuration,
+not state, and are left out; an attribute of a type it cannot write stops the run with one line
+naming it (:class:`StrategyStateError`) rather than resuming inexactly.
 """
 
 from __future__ import annotations
@@ -24,10 +29,17 @@ from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
+import torch
 from flwr.app import Array, ArrayRecord
 from flwr.serverapp.strategy import Strategy
 
-__all__ = ["SeededStreams", "load_strategy_state", "strategy_state"]
+from fedadapt.config import FedadaptError
+
+__all__ = ["SeededStreams", "StrategyStateError", "load_strategy_state", "strategy_state"]
+
+
+class StrategyStateError(FedadaptError, TypeError):
+    """A strategy attribute that cannot be checkpointed exactly; the message names it."""
 
 
 class SeededStreams:
@@ -92,6 +104,12 @@ def _scalar(value: Any) -> bool:
     return value is None or isinstance(value, (bool, int, float, str))
 
 
+def _own_state(strategy: Strategy) -> bool:
+    """Whether the strategy's class saves itself (``state_dict()`` / ``load_state_dict()``)."""
+    return callable(getattr(strategy, "state_dict", None)) and callable(
+        getattr(strategy, "load_state_dict", None))
+
+
 def _encode(value: Any, key: str, tensors: dict[str, np.ndarray], shared: dict[int, str]):
     """One attribute as JSON; its arrays go into ``tensors`` under ``key``-prefixed names.
     ``shared``: ``id(object) -> tag`` of objects saved elsewhere (the global arrays)."""
@@ -107,6 +125,8 @@ def _encode(value: Any, key: str, tensors: dict[str, np.ndarray], shared: dict[i
             tensors[f"{key}/{name}"] = array.numpy()
         return {"arrays": list(value.keys())}
     if isinstance(value, Strategy):
+        if _own_state(value):
+            return {"own_state": _encode(value.state_dict(), f"{key}#state", tensors, shared)}
         return {"strategy": _attributes(value, key, tensors, shared)}
     if _scalar(value):
         return {"value": list(value) if isinstance(value, tuple) else value}
@@ -118,10 +138,29 @@ def _encode(value: Any, key: str, tensors: dict[str, np.ndarray], shared: dict[i
         for i, array in enumerate(value):
             tensors[f"{key}/{i}"] = array
         return {"list": len(value)}
+    if isinstance(value, np.random.Generator):
+        return {"np_generator": _encode(value.bit_generator.state, f"{key}#bits", tensors,
+                                        shared)}
+    if isinstance(value, np.random.RandomState):
+        return {"np_randomstate": _encode(value.get_state(legacy=False), f"{key}#mt", tensors,
+                                          shared)}
+    if isinstance(value, torch.Generator):
+        tensors[key] = value.get_state().numpy()
+        return {"torch_generator": key, "device": str(value.device)}
+    if isinstance(value, random.Random):
+        version, internal, gauss = value.getstate()
+        return {"py_random": [version, list(internal), gauss]}
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {"map": {k: _encode(v, f"{key}/{k}", tensors, shared) for k, v in value.items()}}
+    if isinstance(value, (list, tuple)):
+        return {"seq": [_encode(v, f"{key}/{i}", tensors, shared) for i, v in enumerate(value)],
+                "tuple": isinstance(value, tuple)}
     if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
         return {"state": value.state_dict()}  # Flower's accountant: its own JSON-able ledger
-    raise TypeError(f"cannot checkpoint strategy attribute {key} ({type(value).__name__}): "
-                    f"no exact resume for it")
+    raise StrategyStateError(
+        f"cannot checkpoint strategy attribute {key} ({type(value).__name__}): keep it as "
+        f"arrays, plain values or a numpy / torch generator, or give the strategy class "
+        f"state_dict() / load_state_dict() (docs/federation.md, 'Your own strategy')")
 
 
 def _attributes(strategy: Strategy, prefix: str, tensors: dict, shared: dict) -> dict:
@@ -141,6 +180,9 @@ def strategy_state(strategy: Strategy, global_arrays: ArrayRecord | None = None
     round) is stored as a reference, not a copy."""
     tensors: dict[str, np.ndarray] = {}
     shared = {id(global_arrays): "global"} if global_arrays is not None else {}
+    if _own_state(strategy):
+        return {"#own_state": _encode(strategy.state_dict(), "strategy#state", tensors,
+                                      shared)}, tensors
     return _attributes(strategy, "strategy", tensors, shared), tensors
 
 
@@ -157,6 +199,33 @@ def _decode(spec: dict, key: str, tensors: dict, current: Any, global_arrays) ->
         return {n: tensors[f"{key}/{n}"] for n in spec["dict"]}
     if "list" in spec:
         return [tensors[f"{key}/{i}"] for i in range(spec["list"])]
+    if "map" in spec:
+        return {k: _decode(v, f"{key}/{k}", tensors, None, global_arrays)
+                for k, v in spec["map"].items()}
+    if "seq" in spec:
+        out = [_decode(v, f"{key}/{i}", tensors, None, global_arrays)
+               for i, v in enumerate(spec["seq"])]
+        return tuple(out) if spec.get("tuple") else out
+    if "np_generator" in spec:
+        state = _decode(spec["np_generator"], f"{key}#bits", tensors, None, global_arrays)
+        gen = current if isinstance(current, np.random.Generator) else np.random.Generator(
+            getattr(np.random, state["bit_generator"])())
+        gen.bit_generator.state = state
+        return gen
+    if "np_randomstate" in spec:
+        gen = current if isinstance(current, np.random.RandomState) else np.random.RandomState()
+        gen.set_state(_decode(spec["np_randomstate"], f"{key}#mt", tensors, None, global_arrays))
+        return gen
+    if "torch_generator" in spec:
+        gen = current if isinstance(current, torch.Generator) else torch.Generator(
+            spec.get("device", "cpu"))
+        gen.set_state(torch.from_numpy(np.array(tensors[spec["torch_generator"]])))
+        return gen
+    if "py_random" in spec:
+        version, internal, gauss = spec["py_random"]
+        gen = current if isinstance(current, random.Random) else random.Random()
+        gen.setstate((version, tuple(internal), gauss))
+        return gen
     raise ValueError(f"unknown strategy state entry for {key}: {sorted(spec)}")
 
 
@@ -166,6 +235,9 @@ def _restore(strategy: Strategy, attrs: dict, prefix: str, tensors: dict, global
         current = getattr(strategy, name, None)
         if "strategy" in spec:
             _restore(current, spec["strategy"], key, tensors, global_arrays)
+        elif "own_state" in spec:
+            current.load_state_dict(_decode(spec["own_state"], f"{key}#state", tensors, None,
+                                            global_arrays))
         elif "state" in spec:
             current.load_state_dict(spec["state"])
         else:
@@ -178,4 +250,8 @@ def _restore(strategy: Strategy, attrs: dict, prefix: str, tensors: dict, global
 def load_strategy_state(strategy: Strategy, state: dict, tensors: dict[str, np.ndarray],
                         global_arrays: ArrayRecord | None = None) -> None:
     """Put back what :func:`strategy_state` saved (into a strategy built from the same config)."""
+    if "#own_state" in state:
+        strategy.load_state_dict(_decode(state["#own_state"], "strategy#state", tensors, None,
+                                         global_arrays))
+        return
     _restore(strategy, state, "strategy", tensors, global_arrays)

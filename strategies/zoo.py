@@ -21,7 +21,8 @@ What fedadapt composes in, without changing the classes (:func:`build_strategy`)
   QFedAvg) and the DP wrappers (which clip whole updates) need every client to send every
   tensor: they are refused where clients send different tensors (:func:`check_every_tensor`);
 * fixed-clipping DP gets Flower's RDP accountant (``dp.accounting=true``, the default):
-  epsilon at ``dp.delta`` (default 1/N) after every round.
+  epsilon at ``dp.delta`` after every round (default :func:`default_delta`: min(1e-5, N^-1.1),
+  well below 1/N).
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-import typing
 from typing import Any, Optional
 
+from fedadapt.strategies.custom import CUSTOM
+from fedadapt.strategies.schema import DERIVED, DP_DEFAULTS, params_of, schema_of  # noqa: F401
 from flwr.serverapp import strategy as flwr_strategies
-from omegaconf import MISSING
 
 from fedadapt.config import ConfigError, DPConfig, StrategyConfig, check
 from fedadapt.federation.records import UNIFORM_KEY
@@ -53,8 +54,8 @@ STRATEGIES: dict[str, type] = {
     "multikrum": flwr_strategies.MultiKrum,
     "bulyan": flwr_strategies.Bulyan,
 }
-#: Flower strategies that do not fit, and why.
-REFUSED = {
+#: Flower strategies that are not offered, and why (the strategy reference says so).
+NOT_OFFERED = {
     "fedxgbbagging": "FedXgbBagging aggregates XGBoost trees sent as JSON bytes; fedadapt's "
                      "clients train tensors",
     "fedxgbcyclic": "FedXgbCyclic passes one XGBoost model (JSON bytes) from client to client; "
@@ -73,32 +74,10 @@ DP_WRAPPERS: dict[str, type] = {
 #: The client mod each client-side wrapper needs (applied per client inside the worker).
 DP_MODS = {"client_fixed": "flwr.clientapp.mod:fixedclipping_mod",
            "client_adaptive": "flwr.clientapp.mod:adaptiveclipping_mod"}
-#: Constructor parameters set from the rest of the config, and from where.
-DERIVED = {
-    "fraction_train": "partition.fraction_fit",
-    "min_train_nodes": "partition.fraction_fit",
-    "fraction_evaluate": "partition.fraction_evaluate",
-    "min_evaluate_nodes": "partition.fraction_evaluate",
-    "min_available_nodes": "partition.num_clients",
-    "weighted_by_key": "method.weighting",
-    "eta_l": "train.lr",
-    "client_learning_rate": "train.lr",
-    "arrayrecord_key": "fedadapt's message layout ('arrays')",
-    "configrecord_key": "fedadapt's message layout ('config')",
-    "train_loss_key": "fedadapt's train metric ('train_loss')",
-    "train_metrics_aggr_fn": "fedadapt's client metrics",
-    "evaluate_metrics_aggr_fn": "fedadapt's client metrics",
-    "selection_rule": "Bulyan's own default (Multi-Krum)",
-    "strategy": "strategy=",
-    "num_sampled_clients": "partition.fraction_fit",
-    "accountant": "dp.accounting",
-}
-#: Defaults for the wrappers' parameters that Flower leaves without one.
-DP_DEFAULTS = {"noise_multiplier": 1.0, "clipping_norm": 1.0}
 #: fedadapt's own keys of the fixed-clipping wrappers: Flower's RDP accountant.
 ACCOUNTING_KEYS = {
     "accounting": (bool, True),
-    #: epsilon is reported at this delta; None = 1 / partition.num_clients
+    #: epsilon is reported at this delta; None = min(1e-5, N^-1.1) (:func:`default_delta`)
     "delta": (Optional[float], None),
     #: stop before a round whose release would exceed this epsilon (Flower's max_epsilon)
     "max_epsilon": (Optional[float], None),
@@ -110,36 +89,15 @@ ACCOUNTING_KEYS = {
 ROBUST_MINIMUM = {"krum": (2, 3), "multikrum": (2, 3), "bulyan": (4, 3)}
 
 
-def _params(cls: type, skip: dict = DERIVED) -> list[tuple[str, Any, Any]]:
-    """``(name, type, default)`` of ``cls``'s constructor parameters that are config keys."""
-    hints = typing.get_type_hints(cls.__init__)
-    out = []
-    for p in list(inspect.signature(cls.__init__).parameters.values())[1:]:
-        if p.name in skip or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
-        default = DP_DEFAULTS.get(p.name, MISSING) if p.default is p.empty else p.default
-        out.append((p.name, hints.get(p.name, Any), default))
-    return out
-
-
-def _schema(prefix: str, name: str, base: type, params: list) -> type:
-    fields = [(p, t, dataclasses.field(default=d)) for p, t, d in params]
-    fields.insert(0, ("name", str, dataclasses.field(default=name)))
-    cls = dataclasses.make_dataclass(f"{prefix}{name.title().replace('_', '')}Config", fields,
-                                     bases=(base,))
-    cls.__module__ = __name__
-    return cls
-
-
 def _make_schemas() -> tuple[dict[str, type], dict[str, type]]:
-    strategies = {name: _schema("Strategy", name, StrategyConfig, _params(cls))
+    strategies = {name: schema_of("Strategy", name, StrategyConfig, params_of(cls), __name__)
                   for name, cls in STRATEGIES.items()}
     dps: dict[str, type] = {"none": DPConfig}
     for name, cls in DP_WRAPPERS.items():
-        params = _params(cls)
+        params = params_of(cls)
         if "accountant" in inspect.signature(cls.__init__).parameters:
             params += [(k, t, d) for k, (t, d) in ACCOUNTING_KEYS.items()]
-        dps[name] = _schema("DP", name, DPConfig, params)
+        dps[name] = schema_of("DP", name, DPConfig, params, __name__)
     return strategies, dps
 
 
@@ -162,6 +120,8 @@ def dp_schemas() -> dict[str, type]:
 
 def keys_of(cfg) -> dict[str, Any]:
     """A strategy or DP config's constructor keys (``name`` and fedadapt's own left out)."""
+    if getattr(cfg, "name", None) == CUSTOM and hasattr(cfg, "target"):
+        return dict(cfg.kwargs)
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
             if f.name != "name" and f.name not in ACCOUNTING_KEYS}
 
@@ -173,9 +133,8 @@ def check_strategy(strategy: StrategyConfig, dp: DPConfig, *, weighting: str,
     """What can be checked of ``strategy=`` and ``dp=`` from the config alone (before any data
     is loaded); :class:`ConfigError` naming the key otherwise."""
     name = strategy.name
-    if name in REFUSED:
-        raise ConfigError(f"strategy={name} is not supported: {REFUSED[name]}")
-    check(name in STRATEGIES, "strategy", name, f"one of {sorted(STRATEGIES)}")
+    if name != CUSTOM:
+        check(name in STRATEGIES, "strategy", name, f"one of {sorted(STRATEGIES)} or custom")
     check(dp.name in dp_schemas(), "dp", dp.name, f"one of {sorted(dp_schemas())}")
     if setting in ("multitier", "personalization"):
         check_every_tensor(strategy, dp, f"setting={setting}: each tier's clients send their "
@@ -186,7 +145,8 @@ def check_strategy(strategy: StrategyConfig, dp: DPConfig, *, weighting: str,
         check(dp.noise_multiplier > 0, "dp.noise_multiplier", dp.noise_multiplier,
               "privacy accounting (dp.accounting=true) needs a noise multiplier > 0; "
               "dp.accounting=false runs the mechanism without a privacy guarantee")
-        check(name in ("fedavg", "fedprox"), "strategy", name,
+        check(name in ("fedavg", "fedprox") or (name == CUSTOM and per_tensor_family(strategy)),
+              "strategy", name,
               f"dp={dp.name} with accounting needs FedAvg's own aggregation (Flower's accountant "
               f"accepts only FedAvg.aggregate_train): strategy=fedavg or fedprox, or "
               f"dp.accounting=false")
@@ -210,14 +170,31 @@ def check_counts(strategy: StrategyConfig, dp: DPConfig, *, num_clients: int,
         check(1 <= strategy.num_nodes_to_select <= sampled, "strategy.num_nodes_to_select",
               strategy.num_nodes_to_select, f"in 1..{sampled} (the clients a round samples)")
     if getattr(dp, "accounting", False):
-        delta = dp.delta if dp.delta is not None else 1.0 / num_clients
-        check(0 < delta < 1, "dp.delta", dp.delta,
-              f"in (0, 1); the default 1/N needs at least 2 clients ({num_clients})")
+        check(dp.delta is None or 0 < dp.delta < 1, "dp.delta", dp.delta, "in (0, 1)")
+
+
+def strategy_class(strategy: StrategyConfig) -> type:
+    """The Flower class ``strategy=`` names (``custom``: ``strategy.target``)."""
+    if strategy.name == CUSTOM:
+        from fedadapt.strategies.custom import strategy_class as target_class
+
+        return target_class(strategy.target)
+    return STRATEGIES[strategy.name]
+
+
+def per_tensor_family(strategy: StrategyConfig) -> bool:
+    """Whether the strategy aggregates through FedAvg, so each tensor is averaged over the
+    clients that sent it (FedAvg's family, and a custom subclass of FedAvg)."""
+    if strategy.name == CUSTOM:
+        from fedadapt.strategies.custom import is_fedavg_family
+
+        return is_fedavg_family(strategy_class(strategy))
+    return strategy.name in PER_TENSOR
 
 
 def check_every_tensor(strategy: StrategyConfig, dp: DPConfig, why: str) -> None:
     """Refuse a strategy or DP wrapper that needs every client to send every tensor."""
-    if strategy.name not in PER_TENSOR:
+    if not per_tensor_family(strategy):
         raise ConfigError(f"strategy={strategy.name} is invalid here: it combines whole "
                           f"updates, and {why} (strategies that average each tensor over its "
                           f"senders: {', '.join(PER_TENSOR)})")
@@ -250,12 +227,12 @@ def build_strategy(strategy: StrategyConfig, dp: DPConfig, *, num_clients: int,
                   evaluate_metrics_aggr_fn=aggregate_client_metrics)
     if not federated:
         return LocalOnly(**common)
-    cls = STRATEGIES[strategy.name]
+    cls = strategy_class(strategy)
     wanted = set(inspect.signature(cls.__init__).parameters)
     derived = {"eta_l": lr, "client_learning_rate": lr}
     kwargs = {**{k: v for k, v in common.items() if k in wanted},
               **{k: v for k, v in derived.items() if k in wanted}, **keys_of(strategy)}
-    if strategy.name in PER_TENSOR and dp.name == "none":
+    if per_tensor_family(strategy) and dp.name == "none":
         cls = per_tensor(cls)
     quiet = logging.getLogger("flwr")
     level = quiet.level
@@ -276,6 +253,16 @@ def build_strategy(strategy: StrategyConfig, dp: DPConfig, *, num_clients: int,
         quiet.setLevel(level)
 
 
+def default_delta(num_clients: int) -> float:
+    """``dp.delta`` when none is given: min(1e-5, N^-1.1) for N clients.
+
+    (epsilon, delta)-DP allows the mechanism to fail outright with probability delta; at
+    delta >= 1/N a mechanism that publishes one client's data in the clear meets it. delta must
+    be well below 1/N: McMahan et al. (ICLR 2018, user-level DP for federated learning) take
+    N^-1.1, and 1e-5 is the customary ceiling (Abadi et al., CCS 2016)."""
+    return min(1e-5, float(num_clients) ** -1.1)
+
+
 def _accountant(dp: DPConfig, num_clients: int):
     """Flower's RDP accountant for a fixed-clipping wrapper (no sampling amplification: the
     only model Flower's fixed-clipping accounting supports)."""
@@ -288,7 +275,7 @@ def _accountant(dp: DPConfig, num_clients: int):
         from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
 
         return RdpAccountant(PrivacyConfig(
-            target_delta=dp.delta if dp.delta is not None else 1.0 / num_clients,
+            target_delta=dp.delta if dp.delta is not None else default_delta(num_clients),
             population_size=num_clients,
             neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
             sampling_method=SamplingMethod.NO_AMPLIFICATION, max_epsilon=dp.max_epsilon))
@@ -300,8 +287,8 @@ def _accountant(dp: DPConfig, num_clients: int):
 def noise_for_epsilon(epsilon: float, *, rounds: int, num_clients: int, sampled: int,
                       delta: Optional[float] = None) -> float:
     """The smallest noise multiplier (to 3 significant digits) whose ``rounds`` releases of
-    fixed-clipping DP spend at most ``epsilon`` at ``delta`` (default 1/N) by Flower's RDP
-    accountant, as a run with ``dp=server_fixed`` accounts them."""
+    fixed-clipping DP spend at most ``epsilon`` at ``delta`` (default :func:`default_delta`) by
+    Flower's RDP accountant, as a run with ``dp=server_fixed`` accounts them."""
     from flwr.supercore.privacy_accounting import GaussianPrivacyEvent
 
     cfg = DPConfig(name="server_fixed")
@@ -361,11 +348,16 @@ def markdown_table() -> str:
                  "where every client sends every tensor; refused in multitier and "
                  "personalization, and for a method whose clients train part of what it sends")
         lines.append(f"| `{name}` | `{cls.__name__}` | {keys(schema)} | {where} |")
-    for name, why in REFUSED.items():
-        lines.append(f"| `{name}` | refused | — | {why} |")
+    lines.append("| `custom` | yours: `strategy.target=pkg.module.Class` (any subclass of "
+                 "Flower's `Strategy`) | its constructor's parameters, checked against its "
+                 "signature | a subclass of FedAvg as FedAvg's family (per-tensor, `dp=`); "
+                 "another as the strategies that combine whole updates |")
+    lines += ["", "Not offered: " + "; ".join(f"`{name}` ({why})"
+                                              for name, why in NOT_OFFERED.items()) + "."]
     lines += ["", "`dp=NAME` wraps the strategy in one of Flower's differential-privacy "
               "wrappers; needs `method.weighting=uniform` and clients that send every tensor. "
-              "Fixed clipping reports epsilon at `dp.delta` (default 1/N) after every round "
+              "Fixed clipping reports epsilon at `dp.delta` (default min(1e-5, N^-1.1), well "
+              "below 1/N) after every round "
               "with Flower's RDP accountant (no sampling amplification, FedAvg's aggregation: "
               "`strategy=fedavg` or `fedprox`).", "",
               "| dp= | Flower wrapper | keys (defaults) | client mod |", "|---|---|---|---|",

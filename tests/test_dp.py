@@ -59,14 +59,15 @@ def test_epsilon_after_every_round_in_metrics_summary_table_and_report(tmp_path,
                         cache_dir=cache_dir)
     eps = [r["epsilon"] for r in rows]
     assert len(eps) == 3 and eps[0] > 0 and eps[0] < eps[1] < eps[2]
+    assert {r["delta"] for r in rows} == {1e-5}  # the default, min(1e-5, N^-1.1), beside it
     reference = RdpAccountant(PrivacyConfig(
-        target_delta=0.25, population_size=4,
+        target_delta=1e-5, population_size=4,
         neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
         sampling_method=SamplingMethod.NO_AMPLIFICATION))
-    reference.compose(GaussianPrivacyEvent(1.5, 4, 4), 3)  # delta = 1/N, three releases
+    reference.compose(GaussianPrivacyEvent(1.5, 4, 4), 3)  # three releases
     privacy = summary["privacy"]
-    assert privacy["epsilon"] == pytest.approx(reference.get_epsilon(0.25)) == eps[-1]
-    assert (privacy["delta"], privacy["releases"], privacy["dp"]) == (0.25, 3, "server_fixed")
+    assert privacy["epsilon"] == pytest.approx(reference.get_epsilon(1e-5)) == eps[-1]
+    assert (privacy["delta"], privacy["releases"], privacy["dp"]) == (1e-5, 3, "server_fixed")
     assert "DifferentialPrivacyServerSideFixedClipping" in summary["strategy"]["class"]
     assert "| server_fixed | 1.5 |" in (tmp_path / "run" / "table.md").read_text()
     report.main([str(tmp_path), "--out", str(tmp_path)])

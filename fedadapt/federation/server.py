@@ -14,8 +14,14 @@ strategy sees it (:mod:`fedadapt.federation.faults`: a reply with other tensor n
 than that client trains, or NaN values, reaches the strategy as an error reply), the round
 stops the run when too few clients replied usably, the global model is evaluated on the
 server, and the per-client metrics, bytes and privacy spent are recorded in the round's row.
-After each round it calls ``on_round(state)``: the hook where progress, metrics and
-checkpoints go. Nothing per round grows with the clients registered: only with those sampled.
+As Flower's ``Strategy.start`` does, it keeps what the strategy returns: ``aggregate_train``'s
+and ``aggregate_evaluate``'s metrics go into the row as ``strategy/train/<key>`` and
+``strategy/evaluate/<key>``; a user's ``evaluate_fn(server_round, arrays)`` is called where the
+global model is evaluated (its metrics as ``evaluate_fn/<key>``), and with ``eval_round0`` the
+initial model is evaluated first (a ``round: 0`` row). :func:`flower_result` reads a Flower
+``Result`` from the rows. After each round it calls ``on_round(state)``: the hook where
+progress, metrics and checkpoints go. Nothing per round grows with the clients registered: only
+with those sampled.
 
 Bytes are what the clients would exchange on real devices: each sampled client receives the
 global tensors it trains (once per client, although a simulation worker gets them once per
@@ -30,10 +36,11 @@ from logging import WARNING
 from typing import Callable, Optional
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import Result
 
 from fedadapt.devices import return_freed_memory
 from fedadapt.federation.faults import Screened, require_enough, screen_clients
@@ -44,8 +51,8 @@ from fedadapt.strategies.fedavg import aggregate_client_metrics
 from fedadapt.strategies.state import SeededStreams, load_strategy_state, strategy_state
 from fedadapt.strategies.zoo import privacy_spent
 
-__all__ = ["Nodes", "ServerPlan", "ServerState", "execute_plan", "handshake",
-           "make_server_app", "run_rounds"]
+__all__ = ["Nodes", "ServerPlan", "ServerState", "execute_plan", "flower_result", "handshake",
+           "make_server_app", "run_round_loop"]
 
 #: How often the ServerApp polls for replies (Flower's default is 0.1 s, which would add up
 #: to a tenth of a second to every exchange).
@@ -80,6 +87,54 @@ class ServerState:
         attrs, arrays = strategy_state(self.strategy, self.arrays)
         return {"streams": self.streams.state_dict(), "attributes": attrs}, arrays
 
+    def flower_result(self) -> Result:
+        """What Flower's ``Strategy.start`` returns, for the rounds so far."""
+        return flower_result(self.history, self.arrays)
+
+
+#: Prefixes of the rows' keys that hold what the strategy and ``evaluate_fn`` returned.
+STRATEGY_TRAIN, STRATEGY_EVALUATE, EVALUATE_FN = "strategy/train/", "strategy/evaluate/", \
+    "evaluate_fn/"
+#: The server's own evaluation keys of a row (fedadapt's global evaluation).
+SERVER_KEYS = ("global_acc", "global_loss", "global_acc_last", "exit_acc", "unseen_acc")
+
+
+def _metric_value(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) or (
+        isinstance(value, list) and bool(value)
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value))
+
+
+def _prefixed(prefix: str, record) -> dict:
+    """A MetricRecord (or dict) as row keys under ``prefix`` (numbers and lists of them)."""
+    return {f"{prefix}{k}": v for k, v in dict(record or {}).items() if _metric_value(v)}
+
+
+def _record(row: dict, keys=None, prefix: str = "") -> Optional[MetricRecord]:
+    found = {k[len(prefix):]: v for k, v in row.items()
+             if (k in keys if keys is not None else k.startswith(prefix))
+             and v is not None and _metric_value(v)}
+    return MetricRecord(found) if found else None
+
+
+def flower_result(history: list[dict], arrays: ArrayRecord) -> Result:
+    """A Flower ``Result`` from a run's rows: the final arrays, the strategy's aggregated train
+    and evaluate metrics per round, and the server-side evaluation per round (fedadapt's global
+    evaluation and ``evaluate_fn``'s, round 0 included when it was evaluated)."""
+    result = Result(arrays=arrays)
+    for row in history:
+        rnd = int(row["round"])
+        for where, record in ((result.train_metrics_clientapp, _record(row, prefix=STRATEGY_TRAIN)),
+                              (result.evaluate_metrics_clientapp,
+                               _record(row, prefix=STRATEGY_EVALUATE))):
+            if record is not None:
+                where[rnd] = record
+        server = {**(_record(row, keys=SERVER_KEYS) or {}),
+                  **(_record(row, prefix=EVALUATE_FN) or {})}
+        if server:
+            result.evaluate_metrics_serverapp[rnd] = MetricRecord(server)
+    return result
+
 
 @dataclass
 class ServerPlan:
@@ -94,6 +149,11 @@ class ServerPlan:
     eval_every: int
     global_eval: Optional[Callable[[ArrayRecord], dict]]
     counts: dict
+    #: A user's server-side evaluation, Flower's ``evaluate_fn(server_round, arrays) ->
+    #: MetricRecord | None`` (``federation.evaluate_fn``).
+    evaluate_fn: Optional[Callable[[int, ArrayRecord], Optional[MetricRecord]]] = None
+    #: Evaluate the initial model on the server before round 1 (``federation.eval_round0``).
+    eval_round0: bool = False
     timeout: Optional[float] = None
     min_reply_fraction: float = 0.5
     on_round: Optional[Callable[[ServerState], None]] = None
@@ -186,7 +246,7 @@ def _privacy_row(strategy) -> dict:
         out["dp_clipping_norm"] = float(strategy.clipping_norm)
     spent = privacy_spent(strategy)
     if spent is not None:
-        out["epsilon"] = spent["epsilon"]
+        out["epsilon"], out["delta"] = spent["epsilon"], spent["delta"]
     return out
 
 
@@ -211,7 +271,8 @@ def _train_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd: in
     train_loss = (float(aggregate_client_metrics(good, weight)["train_loss"])
                   if good else None)
     with state.streams.use("train"):  # DP noise: numpy's generator
-        new_arrays, _ = strategy.aggregate_train(rnd, [replies[p] for p in sorted(replies)])
+        new_arrays, train_metrics = strategy.aggregate_train(
+            rnd, [replies[p] for p in sorted(replies)])
     if new_arrays is not None:
         _check_arrays(strategy, new_arrays, state.arrays)
         state.arrays = _in_dtypes_of(state.arrays, new_arrays)
@@ -222,7 +283,8 @@ def _train_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd: in
            "train_loss": train_loss,
            "global_acc": None, "global_loss": None, "client_acc": None,
            "client_acc_weighted": None, "clients_evaluated": None, **_privacy_row(strategy),
-           **({"trained_on": served} if len(served) > 1 else {})}
+           **({"trained_on": served} if len(served) > 1 else {}),
+           **_prefixed(STRATEGY_TRAIN, train_metrics)}
     del messages, sent, replies, screened, good  # freed before the next round
     return_freed_memory()
     return row, sum(down.values()), sum(up.values())
@@ -232,8 +294,7 @@ def _evaluate_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd:
                     config: ConfigRecord, row: dict) -> int:
     """Server-side and client-side evaluation of the global arrays; fills ``row``, keeps the
     per-client values in ``state.client_metrics``; returns the bytes sent down."""
-    if plan.global_eval is not None:
-        row.update(plan.global_eval(state.arrays))
+    row.update(_server_eval(plan, rnd, state.arrays))
     grid.trained = plan.sent_names
     with state.streams.use("evaluate"):
         messages = list(state.strategy.configure_evaluate(rnd, state.arrays, config, grid))
@@ -246,7 +307,8 @@ def _evaluate_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd:
     # fedadapt's own means (example-weighted and per client), whatever the strategy weights by
     metrics = aggregate_client_metrics(contents, "num-examples") if contents else None
     with state.streams.use("evaluate"):
-        state.strategy.aggregate_evaluate(rnd, [replies[p] for p in sorted(replies)])
+        returned = state.strategy.aggregate_evaluate(rnd, [replies[p] for p in sorted(replies)])
+    row.update(_prefixed(STRATEGY_EVALUATE, returned))
     if metrics is not None and "accuracy" in metrics:
         row["client_acc"] = float(metrics["accuracy_client_mean"])
         row["client_acc_weighted"] = float(metrics["accuracy"])
@@ -261,8 +323,45 @@ def _evaluate_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd:
     return sum(down.values())
 
 
-def run_rounds(grid: ClientGrid, state: ServerState, plan: ServerPlan) -> ServerState:
-    """Run rounds ``state.server_round + 1 .. state.num_rounds``."""
+def _server_eval(plan: ServerPlan, rnd: int, arrays: ArrayRecord) -> dict:
+    """The server's evaluation of ``arrays``: fedadapt's global one and the user's
+    ``evaluate_fn`` (whose ``accuracy`` / ``loss`` fill the global columns without the
+    former)."""
+    out = plan.global_eval(arrays) if plan.global_eval is not None else {}
+    if plan.evaluate_fn is not None:
+        returned = plan.evaluate_fn(rnd, arrays)
+        if returned is not None and not isinstance(returned, (MetricRecord, dict)):
+            raise TypeError(f"federation.evaluate_fn returned {type(returned).__name__}, not a "
+                            f"MetricRecord (Flower's evaluate_fn(server_round, arrays) -> "
+                            f"MetricRecord | None)")
+        out.update(_prefixed(EVALUATE_FN, returned))
+        if plan.global_eval is None and returned is not None:
+            for key, col in (("accuracy", "global_acc"), ("loss", "global_loss")):
+                if key in returned:
+                    out[col] = float(returned[key])
+    return out
+
+
+def _round0(state: ServerState, plan: ServerPlan) -> None:
+    """The initial model evaluated on the server: a ``round: 0`` row (as Flower's ``start``
+    evaluates before round 1)."""
+    t0 = time.time()
+    row = {"round": 0, "lr": None, "clients_sampled": 0, "clients_trained": 0,
+           "clients_failed": 0, "train_loss": None, "global_acc": None, "global_loss": None,
+           "client_acc": None, "client_acc_weighted": None, "clients_evaluated": None,
+           **_server_eval(plan, 0, state.arrays)}
+    row.update({"bytes_up": 0, "bytes_down": 0, "cum_bytes": state.cum_bytes, **plan.counts,
+                "round_s": time.time() - t0, "wall_s": time.time() - state.started})
+    state.history.append(row)
+    if plan.on_round is not None:
+        plan.on_round(state)
+
+
+def run_round_loop(grid: ClientGrid, state: ServerState, plan: ServerPlan) -> ServerState:
+    """Run rounds ``state.server_round + 1 .. state.num_rounds`` (after round 0's evaluation
+    when the plan asks for it and the run starts afresh)."""
+    if plan.eval_round0 and state.server_round == 0 and not state.history:
+        _round0(state, plan)
     for rnd in range(state.server_round + 1, state.num_rounds + 1):
         t0 = time.time()
         config = {"lr": plan.lr_at(rnd), "checkpoint-round": state.checkpoint_round}
@@ -332,7 +431,7 @@ def execute_plan(grid: Grid, plan: ServerPlan) -> ServerState:
         state.started -= float(plan.resume.get("wall_s", 0.0))
     if strategy is not None and state.server_round < state.num_rounds:
         strategy.summary()  # Flower's own start: logged at INFO (federation.verbose)
-    state = run_rounds(clients, state, plan)
+    state = run_round_loop(clients, state, plan)
     for phase in plan.phases:
         phase(clients, state, plan)
     return state

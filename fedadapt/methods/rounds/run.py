@@ -153,6 +153,8 @@ def _progress(label: str, total: int, bar: Optional[progress.Bar] = None):
         if row["client_acc"] is not None:
             acc += f" | client-mean {100 * row['client_acc']:.1f}%"
         loss = f"{row['train_loss']:.3f}" if row["train_loss"] is not None else "—"
+        if row.get("epsilon") is not None:  # fixed-clipping DP: the guarantee so far
+            acc += f" | epsilon {row['epsilon']:.2f} at delta {row['delta']:.3g}"
         info = (f"loss {loss}{acc} | up {row['bytes_up'] / 1e3:.1f} kB down "
                 f"{row['bytes_down'] / 1e3:.1f} kB | {row['round_s']:.2f} s")
         if bar is not None:
@@ -288,7 +290,7 @@ def _round_hook(cfg: RunConfig, run_dir: Path, config_sha: str, tracker, show: l
         show[0](state)
         tracker.log_round(state.history[-1])
         rnd = state.server_round
-        if (every and rnd % every == 0) or rnd == state.num_rounds:
+        if rnd and ((every and rnd % every == 0) or rnd == state.num_rounds):
             strategy, strategy_arrays = state.strategy_checkpoint()
             save_checkpoint(run_dir, server_round=rnd,
                             arrays=dict(state.arrays.to_torch_state_dict()),
@@ -320,7 +322,10 @@ def _rounds_plan(cfg: RunConfig, prep: PreparedRun, initial, num_rounds: int,
         phases=[personalize_clients] if cfg.setting.name == "personalization" else [],
         lr_at=lambda r: lr_at(cfg.train, r, cfg.rounds),
         eval_every=cfg.federation.eval_every,
-        global_eval=_global_eval(prep) if model.federated else None,
+        global_eval=(_global_eval(prep) if model.federated and cfg.federation.global_eval
+                     else None),
+        evaluate_fn=evaluate_fn(cfg),
+        eval_round0=cfg.federation.eval_round0,
         counts={k: prep.counts[k] for k in ("trainable_params", "communicated_params")},
         timeout=cfg.federation.round_timeout,
         min_reply_fraction=cfg.federation.min_reply_fraction,
@@ -329,6 +334,20 @@ def _rounds_plan(cfg: RunConfig, prep: PreparedRun, initial, num_rounds: int,
         sent_names=lambda cid: sent_names(spec, cid, model),
         **node_layout(cfg, prep, execute, sampled),
     )
+
+
+def evaluate_fn(cfg: RunConfig) -> Optional[Callable]:
+    """``federation.evaluate_fn``, loaded (Flower's ``evaluate_fn(server_round, arrays)``)."""
+    name = cfg.federation.evaluate_fn
+    if not name:
+        return None
+    from fedadapt.userimport import load
+
+    fn = load(name, "federation.evaluate_fn")
+    if not callable(fn) or isinstance(fn, type):
+        raise ConfigError(f"federation.evaluate_fn={name!r} is not a function "
+                          f"evaluate_fn(server_round, arrays) -> MetricRecord | None")
+    return fn
 
 
 def make_strategy(cfg: RunConfig, prep: PreparedRun):
@@ -351,6 +370,7 @@ def check_strategy(cfg: RunConfig, prep: PreparedRun) -> None:
     from fedadapt.strategies.zoo import check_counts, check_every_tensor, sample_size
 
     spec, model = prep.spec, prep.model
+    evaluate_fn(cfg)  # a wrong name fails before anything is written
     if not model.federated:
         return
     check_counts(cfg.strategy, cfg.dp, num_clients=spec.num_clients,
@@ -362,7 +382,9 @@ def check_strategy(cfg: RunConfig, prep: PreparedRun) -> None:
                                                  f"{partial[0]} trains "
                                                  f"{len(sent_names(spec, partial[0], model))} of "
                                                  f"the {len(every)} communicated tensors")
-    make_strategy(cfg, prep)
+    from fedadapt.strategies.state import strategy_state
+
+    strategy_state(make_strategy(cfg, prep))  # an attribute no checkpoint can hold fails now
 
 
 def _finish_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, state, *, label: str,
@@ -374,6 +396,7 @@ def _finish_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, state, *, l
     from fedadapt.results.tables import run_tables
 
     spec, history = prep.spec, state.history
+    trained = [r for r in history if r["round"] >= 1]  # round 0: the initial model's evaluation
     write_jsonl(run_dir / CLIENTS_FILE, [{"round": int(r), "client": int(c), **m}
                                          for r, per in state.client_metrics.items()
                                          for c, m in per.items()])
@@ -408,8 +431,8 @@ def _finish_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, state, *, l
         "bytes_down": sum(r["bytes_down"] for r in history),
         # this process's time, plus the interrupted process's rounds when resumed
         "wall_s": time.time() - t0 + (resume_state or {}).get("wall_s", 0.0),
-        "seconds_per_round": (sum(r["round_s"] for r in history) / len(history)
-                              if history else None),
+        "seconds_per_round": (sum(r["round_s"] for r in trained) / len(trained)
+                              if trained else None),
         **summary_tail(prep),
     }
     table = run_tables([summary], title=f"## {cfg.experiment}: {label} on {cfg.dataset.name}")
@@ -427,7 +450,8 @@ def _strategy_summary(cfg: RunConfig, strategy) -> dict:
 
     from fedadapt.strategies.zoo import describe
 
-    return {"class": describe(strategy), "strategy": asdict(cfg.strategy),
+    return {"class": describe(strategy),
+            "strategy": {**asdict(cfg.strategy), **getattr(cfg.strategy, "kwargs", {})},
             "dp": asdict(cfg.dp)}
 
 
