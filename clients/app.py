@@ -2,9 +2,10 @@
 
 In simulation a node is a worker holding the frozen backbone once and training several clients
 side by side; on the deployment engine a node is one client. The handlers below only dispatch;
-what a node does lives in its method family (:mod:`fedadapt.methods`) and
-:mod:`fedadapt.federation.worker`, the message layout in
-:mod:`fedadapt.federation.records` (shared arrays once, per-client records prefixed ``c<id>/``).
+what a node does lives in its method family (:mod:`fedadapt.methods`; the rounds family's in
+:mod:`fedadapt.methods.rounds.clients`) and :mod:`fedadapt.federation.worker`, the message
+layout in :mod:`fedadapt.federation.records` (shared arrays once, per-client records prefixed
+``c<id>/``).
 
 What crosses the wire is named: a client's reply holds only the communicated tensors it trained,
 by name; personal tensors (a client token, a local-only head, ...) stay on the client
@@ -24,8 +25,8 @@ from flwr.clientapp import ClientApp
 
 from fedadapt.federation import records
 from fedadapt.federation.training import RunSpec, cached_model, make_optimizer
-from fedadapt.federation.worker import PERSONAL_KEY
 from fedadapt.methods import client_handler, family_of
+from fedadapt.methods.rounds.clients import PERSONAL_KEY
 
 __all__ = ["PERSONAL_KEY", "make_client_app", "partition_id"]
 

@@ -167,9 +167,9 @@ def test_any_worker_continues_a_client_from_its_saved_state(cache_dir, flower_ta
     call(app, prep, "train", context(0), {}, clients=(2,), rnd=1)
     after1 = load_client_state(tmp_path / "clients" / "2", 1)
     call(app, prep, "train", context(1), {}, clients=(2,), rnd=2)  # another worker
-    from fedadapt.federation import worker
+    from fedadapt.methods.rounds import clients
 
-    worker._PERSONAL.clear()  # no per-process cache: read from the folder
+    clients._PERSONAL.clear()  # no per-process cache: read from the folder
     model = prep.model
     model.load_tensors(after1)
     from fedadapt.federation.training import derive_seed, train_local
@@ -244,12 +244,12 @@ def test_client_process_pins_its_torch_threads(cache_dir):
 def test_a_message_s_shared_arrays_are_decoded_once_for_all_its_clients():
     """Clients of one worker message start from the same decoded global tensors (a whole CLIP
     is not decoded once per client); a client's own arrays (``c<id>/arrays``) are its own."""
-    from fedadapt.federation.worker import arrays_by_client
+    from fedadapt.methods.rounds.clients import arrays_decoder
 
     shared = {"w": torch.arange(6.0).reshape(2, 3)}
     content = RecordDict({"arrays": ArrayRecord(shared),
                           records.key(2, "arrays"): ArrayRecord({"w": torch.zeros(2, 3)})})
-    received = arrays_by_client(content)
-    first, second, own = received(0), received(1), received(2)
+    received = arrays_decoder()
+    first, second, own = (received(records.view(content, c)) for c in (0, 1, 2))
     assert first is second and torch.equal(first["w"], shared["w"])
     assert torch.equal(own["w"], torch.zeros(2, 3))

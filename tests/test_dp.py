@@ -117,26 +117,10 @@ def test_a_mod_sees_one_client_at_a_time(tmp_path, cache_dir):
     assert sorted({s["round"] for s in SEEN}) == [1, 2, 3]
 
 
-def test_a_mod_that_swaps_the_message_is_refused(flower_task):
-    def swapping(msg, context, call_next):
-        return call_next(Message(msg.content, reply_to=msg), context)
-
-    import sys
-
-    sys.modules[__name__].swapping = swapping
-    worker = Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=1,
-                     message_type=MessageType.TRAIN)
-    worker.metadata.__dict__["_message_id"] = "w"
-    mine = RecordDict({"arrays": ArrayRecord(), "config": ConfigRecord({"server-round": 1})})
-    ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
-    with pytest.raises(RuntimeError, match="change the reply only"):
-        mods.apply([f"{__name__}:swapping"], worker, mine, RecordDict(), ctx)
-
-
 def test_an_unknown_mod_is_refused_before_the_run(tmp_path, cache_dir):
     from fedadapt.config import ConfigError
 
-    with pytest.raises(ConfigError, match="federation.train_mods: cannot import the mod"):
+    with pytest.raises(ConfigError, match="federation.train_mods='flwr.clientapp.mod:nosuchmod' cannot be loaded"):
         run(tmp_path / "bad", "federation.train_mods=[flwr.clientapp.mod:nosuchmod]",
             cache_dir=cache_dir)
     assert not (tmp_path / "bad").exists()  # refused before anything was written

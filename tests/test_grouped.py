@@ -230,7 +230,7 @@ def test_personalization_side_by_side_equals_one_after_another(cache_dir, flower
 
     from fedadapt.federation import records
     from fedadapt.federation.checkpoint import load_client_state
-    from fedadapt.federation.worker import personalize_clients
+    from fedadapt.methods.rounds.clients import personalize_clients
 
     prep = prepared(cache_dir, AccumulatorConfig(head_hidden=[16]), backbone=TINY_VIT,
                     setting=SettingConfig(name="personalization", personalize="accumulator",

@@ -88,6 +88,7 @@ def _rows(run_dir):
             for r in read_jsonl(run_dir / "metrics.jsonl")]
 
 
+@pytest.mark.slow  # whole multi-round runs, in process
 def test_the_docs_strategy_runs_is_recorded_stops_and_resumes_to_the_same_arrays(
         user_dir, tmp_path, cache_dir):
     from fedadapt.api import load_result
@@ -106,6 +107,11 @@ def test_the_docs_strategy_runs_is_recorded_stops_and_resumes_to_the_same_arrays
     assert all(r["strategy/train/update_norm"] > 0 and "strategy/train/train_loss" in r
                for r in rows)
     assert all("strategy/evaluate/accuracy" in r for r in rows)
+    from fedadapt.results import report
+
+    report.main([str(tmp_path / "ref"), "--out", str(tmp_path / "report")])
+    assert "| linear_head | custom | halfstep.HalfStepFedAvg |" in (
+        tmp_path / "report" / "report.md").read_text()
 
     with pytest.raises(_Stopped):
         _run(tmp_path / "stopped", args, cache_dir, execute=_stopping_after(2))
@@ -119,6 +125,7 @@ def test_the_docs_strategy_runs_is_recorded_stops_and_resumes_to_the_same_arrays
     assert ref.train_metrics_clientapp[4]["update_norm"] == rows[-1]["strategy/train/update_norm"]
 
 
+@pytest.mark.slow  # whole multi-round runs, in process
 def test_evaluate_fn_round0_and_the_flower_result(user_dir, tmp_path, cache_dir):
     from fedadapt.api import load_result
 
@@ -228,3 +235,92 @@ def test_a_class_with_state_dict_is_saved_through_it_and_others_are_refused_by_n
     assert isinstance(err.value, FedadaptError)
     assert str(err.value).startswith("cannot checkpoint strategy attribute strategy.cache "
                                      "(object)") and "\n" not in str(err.value)
+
+
+# -- mods with Flower's semantics --------------------------------------------------------------
+
+COUNTS: list[tuple[int, int, int]] = []
+
+
+def halving_mod(msg, context, call_next):
+    """A user's mod that hands the client another message: its config's learning rate halved."""
+    from flwr.app import ConfigRecord, Message, RecordDict
+
+    content = RecordDict(dict(msg.content.items()))
+    config = dict(msg.content["config"])
+    content["config"] = ConfigRecord({**config, "lr": config["lr"] * 0.5})
+    return call_next(Message(content=content, metadata=msg.metadata), context)
+
+
+def counting_mod(msg, context, call_next):
+    """A counter in the client's own context.state, across rounds (and a resume)."""
+    from flwr.app import MetricRecord
+
+    seen = context.state.metric_records.get("counter", MetricRecord({"n": 0}))["n"] + 1
+    context.state["counter"] = MetricRecord({"n": seen})
+    COUNTS.append((int(context.node_config["partition-id"]), int(seen),
+                   int(msg.content["config"]["server-round"])))
+    return call_next(msg, context)
+
+
+def _quality(run_dir):
+    return [{k: r[k] for k in ("round", "train_loss", "global_acc", "global_loss", "client_acc")}
+            for r in read_jsonl(run_dir / "metrics.jsonl")]
+
+
+@pytest.mark.slow  # whole multi-round runs, in process
+def test_a_mod_that_halves_the_learning_rate_equals_halving_it_in_the_config(tmp_path,
+                                                                             cache_dir):
+    common = ["rounds=2", "train.lr=0.2", "federation.clients_per_worker=4"]
+    _run(tmp_path / "mod", [*common, "federation.train_mods=[test_user_code:halving_mod]"],
+         cache_dir)
+    _run(tmp_path / "config", ["rounds=2", "train.lr=0.1", "federation.clients_per_worker=4"],
+         cache_dir)
+    _run(tmp_path / "plain", common, cache_dir)
+    assert _quality(tmp_path / "mod") == _quality(tmp_path / "config")
+    assert _quality(tmp_path / "mod") != _quality(tmp_path / "plain")
+
+
+@pytest.mark.slow  # whole multi-round runs, in process
+def test_each_client_has_its_own_context_state_across_rounds_and_a_resume(tmp_path,
+                                                                           cache_dir):
+    args = ["rounds=3", "partition.fraction_fit=1.0", "federation.clients_per_worker=4",
+            "federation.train_mods=[test_user_code:counting_mod]"]
+    COUNTS.clear()
+    with pytest.raises(_Stopped):
+        _run(tmp_path / "run", args, cache_dir, execute=_stopping_after(2))
+    _run(tmp_path / "run", args, cache_dir, resume=True)
+    by_client: dict[int, list[tuple[int, int]]] = {}
+    for cid, n, rnd in COUNTS:
+        by_client.setdefault(cid, []).append((rnd, n))
+    assert sorted(by_client) == [0, 1, 2, 3]  # each client its own partition-id
+    assert all(seq == [(1, 1), (2, 2), (3, 3)] for seq in by_client.values()), by_client
+
+
+@pytest.mark.slow  # whole multi-round runs, in process
+def test_flowers_local_dp_mod_adds_its_noise_to_each_reply(tmp_path, cache_dir):
+    from flwr.app import MessageType
+
+    from fedadapt.federation import records
+    from fedadapt.federation.inprocess import in_process
+
+    replies: dict[str, dict] = {"plain": {}, "dp": {}}
+
+    def keeper(which):
+        def keep(sent, reply, context):
+            if sent.metadata.message_type == MessageType.TRAIN:
+                for cid, content in records.unpack(reply.content).items():
+                    replies[which][cid] = {n: a.numpy() for n, a in content["arrays"].items()}
+        return keep
+
+    sensitivity, epsilon, delta = 0.01, 1.0, 1e-5
+    dp = ("federation.train_mods=[{_target_: flwr.client.mod.LocalDpMod, clipping_norm: 100.0, "
+          f"sensitivity: {sensitivity}, epsilon: {epsilon}, delta: {delta}}}]")
+    for which, extra in (("plain", []), ("dp", [dp])):
+        _run(tmp_path / which, ["rounds=1", "partition.fraction_fit=1.0", *extra], cache_dir,
+             execute=in_process("workers", on_reply=keeper(which)))
+    assert sorted(replies["dp"]) == sorted(replies["plain"]) == [0, 1, 2, 3]
+    sigma = sensitivity * np.sqrt(2 * np.log(1.25 / delta)) / epsilon  # Flower's formula
+    noise = np.concatenate([(replies["dp"][c][n] - replies["plain"][c][n]).ravel()
+                            for c in replies["dp"] for n in replies["dp"][c]])
+    assert noise.std() == pytest.approx(sigma, rel=0.1) and abs(noise.mean()) < sigma / 10

@@ -3,13 +3,13 @@
 ``build_backbone(cfg)`` returns a :class:`Backbone`: an ``nn.Module`` whose ``forward`` maps a
 batch of normalised images ``[B, 3, H, W]`` to pooled features ``[B, D]``, frozen
 (``requires_grad=False``) and in eval mode. Families register themselves with
-:func:`register_family`; weights come from a hub id or a local path, or are random when
+:func:`register_backbone_family`; weights come from a hub id or a local path, or are random when
 ``cfg.weights`` is None (tests, ``fedadapt-inspect``).
 """
 
 from __future__ import annotations
 
-from fedadapt.backbones.base import FAMILIES, Backbone, MissingAssetError, register_family
+from fedadapt.backbones.base import FAMILIES, Backbone, MissingAssetError, register_backbone_family
 from fedadapt.config import BackboneConfig, ConfigError
 
 #: The modules that define backbone families.
@@ -52,7 +52,7 @@ def build_backbone(cfg: BackboneConfig, *, load_weights: bool = True) -> Backbon
     return backbone.freeze()
 
 
-__all__ = ["Backbone", "MissingAssetError", "build_backbone", "register_family"]
+__all__ = ["Backbone", "MissingAssetError", "build_backbone", "register_backbone_family"]
 
 
 def _check_sealed_weights(cfg: BackboneConfig, load_weights: bool) -> None:

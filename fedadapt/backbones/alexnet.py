@@ -16,7 +16,12 @@ import os
 import torch
 from torch import nn
 
-from fedadapt.backbones.base import Backbone, MissingAssetError, prefetch_hint, register_family
+from fedadapt.backbones.base import (
+    Backbone,
+    MissingAssetError,
+    prefetch_hint,
+    register_backbone_family,
+)
 from fedadapt.config import BackboneConfig
 
 
@@ -40,7 +45,7 @@ class AlexNetBackbone(Backbone):
         return self.model(images)
 
 
-@register_family("alexnet")
+@register_backbone_family("alexnet")
 def build_alexnet(cfg: BackboneConfig, load_weights: bool) -> AlexNetBackbone:
     from torchvision.models import AlexNet_Weights, alexnet
 

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedadapt.backbones.base import MissingAssetError, prefetch_hint, register_family
+from fedadapt.backbones.base import MissingAssetError, prefetch_hint, register_backbone_family
 from fedadapt.backbones.vit import ViTBackbone
 from fedadapt.config import BackboneConfig, ConfigError
 
@@ -186,7 +186,7 @@ def _pretrained(cfg: BackboneConfig, arch: dict) -> nn.Module:
     return ast_from_vit(image, _ast_config(source, arch))
 
 
-@register_family("ast")
+@register_backbone_family("ast")
 def build_ast(cfg: BackboneConfig, load_weights: bool) -> ASTBackbone:
     from transformers import ASTConfig, ASTModel
 

@@ -133,7 +133,7 @@ def file_weights_id(path: str, prefix: str) -> str:
 FAMILIES: dict[str, Callable[[BackboneConfig, bool], Backbone]] = {}
 
 
-def register_family(name: str):
+def register_backbone_family(name: str):
     """Register ``fn(cfg, load_weights) -> Backbone`` under ``backbone.family=name``."""
 
     def deco(fn):

@@ -20,7 +20,12 @@ from typing import Optional
 import torch
 from torch import nn
 
-from fedadapt.backbones.base import Backbone, MissingAssetError, prefetch_hint, register_family
+from fedadapt.backbones.base import (
+    Backbone,
+    MissingAssetError,
+    prefetch_hint,
+    register_backbone_family,
+)
 from fedadapt.config import BackboneConfig, ConfigError
 from fedadapt.log import log
 
@@ -73,7 +78,7 @@ class ClipBackbone(Backbone):
         return self.model.logit_scale.exp()
 
 
-@register_family("clip")
+@register_backbone_family("clip")
 def build_clip(cfg: BackboneConfig, load_weights: bool) -> ClipBackbone:
     import open_clip
 

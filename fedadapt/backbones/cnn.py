@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fedadapt.backbones.base import Backbone, load_state_file, register_family
+from fedadapt.backbones.base import Backbone, load_state_file, register_backbone_family
 from fedadapt.config import BackboneConfig, ConfigError
 
 
@@ -30,7 +30,7 @@ class SmallCNN(Backbone):
         return self.features(images)
 
 
-@register_family("small_cnn")
+@register_backbone_family("small_cnn")
 def build_small_cnn(cfg: BackboneConfig, load_weights: bool) -> SmallCNN:
     """``arch``: ``width``, ``pool`` (the final pooling grid), ``init_seed``, ``init``
     (``small``: N(0, 0.1) weights, the tests' default; ``kaiming``: He-normal weights and zero

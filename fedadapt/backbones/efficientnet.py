@@ -15,7 +15,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from fedadapt.backbones.base import Backbone, MissingAssetError, register_family
+from fedadapt.backbones.base import Backbone, MissingAssetError, register_backbone_family
 from fedadapt.config import BackboneConfig
 
 
@@ -89,7 +89,7 @@ class EfficientNetLiteBackbone(Backbone):
         return F.linear(self.forward(images), weight, bias)
 
 
-@register_family("efficientnet_lite")
+@register_backbone_family("efficientnet_lite")
 def build_efficientnet_lite(cfg: BackboneConfig, load_weights: bool) -> EfficientNetLiteBackbone:
     from efficientnet_lite_pytorch import EfficientNet
 

@@ -24,7 +24,7 @@ from fedadapt.backbones.base import (
     Backbone,
     file_weights_id,
     load_state_file,
-    register_family,
+    register_backbone_family,
 )
 from fedadapt.config import BackboneConfig, ConfigError
 
@@ -65,7 +65,7 @@ class LeafCNN(Backbone):
         return self.features(images.mean(1, keepdim=True))       # grey: [B, 1, S, S]
 
 
-@register_family("leaf_cnn")
+@register_backbone_family("leaf_cnn")
 def build_leaf_cnn(cfg: BackboneConfig, load_weights: bool) -> LeafCNN:
     """``backbone.weights``: a local state dict (what the original-model phase writes), or null
     for the seeded random initialisation (``build_backbone`` seeds ``arch.init_seed``)."""

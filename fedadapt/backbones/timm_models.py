@@ -21,7 +21,7 @@ from fedadapt.backbones.base import (
     file_weights_id,
     load_state_file,
     prefetch_hint,
-    register_family,
+    register_backbone_family,
 )
 from fedadapt.config import BackboneConfig, ConfigError
 
@@ -52,7 +52,7 @@ class TimmBackbone(Backbone):
         return self.model.state_dict()
 
 
-@register_family("timm")
+@register_backbone_family("timm")
 def build_timm(cfg: BackboneConfig, load_weights: bool) -> TimmBackbone:
     import timm
 

@@ -15,7 +15,12 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from fedadapt.backbones.base import Backbone, MissingAssetError, prefetch_hint, register_family
+from fedadapt.backbones.base import (
+    Backbone,
+    MissingAssetError,
+    prefetch_hint,
+    register_backbone_family,
+)
 from fedadapt.config import BackboneConfig
 
 #: ``hook(layer_index, hidden_states [B, T, D]) -> hidden_states`` called before each block.
@@ -191,11 +196,11 @@ def _image_processor(weights: str):
         return None
 
 
-@register_family("vit")
+@register_backbone_family("vit")
 def build_vit(cfg: BackboneConfig, load_weights: bool) -> ViTBackbone:
     return _build(cfg, load_weights, distilled=False)
 
 
-@register_family("deit")
+@register_backbone_family("deit")
 def build_deit(cfg: BackboneConfig, load_weights: bool) -> ViTBackbone:
     return _build(cfg, load_weights, distilled=True)

@@ -189,9 +189,41 @@ def _tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def _client_files(folder: Path) -> list[tuple[int, Path]]:
+def _client_files(folder: Path, suffix: str = "safetensors") -> list[tuple[int, Path]]:
     return sorted((int(m.group(1)), p) for p in folder.iterdir()
-                  if (m := re.fullmatch(r"round-(\d+)\.safetensors", p.name)))
+                  if (m := re.fullmatch(rf"round-(\d+)\.{suffix}", p.name)))
+
+
+def _prune(folder: Path, checkpoint_round: int, suffix: str) -> None:
+    """All but the newest file not after ``checkpoint_round`` (a resume starts after it; every
+    file after it stays)."""
+    kept = [(r, p) for r, p in _client_files(folder, suffix) if r <= checkpoint_round]
+    for _, old in kept[:-1]:
+        old.unlink(missing_ok=True)
+
+
+#: A client's Flower ``Context.state`` (mods' per-client state), as Flower's own protobuf.
+CONTEXT_SUFFIX = "recorddict.pb"
+
+
+def save_client_context(folder: Path, server_round: int, data: bytes,
+                        checkpoint_round: int = 0) -> None:
+    """A client's ``context.state`` (serialised) after ``server_round``, atomically; files a
+    resume can no longer need are removed as for :func:`save_client_state`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write(folder / f"round-{server_round:06d}.{CONTEXT_SUFFIX}", lambda fh: fh.write(data),
+                 mode="wb")
+    _prune(folder, checkpoint_round, CONTEXT_SUFFIX)
+
+
+def load_client_context(folder: Path, up_to_round: int) -> Optional[bytes]:
+    """The newest ``context.state`` a client saved at a round <= ``up_to_round``."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    saved = [p for r, p in _client_files(folder, CONTEXT_SUFFIX) if r <= up_to_round]
+    return saved[-1].read_bytes() if saved else None
 
 
 def client_rounds(folder: Path) -> list[int]:
@@ -216,9 +248,7 @@ def save_client_state(folder: Path, server_round: int, tensors: dict[str, torch.
                                    "sha256": _tensor_digest(tensors)})
     atomic_write(folder / f"round-{server_round:06d}.safetensors", lambda fh: fh.write(data),
                  mode="wb")
-    kept = [(r, p) for r, p in _client_files(folder) if r <= checkpoint_round]
-    for _, old in kept[:-1]:
-        old.unlink(missing_ok=True)
+    _prune(folder, checkpoint_round, "safetensors")
 
 
 def load_client_state(folder: Path, up_to_round: int) -> Optional[dict[str, torch.Tensor]]:

@@ -242,6 +242,18 @@ class ClientGrid(Grid):
         self._sizes = {}  # keyed by the records' ids: valid within one exchange only
         if not messages:
             return
+        sent = self._worker_messages(messages, timeout)
+        if timeout is not None and self.nodes.kind == "workers":
+            timeout += TRANSPORT_GRACE_S  # the worker leaves its late clients out itself
+        replies = list(self._grid.send_and_receive([m for m, _ in sent], timeout=timeout))
+        groups = {m.metadata.message_id: group for m, group in sent}  # ids set by the push
+        for reply in replies:
+            self._unpack(reply, groups.get(reply.metadata.reply_to_message_id, []))
+
+    def _worker_messages(self, messages: list[Message], timeout: Optional[float]
+                         ) -> list[tuple[Message, list[tuple[int, Message]]]]:
+        """The strategy's messages (one per client) packed into one Flower message per worker
+        (per client on the deployment engine), each with the clients it carries."""
         types = {m.metadata.message_type for m in messages}
         if len(types) != 1:
             raise ValueError(f"one exchange sends one message type, not {sorted(types)}")
@@ -258,38 +270,37 @@ class ClientGrid(Grid):
                                                       for m in by_pid.values())
                   for n, r in first.items())  # per-client arrays: smaller messages
         kind = messages[0].metadata.message_type
-        sent = []
+        out = []
         for node, part in self.nodes.assign(cids, CHUNK if own else None):
             group = [(p, by_pid[p]) for p in part]
-            sent.append((Message(self._pack(group, timeout), dst_node_id=node,
-                                 message_type=kind), group))
-        if timeout is not None and self.nodes.kind == "workers":
-            timeout += TRANSPORT_GRACE_S  # the worker leaves its late clients out itself
-        replies = list(self._grid.send_and_receive([m for m, _ in sent], timeout=timeout))
-        groups = {m.metadata.message_id: group for m, group in sent}  # ids set by the push
-        for reply in replies:
-            group = groups.get(reply.metadata.reply_to_message_id, [])
-            if reply.has_error():  # the whole message failed: each of its clients
-                for _, msg in group:
-                    self._file(Message(Error(code=reply.error.code, reason=reply.error.reason),
-                                       reply_to=msg))
+            out.append((Message(self._pack(group, timeout), dst_node_id=node,
+                                message_type=kind), group))
+        return out
+
+    def _unpack(self, reply: Message, group: list[tuple[int, Message]]) -> None:
+        """File one reply per client of a worker's reply: its content, its own error, or the
+        worker's error when the whole message failed; nothing for a client that was late."""
+        if reply.has_error():  # the whole message failed: each of its clients
+            for _, msg in group:
+                self._file(Message(Error(code=reply.error.code, reason=reply.error.reason),
+                                   reply_to=msg))
+            return
+        per_client = records.unpack(reply.content)
+        node = str(records.packing(reply.content).get(records.NODE, ""))
+        if node and per_client:
+            self._served[node] = self._served.get(node, 0) + len(per_client)
+        for cid, msg in group:
+            content = per_client.get(cid)
+            if content is None:  # no record: it answered too late
                 continue
-            per_client = records.unpack(reply.content)
-            node = str(records.packing(reply.content).get(records.NODE, ""))
-            if node and per_client:
-                self._served[node] = self._served.get(node, 0) + len(per_client)
-            for cid, msg in group:
-                content = per_client.get(cid)
-                if content is None:  # no record: it answered too late
-                    continue
-                reason = records.error_of(content)
-                if reason is not None:
-                    self._file(Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
-                                             reason=reason), reply_to=msg))
-                    continue
-                self._up[cid] = self._up.get(cid, 0) + sum(
-                    r.count_bytes() for r in content.array_records.values())
-                self._file(Message(content, reply_to=msg))
+            reason = records.error_of(content)
+            if reason is not None:
+                self._file(Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
+                                         reason=reason), reply_to=msg))
+                continue
+            self._up[cid] = self._up.get(cid, 0) + sum(
+                r.count_bytes() for r in content.array_records.values())
+            self._file(Message(content, reply_to=msg))
 
     def _file(self, reply: Message) -> None:
         _set_id(reply)

@@ -1,51 +1,37 @@
-"""What a Flower node does with a message: train, evaluate or serve the clients it names.
+"""What a simulated worker does with the clients a message names, whatever the family.
 
-In simulation a node is a *worker*: one process holding the frozen backbone once, which trains
-the clients a message lists in groups of ``group-size`` side by side
-(:mod:`fedadapt.federation.grouped`); with a group size of 1 it trains them one after another
-with :func:`~fedadapt.federation.training.train_local`. On the deployment engine a node is one
-client and a message names just it. Each client's outcome is packed into the reply under its own
-prefix (:mod:`fedadapt.federation.records`): its arrays and metrics, or an error, so a client
-that fails is dropped alone, not its group.
+In simulation a Flower node is a *worker*: one process holding the frozen backbone once, which
+trains the clients a message lists in groups of ``group-size`` side by side
+(:mod:`fedadapt.federation.grouped`; with a group size of 1 one after another with
+:func:`~fedadapt.federation.training.train_local`): :func:`train_groups`, with a client at fault
+failing alone. On the deployment engine a node is one client and a message names just it. Here
+live what every family's client side uses: which exits and tensors a client trains
+(:func:`client_exits`, :func:`sent_names`), the seeded fault injection, the round's deadline
+(:class:`Deadline`) and :func:`for_each_client`. A family's own client code lives in its folder
+(the rounds family's: :mod:`fedadapt.methods.rounds.clients`).
 
 What a client sends is what it trained: the communicated tensors that its exits give a gradient
 (a tier-3 client of a layer-wise model sends exit 3's head, not the other eleven), the same set
-the server expects and aggregates (:func:`sent_names`). Personal tensors never leave: the client
-keeps them in ``<state_dir>/<client>/`` (any worker reads the newest, with a per-process cache),
-or, without a state folder (a deployment client), in its ``context.state``.
+the server expects and aggregates (:func:`sent_names`).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, RecordDict
 
-from fedadapt.devices import return_freed_memory
-from fedadapt.federation import mods, records
-from fedadapt.federation.checkpoint import client_rounds, load_client_state, save_client_state
-from fedadapt.federation.faults import TENSOR_FAULTS, corrupt, injected_fault
+from fedadapt.federation import records
+from fedadapt.federation.checkpoint import load_client_context, save_client_context
+from fedadapt.federation.faults import injected_fault
+from fedadapt.federation.grid import node_id
 from fedadapt.federation.grouped import ClientJob, ClientResult, UsedTensors, train_group
-from fedadapt.federation.training import (
-    RunSpec,
-    cached_model,
-    derive_seed,
-    evaluate,
-    evaluate_exits,
-    initial_personal,
-    train_local,
-)
+from fedadapt.federation.training import RunSpec, cached_model, train_local
 from fedadapt.log import log
-from fedadapt.settings import only_training, part_names, step_exits
+from fedadapt.settings import step_exits
 
-#: ``context.state`` key of a deployment client's personal tensors.
-PERSONAL_KEY = "personal"
-_PERSONAL: dict[tuple[str, int], tuple[int, dict[str, torch.Tensor]]] = {}
-_PERSONAL_CACHE = 4096
 _USED: dict[str, UsedTensors] = {}
 
 
@@ -78,86 +64,6 @@ def sent_names(spec: RunSpec, cid: int, model=None) -> list[str]:
 
 # -- personal tensors -------------------------------------------------------------------------
 
-def _state_dir(spec: RunSpec, cid: int) -> Optional[Path]:
-    return Path(spec.state_dir) / str(cid) if spec.state_dir else None
-
-
-def load_personal(spec: RunSpec, model, cid: int, up_to: int, context: Context
-                  ) -> dict[str, torch.Tensor]:
-    """The client's personal tensors as they were after its last training up to round
-    ``up_to``; the run's seeded initial values before its first."""
-    if not model.personal_names():
-        return {}
-    folder = _state_dir(spec, cid)
-    if folder is None:  # a deployment client: its own context
-        if PERSONAL_KEY in context.state.array_records:
-            return dict(context.state.array_records[PERSONAL_KEY].to_torch_state_dict())
-        return initial_personal(spec)
-    rounds = [r for r in client_rounds(folder) if r <= up_to]
-    if not rounds:
-        return initial_personal(spec)
-    cached = _PERSONAL.get((spec.run_id, cid))
-    if cached is not None and cached[0] == rounds[-1]:
-        return cached[1]
-    return load_client_state(folder, up_to)
-
-
-def keep_personal(spec: RunSpec, cid: int, rnd: int, tensors: dict[str, torch.Tensor],
-                  checkpoint_round: int, context: Context) -> None:
-    folder = _state_dir(spec, cid)
-    if folder is None:
-        context.state[PERSONAL_KEY] = ArrayRecord(tensors)
-        return
-    save_client_state(folder, rnd, tensors, checkpoint_round)
-    if len(_PERSONAL) >= _PERSONAL_CACHE:
-        _PERSONAL.pop(next(iter(_PERSONAL)))
-    _PERSONAL[(spec.run_id, cid)] = (rnd, tensors)
-
-
-def received_arrays(content: RecordDict, cid: Optional[int] = None
-                    ) -> dict[str, torch.Tensor]:
-    """The global arrays a client received: the message's shared ``arrays``, or its own
-    (``c<id>/arrays``: a deployment client gets only what it trains)."""
-    mine = content if cid is None else records.view(content, cid)
-    arrays = mine.array_records.get("arrays")
-    return dict(arrays.to_torch_state_dict()) if arrays is not None else {}
-
-
-def arrays_by_client(content: RecordDict) -> Callable[[int], dict[str, torch.Tensor]]:
-    """:func:`received_arrays` for each client of a message, the shared arrays decoded once:
-    every client of a worker's message starts from the same global tensors (each copies them
-    into the model and none changes them), so a whole CLIP is not decoded once per client."""
-    shared: list[dict[str, torch.Tensor]] = []
-
-    def of(cid: int) -> dict[str, torch.Tensor]:
-        if records.key(cid, "arrays") in content:
-            return received_arrays(content, cid)
-        if not shared:
-            shared.append(received_arrays(content))
-        return shared[0]
-
-    return of
-
-
-def client_tensors(spec: RunSpec, model, cid: int, received: dict[str, torch.Tensor],
-                   up_to: int, context: Context) -> dict[str, torch.Tensor]:
-    """Every trainable tensor of the client's model: what it needs from the server, its
-    personal ones, and (unused by it) the process model's current values for the rest."""
-    needed = sent_names(spec, cid, model)
-    missing = sorted(set(needed) - set(received))
-    unknown = sorted(set(received) - set(model.communicated_names()))
-    if missing or unknown:
-        raise ValueError(f"client {cid}: the server sent tensors {sorted(received)[:4]}..., "
-                         f"expected {needed[:4]}... (missing {missing[:3]}, unknown "
-                         f"{unknown[:3]})")
-    given = set(needed)
-    out = model.tensors([n for n in model.trainable_names() if n not in given])
-    out.update({n: received[n] for n in needed})
-    out.update(load_personal(spec, model, cid, up_to, context))
-    return out
-
-
-# -- training ---------------------------------------------------------------------------------
 
 def fault_of(spec: RunSpec, server_round: int, cid: int) -> Optional[str]:
     """The seeded fault this client injects in this round (``faults.*``), or None."""
@@ -222,7 +128,7 @@ class Deadline:
         time.sleep(max(0.0, until - (time.monotonic() - self.start)))
 
 
-def _reason(err: BaseException) -> str:
+def reason_of(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
@@ -252,7 +158,7 @@ def _groups(jobs: list[ClientJob], size: int, rates: dict[int, tuple[float, floa
             for i in range(0, len(group), max(1, size))]
 
 
-def _train_groups(spec: RunSpec, model, jobs: list[ClientJob], size: int,
+def train_groups(spec: RunSpec, model, jobs: list[ClientJob], size: int,
                   rates: dict[int, tuple[float, float]], train=None,
                   finish: Optional[Callable] = None) -> dict:
     """Each client's result, or the reason it failed; ``rates[cid]``: its ``(lr, mu)``. A group
@@ -285,14 +191,14 @@ def _train_groups(spec: RunSpec, model, jobs: list[ClientJob], size: int,
             continue
         except Exception as err:  # isolate the client at fault
             if len(group) == 1:
-                keep(group[0].cid, _reason(err))
+                keep(group[0].cid, reason_of(err))
                 continue
             _log_fallback(len(group), err)
             for job in group:
                 try:
                     res = _run_group(spec, model, [job], lr, mu, train)[0]
                 except Exception as err:
-                    res = _reason(err)
+                    res = reason_of(err)
                 keep(job.cid, res)
             continue
         for job, res in zip(group, results):
@@ -307,164 +213,11 @@ _FALLBACK_CAUSES: set[str] = set()
 def _log_fallback(size: int, err: BaseException) -> None:
     """A group that raised is trained one client at a time: say so, with the cause, once per
     cause (a grouped path that silently fell back would make every speed figure a lie)."""
-    cause = _reason(err)
+    cause = reason_of(err)
     if cause not in _FALLBACK_CAUSES:
         _FALLBACK_CAUSES.add(cause)
         log(f"[worker] a group of {size} clients failed side by side ({cause}): training its "
             f"clients one at a time (only this group)")
-
-
-def train_clients(spec: RunSpec, msg: Message, context: Context) -> RecordDict:
-    """A TRAIN message: every named client trains from the global arrays, with its own config
-    (round, learning rate, FedProx's mu); one record set per client in the reply, each through
-    the run's train mods."""
-    content = msg.content
-    grid = records.packing(content)
-    deadline = Deadline(content, spec.faults.delay_s)
-    model = cached_model(spec)
-    replies: dict[int, RecordDict] = {}
-    jobs, faults, rates, configs, received = [], {}, {}, {}, arrays_by_client(content)
-    for cid in records.clients_of(content):
-        try:
-            config = configs[cid] = records.view(content, cid).config_records["config"]
-            rnd = int(config["server-round"])
-            rates[cid] = (float(config["lr"]), float(config.get("proximal-mu", 0.0)))
-            faults[cid] = client_fault(spec, rnd, cid, f"in round {rnd}")
-            tensors = client_tensors(spec, model, cid, received(cid), rnd - 1, context)
-        except Exception as err:
-            replies[cid] = records.error(_reason(err))
-            continue
-        jobs.append(ClientJob(cid=cid, indices=spec.clients[cid].train, tensors=tensors,
-                              seed=derive_seed(spec.seed, rnd, cid),
-                              crop_seed=derive_seed(spec.seed, rnd, cid, 7),
-                              exits=client_exits(spec, cid)))
-
-    def reply(cid: int, res: ClientResult | str) -> Optional[RecordDict]:
-        """The client's reply record, made as soon as it has trained; None: it was late."""
-        if isinstance(res, str):
-            return records.error(res) if deadline.in_time(None) else None
-        config = configs[cid]
-        rnd = int(config["server-round"])
-        personal = model.personal_names()
-        if personal:
-            keep_personal(spec, cid, rnd, {n: res.tensors[n] for n in personal},
-                          int(config.get("checkpoint-round", 0)), context)
-        names = sent_names(spec, cid, model)
-        sent = {n: res.tensors[n] for n in names}
-        res.tensors.clear()  # the record below holds the only copy of what is sent
-        if faults[cid] in TENSOR_FAULTS:
-            sent = corrupt(sent, faults[cid])
-        if not deadline.in_time(faults[cid]):
-            return None
-        out = RecordDict({
-            "arrays": ArrayRecord(torch_state_dict=sent, keep_input=False),
-            "metrics": MetricRecord({"num-examples": len(spec.clients[cid].train),
-                                     records.UNIFORM_KEY: 1.0, "train_loss": res.loss})})
-        return mods.apply(spec.train_mods, msg, records.view(content, cid), out, context,
-                          trained=names)
-
-    made = _train_groups(spec, model, jobs, int(grid.get("group-size", 1)), rates,
-                         finish=reply)
-    replies.update({cid: r for cid, r in made.items() if r is not None})
-    del jobs, received
-    return_freed_memory()
-    deadline.wait()
-    return records.served_by(records.pack(replies))
-
-
-def personalize_clients(spec: RunSpec, content: RecordDict, context: Context) -> RecordDict:
-    """The personalization step for every named client: from the global model, fine-tune
-    ``setting.personalize`` for ``setting.epochs`` epochs on its own (corrupted, if it has a
-    corruption) training split at its tier's exit, side by side like training; accuracy on its
-    test split before and after. The personalized tensors stay on the client
-    (``<state_dir>/<client>/personalized/``); the reply carries metrics only."""
-    st, config = spec.setting, content.config_records["config"]
-    rnd = int(config["server-round"])
-    model = cached_model(spec)
-    names = part_names(model, st.personalize)
-    # the process's model serves every client: frozen tensors a part trains (personalize=full)
-    # are put back afterwards
-    frozen = model.tensors(sorted(set(names) - set(model.trainable_names())))
-    train = replace(spec.train, local_epochs=st.epochs, lr=st.lr or spec.train.lr)
-    replies, jobs, before, start = {}, [], {}, {}
-    received = arrays_by_client(content)
-    for cid in records.clients_of(content):
-        try:
-            start[cid] = {**frozen, **client_tensors(spec, model, cid, received(cid), rnd - 1,
-                                                     context)}
-            model.load_tensors(start[cid])
-            source, exits = _personal_data(spec, cid)
-            before[cid] = local_accuracy(model, spec, spec.clients[cid].test, exits, source)[1]
-            jobs.append(ClientJob(cid=cid, indices=spec.clients[cid].train,
-                                  tensors=model.tensors(names),
-                                  seed=derive_seed(spec.seed, 0xC1, cid),
-                                  crop_seed=derive_seed(spec.seed, 0xC2, cid), exits=exits,
-                                  source=source))
-        except Exception as err:
-            replies[cid] = records.error(_reason(err))
-    with only_training(model, names):
-        results = _train_groups(spec, model, jobs, int(records.packing(content).get(
-            "group-size", 1)), {job.cid: (train.lr, 0.0) for job in jobs}, train)
-    for job in jobs:
-        res = results[job.cid]
-        if isinstance(res, str):
-            replies[job.cid] = records.error(res)
-            continue
-        model.load_tensors({**start[job.cid], **res.tensors})
-        source, exits = _personal_data(spec, job.cid)
-        _, after, n = local_accuracy(model, spec, spec.clients[job.cid].test, exits, source)
-        if (folder := _state_dir(spec, job.cid)) is not None:
-            save_client_state(folder / "personalized", rnd, res.tensors)
-        tier = spec.client_exits[job.cid] if spec.client_exits else -1
-        replies[job.cid] = RecordDict({"metrics": MetricRecord({
-            "num-examples": n, "tier": tier, "severity": _personal_data(spec, job.cid, True),
-            "acc_before": before[job.cid], "acc_after": after, "train_loss": res.loss,
-            "personalized_params": sum(t.numel() for t in res.tensors.values())})})
-    model.load_tensors(frozen)
-    return records.pack(replies)
-
-
-def _personal_data(spec: RunSpec, cid: int, severity_only: bool = False):
-    """A personalizing client's data (corrupted with its kind and severity) and exits."""
-    kind, severity = spec.client_corruptions[cid] if spec.client_corruptions else ("none", 0)
-    if severity_only:
-        return severity
-    source = spec.train_source
-    if severity > 0:
-        source = source.corrupted(kind, severity, derive_seed(spec.seed, 0xC0, cid))
-    tier = spec.client_exits[cid] if spec.client_exits else None  # None: no exits
-    return source, None if tier is None else [tier]
-
-
-# -- evaluation and per-client phases ---------------------------------------------------------
-
-def local_accuracy(model, spec: RunSpec, indices, exits, source=None):
-    """(loss, accuracy, n) of the client's model on ``indices`` of its data; with ``exits``
-    the mean over them (anytime: all; multi-tier: its tier)."""
-    source = spec.train_source if source is None else source
-    if exits is None:
-        return evaluate(model, source, indices, precision=spec.precision)
-    losses, accs, n = evaluate_exits(model, source, exits, indices, precision=spec.precision)
-    return sum(losses) / len(losses), sum(accs) / len(accs), n
-
-
-def evaluate_one(spec: RunSpec, cid: int, content: RecordDict, context: Context) -> RecordDict:
-    """One client's accuracy on its local test split (and validation split, when the run
-    selects rounds by validation) with the global arrays and its personal tensors."""
-    config = content.config_records["config"]
-    model = cached_model(spec)
-    up_to = int(config.get("server-round", 0))
-    model.load_tensors(client_tensors(spec, model, cid, received_arrays(content), up_to,
-                                      context))
-    exits = client_exits(spec, cid)
-    loss, acc, n = local_accuracy(model, spec, spec.clients[cid].test, exits)
-    # the same keys from every client (Flower checks that); NaN when there is no test data
-    metrics = {"num-examples": n, records.UNIFORM_KEY: 1.0, "accuracy": acc, "loss": loss}
-    if spec.evaluate_val:  # model selection by validation accuracy (federation.select)
-        metrics["val_accuracy"] = local_accuracy(model, spec, spec.clients[cid].val, exits)[1]
-    if spec.client_exits:
-        metrics["tier"] = spec.client_exits[cid]
-    return RecordDict({"metrics": MetricRecord(metrics)})
 
 
 def for_each_client(content: RecordDict,
@@ -481,13 +234,75 @@ def for_each_client(content: RecordDict,
         try:
             out = one(cid, records.view(content, cid))
         except Exception as err:
-            out = records.error(_reason(err))
+            out = records.error(reason_of(err))
         if deadline.in_time(fault(cid) if fault else None):
             replies[cid] = out
     deadline.wait()
     return records.pack(replies)
 
 
-__all__ = ["PERSONAL_KEY", "Deadline", "client_exits", "client_fault", "evaluate_one",
-           "fault_of", "for_each_client", "keep_personal", "load_personal", "local_accuracy",
-           "personalize_clients", "sent_names", "train_clients"]
+# -- each client's own Context ----------------------------------------------------------------
+
+#: Client states of runs without a run directory (``spec.state_dir`` unset), in this process.
+_STATES: dict[tuple[str, int], bytes] = {}
+
+
+def _state_bytes(state: RecordDict) -> bytes:
+    from flwr.common.serde import recorddict_to_proto
+
+    return recorddict_to_proto(state).SerializeToString()
+
+
+def _state_of(data: Optional[bytes]) -> RecordDict:
+    from flwr.common.serde import ProtoRecordDict, recorddict_from_proto
+
+    return recorddict_from_proto(ProtoRecordDict.FromString(data)) if data else RecordDict()
+
+
+def _context_dir(spec: RunSpec, cid: int):
+    from pathlib import Path
+
+    return Path(spec.state_dir) / str(cid) / "context" if spec.state_dir else None
+
+
+def client_contexts(spec: RunSpec, content: RecordDict, context: Context, up_to: int
+                    ) -> tuple[dict[int, Context], dict[int, bytes]]:
+    """A Flower ``Context`` for each client of the message, as its own ClientApp would have:
+    its node id, ``partition-id`` / ``num-partitions`` and its ``state`` as it was after round
+    ``up_to`` (kept in the run directory, so it follows the client from worker to worker and
+    across a resume). On the deployment engine a node is the client: its own context. Also
+    returns each state as loaded, for :func:`keep_contexts` (none on the deployment engine)."""
+    cids = records.clients_of(content)
+    if records.packing(content).get("nodes", "workers") == "clients":
+        return {cid: context for cid in cids}, {}
+    out, loaded = {}, {}
+    for cid in cids:
+        folder = _context_dir(spec, cid)
+        data = (load_client_context(folder, up_to) if folder is not None
+                else _STATES.get((spec.run_id, cid)))
+        out[cid] = Context(run_id=context.run_id, node_id=node_id(cid),
+                           node_config={**context.node_config, "partition-id": cid,
+                                        "num-partitions": spec.num_clients},
+                           state=_state_of(data), run_config=context.run_config)
+        loaded[cid] = data or b""
+    return out, loaded
+
+
+def keep_contexts(spec: RunSpec, contexts: dict[int, Context], loaded: dict[int, bytes],
+                  server_round: int, checkpoint_round: int) -> None:
+    """Save each client's ``context.state`` that its handler or mods changed (``loaded``: as
+    :func:`client_contexts` read them; a deployment node's own context is Flower's to keep)."""
+    for cid, before in loaded.items():
+        data = _state_bytes(contexts[cid].state)
+        if data == before:
+            continue
+        folder = _context_dir(spec, cid)
+        if folder is None:
+            _STATES[(spec.run_id, cid)] = data
+        else:
+            save_client_context(folder, server_round, data, checkpoint_round)
+
+
+__all__ = ["Deadline", "client_contexts", "client_exits", "client_fault", "fault_of",
+           "for_each_client", "keep_contexts", "reason_of", "sent_names", "train_groups",
+           "used_tensors"]

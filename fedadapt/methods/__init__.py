@@ -43,10 +43,11 @@ class Family:
     def check(self, cfg: "RunConfig", card) -> None:
         """Refuse settings this family cannot run (before anything is loaded)."""
 
-    def prepare(self, cfg: "RunConfig", spec, model, *, backbone, images: Callable,
+    def prepare(self, cfg: "RunConfig", prep, *, backbone, images: Callable,
                 original) -> None:
-        """Fill the family's fields of the run spec once the model exists (``images(split)``:
-        the split's raw images; ``original``: the original-model phase's result or None)."""
+        """Fill the family's fields of the prepared run (``prep.spec``, ``prep.model``: a
+        :class:`fedadapt.experiment.PreparedRun`) once the model exists (``images(split)``: the
+        split's raw images; ``original``: the original-model phase's result or None)."""
 
     def units(self, cfg: "RunConfig") -> int:
         """Progress units of one run (rounds; 1 for a run trained on the server)."""

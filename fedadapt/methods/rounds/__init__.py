@@ -3,7 +3,8 @@
 Its methods are the modules of :mod:`fedadapt.adapters` (heads, FedCLIP's AttAI, the early-exit
 methods and the Accumulator). The server side is :mod:`fedadapt.methods.rounds.run` (the plan
 of the rounds, checkpoints and resume, the summary); the client side is
-:mod:`fedadapt.federation.worker` (clients trained side by side in a worker).
+:mod:`fedadapt.methods.rounds.clients` (clients trained side by side in a worker, through the
+run's mods).
 """
 
 from __future__ import annotations
@@ -12,24 +13,21 @@ from fedadapt.methods import Family, register_family
 
 
 def _train(spec, msg, context):
-    from fedadapt.federation.worker import train_clients
+    from fedadapt.methods.rounds.clients import train_clients
 
     return train_clients(spec, msg, context)
 
 
 def _personalize(spec, msg, context):
-    from fedadapt.federation.worker import personalize_clients
+    from fedadapt.methods.rounds.clients import personalize_clients
 
     return personalize_clients(spec, msg.content, context)
 
 
 def _evaluate(spec, msg, context):
-    """The rounds' evaluation of each client, through the run's evaluate mods."""
-    from fedadapt.federation import mods
-    from fedadapt.federation.worker import evaluate_one, for_each_client
+    from fedadapt.methods.rounds.clients import evaluate_clients
 
-    return for_each_client(msg.content, lambda cid, mine: mods.apply(
-        spec.evaluate_mods, msg, mine, evaluate_one(spec, cid, mine, context), context))
+    return evaluate_clients(spec, msg, context)
 
 
 class Rounds(Family):

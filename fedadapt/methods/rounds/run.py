@@ -28,20 +28,29 @@ from fedadapt.federation.training import RunSpec, SpecRef
 from fedadapt.log import log
 
 
-def client_mods(cfg: RunConfig) -> tuple[list[str], list[str]]:
-    """The ClientApp mods of training and evaluation replies: ``dp=client_*``'s clipping mod
-    first (outermost: it clips what the other mods left), then ``federation.*_mods``; each
-    imported once here, so a wrong name fails before anything runs."""
+def client_mods(cfg: RunConfig) -> tuple[list, list]:
+    """The ClientApp mods of training and evaluation: ``dp=client_*``'s clipping mod first
+    (outermost: it clips what the other mods left), then ``federation.*_mods``; each made once
+    here, so a wrong name or argument fails before anything runs, and a ``file.py`` named by
+    its absolute path (a Ray worker's working directory may differ)."""
     from fedadapt.federation.mods import resolve
     from fedadapt.strategies.zoo import DP_MODS
+    from fedadapt.userimport import absolute
 
-    train = ([DP_MODS[cfg.dp.name]] if cfg.dp.name in DP_MODS else []) + \
-        list(cfg.federation.train_mods)
+    def portable(entry):
+        if isinstance(entry, dict):
+            return {**entry, "_target_": absolute(entry["_target_"])} \
+                if entry.get("_target_") else entry
+        return absolute(str(entry))
+
+    out = []
     for key, names in (("federation.train_mods", cfg.federation.train_mods),
                        ("federation.evaluate_mods", cfg.federation.evaluate_mods)):
-        for name in names:
-            resolve(name, key)
-    return train, list(cfg.federation.evaluate_mods)
+        for entry in names:
+            resolve(entry, key)
+        out.append([portable(e) for e in names])
+    train, evaluate = out
+    return ([DP_MODS[cfg.dp.name]] if cfg.dp.name in DP_MODS else []) + train, evaluate
 
 
 def apply_setting(cfg: RunConfig, spec: RunSpec, model: AdaptedModel) -> None:
@@ -460,8 +469,8 @@ def _privacy_summary(cfg: RunConfig, strategy) -> Optional[dict]:
     noise multiplier and the final clipping norm; None without DP."""
     from fedadapt.strategies.zoo import privacy_spent
 
-    if cfg.dp.name == "none":
-        return None
+    if cfg.dp.name == "none" or not hasattr(strategy, "noise_multiplier"):
+        return None  # no DP, or a method that is not federated (local_only): nothing released
     return {"dp": cfg.dp.name, "noise_multiplier": float(strategy.noise_multiplier),
             "clipping_norm": float(strategy.clipping_norm),
             **(privacy_spent(strategy) or {"epsilon": None, "accounting": None})}

@@ -1,0 +1,342 @@
+"""The ``rounds`` family's client side: what a worker does with a TRAIN or EVALUATE message.
+
+Every client a message names trains from the global arrays it received, with its own config
+(round, learning rate, FedProx's mu), side by side with the others
+(:func:`fedadapt.federation.worker.train_groups`); the reply holds one record set per client
+(its arrays and metrics, or its error). The run's mods wrap each client's handler as Flower's
+ClientApp does (:mod:`fedadapt.federation.mods`), each client with its own ``Context``
+(:func:`fedadapt.federation.worker.client_contexts`). Personal tensors never leave: the client
+keeps them in ``<state_dir>/<client>/`` (any worker reads the newest, with a per-process cache),
+or, without a state folder (a deployment client), in its ``context.state``. After the rounds,
+:func:`personalize_clients` fine-tunes each client on its own data
+(``setting=personalization``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+
+from fedadapt.devices import return_freed_memory
+from fedadapt.federation import mods, records
+from fedadapt.federation.checkpoint import client_rounds, load_client_state, save_client_state
+from fedadapt.federation.faults import TENSOR_FAULTS, corrupt
+from fedadapt.federation.grid import node_id
+from fedadapt.federation.grouped import ClientJob, ClientResult
+from fedadapt.federation.training import (
+    RunSpec,
+    cached_model,
+    derive_seed,
+    evaluate,
+    evaluate_exits,
+    initial_personal,
+)
+from fedadapt.federation.worker import (
+    Deadline,
+    client_contexts,
+    client_exits,
+    client_fault,
+    for_each_client,
+    keep_contexts,
+    reason_of,
+    sent_names,
+    train_groups,
+)
+from fedadapt.settings import only_training, part_names
+
+#: ``context.state`` key of a deployment client's personal tensors.
+PERSONAL_KEY = "personal"
+_PERSONAL: dict[tuple[str, int], tuple[int, dict[str, torch.Tensor]]] = {}
+_PERSONAL_CACHE = 4096
+
+def _state_dir(spec: RunSpec, cid: int) -> Optional[Path]:
+    return Path(spec.state_dir) / str(cid) if spec.state_dir else None
+
+
+def load_personal(spec: RunSpec, model, cid: int, up_to: int, context: Context
+                  ) -> dict[str, torch.Tensor]:
+    """The client's personal tensors as they were after its last training up to round
+    ``up_to``; the run's seeded initial values before its first."""
+    if not model.personal_names():
+        return {}
+    folder = _state_dir(spec, cid)
+    if folder is None:  # a deployment client: its own context
+        if PERSONAL_KEY in context.state.array_records:
+            return dict(context.state.array_records[PERSONAL_KEY].to_torch_state_dict())
+        return initial_personal(spec)
+    rounds = [r for r in client_rounds(folder) if r <= up_to]
+    if not rounds:
+        return initial_personal(spec)
+    cached = _PERSONAL.get((spec.run_id, cid))
+    if cached is not None and cached[0] == rounds[-1]:
+        return cached[1]
+    return load_client_state(folder, up_to)
+
+
+def keep_personal(spec: RunSpec, cid: int, rnd: int, tensors: dict[str, torch.Tensor],
+                  checkpoint_round: int, context: Context) -> None:
+    folder = _state_dir(spec, cid)
+    if folder is None:
+        context.state[PERSONAL_KEY] = ArrayRecord(tensors)
+        return
+    save_client_state(folder, rnd, tensors, checkpoint_round)
+    if len(_PERSONAL) >= _PERSONAL_CACHE:
+        _PERSONAL.pop(next(iter(_PERSONAL)))
+    _PERSONAL[(spec.run_id, cid)] = (rnd, tensors)
+
+
+
+
+def arrays_decoder() -> Callable[[RecordDict], dict[str, torch.Tensor]]:
+    """The global arrays a client received (its records' ``arrays``), each record decoded once:
+    every client of a worker's message holds the same shared record (each copies the tensors
+    into the model and none changes them), so a whole CLIP is not decoded once per client; a
+    deployment client's own record, or one a mod replaced, is decoded for itself."""
+    decoded: dict[int, dict[str, torch.Tensor]] = {}
+
+    def of(mine: RecordDict) -> dict[str, torch.Tensor]:
+        arrays = mine.array_records.get("arrays")
+        if arrays is None:
+            return {}
+        if id(arrays) not in decoded:
+            decoded[id(arrays)] = dict(arrays.to_torch_state_dict())
+        return decoded[id(arrays)]
+
+    return of
+
+
+def client_tensors(spec: RunSpec, model, cid: int, received: dict[str, torch.Tensor],
+                   up_to: int, context: Context) -> dict[str, torch.Tensor]:
+    """Every trainable tensor of the client's model: what it needs from the server, its
+    personal ones, and (unused by it) the process model's current values for the rest."""
+    needed = sent_names(spec, cid, model)
+    missing = sorted(set(needed) - set(received))
+    unknown = sorted(set(received) - set(model.communicated_names()))
+    if missing or unknown:
+        raise ValueError(f"client {cid}: the server sent tensors {sorted(received)[:4]}..., "
+                         f"expected {needed[:4]}... (missing {missing[:3]}, unknown "
+                         f"{unknown[:3]})")
+    given = set(needed)
+    out = model.tensors([n for n in model.trainable_names() if n not in given])
+    out.update({n: received[n] for n in needed})
+    out.update(load_personal(spec, model, cid, up_to, context))
+    return out
+
+
+# -- training ---------------------------------------------------------------------------------
+
+def _round_of(content: RecordDict) -> int:
+    """The server round a message is for (its clients' shared config)."""
+    for cid in records.clients_of(content):
+        config = records.view(content, cid).config_records.get("config")
+        if config is not None and "server-round" in config:
+            return int(config["server-round"])
+    return 0
+
+
+def _trained_view(spec: RunSpec, model, cid: int, mine: RecordDict) -> RecordDict:
+    """The client's records with its arrays cut to the tensors it trains (what a deployment
+    client receives, and what a mod compares the reply's arrays with)."""
+    arrays = mine.array_records.get("arrays")
+    names = sent_names(spec, cid, model)
+    if arrays is None or list(arrays.keys()) == names:
+        return mine
+    out = RecordDict(dict(mine.items()))
+    out["arrays"] = ArrayRecord({n: arrays[n] for n in names if n in arrays})
+    return out
+
+
+def train_clients(spec: RunSpec, msg: Message, context: Context) -> RecordDict:
+    """A TRAIN message: every named client trains (:func:`train_views`), each through the run's
+    train mods with its own context when there are mods."""
+    content = msg.content
+    deadline = Deadline(content, spec.faults.delay_s)
+    size = int(records.packing(content).get("group-size", 1))
+    model = cached_model(spec)
+    views = {cid: records.view(content, cid) for cid in records.clients_of(content)}
+    if not spec.train_mods:
+        replies = train_views(spec, model, views, deadline, size, context)
+    else:
+        rnd = _round_of(content)
+        contexts, loaded = client_contexts(spec, content, context, rnd - 1)
+        msgs = {cid: mods.as_message(_trained_view(spec, model, cid, mine), msg, cid,
+                                     node_id(cid)) for cid, mine in views.items()}
+        replies = mods.around_clients(
+            spec.train_mods, msgs, contexts,
+            lambda arrived: train_views(spec, model, {c: m.content for c, m in arrived.items()},
+                                        deadline, size, context))
+        checkpoint = int(next(iter(views.values())).config_records["config"].get(
+            "checkpoint-round", 0)) if views else 0
+        keep_contexts(spec, contexts, loaded, rnd, checkpoint)
+    del views
+    return_freed_memory()
+    deadline.wait()
+    return records.served_by(records.pack(replies))
+
+
+def train_views(spec: RunSpec, model, views: dict[int, RecordDict], deadline: Deadline,
+                size: int, context: Context) -> dict[int, RecordDict]:
+    """Each client trains from its records (``views``: the global arrays and its config, as the
+    mods passed them on), ``size`` side by side; ``{cid: reply records}``, none for a client
+    that was late."""
+    replies: dict[int, RecordDict] = {}
+    jobs, faults, rates, configs, received = [], {}, {}, {}, arrays_decoder()
+    for cid, mine in views.items():
+        try:
+            config = configs[cid] = mine.config_records["config"]
+            rnd = int(config["server-round"])
+            rates[cid] = (float(config["lr"]), float(config.get("proximal-mu", 0.0)))
+            faults[cid] = client_fault(spec, rnd, cid, f"in round {rnd}")
+            tensors = client_tensors(spec, model, cid, received(mine), rnd - 1, context)
+        except Exception as err:
+            replies[cid] = records.error(reason_of(err))
+            continue
+        jobs.append(ClientJob(cid=cid, indices=spec.clients[cid].train, tensors=tensors,
+                              seed=derive_seed(spec.seed, rnd, cid),
+                              crop_seed=derive_seed(spec.seed, rnd, cid, 7),
+                              exits=client_exits(spec, cid)))
+
+    def reply(cid: int, res: ClientResult | str) -> Optional[RecordDict]:
+        """The client's reply record, made as soon as it has trained; None: it was late."""
+        if isinstance(res, str):
+            return records.error(res) if deadline.in_time(None) else None
+        config = configs[cid]
+        rnd = int(config["server-round"])
+        personal = model.personal_names()
+        if personal:
+            keep_personal(spec, cid, rnd, {n: res.tensors[n] for n in personal},
+                          int(config.get("checkpoint-round", 0)), context)
+        sent = {n: res.tensors[n] for n in sent_names(spec, cid, model)}
+        res.tensors.clear()  # the record below holds the only copy of what is sent
+        if faults[cid] in TENSOR_FAULTS:
+            sent = corrupt(sent, faults[cid])
+        if not deadline.in_time(faults[cid]):
+            return None
+        return RecordDict({
+            "arrays": ArrayRecord(torch_state_dict=sent, keep_input=False),
+            "metrics": MetricRecord({"num-examples": len(spec.clients[cid].train),
+                                     records.UNIFORM_KEY: 1.0, "train_loss": res.loss})})
+
+    made = train_groups(spec, model, jobs, size, rates, finish=reply)
+    replies.update({cid: r for cid, r in made.items() if r is not None})
+    return replies
+
+
+def personalize_clients(spec: RunSpec, content: RecordDict, context: Context) -> RecordDict:
+    """The personalization step for every named client: from the global model, fine-tune
+    ``setting.personalize`` for ``setting.epochs`` epochs on its own (corrupted, if it has a
+    corruption) training split at its tier's exit, side by side like training; accuracy on its
+    test split before and after. The personalized tensors stay on the client
+    (``<state_dir>/<client>/personalized/``); the reply carries metrics only."""
+    st, config = spec.setting, content.config_records["config"]
+    rnd = int(config["server-round"])
+    model = cached_model(spec)
+    names = part_names(model, st.personalize)
+    # the process's model serves every client: frozen tensors a part trains (personalize=full)
+    # are put back afterwards
+    frozen = model.tensors(sorted(set(names) - set(model.trainable_names())))
+    train = replace(spec.train, local_epochs=st.epochs, lr=st.lr or spec.train.lr)
+    replies, jobs, before, start = {}, [], {}, {}
+    received = arrays_decoder()
+    for cid in records.clients_of(content):
+        try:
+            start[cid] = {**frozen, **client_tensors(spec, model, cid,
+                                                     received(records.view(content, cid)),
+                                                     rnd - 1, context)}
+            model.load_tensors(start[cid])
+            source, exits = _personal_data(spec, cid)
+            before[cid] = local_accuracy(model, spec, spec.clients[cid].test, exits, source)[1]
+            jobs.append(ClientJob(cid=cid, indices=spec.clients[cid].train,
+                                  tensors=model.tensors(names),
+                                  seed=derive_seed(spec.seed, 0xC1, cid),
+                                  crop_seed=derive_seed(spec.seed, 0xC2, cid), exits=exits,
+                                  source=source))
+        except Exception as err:
+            replies[cid] = records.error(reason_of(err))
+    with only_training(model, names):
+        results = train_groups(spec, model, jobs, int(records.packing(content).get(
+            "group-size", 1)), {job.cid: (train.lr, 0.0) for job in jobs}, train)
+    for job in jobs:
+        res = results[job.cid]
+        if isinstance(res, str):
+            replies[job.cid] = records.error(res)
+            continue
+        model.load_tensors({**start[job.cid], **res.tensors})
+        source, exits = _personal_data(spec, job.cid)
+        _, after, n = local_accuracy(model, spec, spec.clients[job.cid].test, exits, source)
+        if (folder := _state_dir(spec, job.cid)) is not None:
+            save_client_state(folder / "personalized", rnd, res.tensors)
+        tier = spec.client_exits[job.cid] if spec.client_exits else -1
+        replies[job.cid] = RecordDict({"metrics": MetricRecord({
+            "num-examples": n, "tier": tier, "severity": _personal_data(spec, job.cid, True),
+            "acc_before": before[job.cid], "acc_after": after, "train_loss": res.loss,
+            "personalized_params": sum(t.numel() for t in res.tensors.values())})})
+    model.load_tensors(frozen)
+    return records.pack(replies)
+
+
+def _personal_data(spec: RunSpec, cid: int, severity_only: bool = False):
+    """A personalizing client's data (corrupted with its kind and severity) and exits."""
+    kind, severity = spec.client_corruptions[cid] if spec.client_corruptions else ("none", 0)
+    if severity_only:
+        return severity
+    source = spec.train_source
+    if severity > 0:
+        source = source.corrupted(kind, severity, derive_seed(spec.seed, 0xC0, cid))
+    tier = spec.client_exits[cid] if spec.client_exits else None  # None: no exits
+    return source, None if tier is None else [tier]
+
+
+# -- evaluation and per-client phases ---------------------------------------------------------
+
+def local_accuracy(model, spec: RunSpec, indices, exits, source=None):
+    """(loss, accuracy, n) of the client's model on ``indices`` of its data; with ``exits``
+    the mean over them (anytime: all; multi-tier: its tier)."""
+    source = spec.train_source if source is None else source
+    if exits is None:
+        return evaluate(model, source, indices, precision=spec.precision)
+    losses, accs, n = evaluate_exits(model, source, exits, indices, precision=spec.precision)
+    return sum(losses) / len(losses), sum(accs) / len(accs), n
+
+
+def evaluate_one(spec: RunSpec, cid: int, content: RecordDict, context: Context) -> RecordDict:
+    """One client's accuracy on its local test split (and validation split, when the run
+    selects rounds by validation) with the global arrays and its personal tensors."""
+    config = content.config_records["config"]
+    model = cached_model(spec)
+    up_to = int(config.get("server-round", 0))
+    model.load_tensors(client_tensors(spec, model, cid, arrays_decoder()(content), up_to,
+                                      context))
+    exits = client_exits(spec, cid)
+    loss, acc, n = local_accuracy(model, spec, spec.clients[cid].test, exits)
+    # the same keys from every client (Flower checks that); NaN when there is no test data
+    metrics = {"num-examples": n, records.UNIFORM_KEY: 1.0, "accuracy": acc, "loss": loss}
+    if spec.evaluate_val:  # model selection by validation accuracy (federation.select)
+        metrics["val_accuracy"] = local_accuracy(model, spec, spec.clients[cid].val, exits)[1]
+    if spec.client_exits:
+        metrics["tier"] = spec.client_exits[cid]
+    return RecordDict({"metrics": MetricRecord(metrics)})
+
+
+def evaluate_clients(spec: RunSpec, msg: Message, context: Context) -> RecordDict:
+    """An EVALUATE message: each client's accuracy (:func:`evaluate_one`), through the run's
+    evaluate mods with its own context when there are mods."""
+    content = msg.content
+    if not spec.evaluate_mods:
+        return for_each_client(content, lambda cid, mine: evaluate_one(spec, cid, mine, context))
+    rnd = _round_of(content)
+    contexts, loaded = client_contexts(spec, content, context, rnd)
+    out = for_each_client(content, lambda cid, mine: mods.around_one(
+        spec.evaluate_mods, mods.as_message(mine, msg, cid, node_id(cid)), contexts[cid],
+        lambda m: evaluate_one(spec, cid, m.content, context)))
+    keep_contexts(spec, contexts, loaded, rnd, 0)
+    return out
+
+
+__all__ = ["PERSONAL_KEY", "arrays_decoder", "client_tensors", "evaluate_clients",
+           "evaluate_one", "keep_personal", "load_personal", "local_accuracy",
+           "personalize_clients", "train_clients", "train_views"]

@@ -1,0 +1,76 @@
+"""Every ``fedadapt`` command on docs/federation.md composes as written (each point of a sweep),
+and the single runs run: one round each, in process, on a tiny backbone and 300 images (the
+keys the command sets are left as written)."""
+
+import itertools
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from test_user_code import docs_example
+
+ROOT = Path(__file__).resolve().parents[1]
+#: What makes a documented single run cheap enough for the suite.
+CHEAP = ["backbone=small_cnn", "backbone.image_size=16", "dataset.max_samples=300", "rounds=1"]
+
+
+def documented_commands(page: str = "federation.md") -> list[tuple[bool, list[str]]]:
+    """``(sweep, overrides)`` of each ``fedadapt`` line of the page's bash blocks (continued
+    lines joined, comments dropped)."""
+    text = (ROOT / "docs" / page).read_text()
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words[:1] != ["fedadapt"]:
+                continue
+            sweep = "-m" in words
+            out.append((sweep, [w for w in words[1:] if w != "-m"]))
+    return out
+
+
+def _split_values(value: str) -> list[str]:
+    """``a,b,c`` -> its values; a list or mapping (``[a,b]``, ``{a: 1}``) is one value."""
+    if value.startswith(("[", "{")):
+        return [value]
+    return value.split(",")
+
+
+def sweep_points(overrides: list[str]) -> list[list[str]]:
+    choices = []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        choices.append([f"{key}={v}" for v in _split_values(value)])
+    return [list(point) for point in itertools.product(*choices)]
+
+
+COMMANDS = documented_commands()
+
+
+def test_the_page_has_its_commands():
+    assert len(COMMANDS) >= 8 and any(sweep for sweep, _ in COMMANDS)
+    assert any("strategy=custom" in args for _, args in COMMANDS)
+
+
+@pytest.mark.slow  # a run each
+@pytest.mark.parametrize("sweep,args", COMMANDS, ids=[" ".join(a)[:60] for _, a in COMMANDS])
+def test_each_documented_command_composes_and_the_single_runs_run(sweep, args, tmp_path,
+                                                                   monkeypatch, cache_dir):
+    from fedadapt.entry import compose_config, to_run_config
+    from fedadapt.experiment import run_experiment
+    from fedadapt.federation.inprocess import in_process
+
+    monkeypatch.chdir(tmp_path)  # the user's folder, with the page's own strategy in it
+    (tmp_path / "halfstep.py").write_text(docs_example("halfstep.py"))
+    for point in sweep_points(args) if sweep else [args]:
+        to_run_config(compose_config(point))  # composes, every value checked
+    if sweep:
+        return
+    composed = compose_config([*args, *CHEAP, f"cache_dir={cache_dir}"])
+    summary = run_experiment(to_run_config(composed), tmp_path / "run",
+                             config_yaml=OmegaConf.to_yaml(composed, resolve=True),
+                             execute=in_process("workers"))
+    assert summary["rounds"] == 1 and (tmp_path / "run" / "summary.json").is_file()
