@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
-
 from test_user_code import docs_example
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,11 +4,11 @@ clipping by Flower's mod applied per client inside the worker, and ClientApp mod
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.app import Context, Message, MessageType
 
 from fedadapt.entry import compose_config, to_run_config
 from fedadapt.experiment import run_experiment
-from fedadapt.federation import mods, records
+from fedadapt.federation import records
 from fedadapt.federation.checkpoint import latest_checkpoint, load_checkpoint
 from fedadapt.federation.inprocess import in_process
 from fedadapt.results.store import read_jsonl
@@ -120,7 +120,8 @@ def test_a_mod_sees_one_client_at_a_time(tmp_path, cache_dir):
 def test_an_unknown_mod_is_refused_before_the_run(tmp_path, cache_dir):
     from fedadapt.config import ConfigError
 
-    with pytest.raises(ConfigError, match="federation.train_mods='flwr.clientapp.mod:nosuchmod' cannot be loaded"):
+    with pytest.raises(ConfigError, match="federation.train_mods='flwr.clientapp.mod:nosuchmod' "
+                                          "cannot be loaded"):
         run(tmp_path / "bad", "federation.train_mods=[flwr.clientapp.mod:nosuchmod]",
             cache_dir=cache_dir)
     assert not (tmp_path / "bad").exists()  # refused before anything was written
