@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,6 +42,8 @@ register_configs()
 def job_configs(cfg: DictConfig, overrides: list[str]) -> list[tuple[str, RunConfig, str]]:
     """``(method, RunConfig, resolved yaml)`` for each run of this job, all validated up front."""
     from hydra import compose
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
     chosen = [o.split("=", 1)[1] for o in overrides if o.split("=")[0].lstrip("+~") == "method"]
     names = [] if chosen else list(cfg.compare)
@@ -52,7 +55,10 @@ def job_configs(cfg: DictConfig, overrides: list[str]) -> list[tuple[str, RunCon
     for entry in names:  # "method" or "method@backbone" (a row on another backbone)
         name, _, backbone = entry.partition("@")
         extra = [f"method={name}"] + ([f"backbone={backbone}"] if backbone else [])
-        sub = compose(config_name="config", overrides=overrides + extra)
+        try:
+            sub = compose(config_name="config", overrides=overrides + extra)
+        except (HydraException, OmegaConfBaseException) as err:  # one line, not Hydra's list
+            raise ConfigError(f"compare entry {entry!r}: {str(err).splitlines()[0]}") from err
         out.append((name, to_run_config(sub),
                     OmegaConf.to_yaml(with_method_train(sub), resolve=True)))
     return out
@@ -67,6 +73,59 @@ def _remove_if_empty(run_dir: Path, root: Path) -> None:
 
 
 JOB = rundir.JOB
+#: What Hydra writes into a sweep's folder (``fedadapt -m``) before its first point runs.
+SWEEP = "multirun.yaml"
+#: Set (through ``hydra.job.env_set``) in every point of a resumed sweep: a point whose folder
+#: holds a job continues it, the others start.
+RESUMING_SWEEP = "FEDADAPT_RESUMING_SWEEP"
+
+
+def hydra_value(text: str) -> str:
+    """``text`` as one Hydra override value, whatever it holds (``=``, ``,``, spaces, quotes):
+    single-quoted, with its quotes, the backslashes before them and ``${`` escaped."""
+    import re
+
+    escaped = re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""),
+                     text)
+    return "'" + escaped.replace("${", "\\${") + "'"
+
+
+def quote_resume(argv: list[str]) -> list[str]:
+    """``resume=PATH`` as typed or pasted (a sweep point's folder holds ``=`` and ``,``, which
+    Hydra would read as syntax) made one Hydra value; a value quoted already is kept."""
+    out = []
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if eq and key.lstrip("+") == "resume" and value and value[0] not in "'\"":
+            arg = f"{key}={hydra_value(value)}"
+        out.append(arg)
+    return out
+
+
+def sweep_resume_argv(argv: list[str]) -> Optional[list[str]]:
+    """For ``resume=<a sweep's folder>`` alone: the sweep's own command line again (its
+    overrides and its Hydra settings, the launcher included), into the same folder, with
+    :data:`RESUMING_SWEEP` set in every point; None for any other command line."""
+    if len(argv) != 1 or argv[0].partition("=")[0].lstrip("+") != "resume":
+        return None
+    value = argv[0].partition("=")[2]
+    if value[:1] in ("'", '"'):  # quoted for Hydra already (quote_resume's form)
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        value = str(OverridesParser.create().parse_override(f"resume={value}").value())
+    folder = Path(value).expanduser().resolve()
+    if not (folder / SWEEP).is_file() or (folder / JOB).is_file():
+        return None
+    try:
+        saved = OmegaConf.load(folder / SWEEP).hydra.overrides
+        task, own = list(saved.task), list(saved.hydra)
+    except Exception as err:  # noqa: BLE001 - a garbled file is named, whatever failed
+        raise ConfigError(f"resume={str(folder)!r} is invalid: {folder / SWEEP} is unreadable "
+                          f"({str(err).splitlines()[0]})") from err
+    kept = [o for o in own if o.split("=")[0].lstrip("+") not in
+            ("hydra.mode", "hydra.sweep.dir", f"hydra.job.env_set.{RESUMING_SWEEP}")]
+    return ["-m", *task, *kept, f"hydra.sweep.dir={hydra_value(str(folder))}",
+            f"+hydra.job.env_set.{RESUMING_SWEEP}=1"]
 
 
 def resume_target(path: str) -> tuple[Path, list[str]]:
@@ -80,8 +139,9 @@ def resume_target(path: str) -> tuple[Path, list[str]]:
     for job_dir in (p, p.parent):
         if (job_dir / JOB).is_file():
             return job_dir, read_job(job_dir / JOB, path)
-    raise ConfigError(f"resume={path!r} is invalid: neither it nor its parent holds {JOB} "
-                      f"(a folder written by `fedadapt`)")
+    raise ConfigError(f"resume={path!r} is invalid: neither it nor its parent holds {JOB} (a "
+                      f"job folder written by `fedadapt`), nor does it hold {SWEEP} (a sweep's "
+                      f"folder, written by `fedadapt -m`)")
 
 
 def read_job(job: Path, resume: str) -> list[str]:
@@ -160,7 +220,8 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
         write_json(run_dir / JOB, {"overrides": overrides, "argv": sys.argv})
     summaries = []
     units = {name: family_of(run.method).units(run) for name, run, _ in jobs}
-    with progress.job(jobs[0][1].experiment, units) as shown:
+    measured, extra = method_costs(jobs, prepared, dirs)
+    with progress.job(jobs[0][1].experiment, units, measured=measured, extra=extra) as shown:
         for name, run, yaml in jobs:
             if name in done:
                 print(f"[{name}] complete already ({dirs[name] / SUMMARY})", file=sys.stderr)
@@ -191,6 +252,56 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
     print("\n" + table)
     print(f"Run directory: {run_dir}")
     return summaries
+
+
+def method_costs(jobs, prepared: dict, dirs: dict[str, Path]
+                 ) -> tuple[dict[str, float], dict[str, float]]:
+    """Each method's seconds per round for the job's estimate (:class:`fedadapt.progress.Job`):
+    ``measured``, the median ``round_s`` of the rounds a resumed run did already; ``extra``,
+    for a method that runs the backbone every round (no cached features) on the CPU, the
+    backbone's forward and backward over a round's training images, from a timed forward."""
+    import statistics
+    import time
+
+    import torch
+
+    from fedadapt.results.store import read_jsonl
+
+    measured, extra, per_image = {}, {}, {}
+    for name, run, _ in jobs:
+        done = [r["round_s"] for r in (read_jsonl(dirs[name] / "metrics.jsonl")
+                                       if (dirs[name] / "metrics.jsonl").is_file() else [])
+                if r.get("round_s")]
+        if done:
+            measured[name] = statistics.median(done)
+            continue
+        prep = prepared.get(name)
+        backbone = getattr(getattr(prep, "model", None), "backbone", None)
+        if backbone is None or getattr(run.method, "use_cache", False) \
+                or torch.cuda.is_available():  # the driver's CPU says nothing of a GPU's time
+            continue
+        key = (run.backbone.name, backbone.image_size)
+        if key not in per_image:
+            training = backbone.training
+            backbone.eval()  # no state of the run's model changes (batch-norm statistics)
+            try:
+                x = backbone.example_input(8)
+                with torch.no_grad():
+                    backbone(x)  # warm-up
+                    t0 = time.perf_counter()
+                    backbone(x)
+                per_image[key] = (time.perf_counter() - t0) / len(x)
+            except Exception:  # noqa: BLE001 - an estimate never stops a job: no estimate
+                per_image[key] = None
+            finally:
+                backbone.train(training)
+        if per_image[key] is None:
+            continue
+        images = sum(len(c.train) for c in prep.partition.clients) \
+            * run.partition.fraction_fit * run.train.local_epochs
+        workers = max(1, int((prep.layout or {}).get("workers") or 1))
+        extra[name] = 3 * per_image[key] * images / workers  # forward + backward ~ 3 forwards
+    return measured, extra
 
 
 @contextmanager
@@ -227,17 +338,20 @@ def objective_value(cfg: DictConfig, summaries: list[dict]) -> Optional[float]:
 def _main(cfg: DictConfig) -> Optional[float]:
     """Hydra's task function: runs the job; returns the ``objective`` (None without one)."""
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     logging.getLogger().setLevel(logging.WARNING)  # Hydra's stdout config says INFO
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     root = Path(cfg.output_dir).resolve().parent  # before resume swaps cfg for the job's config
     overrides = list(HydraConfig.get().overrides.task)
     job_dir = run_dir
+    sweep_dir = (Path(HydraConfig.get().sweep.dir).resolve()
+                 if HydraConfig.get().mode == RunMode.MULTIRUN else None)
 
     def stop_line(stop: RunInterrupted) -> None:
         """The stop's last words, from the main thread or the watch thread: how to resume,
         the lock released (if it is this process's), an empty job folder removed."""
-        print(f"fedadapt: {stop}; {resume_hint(job_dir)}", file=sys.stderr)
+        print(f"fedadapt: {stop}; {resume_hint(job_dir, sweep_dir)}", file=sys.stderr)
         rundir.unlock_run_dir(job_dir)
         _remove_if_empty(run_dir, root)
 
@@ -257,8 +371,10 @@ def _main(cfg: DictConfig) -> Optional[float]:
                     return objective_value(cfg, run_job(cfg, job_dir, overrides, resume=True))
             if cfg.get("objective") is not None and len(job_configs(cfg, overrides)) != 1:
                 objective_value(cfg, [])  # refused before anything runs
-            with _holding(run_dir):  # before anything is written: one run per directory
-                return objective_value(cfg, run_job(cfg, run_dir, overrides))
+            # a resumed sweep (sweep_resume_argv): a point that had started continues
+            resume = bool(os.environ.get(RESUMING_SWEEP)) and (run_dir / JOB).is_file()
+            with _holding(run_dir, resume=resume):  # before anything is written: one run per
+                return objective_value(cfg, run_job(cfg, run_dir, overrides, resume=resume))
     except RunInterrupted as stop:
         stop_line(stop)
         exit_stopped(stop)
@@ -343,7 +459,7 @@ def config_problem(argv: list[str]) -> str | None:
         composed = compose_config(argv, default_experiment="quickstart")
         for key, _, _ in undeclared_keys(composed):  # +trian.lr=0.1: composes, declared nowhere
             return _unknown_key(argv, key)
-        return None
+        return compare_problem(argv, composed)
     except MissingConfigException as err:
         text = str(err)
         found = re.search(r"Could not find '([^']+)/([^']+)'", text)
@@ -363,6 +479,24 @@ def config_problem(argv: list[str]) -> str | None:
             return _unknown_key(argv, unknown.group(1))
         first = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
         return _explained(argv, full_key.group(1) if full_key else None, first, text)
+
+
+def compare_problem(argv: list[str], composed: DictConfig) -> Optional[str]:
+    """One line for a ``compare`` entry (``method`` or ``method@backbone``) that names no
+    option of its group; None when each does (or ``method=`` on the command line runs one)."""
+    from fedadapt.entry import config_groups, nearest
+
+    if any(a.split("=")[0].lstrip("+~") == "method" for a in argv):
+        return None
+    groups = config_groups()
+    for entry in composed.get("compare") or []:
+        name, _, backbone = str(entry).partition("@")
+        for group, option in (("method", name), ("backbone", backbone)):
+            if option and option not in groups[group]:
+                return (f"compare entry {entry!r}: {group}={option} is not an option of "
+                        f"{group}{nearest(option, groups[group])} (options: "
+                        f"{', '.join(groups[group])})")
+    return None
 
 
 #: Hydra's and OmegaConf's messages for an override it cannot take, and what to do instead.
@@ -443,14 +577,14 @@ def _methods_with(key: str) -> list[str]:
                   if key in {f.name for f in dataclasses.fields(spec.config_cls)})
 
 
-def resume_hint(job_dir: Path) -> str:
-    """How to continue a stopped job, and from which checkpoint of each of its runs."""
+def resume_hint(job_dir: Path, sweep_dir: Optional[Path] = None) -> str:
+    """How to continue a stopped job, and from which checkpoint of each of its runs; for a
+    point of a sweep (``sweep_dir``), how to continue the whole sweep."""
     from fedadapt.federation.checkpoint import CheckpointError, latest_checkpoint
     from fedadapt.results.store import SUMMARY
 
-    if not (job_dir / JOB).is_file():
-        return "it stopped before writing anything"
-    runs = sorted({p.parent for p in job_dir.rglob("config.yaml")})
+    runs = sorted({p.parent for p in job_dir.rglob("config.yaml")}) \
+        if (job_dir / JOB).is_file() else []
     states = []
     for run in runs:
         name = run.name if run != job_dir else "the run"
@@ -461,8 +595,14 @@ def resume_hint(job_dir: Path) -> str:
         states.append(f"{name}: complete" if (run / SUMMARY).is_file() else
                       f"{name}: from its checkpoint of round {int(folder.name[6:])}" if folder
                       else f"{name}: from the start (no checkpoint yet)")
+    if sweep_dir is not None:  # its points done are kept, the others continue or start
+        point = f"; point {job_dir.name}: {'; '.join(states)}" if states else ""
+        return (f"continue the sweep with: {rundir.resume_command(sweep_dir)} (its complete "
+                f"points are kept, the others continue or start{point})")
+    if not (job_dir / JOB).is_file():
+        return "it stopped before writing anything"
     where = f" ({'; '.join(states)})" if states else ""
-    return f"continue with: fedadapt resume={job_dir}{where}"
+    return f"continue with: {rundir.resume_command(job_dir)}{where}"
 
 
 def os_error_line(err: OSError, job_dir: Path | None = None) -> str:
@@ -470,14 +610,79 @@ def os_error_line(err: OSError, job_dir: Path | None = None) -> str:
     import errno
 
     where = f": {err.filename}" if err.filename else ""
-    job = job_dir if job_dir is not None and (job_dir / JOB).is_file() else "<job folder>"
-    hint = {errno.ENOSPC: f" (free some space, then continue with `fedadapt resume={job}`)",
+    started = job_dir is not None and (job_dir / JOB).is_file()
+    resume = rundir.resume_command(job_dir) if started else "fedadapt resume=<job folder>"
+    hint = {errno.ENOSPC: f" (free some space, then continue with `{resume}`)",
             errno.EROFS: " (point output_dir / FEDADAPT_CACHE at a writable folder)",
             errno.EACCES: " (check the folder's permissions)"}.get(err.errno, "")
     # numpy's short write and PIL's truncated image raise an OSError with no strerror: its own
     # message is the cause ("1839360 requested and 262112 written", "image file is truncated")
     cause = err.strerror or str(err) or type(err).__name__
     return f"{cause}{where}{hint}"
+
+
+#: The flags a sweep checked whole (:func:`sweep_problem`) may carry; with any other flag the
+#: command line goes to Hydra as it is.
+SWEEP_FLAGS = ("-m", "--multirun")
+
+
+def sweep_points(argv: list[str]) -> Optional[list[tuple[str, list[str]]]]:
+    """The points of a ``-m`` sweep as Hydra's basic sweeper runs them, in its order: ``(label,
+    overrides)``, the label naming the point's number (its folder's prefix) and swept values;
+    None when it is no such sweep (no ``-m``, another flag, a search's sweeper)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    flags = [a for a in argv if a.startswith("-")]
+    if not flags or any(f not in SWEEP_FLAGS for f in flags):
+        return None
+    task = [a for a in argv if not a.startswith("-")
+            and not a.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    if any(a.lstrip("+").split("=")[0] in ("search", "resume") for a in task):
+        return None  # a search's sweeper draws its own points; a resume replays a sweep
+    parsed = OverridesParser.create().parse_overrides(task)
+    swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
+    points = [p for batch in BasicSweeper.split_arguments(parsed, None) for p in batch]
+    return [(f"{i} ({', '.join(o for o in point if o.split('=')[0] in swept)})", point)
+            for i, point in enumerate(points)]
+
+
+def sweep_problem(argv: list[str]) -> Optional[str]:
+    """One line for the first point of a ``-m`` sweep whose config does not compose or whose
+    values are refused (every method of a compare job checked), naming the point and the key;
+    None when every point is sound (or it is no sweep this checks: :func:`sweep_points`)."""
+    from hydra import compose, initialize_config_module
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from fedadapt.entry import undeclared_keys
+    from fedadapt.paths import CONF_MODULE
+
+    try:
+        points = sweep_points(argv)
+    except (HydraException, OmegaConfBaseException):
+        return None  # Hydra's own parse error says it (config_problem's forms do not sweep)
+    if not points:
+        return None
+    bad = None
+    with initialize_config_module(config_module=CONF_MODULE, version_base=None):
+        for label, point in points:
+            try:
+                cfg = compose(config_name="config", overrides=point)
+                if undeclared_keys(cfg):
+                    bad = (label, point, "")
+                    break
+                job_configs(cfg, point)  # every method's values, as the job checks them
+            except FedadaptError as err:
+                bad = (label, point, str(err))
+                break
+            except (HydraException, OmegaConfBaseException) as err:
+                bad = (label, point, str(err).splitlines()[0])
+                break
+    if bad is None:
+        return None
+    label, point, why = bad  # composition: config_problem's line (it composes on its own)
+    return f"sweep point {label}: {config_problem(point) or why}"
 
 
 def main() -> None:
@@ -488,7 +693,13 @@ def main() -> None:
         print(tool_help(__doc__)
               + "\nHydra's own flags (-m, --cfg job, --multirun, ...): fedadapt --hydra-help.")
         sys.exit(0)
-    problem = missing_launcher(sys.argv[1:]) or config_problem(sys.argv[1:])
+    try:  # resume=<a sweep's folder>: the sweep again, its points continued or started
+        sys.argv[1:] = sweep_resume_argv(sys.argv[1:]) or quote_resume(sys.argv[1:])
+    except FedadaptError as err:
+        print(f"fedadapt: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    problem = (missing_launcher(sys.argv[1:]) or config_problem(sys.argv[1:])
+               or sweep_problem(sys.argv[1:]))
     if problem:
         print(f"fedadapt: error: {problem}", file=sys.stderr)
         sys.exit(2)

@@ -15,9 +15,11 @@ backbone weights, the same seeded initialisation, hence FFA-LoRA's frozen ``A``)
   fedadapt's names, which :func:`load_export` puts back into the rebuilt model.
 
 Beside it, always: ``head.safetensors`` (the classifier on the pooled feature; one head per exit
-for a model with exits), ``base/`` when the backbone's weights cannot be fetched by name (random
-or package weights), ``fedadapt_export.json`` (the run's config, round, accuracy, preprocessing)
-and a ``README.md`` with the loading code for this export.
+for a model with exits), ``base/`` unless the backbone's weights came from the hub (random or
+package weights, a local folder), ``fedadapt_export.json`` (the run's config, round, accuracy,
+preprocessing) and a ``README.md`` with the loading code for this export: through fedadapt, and
+for a PEFT adapter on a transformers backbone with transformers and peft alone (with
+``torchvision_shim.py`` beside it where this install's torchvision needs it).
 """
 
 from __future__ import annotations
@@ -32,20 +34,35 @@ from typing import Optional
 
 import torch
 
+from fedadapt import _compat
 from fedadapt.config import ConfigError, FedadaptError
 
 EXPORT_JSON = "fedadapt_export.json"
+#: A copy of :mod:`fedadapt._compat` written beside a PEFT export where this install needs it
+#: (a CPU torch beside a CUDA torchvision wheel), so the README's snippet needs no fedadapt.
+SHIM = "torchvision_shim.py"
 
 
 def read_run(run_dir: Path):
     """``(RunConfig, summary)`` of a finished run directory; ConfigError naming what is missing."""
     from fedadapt.entry import run_config_from
+    from fedadapt.results.rundir import JOB, resume_command
 
     summary_path, config_path = run_dir / "summary.json", run_dir / "config.yaml"
+    if not run_dir.is_dir():
+        raise ConfigError(f"fedadapt-export: {run_dir} has no summary.json: no such folder "
+                          f"(name a run directory, the folder `fedadapt` writes a run's "
+                          f"summary.json into)")
     if not summary_path.is_file():
-        hint = (f" (a job folder: export one of its runs, {', '.join(sorted(runs))})"
-                if (runs := [p.parent.name for p in run_dir.glob("*/summary.json")]) else
-                "; the run did not finish: `fedadapt resume=" + str(run_dir) + "` completes it")
+        job = next((d for d in (run_dir, run_dir.parent) if (d / JOB).is_file()), None)
+        if runs := sorted(p.parent.name for p in run_dir.glob("*/summary.json")):
+            hint = f" (a job folder: export one of its runs, {', '.join(runs)})"
+        elif config_path.is_file() and job is not None:
+            hint = f"; the run did not finish: `{resume_command(job)}` completes it"
+        else:
+            hint = (" and no config.yaml: not a run directory (name the folder `fedadapt` "
+                    "writes a run's summary.json into)" if not config_path.is_file() else
+                    " and no job.json beside it: not a run `fedadapt` can finish")
         raise ConfigError(f"fedadapt-export: {run_dir} has no summary.json{hint}")
     if not config_path.is_file():
         raise ConfigError(f"fedadapt-export: {run_dir} has no config.yaml (not a run directory)")
@@ -94,7 +111,7 @@ def export_run(run_dir, out=None, *, merge: bool = False, quiet: bool = True) ->
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        kind = _write(model, cfg, tmp, merge)
+        kind, base_class = _write(model, cfg, tmp, merge)
         if prep.spec.class_text is not None:  # CLIP methods: the class prompts' features
             from safetensors.torch import save_file
 
@@ -102,8 +119,12 @@ def export_run(run_dir, out=None, *, merge: bool = False, quiet: bool = True) ->
                       tmp / "class_text.safetensors")
         meta = _meta(cfg, prep, summary, rnd, run_dir, kind)
         meta["base_folder"] = "base" if (tmp / "base").exists() else None
+        meta["base_class"] = base_class
+        shim = _compat.TORCHVISION_OPS_STUBBED and kind == "peft"
+        if shim:  # this install's torchvision needs it before transformers imports
+            shutil.copyfile(_compat.__file__, tmp / SHIM)
         (tmp / EXPORT_JSON).write_text(json.dumps(meta, indent=1))
-        (tmp / "README.md").write_text(_readme(meta))
+        (tmp / "README.md").write_text(_readme(meta, out, shim=shim))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -113,35 +134,35 @@ def export_run(run_dir, out=None, *, merge: bool = False, quiet: bool = True) ->
     return out
 
 
-def _write(model, cfg, out: Path, merge: bool) -> str:
-    """The model's files; returns the export's kind (``peft``, ``bitfit`` or ``fedadapt``)."""
+def _write(model, cfg, out: Path, merge: bool) -> tuple[str, Optional[str]]:
+    """The model's files; returns the export's kind (``peft``, ``bitfit`` or ``fedadapt``) and,
+    for a PEFT adapter on a transformers model, the base's class (``ViTModel``)."""
     from safetensors.torch import save_file
 
     head = {k: v.detach().contiguous() for k, v in model.head.state_dict().items()}
     save_file(head, out / "head.safetensors")
     if getattr(model, "peft_config", None) is not None:
-        _write_peft(model, cfg, out, merge)
-        return "peft"
+        return "peft", _write_peft(model, cfg, out, merge)
     if model.tuner_names():  # BitFit: the backbone's trained biases
         prefix = model.tuned_prefix + "."
         biases = {n[len(prefix):]: t for n, t in model.tensors(model.tuner_names()).items()}
         save_file(biases, out / "backbone_biases.safetensors")
         _write_base(model, cfg, out)
-        return "bitfit"
+        return "bitfit", None
     names = model.communicated_names()
     save_file({n: t.contiguous() for n, t in model.tensors(names).items()},
               out / "model.safetensors")
-    return "fedadapt"
+    return "fedadapt", None
 
 
 def _write_base(model, cfg, out: Path) -> Optional[str]:
-    """``base/``: the untuned tuning module, when its weights cannot be fetched by name."""
+    """``base/``: the untuned tuning module, unless its weights came from the hub (then named
+    by their hub id); returns ``"base"`` or None."""
     from fedadapt.backbones import build_backbone
 
-    weights = cfg.backbone.weights
-    if weights and weights not in ("random", "package") and (
-            not str(weights).startswith(("/", ".", "~")) or Path(weights).expanduser().exists()):
-        return None  # a hub id or a local folder: the base loads from there
+    if hub_id(cfg.backbone.weights):
+        return None  # the base loads by its hub id
+    # random or package weights, or a local folder (a cache on this machine): copied beside
     base = build_backbone(cfg.backbone).tuning_module()
     if hasattr(base, "save_pretrained"):
         base.save_pretrained(out / "base")
@@ -154,9 +175,20 @@ def _write_base(model, cfg, out: Path) -> Optional[str]:
     return "base"
 
 
-def _write_peft(model, cfg, out: Path, merge: bool) -> None:
+def hub_id(weights) -> Optional[str]:
+    """``weights`` when it names a Hugging Face hub model (``org/name``), else None (random or
+    package weights, a local folder)."""
+    text = str(weights or "")
+    if not text or text in ("random", "package") or text.startswith(("/", ".", "~")) \
+            or Path(text).expanduser().exists():
+        return None
+    return text
+
+
+def _write_peft(model, cfg, out: Path, merge: bool) -> Optional[str]:
     """peft's own adapter folder for a fresh copy of the tuning module holding the trained
-    tuner tensors; ``merged/`` with ``merge_and_unload``."""
+    tuner tensors; ``merged/`` with ``merge_and_unload``. Returns the base's transformers
+    class name (None for a base transformers does not define)."""
     import copy
 
     from peft import get_peft_model
@@ -165,6 +197,8 @@ def _write_peft(model, cfg, out: Path, merge: bool) -> None:
 
     folder = _write_base(model, cfg, out)
     base = build_backbone(cfg.backbone).tuning_module()
+    base_class = type(base).__name__ if type(base).__module__.startswith("transformers.") \
+        else None
     config = copy.deepcopy(model.peft_config)
     config.inference_mode = True
     with warnings.catch_warnings():  # peft renames a base it cannot name (we set it below)
@@ -190,6 +224,7 @@ def _write_peft(model, cfg, out: Path, merge: bool) -> None:
             (out / "merged").mkdir()
             save_file({k: v.contiguous() for k, v in merged.state_dict().items()},
                       out / "merged" / "model.safetensors")
+    return base_class
 
 
 def _tuner_key(key: str) -> bool:
@@ -222,26 +257,61 @@ def _meta(cfg, prep, summary: dict, rnd: int, run_dir: Path, kind: str) -> dict:
     }
 
 
-def _readme(meta: dict) -> str:
-    """The loading code for this export (what the export test runs)."""
+def _readme(meta: dict, folder: Path, *, shim: bool = False) -> str:
+    """The loading code for this export: through fedadapt, and for a PEFT adapter on a
+    transformers model with transformers and peft alone (what tests/test_export_standalone.py
+    runs in a fresh process)."""
     m = meta["method"]
     lines = [f"# fedadapt export: method={m}, round {meta['round']}", "",
              f"Global accuracy of this model on the run's test split: {meta['global_acc']}", "",
              "```python", "import fedadapt  # first: its torchvision shim (a no-op elsewhere)",
              "from fedadapt.export import load_export", "",
-             'model = load_export("THIS_FOLDER")  # the AdaptedModel: model(images) -> logits',
+             f'model = load_export("{folder}")  # the AdaptedModel: model(images) -> logits',
              "```", ""]
     if meta["format"] == "peft":
-        lines += ["With peft alone (the backbone's tuning module, then the head):", "",
-                  "```python", "from peft import PeftModel",
-                  "from safetensors.torch import load_file", "",
-                  "base = ...  # the base in adapter_config.json's base_model_name_or_path, or "
-                  "base/ (transformers: ViTModel.from_pretrained('base', "
-                  "add_pooling_layer=False))",
-                  'tuned = PeftModel.from_pretrained(base, "THIS_FOLDER")',
-                  'head = load_file("THIS_FOLDER/head.safetensors")  # Linear(D, C) on the '
-                  "pooled feature", "```", ""]
+        lines += _peft_snippet(meta, folder, shim)
     return "\n".join(lines)
+
+
+def _peft_snippet(meta: dict, folder: Path, shim: bool) -> list[str]:
+    """The README's "with transformers and peft alone" section."""
+    cfg = meta["config"]
+    source = "f\"{FOLDER}/base\"" if meta["base_folder"] else repr(cfg["backbone"]["weights"])
+    cls = meta["base_class"]
+    if cls is None:  # open_clip's image tower, EfficientNet: no transformers class to load
+        return [f"The adapter is peft's (`PeftModel.from_pretrained(base, {str(folder)!r})`); "
+                f"its base is {cfg['backbone']['name']}'s own network, not a transformers model: "
+                f"build it with fedadapt (above), or from base/ with that package.", ""]
+    vit = cfg["backbone"]["family"] == "vit" and not meta["head"]["exits"]
+    lines = ["With transformers and peft alone (a fresh Python, no fedadapt):", "", "```python",
+             f"FOLDER = {str(folder)!r}  # this export's folder"]
+    if shim:
+        lines += ["# This install's torchvision wheel does not match its torch "
+                  "(`operator torchvision::nms does not exist` when transformers imports it): "
+                  f"{SHIM}, beside this README, declares its ops (drop these lines on a matching "
+                  "install).",
+                  "import sys; sys.path.insert(0, FOLDER); import torchvision_shim  "
+                  "# noqa: E401,E702,F401"]
+    lines += ["import torch", "from peft import PeftModel", "from safetensors.torch import "
+              "load_file", f"from transformers import {cls}", "",
+              f"base = {cls}.from_pretrained({source}" + (", add_pooling_layer=False)" if vit
+                                                          else ")"),
+              "tuned = PeftModel.from_pretrained(base, FOLDER).eval()",
+              'head = load_file(f"{FOLDER}/head.safetensors")']
+    if vit and meta["head"]["kind"] in (None, "linear"):
+        prep = meta["preprocessing"]
+        lines += ["", "", "def logits(pixel_values):",
+                  f'    """[B, 3, {prep["image_size"]}, {prep["image_size"]}] images, '
+                  f'normalised with mean {prep["mean"]} and std {prep["std"]}."""',
+                  "    with torch.no_grad():",
+                  "        out = tuned(pixel_values=pixel_values, interpolate_pos_encoding=True)",
+                  "        feature = out.last_hidden_state[:, 0]  # the pooled feature (CLS)",
+                  '        return torch.nn.functional.linear(feature, head["weight"], '
+                  'head["bias"])']
+    else:
+        lines += ["# the head (head.safetensors) takes the pooled feature as fedadapt's "
+                  f"{cfg['backbone']['name']} backbone computes it (fedadapt_export.json)"]
+    return lines + ["```", ""]
 
 
 def load_export(folder) -> torch.nn.Module:

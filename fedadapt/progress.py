@@ -336,12 +336,17 @@ class Job:
 
     The estimate adds, for the current method, its rounds left at its own time per round, and
     for each method still to come, the mean start-up (from its start to the end of its first
-    round: Ray, workers, the first round) and its other rounds at the mean time per round
-    measured so far.
+    round: Ray, workers, the first round) and its other rounds at its own cost: its time per
+    round measured earlier (``measured``: a resumed run's rounds), else the mean time per round
+    measured so far plus its estimated extra seconds per round (``extra``: a method that runs
+    the backbone every round, where the others read cached features).
     """
 
-    def __init__(self, name: str, units: dict[str, int]) -> None:
+    def __init__(self, name: str, units: dict[str, int], *,
+                 measured: Optional[dict[str, float]] = None,
+                 extra: Optional[dict[str, float]] = None) -> None:
         self.name, self.units = name, {m: max(1, u) for m, u in units.items()}
+        self.measured, self.extra = dict(measured or {}), dict(extra or {})
         self.done: dict[str, int] = {m: 0 for m in units}
         self.finished: list[str] = []
         self.current: Optional[str] = None
@@ -375,9 +380,15 @@ class Job:
             if self.done[self.current] == 0:  # start-up (with the first unit) still running
                 units_left -= 1
                 left += max(0.0, startup - (time.time() - self._method_t0))
-            left += (per_now or mean_per) * units_left
+            left += (per_now or self.cost(self.current, mean_per)) * units_left
         todo = [m for m in self.units if m not in self.finished and m != self.current]
-        return left + sum(startup + mean_per * (self.units[m] - 1) for m in todo)
+        return left + sum(startup + self.cost(m, mean_per) * (self.units[m] - 1) for m in todo)
+
+    def cost(self, method: str, mean_per: float) -> float:
+        """Seconds per unit of a method not measured in this job yet (see the class)."""
+        if method in self.measured:
+            return self.measured[method]
+        return mean_per + self.extra.get(method, 0.0)
 
     def short(self) -> str:
         eta = self.eta if len(self.finished) < len(self.units) else None
@@ -423,10 +434,11 @@ class Job:
 
 
 @contextmanager
-def job(name: str, units: dict[str, int]) -> Iterator[Job]:
+def job(name: str, units: dict[str, int], **costs) -> Iterator[Job]:
     """The job-level display while the block runs: ``units`` maps each method to its rounds
-    (1 for a method trained once on the server)."""
-    j = Job(name, units)
+    (1 for a method trained once on the server); ``costs``: :class:`Job`'s ``measured`` and
+    ``extra`` seconds per unit."""
+    j = Job(name, units, **costs)
     with _STATE.lock:
         _STATE.job = j
         if interactive():

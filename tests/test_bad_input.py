@@ -2,7 +2,9 @@
 half-written (each fails before any data is prepared; docs/reliability.md gives the times):
 seed=-1, a garbled checkpoints/LATEST, a garbled job.json (or one without overrides), an empty
 dataset.path or one of non-images, a read-only output_dir, a full disk at the first
-checkpoint."""
+checkpoint, a sweep with a bad value at any point, a compare entry that is no method, resume= of
+a folder that is neither a job nor a sweep, the hub offline without HF_HUB_OFFLINE, and
+fedadapt-export / fedadapt-report given what is not a run or not an option."""
 
 import errno
 import json
@@ -70,6 +72,9 @@ def test_bad_inputs_fail_with_one_line(tmp_path, cache_dir):
         ([f"resume={no_overrides}"], "job.json is unreadable (no key 'overrides')"),
         ([f"resume={garbled_job}"], "job.json is unreadable (Expecting value"),
         (["output_dir=/proc/fedadapt/out"], "output_dir='/proc/fedadapt/out' is not writable"),
+        # a sweep is checked whole: point 1's value, before point 0 runs
+        (["-m", "rounds=2", "partition.alpha=0.1,0"],
+         "sweep point 1 (partition.alpha=0): partition.alpha=0.0 is invalid"),
     ]
     for args, needle in cases:
         res = fedadapt(args, cache_dir, cwd)
@@ -146,6 +151,10 @@ def test_resume_of_a_run_folder_that_does_not_exist_is_refused(tmp_path):
     assert resume_target(str(job))[0] == job.resolve()
     with pytest.raises(ConfigError, match="resume=.*finetune.* is invalid: no such folder"):
         resume_target(str(job / "finetune"))
+    (tmp_path / "plain").mkdir()  # neither a job nor a sweep: both named
+    with pytest.raises(ConfigError, match=r"neither it nor its parent holds job.json .*nor "
+                                          r"does it hold multirun.yaml \(a sweep's folder"):
+        resume_target(str(tmp_path / "plain"))
 
 
 @pytest.mark.parametrize("argv,says", [
@@ -244,3 +253,93 @@ def test_a_bad_image_folder_names_the_file_or_class_folder(spoil, says, tmp_path
         assert "is 30x20, but the dataset card declares image_size 8x8" in line
     if spoil is _empty_class:
         assert str(root / "7") in line
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["-m", "method=linear_head", "partition.alpha=0.1,0"],
+     "sweep point 1 (partition.alpha=0): partition.alpha=0.0 is invalid"),
+    (["-m", "seed=0,1", "rounds=3,0"], "sweep point 1 (seed=0, rounds=0): rounds=0 is invalid"),
+    (["-m", "seed=0,1", "method=linear_head,nope"],
+     "sweep point 1 (seed=0, method=nope): method=nope is not an option of method"),
+    (["compare=[linear_head,nope]"],
+     "compare entry 'nope': method=nope is not an option of method"),
+    (["-m", "compare=[linear_head,nope]", "seed=0,1"],
+     "sweep point 0 (seed=0): compare entry 'nope': method=nope is not an option"),
+])
+def test_the_command_refuses_before_hydra_starts_in_one_line(argv, says, tmp_path, monkeypatch,
+                                                             capsys):
+    """What ``fedadapt`` checks before Hydra runs a point (in this process: no Ray starts)."""
+    from fedadapt.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["fedadapt", *argv, f"output_dir={tmp_path}/out"])
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as done:
+        main()
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert done.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith("fedadapt: error: ") and says in err[0], err[0]
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # nothing written anywhere
+
+
+def test_the_hub_offline_without_hf_hub_offline_is_one_line(monkeypatch, caplog, capsys):
+    """No network and no HF_HUB_OFFLINE: no retry lines, Hugging Face's offline mode (the cache
+    alone) while the load runs, and load_hub's one line; the settings restored after."""
+    import logging
+    import socket
+
+    import datasets.config
+    import huggingface_hub.constants as hub
+
+    from fedadapt.backbones.base import MissingAssetError
+    from fedadapt.data import loading
+    from fedadapt.data.catalogue import load_card
+
+    seen = []
+
+    def offline_hub(card):
+        seen.append((hub.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE))
+        for _ in range(5):  # what huggingface_hub logs for each try of a request
+            logging.getLogger("huggingface_hub.utils._http").warning("Retrying in 1s [Retry 1/5].")
+        raise MissingAssetError("Data set 'uoft-cs/cifar100' (dataset=cifar100) is not available")
+
+    def no_dns(*args, **kwargs):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    monkeypatch.setattr(loading, "load_hub", offline_hub)
+    with caplog.at_level(logging.WARNING), pytest.raises(MissingAssetError):
+        loading.load_source(load_card("cifar100"))
+    assert seen == [(True, True)]
+    assert "Retrying" not in caplog.text and "Retrying" not in capsys.readouterr().err
+    assert (hub.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE) == (False, False)
+
+
+@pytest.mark.parametrize("folder,says", [
+    ("nonexistent", "has no summary.json: no such folder"),
+    ("plain", "has no summary.json and no config.yaml: not a run directory"),
+])
+def test_export_of_what_is_not_a_run_gets_the_right_advice(folder, says, tmp_path, capsys):
+    from fedadapt.export import main
+
+    (tmp_path / "plain").mkdir()
+    assert main([str(tmp_path / folder)]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "resume" not in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["NONEXISTENT"], "fedadapt-report: error: no such folder: "),
+    (["TMP", "--layout", "papers"], "fedadapt-report: error: argument --layout: invalid choice"),
+])
+def test_report_bad_input_is_one_line(argv, says, tmp_path, capsys):
+    from fedadapt.results.report import main
+
+    argv = [a.replace("NONEXISTENT", str(tmp_path / "no")).replace("TMP", str(tmp_path))
+            for a in argv]
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.startswith(says) and err.count("\n") == 1, err

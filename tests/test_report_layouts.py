@@ -160,3 +160,77 @@ def test_provenance_names_each_runs_directory_commit_and_config_hash(tmp_path):
     assert config_hash(str(tmp_path / "a0")) == config_hash(str(bare))  # local keys ignored
     assert config_hash(str(tmp_path / "a0")) != config_hash(str(tmp_path / "a1"))  # seed counts
     assert all(config_hash(str(tmp_path / n)) in text for n in ("a0", "a1", "b0"))
+
+
+def test_a_run_is_labelled_by_its_methods_config_name(tmp_path):
+    """``method=accumulator_pa`` composes the accumulator schema (``method.name:
+    accumulator``): the report's row says accumulator_pa, the name the run was given."""
+    make_run(tmp_path, "a", label="accumulator", alpha=0.1, seed=0, accs=[0.5])
+    make_run(tmp_path, "b", label="accumulator", alpha=0.1, seed=0, accs=[0.6])
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    (tmp_path / "b" / "summary.json").write_text(json.dumps({**summary,
+                                                             "method": "accumulator_pa"}))
+    config = yaml.safe_load((tmp_path / "b" / "config.yaml").read_text())
+    config["method"]["parallel_adapter"] = True
+    (tmp_path / "b" / "config.yaml").write_text(yaml.safe_dump(config))
+    _, rows = aggregate(find_runs([str(tmp_path)]))
+    assert sorted(r["method.name"] for r in rows) == ["accumulator", "accumulator_pa"]
+
+
+def _dp_run(root, name, *, acc, epsilon=11.67, delta=0.1, dataset="digits"):
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text(yaml.safe_dump({"method": {"name": "linear_head"},
+                                                   "dp": {"name": name}, "seed": 0}))
+    (d / "summary.json").write_text(json.dumps({
+        "method": "linear_head", "seed": 0, "dataset": dataset,
+        "final": {"global_acc": acc}, "best": {"global_acc": acc},
+        "params": {"trainable_params": 10, "communicated_params": 10},
+        "privacy": {"dp": name, "noise_multiplier": 1.0, "clipping_norm": 1.0,
+                    "epsilon": epsilon, "delta": delta, "releases": 12,
+                    "accounting": "rdp"}}))
+
+
+def test_dp_at_chance_says_so_beside_epsilon_at_its_delta(tmp_path):
+    from fedadapt.results.report import render
+    from fedadapt.results.tables import privacy_table
+
+    _dp_run(tmp_path, "server_fixed", acc=0.1000000015)  # digits: 10 classes, chance 10%
+    _dp_run(tmp_path, "client_fixed", acc=0.71, epsilon=3.2, delta=1e-5)
+    runs = find_runs([str(tmp_path)])
+    md, _ = render(*aggregate(runs))
+    assert "| ε 11.67 at δ 0.1; accuracy at chance |" in md
+    assert "| ε 3.20 at δ 1e-05 |" in md
+    table = privacy_table([r["summary"] for r in runs])
+    chance = next(ln for ln in table.splitlines() if "| server_fixed |" in ln)
+    assert "11.670; accuracy at chance (10.00% final, 10 classes)" in chance
+    learned = next(ln for ln in table.splitlines() if "| client_fixed |" in ln)
+    assert "at chance" not in learned
+
+
+def test_chance_comes_from_the_card_or_the_partition():
+    from fedadapt.results.tables import at_chance, num_classes
+
+    assert num_classes({"dataset": "cifar100"}) == 100
+    assert num_classes({"num_classes": 7, "dataset": "digits"}) == 7
+    assert num_classes({"dataset": "my_folder", "partition_stats": {
+        "classes_per_client": {"max": 4}}}) == 4
+    assert num_classes({"dataset": "my_folder"}) is None
+    assert at_chance({"dataset": "digits", "final": {"global_acc": 0.105}})
+    assert not at_chance({"dataset": "digits", "final": {"global_acc": 0.2}})
+    assert at_chance({"dataset": "digits", "final": {"global_acc": None, "client_acc": 0.09}})
+    assert not at_chance({"dataset": "my_folder", "final": {"global_acc": 0.0}})
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["/nonexistent"], "fedadapt-report: error: no such folder: /nonexistent"),
+    (["/tmp", "--layout", "papers"], "argument --layout: invalid choice: 'papers'"),
+])
+def test_report_bad_input_is_one_line_without_usage(argv, says, capsys):
+    from fedadapt.results.report import main
+
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and says in err and err.count("\n") == 1, err
+    assert "usage" not in err

@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -280,11 +281,40 @@ def load_source(card: DatasetCard, path: Optional[str] = None):
     if card.source.startswith("derived:"):
         return load_derived_domains(card)
     if card.hub_id:
-        return load_hub(card)
+        with hub_quietly():
+            return load_hub(card)
     raise MissingAssetError(
         f"dataset={card.name} has no downloadable source; build it with the recipe in "
         f"datasets/{card.name}.md and pass dataset.path=<folder>"
     )
+
+
+@contextmanager
+def hub_quietly():
+    """The hub's data set loaded without its retry lines: offline, huggingface_hub logs two
+    lines per try of every request (five tries, 23 s) before :func:`load_hub` says in one line
+    what is missing. Where the hub's host does not resolve (no network) the load reads the
+    cache alone (Hugging Face's offline mode, as ``HF_HUB_OFFLINE=1``), so it fails at once."""
+    import logging
+    import socket
+    from urllib.parse import urlparse
+
+    import datasets.config
+    import huggingface_hub.constants as hub
+
+    hub_logger = logging.getLogger("huggingface_hub")
+    saved = (hub_logger.level, hub.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE)
+    hub_logger.setLevel(logging.ERROR)
+    if not hub.HF_HUB_OFFLINE:
+        try:
+            socket.getaddrinfo(urlparse(hub.ENDPOINT).hostname or "huggingface.co", 443)
+        except OSError:  # no network: the cache or nothing
+            hub.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        hub_logger.setLevel(saved[0])
+        hub.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved[1], saved[2]
 
 
 # -- derived domain data sets (offline evidence) --------------------------------------------
@@ -307,7 +337,8 @@ def fashion_mnist_train() -> tuple[np.ndarray, np.ndarray]:
     try:
         from datasets import load_dataset
 
-        train = load_dataset(card.hub_id, split="train")
+        with hub_quietly():
+            train = load_dataset(card.hub_id, split="train")
     except Exception as err:  # offline / not cached
         raise MissingAssetError(
             f"Fashion-MNIST is not available on this machine: no IDX files in {folder or '?'} "

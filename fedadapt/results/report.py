@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -29,7 +30,7 @@ import yaml
 from fedadapt.results.domain_tables import domain_tables
 from fedadapt.results.stats import CONVENTION, describe, fmt, fmt_values
 from fedadapt.results.store import SUMMARY, atomic_write
-from fedadapt.results.tables import delay_markdown, fmt_bytes, fmt_count, markdown
+from fedadapt.results.tables import at_chance, delay_markdown, fmt_bytes, fmt_count, markdown
 
 IGNORED = ("seed", "output_dir", "cache_dir", "compare", "hydra")
 #: MLflow's stores (``tracking.mlflow``) hold copies of run directories as artifacts: not runs.
@@ -73,9 +74,11 @@ def find_runs(folders: list[str]) -> list[dict]:
             inside = run_dir.relative_to(folder).parts
             if not cfg_path.is_file() or any(part in TRACKING_STORES for part in inside):
                 continue
-            summary = yaml.safe_load(summary_path.read_text())
+            summary = json.loads(summary_path.read_text())  # JSON (YAML reads 1e-05 as text)
             config = flatten(yaml.safe_load(cfg_path.read_text()) or {})
             config = {k: v for k, v in config.items() if k.split(".")[0] not in IGNORED}
+            if summary.get("method"):  # the method's config name (accumulator_pa), not its
+                config["method.name"] = summary["method"]  # schema's (accumulator)
             runs.append({"dir": str(run_dir), "summary": summary, "config": config})
     return runs
 
@@ -95,7 +98,6 @@ def config_hash(run_dir: str) -> str:
     ``config.yaml`` as sorted JSON, without the machine-local :data:`LOCAL_KEYS`): the same
     experiment and seed give the same hash on any machine."""
     import hashlib
-    import json
 
     config = yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {}
     kept = {k: v for k, v in config.items() if k not in LOCAL_KEYS}
@@ -142,6 +144,10 @@ def aggregate(runs: list[dict]) -> tuple[list[str], list[dict]]:
     metrics = metrics_of(runs)
     if "method.name" not in varying:
         varying = ["method.name", *varying]
+    # the strategy that ran, when it is not FedAvg (a custom one by its class's import path)
+    shown = [k for k in ("strategy.name", "strategy.target") if k not in varying and any(
+        r["config"].get(k) not in (None, "fedavg") for r in runs)]
+    varying = [varying[0], *shown, *varying[1:]]
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
         groups.setdefault(tuple(repr(r["config"].get(k)) for k in varying), []).append(r)
@@ -154,6 +160,10 @@ def aggregate(runs: list[dict]) -> tuple[list[str], list[dict]]:
         for name, path, scale in metrics:
             vals = [v for v in (_get(m["summary"], path) for m in members) if v is not None]
             row[name] = describe([v * scale for v in vals] if scale else vals)
+        if EPSILON in metrics:  # its delta beside it, and whether accuracy stayed at chance
+            row["delta"] = sorted({d for m in members
+                                   if (d := _get(m["summary"], ("privacy", "delta"))) is not None})
+            row["at chance"] = all(at_chance(m["summary"]) for m in members)
         row["runs"] = members
         rows.append(row)
     rows.sort(key=lambda r: [repr(r[k]) for k in varying])
@@ -186,6 +196,15 @@ def paired_deltas(varying: list[str], rows: list[dict], against: str) -> str:
     return column
 
 
+def _epsilon_cell(row: dict) -> str:
+    """``ε 11.67 at δ 1e-05``, and ``; at chance`` when every run of the group stayed there."""
+    value = row["epsilon"]
+    if value is None:
+        return "—"
+    delta = " at δ " + " / ".join(f"{d:g}" for d in row["delta"]) if row.get("delta") else ""
+    return f"ε {value.mean:.2f}{delta}" + ("; accuracy at chance" if row.get("at chance") else "")
+
+
 def _cell(name: str, value) -> str:
     if value is None:
         return "—"
@@ -215,7 +234,8 @@ def render(varying: list[str], rows: list[dict], extra: tuple[str, ...] = ()
     header = [*varying, "seeds", "trainable", "communicated", *(m[0] for m in metrics)]
     md_rows = [[str(r[k]) for k in varying] + [str(r["seeds"]), fmt_count(r["trainable"]),
                                                fmt_count(r["communicated"])]
-               + [_cell(m[0], r[m[0]]) for m in metrics] for r in rows]
+               + [_epsilon_cell(r) if m is EPSILON else _cell(m[0], r[m[0]]) for m in metrics]
+               for r in rows]
     buf = io.StringIO()
     writer = csv.writer(buf)
     csv_header = [*varying, "seeds", "trainable", "communicated"]
@@ -387,8 +407,17 @@ def sessions_table(runs: list[dict]) -> str:
     return out + ("\n" + delay_markdown(delays) if delays else "")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors in one line (``fedadapt-report: error: ...``), no usage."""
+
+    def error(self, message: str):
+        hint = "" if "choose from" in message else f" ({self.prog} --help says how)"
+        print(f"{self.prog}: error: {message}{hint}", file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="fedadapt-report", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="fedadapt-report", description=__doc__.split("\n")[0])
     parser.add_argument("dirs", nargs="+", help="run directories or folders containing them")
     parser.add_argument("--out", help="folder for report.md and report.csv (default: first dir)")
     parser.add_argument("--layout", choices=LAYOUTS, default="runs",
@@ -408,7 +437,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     missing = [d for d in args.dirs if not Path(d).is_dir()]
     if missing:
-        parser.error(f"no such folder: {', '.join(missing)}")
+        print(f"fedadapt-report: error: no such folder: {', '.join(missing)}", file=sys.stderr)
+        sys.exit(2)
     runs = find_runs(args.dirs)
     if not runs:
         print(f"fedadapt-report: error: no complete run (summary.json) under {args.dirs}",

@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shlex
 import socket
 import time
 from pathlib import Path
@@ -31,6 +32,11 @@ from fedadapt.federation.interrupt import signals_deferred
 LOCK = ".fedadapt.lock"
 #: The job record (overrides, argv) that marks a directory as a job's.
 JOB = "job.json"
+
+
+def resume_command(folder: str | os.PathLike) -> str:
+    """``fedadapt resume=FOLDER``, quoted for a shell (a pasted command works as printed)."""
+    return f"fedadapt resume={shlex.quote(str(folder))}"
 
 
 class RunDirError(FedadaptError):
@@ -120,7 +126,7 @@ def lock_run_dir(run_dir: str | os.PathLike, *, resume: bool = False) -> Path:
     if not resume and (run_dir / JOB).exists():
         unlock_run_dir(run_dir)
         raise RunDirError(f"run directory {run_dir} holds a job already ({JOB}); continue it "
-                          f"with resume={run_dir}, or choose another output_dir / "
+                          f"with `{resume_command(run_dir)}`, or choose another output_dir / "
                           f"hydra.run.dir")
     return lock
 

@@ -211,14 +211,55 @@ def delay_markdown(rows: list[tuple[str, list[dict]]]) -> str:
             + markdown(["method", *(f"{r} MB/s" for r in rates)], body))
 
 
+#: A run is *at chance* when its final accuracy is at most this factor times 1 / classes.
+CHANCE_MARGIN = 1.1
+
+
+def num_classes(summary: dict):
+    """The number of classes of a run's data set, from its summary: ``num_classes`` when it
+    holds one, else the catalogue card of its ``dataset``, else the most classes a client
+    holds (``partition_stats``); None when none says."""
+    if summary.get("num_classes"):
+        return int(summary["num_classes"])
+    try:
+        from fedadapt.data.catalogue import load_card
+
+        return int(load_card(str(summary.get("dataset"))).num_classes)
+    except Exception:  # noqa: BLE001 - a data set from dataset.path has no card
+        most = ((summary.get("partition_stats") or {}).get("classes_per_client") or {}).get("max")
+        return int(most) if most else None
+
+
+def final_acc(summary: dict):
+    """The final global accuracy, or the clients' mean where no global model is evaluated."""
+    final = summary.get("final") or {}
+    return final.get("global_acc") if final.get("global_acc") is not None \
+        else final.get("client_acc")
+
+
+def at_chance(summary: dict) -> bool:
+    """Whether the run's final accuracy is within chance (1 / classes, :data:`CHANCE_MARGIN`)."""
+    acc, classes = final_acc(summary), num_classes(summary)
+    return acc is not None and bool(classes) and acc <= CHANCE_MARGIN / classes
+
+
+def chance_note(summary: dict) -> str:
+    """``"; accuracy at chance (10.00% final, 10 classes)"`` for a run at chance, else ``""``."""
+    if not at_chance(summary):
+        return ""
+    return (f"; accuracy at chance ({fmt_pct(final_acc(summary))}% final, "
+            f"{num_classes(summary)} classes)")
+
+
 def privacy_table(summaries: list[dict]) -> str:
     """``dp=`` runs: the wrapper, its noise multiplier and final clipping norm, and the privacy
-    spent (epsilon at delta, Flower's RDP accountant) where it is accounted."""
+    spent (epsilon at delta, Flower's RDP accountant) where it is accounted; a run whose
+    accuracy stayed at chance says so beside its epsilon."""
     rows = [s for s in summaries if s.get("privacy")]
     if not rows:
         return ""
     body = [[s["method"], p["dp"], f"{p['noise_multiplier']:g}", f"{p['clipping_norm']:.4g}",
-             "—" if p.get("epsilon") is None else f"{p['epsilon']:.3f}",
+             ("—" if p.get("epsilon") is None else f"{p['epsilon']:.3f}") + chance_note(s),
              "—" if p.get("delta") is None else f"{p['delta']:g}",
              str(p.get("releases", "—")), p.get("accounting") or "none"]
             for s in rows for p in [s["privacy"]]]

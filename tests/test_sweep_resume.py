@@ -1,0 +1,105 @@
+"""A sweep stopped mid-way resumes from its folder: ``fedadapt resume=<sweep folder>``, pasted
+through a shell as the stop line prints it, finishes the point that was running from its
+checkpoint and runs the point never started, to the metrics of its points run straight through.
+The command lines (quoting, the replayed sweep) are checked without a run below."""
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_interrupt import started, stop
+from test_resume import ROUNDS, TINY, fedadapt, metrics
+
+from fedadapt.cli import hydra_value, quote_resume, sweep_resume_argv
+
+
+def straight_through(point: Path, run_dir: Path) -> list[dict]:
+    """The metrics of ``point``'s job (its ``job.json``) run straight through, in this process
+    (the same rounds as through Ray; the in-process run records Flower's strategy metrics
+    besides, which the comparison leaves out)."""
+    from omegaconf import OmegaConf
+
+    from fedadapt.cli import read_job
+    from fedadapt.entry import compose_config, to_run_config
+    from fedadapt.experiment import run_experiment
+    from fedadapt.federation.inprocess import in_process
+
+    composed = compose_config(read_job(point / "job.json", str(point)),
+                              default_experiment="quickstart")
+    run_experiment(to_run_config(composed), run_dir, execute=in_process("workers"),
+                   config_yaml=OmegaConf.to_yaml(composed, resolve=True))
+    return metrics(run_dir)
+
+
+@pytest.mark.slow
+def test_a_stopped_sweep_resumes_pasted_to_the_same_metrics(tmp_path, cache_dir):
+    """Two points (seeds 0 and 1): SIGTERM while point 0 runs; point 1 never started."""
+    bin_dir = Path(sys.executable).parent  # where the `fedadapt` console script is
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "FEDADAPT_CACHE": cache_dir,
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    sweep_args = ["-m", "method=linear_head", "seed=0,1", *TINY]
+    victim = fedadapt(sweep_args + [f"output_dir={tmp_path}/stopped"], env)
+    point = started(tmp_path / "stopped", 5, victim)
+    rc, err = stop(victim, signal.SIGTERM, group=False)
+    assert rc == 143, err[-3000:]
+    sweep = point.parent
+    assert point.name.startswith("0_") and not list(sweep.glob("1_*"))  # point 1 never began
+    assert not (point / "summary.json").exists()
+    line = next(ln for ln in err.splitlines() if ln.startswith("fedadapt: stopped"))
+    command = line.split("continue the sweep with: ", 1)[1].split(" (its complete", 1)[0]
+    assert shlex.split(command) == ["fedadapt", f"resume={sweep}"]
+    assert f"point {point.name}: the run: from its checkpoint of round" in line
+
+    pasted = subprocess.run(["bash", "-c", command], env=env, cwd=tmp_path, text=True,
+                            capture_output=True, timeout=300)
+    assert pasted.returncode == 0, pasted.stderr[-3000:]
+    points = sorted(p.parent for p in sweep.rglob("summary.json"))
+    assert [p.name.split("_")[0] for p in points] == ["0", "1"]
+    for folder in points:  # each point against its config run straight through
+        got = metrics(folder)
+        ref = straight_through(folder, tmp_path / "ref" / folder.name[:1])
+        assert got == [{k: r[k] for k in row} for row, r in zip(got, ref)], folder.name
+        assert len(got) == len(ref) == ROUNDS
+
+    # a point's folder holds "=" and ",": its resume command works pasted as printed too
+    again = subprocess.run(["bash", "-c", f"fedadapt resume={shlex.quote(str(point))}"],
+                           env=env, cwd=tmp_path, text=True, capture_output=True, timeout=120)
+    assert again.returncode == 0 and "complete already" in again.stderr, again.stderr[-3000:]
+
+
+def test_resume_takes_any_folder_name_as_one_value():
+    """``resume=PATH`` (as pasted: the shell removed its quotes) becomes one Hydra value,
+    whatever the path holds: a sweep point's ``=`` and ``,``, spaces, quotes, backslashes."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for path in ("/out/2_experiment=cdc_mmpg_offline,seed=2", "/my runs/a b", "/it's/here",
+                 "/odd\\'name", "/ends\\"):
+        printed = f"fedadapt resume={shlex.quote(path)}"
+        argv = shlex.split(printed)[1:]  # what a shell hands the command
+        (arg,) = quote_resume(argv)
+        assert parser.parse_override(arg).value() == path, (path, arg)
+        assert parser.parse_override(f"x={hydra_value(path)}").value() == path
+    assert quote_resume(["resume='/a=b'", "seed=1"]) == ["resume='/a=b'", "seed=1"]
+
+
+def test_resume_of_a_sweep_folder_replays_the_sweep_into_it(tmp_path):
+    """The sweep's own overrides and Hydra settings (its launcher) from multirun.yaml, its
+    folder again, and the flag that makes its started points continue."""
+    from omegaconf import OmegaConf
+
+    sweep = tmp_path / "multirun_x"
+    sweep.mkdir()
+    OmegaConf.save({"hydra": {"overrides": {
+        "hydra": ["hydra.mode=MULTIRUN", "hydra/launcher=joblib", "hydra.sweep.dir=/old"],
+        "task": ["experiment=quickstart", "seed=0,1,2"]}}}, sweep / "multirun.yaml")
+    argv = sweep_resume_argv([f"resume={sweep}"])
+    assert argv == ["-m", "experiment=quickstart", "seed=0,1,2", "hydra/launcher=joblib",
+                    f"hydra.sweep.dir='{sweep}'", "+hydra.job.env_set.FEDADAPT_RESUMING_SWEEP=1"]
+    assert sweep_resume_argv(quote_resume([f"resume={sweep}"])) == argv
+    assert sweep_resume_argv([f"resume={tmp_path}"]) is None  # not a sweep: resume as a job
+    assert sweep_resume_argv([f"resume={sweep}", "seed=3"]) is None
