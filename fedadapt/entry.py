@@ -154,13 +154,18 @@ def nearest(word: str, candidates: list[str]) -> str:
 
 def with_method_train(cfg: DictConfig) -> DictConfig:
     """``cfg`` with ``method.train``'s keys over ``train`` and ``method.strategy`` in place of
-    ``strategy`` (a copy; ``cfg`` itself when the method sets neither). A key that is not a
+    ``strategy``, and ``method.share=a`` under ``strategy=fedsa_lora`` (a copy; ``cfg`` itself
+    when none applies). A key that is not a
     ``train`` key, or not the pinned strategy's, fails, named ``method.<key>``."""
     from fedadapt.config import ConfigError
 
     method = cfg.get("method")
     own = method.get("train") if method is not None else None
     pinned = method.get("strategy") if method is not None else None
+    strategy = (cfg.get("strategy") or {}).get("name")
+    if strategy == "fedsa_lora" and method is not None and method.get("share") == "both":
+        cfg = cfg.copy()  # FedSA-LoRA keeps each client's B on the client: the run says so
+        cfg.method.share = "a"
     if not own and not isinstance(pinned, DictConfig):
         return cfg
     from omegaconf.errors import OmegaConfBaseException

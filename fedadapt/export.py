@@ -105,6 +105,11 @@ def export_run(run_dir, out=None, *, merge: bool = False, quiet: bool = True) ->
     run_dir = Path(run_dir).expanduser().resolve()
     out = Path(out).expanduser().resolve() if out else run_dir / "export"
     cfg, _ = read_run(run_dir)
+    if getattr(cfg.method, "share", "both") == "a":
+        raise ConfigError(f"{run_dir} is a FedSA-LoRA run (method.share=a): each client keeps "
+                          f"its own B, so the global model has no adapter to export (its A and "
+                          f"head are in the run's last checkpoint; a client's B in "
+                          f"clients/<id>/)")
     prep, arrays, rnd, summary = rebuild(run_dir, quiet=quiet)
     model = prep.model.cpu().float()
     tmp = out.with_name(f".{out.name}.tmp")

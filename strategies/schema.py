@@ -32,6 +32,7 @@ DERIVED = {
     "strategy": "strategy=",
     "num_sampled_clients": "partition.fraction_fit",
     "accountant": "dp.accounting",
+    "rank_of": "method.ranks (each client's LoRA rank)",
 }
 #: Defaults for the wrappers' parameters that Flower leaves without one.
 DP_DEFAULTS = {"noise_multiplier": 1.0, "clipping_norm": 1.0}

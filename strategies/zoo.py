@@ -30,8 +30,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
+from fedadapt.strategies import lora_het
 from fedadapt.strategies.custom import CUSTOM
 from fedadapt.strategies.schema import DERIVED, DP_DEFAULTS, params_of, schema_of  # noqa: F401
 from flwr.serverapp import strategy as flwr_strategies
@@ -53,9 +54,22 @@ STRATEGIES: dict[str, type] = {
     "krum": flwr_strategies.Krum,
     "multikrum": flwr_strategies.MultiKrum,
     "bulyan": flwr_strategies.Bulyan,
+    # LoRA of different ranks across clients (fedadapt's, on Flower's FedAvg)
+    "hetlora": lora_het.HetLoRA,
+    "flexlora": lora_het.FlexLoRA,
+    "fedsa_lora": lora_het.FedSALoRA,
 }
+#: The strategies that aggregate LoRA of different ranks (each layer over the clients that
+#: sent it; they send each client its own rank's slices): they need a LoRA method.
+LORA_RANK = ("hetlora", "flexlora", "fedsa_lora")
 #: Flower strategies that are not offered, and why (the strategy reference says so).
 NOT_OFFERED = {
+    "flora": "FLoRA (Wang et al., 2024) folds the stacked update into the clients' frozen "
+             "weights, which fedadapt's clients do not apply yet (its aggregation, tested, is "
+             "strategies/lora_het.py's FLoRA)",
+    "fedex_lora": "FedEx-LoRA (Singhal et al., 2025) folds its residual into the clients' "
+                  "frozen weights, which fedadapt's clients do not apply yet (its aggregation, "
+                  "tested, is strategies/lora_het.py's FedExLoRA)",
     "fedxgbbagging": "FedXgbBagging aggregates XGBoost trees sent as JSON bytes; fedadapt's "
                      "clients train tensors",
     "fedxgbcyclic": "FedXgbCyclic passes one XGBoost model (JSON bytes) from client to client; "
@@ -141,6 +155,10 @@ def check_strategy(strategy: StrategyConfig, dp: DPConfig, *, weighting: str,
                                          f"tier's tensors only")
     if dp.name == "none":
         return
+    if name in LORA_RANK:
+        raise ConfigError(f"dp={dp.name} is invalid with strategy={name}: the wrapper clips "
+                          f"whole updates, and clients of different LoRA ranks send tensors of "
+                          f"different shapes")
     if getattr(dp, "accounting", False):
         check(dp.noise_multiplier > 0, "dp.noise_multiplier", dp.noise_multiplier,
               "privacy accounting (dp.accounting=true) needs a noise multiplier > 0; "
@@ -194,7 +212,7 @@ def per_tensor_family(strategy: StrategyConfig) -> bool:
 
 def check_every_tensor(strategy: StrategyConfig, dp: DPConfig, why: str) -> None:
     """Refuse a strategy or DP wrapper that needs every client to send every tensor."""
-    if not per_tensor_family(strategy):
+    if not per_tensor_family(strategy) and strategy.name not in LORA_RANK:
         raise ConfigError(f"strategy={strategy.name} is invalid here: it combines whole "
                           f"updates, and {why} (strategies that average each tensor over its "
                           f"senders: {', '.join(PER_TENSOR)})")
@@ -212,7 +230,8 @@ def sample_size(num_clients: int, fraction: float) -> int:
 
 def build_strategy(strategy: StrategyConfig, dp: DPConfig, *, num_clients: int,
                    fraction_train: float, fraction_evaluate: float, weighting: str, lr: float,
-                   federated: bool = True, mods: Optional[list] = None):
+                   federated: bool = True, mods: Optional[list] = None,
+                   rank_of: Optional[Callable[[int], int]] = None):
     """The Flower strategy of ``strategy=`` (per-tensor for FedAvg's family), wrapped by
     ``dp=``; :class:`~fedadapt.strategies.fedavg.LocalOnly` for a method that is not
     federated. Flower's own ``ValueError`` on a bad value becomes a :class:`ConfigError`."""
@@ -229,7 +248,7 @@ def build_strategy(strategy: StrategyConfig, dp: DPConfig, *, num_clients: int,
         return LocalOnly(**common)
     cls = strategy_class(strategy)
     wanted = set(inspect.signature(cls.__init__).parameters)
-    derived = {"eta_l": lr, "client_learning_rate": lr}
+    derived = {"eta_l": lr, "client_learning_rate": lr, "rank_of": rank_of}
     kwargs = {**{k: v for k, v in common.items() if k in wanted},
               **{k: v for k, v in derived.items() if k in wanted}, **keys_of(strategy)}
     if per_tensor_family(strategy) and dp.name == "none":

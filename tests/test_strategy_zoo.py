@@ -45,7 +45,8 @@ def build(cfg, num_clients=10):
     return build_strategy(cfg.strategy, cfg.dp, num_clients=num_clients,
                           fraction_train=cfg.partition.fraction_fit,
                           fraction_evaluate=cfg.partition.fraction_evaluate,
-                          weighting=cfg.method.weighting, lr=cfg.train.lr)
+                          weighting=cfg.method.weighting, lr=cfg.train.lr,
+                          rank_of=lambda node: 8)  # the LoRA-rank strategies' (method.ranks)
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))

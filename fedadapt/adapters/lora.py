@@ -13,11 +13,24 @@
   makes with plain LoRA; with ``A`` fixed and shared, the mean of the clients' ``B A`` is exactly
   ``mean(B) A``, and half the LoRA tensors travel. ``A`` is drawn from the run's seed in every
   process (the model's seeded initialisation), so all clients and the server share it.
+
+**Ranks per client** (``method.ranks=[2,4,8]``): each client trains LoRA at its own rank, by
+tier in ``setting=multitier`` (tier i: ``ranks[i]``), else by ``method.rank_fractions`` (or in
+equal shares), assigned with the run's seed (:func:`assign_ranks`). The global LoRA has the
+largest rank; a client receives and sends its own rank's slices only (``A[:r]``, ``B[:, :r]``),
+and trains them inside the process's largest-rank model with the other components zero, which
+stay zero (their gradients are zero), so clients of different ranks train side by side. Every
+client's update is scaled by ``alpha / max(ranks)``: a rank-r client's LoRA has ``alpha *
+r / max(ranks)``, the same scale for every rank, as the heterogeneous-rank aggregators
+(``strategy=hetlora|flexlora|fedsa_lora``, :mod:`fedadapt.strategies.lora_het`) assume.
+``method.share=a`` keeps each client's ``B`` on the client (FedSA-LoRA; set by
+``strategy=fedsa_lora``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from fedadapt.adapters.model import AdaptedModel
 from fedadapt.adapters.registry import register_method
@@ -40,11 +53,43 @@ class LoraMethodConfig(TunerConfig):
     rslora: bool = False
     #: FFA-LoRA: ``A`` frozen at its seeded random init; only ``B`` trains and travels.
     ffa: bool = False
+    #: Each client its own rank (see the module docstring); null: every client ``rank``. The
+    #: global LoRA then has rank ``max(ranks)`` (``rank`` is not used).
+    ranks: Optional[list[int]] = None
+    #: The share of clients at each of ``ranks`` (outside multitier); null: equal shares.
+    rank_fractions: Optional[list[float]] = None
+    #: What a client shares: ``both`` (A and B) or ``a`` (B stays on the client: FedSA-LoRA).
+    share: str = "both"
 
     def check(self) -> None:
         super().check()
         if self.rank <= 0:
             raise ConfigError(f"method.rank={self.rank} is invalid: the LoRA rank must be >= 1")
+        if self.share not in ("both", "a"):
+            raise ConfigError(f"method.share={self.share!r} is invalid: 'both' (A and B "
+                              f"travel) or 'a' (B stays on each client, FedSA-LoRA)")
+        if self.ranks is not None:
+            if not self.ranks or not all(isinstance(r, int) and r >= 1 for r in self.ranks):
+                raise ConfigError(f"method.ranks={list(self.ranks)} is invalid: LoRA ranks, "
+                                  f"each an integer >= 1 (e.g. [2,4,8])")
+            if self.rslora:
+                raise ConfigError("method.rslora=true is invalid with method.ranks: rsLoRA's "
+                                  "scale alpha/sqrt(r) differs by rank, and clients of "
+                                  "different ranks share one scale (alpha / max(ranks))")
+            if self.ffa:
+                raise ConfigError("method.ffa=true is invalid with method.ranks: FFA-LoRA "
+                                  "shares one frozen A of one rank")
+        if self.rank_fractions is not None:
+            fr = list(self.rank_fractions)
+            if self.ranks is None or len(fr) != len(self.ranks) or any(f < 0 for f in fr) \
+                    or abs(sum(fr) - 1) > 1e-6:
+                raise ConfigError(f"method.rank_fractions={fr} is invalid: one share >= 0 per "
+                                  f"entry of method.ranks, summing to 1")
+
+    @property
+    def global_rank(self) -> int:
+        """The rank of the global LoRA (and of the process's model)."""
+        return max(self.ranks) if self.ranks else int(self.rank)
         if not self.alpha > 0:
             raise ConfigError(f"method.alpha={self.alpha} is invalid: must be > 0")
         if not 0 <= self.lora_dropout < 1:
@@ -63,6 +108,9 @@ class DoraMethodConfig(LoraMethodConfig):
         if self.ffa:
             raise ConfigError("method.ffa=true is invalid for method=dora: FFA-LoRA freezes A "
                               "of plain LoRA (use method=lora method.ffa=true)")
+        if self.ranks is not None:
+            raise ConfigError("method.ranks is invalid for method=dora: clients of different "
+                              "ranks are for method=lora")
 
 
 def _build(cfg: LoraMethodConfig, backbone, num_classes: int, with_backbone: bool,
@@ -72,7 +120,7 @@ def _build(cfg: LoraMethodConfig, backbone, num_classes: int, with_backbone: boo
     cfg.check()
     model = build_tuned(cfg, backbone, num_classes, with_backbone)
     targets = resolve_targets(cfg, backbone, "lora")
-    inject(model, LoraConfig(r=int(cfg.rank), lora_alpha=float(cfg.alpha),
+    inject(model, LoraConfig(r=cfg.global_rank, lora_alpha=float(cfg.alpha),
                              lora_dropout=float(cfg.lora_dropout), target_modules=targets,
                              use_rslora=bool(cfg.rslora), use_dora=dora, bias="none",
                              base_model_name_or_path=getattr(backbone, "weights_id", None)))
@@ -80,7 +128,35 @@ def _build(cfg: LoraMethodConfig, backbone, num_classes: int, with_backbone: boo
         for n, p in model.named_parameters():
             if ".lora_A." in n:
                 p.requires_grad_(False)
+    if cfg.share == "a":  # FedSA-LoRA: each client's B is its own
+        model.personal_parts = (".lora_B.",)
     return model
+
+
+def assign_ranks(cfg: LoraMethodConfig, num_clients: int, tiers: list[int], seed: int
+                 ) -> list[int]:
+    """Each client's LoRA rank: by tier (``tiers``: each client's tier exit, multitier), else
+    by ``rank_fractions`` (equal shares by default) over a seeded permutation of the clients;
+    [] without ``method.ranks``."""
+    import numpy as np
+
+    ranks = list(cfg.ranks or [])
+    if not ranks:
+        return []
+    if tiers:
+        levels = sorted(set(tiers))
+        if len(levels) != len(ranks):
+            raise ConfigError(f"method.ranks={ranks} is invalid here: setting=multitier has "
+                              f"{len(levels)} tiers, one rank per tier is needed")
+        return [ranks[levels.index(t)] for t in tiers]
+    fractions = list(cfg.rank_fractions or [1 / len(ranks)] * len(ranks))
+    order = np.random.default_rng([int(seed), 0x2A4B]).permutation(num_clients)
+    bounds = np.round(np.cumsum([0.0, *fractions]) * num_clients).astype(int)
+    out = [0] * num_clients
+    for rank, lo, hi in zip(ranks, bounds, bounds[1:]):
+        for cid in order[lo:hi]:
+            out[int(cid)] = rank
+    return out
 
 
 @register_method("lora", LoraMethodConfig)

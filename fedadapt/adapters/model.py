@@ -48,6 +48,8 @@ class AdaptedModel(nn.Module):
         self.train_backbone = train_backbone
         self.federated = federated
         self.personal = personal
+        #: Name parts whose tensors are personal wherever they sit (FedSA-LoRA's ``.lora_B.``).
+        self.personal_parts: tuple[str, ...] = ()
         if backbone is not None:
             backbone.requires_grad_(train_backbone)
 
@@ -86,7 +88,8 @@ class AdaptedModel(nn.Module):
         names = self.trainable_names()
         if not self.federated:
             return names
-        return [n for n in names if n.startswith(self.personal)] if self.personal else []
+        return [n for n in names if (self.personal and n.startswith(self.personal))
+                or any(p in n for p in self.personal_parts)]
 
     def tuner_names(self) -> list[str]:
         """The tensors a PEFT method trains inside the backbone (none here;

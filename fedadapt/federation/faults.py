@@ -116,6 +116,13 @@ def error_cause(reason: str, limit: int = 300) -> str:
     return (tail[-1] if tail else "no reason given")[:limit]
 
 
+def _fits(shape: tuple, expected: tuple) -> bool:
+    """``shape`` is ``expected``; a dimension expected as ``-n`` may be 1..n (a LoRA rank a
+    client may have pruned itself to)."""
+    return len(shape) == len(expected) and all(
+        d == e if e >= 0 else 1 <= d <= -e for d, e in zip(shape, expected))
+
+
 def _check_arrays(content: RecordDict, expected: dict[str, tuple]) -> tuple[str, str] | None:
     records_ = content.array_records
     if "arrays" not in records_:
@@ -126,7 +133,7 @@ def _check_arrays(content: RecordDict, expected: dict[str, tuple]) -> tuple[str,
         extra, missing = sorted(names - set(expected)), sorted(set(expected) - names)
         return "wrong_keys", f"unexpected {extra[:3]}, missing {missing[:3]}"
     for name, arr in arrays.items():
-        if tuple(arr.shape) != tuple(expected[name]):
+        if not _fits(tuple(arr.shape), tuple(expected[name])):
             return "wrong_shape", f"{name}: {tuple(arr.shape)} != {tuple(expected[name])}"
     for name, arr in arrays.items():
         values = arr.numpy()

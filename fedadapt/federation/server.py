@@ -167,6 +167,10 @@ class ServerPlan:
     #: ``sent_names(client)``: the names of the tensors a client trains, receives and sends
     #: back; None = every global tensor.
     sent_names: Optional[Callable[[int], list[str]]] = None
+    #: ``sent_shape(client, name, global_shape)``: the shape of a tensor in the client's reply
+    #: when it differs from the global one (a LoRA factor of the client's own rank; a dimension
+    #: ``-n`` accepts 1..n); None = the global shapes.
+    sent_shape: Optional[Callable[[int, str, tuple], tuple]] = None
     #: What the method's family does with the clients after the rounds, in order:
     #: ``phase(grid, state, plan)`` (a personalization step; a server-trained method's one
     #: phase: a plug-in delivered, the sessions served). Each leaves its rows in ``state``.
@@ -255,8 +259,11 @@ def _train_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd: in
     """One round of training through the strategy's hooks; its row so far and the bytes."""
     strategy = state.strategy
     shapes = {name: tuple(arr.shape) for name, arr in state.arrays.items()}
-    expected = (lambda cid: {n: shapes[n] for n in plan.sent_names(cid)}) \
-        if plan.sent_names else (lambda cid: shapes)
+    names = plan.sent_names or (lambda cid: list(shapes))
+    shape = plan.sent_shape or (lambda cid, name, global_shape: global_shape)
+
+    def expected(cid: int) -> dict[str, tuple]:
+        return {n: shape(cid, n, shapes[n]) for n in names(cid)}
     grid.trained = plan.sent_names
     with state.streams.use("train"):
         messages = list(strategy.configure_train(rnd, state.arrays, config, grid))

@@ -61,6 +61,8 @@ class RunSpec:
     #: Exits of the backbone (0 for methods without exits) and each client's exit (its tier).
     num_exits: int = 0
     client_exits: list[int] = field(default_factory=list)
+    #: ``method.ranks``: each client's LoRA rank ([] when every client has the model's).
+    client_ranks: list[int] = field(default_factory=list)
     #: personalization: each client's ``(corruption, severity)``.
     client_corruptions: list[tuple[str, int]] = field(default_factory=list)
     #: Class prompts and their text features (methods registered with ``uses_text``).

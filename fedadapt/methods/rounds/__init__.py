@@ -39,9 +39,15 @@ class Rounds(Family):
     def prepare(self, cfg, prep, *, backbone, images, original) -> None:
         """The setting's exits, tiers and corruptions, the client mods; the strategy checked
         against the real client count and what the clients send."""
-        from fedadapt.methods.rounds.run import apply_setting, check_strategy, client_mods
+        from fedadapt.methods.rounds.run import (
+            apply_setting,
+            assign_client_ranks,
+            check_strategy,
+            client_mods,
+        )
 
         apply_setting(cfg, prep.spec, prep.model)
+        assign_client_ranks(cfg, prep.spec)
         prep.spec.train_mods, prep.spec.evaluate_mods = client_mods(cfg)
         check_strategy(cfg, prep)
 

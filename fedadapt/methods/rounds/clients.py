@@ -122,9 +122,55 @@ def client_tensors(spec: RunSpec, model, cid: int, received: dict[str, torch.Ten
                          f"{unknown[:3]})")
     given = set(needed)
     out = model.tensors([n for n in model.trainable_names() if n not in given])
-    out.update({n: received[n] for n in needed})
+    out.update(_at_model_rank(model, {n: received[n] for n in needed}))
     out.update(load_personal(spec, model, cid, up_to, context))
     return out
+
+
+# -- LoRA of a client's own rank (method.ranks) ------------------------------------------------
+
+def _rank_axis(name: str) -> Optional[int]:
+    """The rank's axis of a LoRA factor (0 of ``A``, 1 of ``B``); None for other tensors."""
+    parts = name.split(".")
+    return 0 if "lora_A" in parts else 1 if "lora_B" in parts else None
+
+
+def _at_model_rank(model, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A client's LoRA factors of its own rank as the process's largest-rank model holds them:
+    the missing components zero (their gradients are zero, so they stay zero: the client
+    trains exactly its rank)."""
+    shapes = None
+    for name, t in list(tensors.items()):
+        axis = _rank_axis(name)
+        if axis is None:
+            continue
+        shapes = shapes or {n: p.shape for n, p in model.named_parameters()}
+        if tuple(t.shape) == tuple(shapes[name]):
+            continue
+        full = t.new_zeros(shapes[name])
+        full.narrow(axis, 0, t.shape[axis]).copy_(t)
+        tensors[name] = full
+    return tensors
+
+
+def _at_client_rank(sent: dict[str, torch.Tensor], rank: Optional[int], gamma: float
+                    ) -> dict[str, torch.Tensor]:
+    """What a client of LoRA rank ``rank`` sends: its factors' first ``rank`` components; with
+    HetLoRA's ``gamma`` > 0 fewer, the trailing components every layer can spare
+    (:func:`fedadapt.strategies.lora_het.self_prune`, one rank for all the client's layers:
+    the largest any layer keeps)."""
+    if rank is None:
+        return sent
+    keep = rank
+    if gamma > 0:
+        from fedadapt.strategies.lora_het import lora_pairs, self_prune
+
+        pairs = lora_pairs(n for n in sent if _rank_axis(n) is not None)
+        kept = [self_prune(sent[a].narrow(0, 0, rank), sent[b].narrow(1, 0, rank), gamma)[0]
+                .shape[0] for a, b in pairs.items()]
+        keep = max(kept) if kept else rank
+    return {n: (t.narrow(axis, 0, keep).contiguous() if (axis := _rank_axis(n)) is not None
+                else t) for n, t in sent.items()}
 
 
 # -- training ---------------------------------------------------------------------------------
@@ -210,7 +256,9 @@ def train_views(spec: RunSpec, model, views: dict[int, RecordDict], deadline: De
         if personal:
             keep_personal(spec, cid, rnd, {n: res.tensors[n] for n in personal},
                           int(config.get("checkpoint-round", 0)), context)
-        sent = {n: res.tensors[n] for n in sent_names(spec, cid, model)}
+        sent = _at_client_rank({n: res.tensors[n] for n in sent_names(spec, cid, model)},
+                               spec.client_ranks[cid] if spec.client_ranks else None,
+                               float(config.get("prune-gamma", 0.0)))
         res.tensors.clear()  # the record below holds the only copy of what is sent
         if faults[cid] in TENSOR_FAULTS:
             sent = corrupt(sent, faults[cid])

@@ -341,8 +341,37 @@ def _rounds_plan(cfg: RunConfig, prep: PreparedRun, initial, num_rounds: int,
         on_round=on_round,
         resume=resume,
         sent_names=lambda cid: sent_names(spec, cid, model),
+        sent_shape=_rank_shape(spec.client_ranks, cfg.strategy.name),
         **node_layout(cfg, prep, execute, sampled),
     )
+
+
+def _rank_shape(ranks: list[int], strategy: str) -> Optional[Callable]:
+    """The shape a client's LoRA factor has in its reply: its own rank (at most: HetLoRA's
+    clients may prune), ``sent_shape`` of the plan; None without ``method.ranks``."""
+    if not ranks:
+        return None
+
+    def shape(cid: int, name: str, global_shape: tuple) -> tuple:
+        parts = name.split(".")
+        axis = 0 if "lora_A" in parts else 1 if "lora_B" in parts else None
+        if axis is None:
+            return global_shape
+        out = list(global_shape)
+        out[axis] = -ranks[cid] if strategy == "hetlora" else ranks[cid]
+        return tuple(out)
+
+    return shape
+
+
+def assign_client_ranks(cfg: RunConfig, spec: RunSpec) -> None:
+    """``method.ranks``: each client's LoRA rank into the spec (by tier in multitier)."""
+    if getattr(cfg.method, "ranks", None) is None:
+        return
+    from fedadapt.adapters.lora import assign_ranks
+
+    tiers = spec.client_exits if cfg.setting.name == "multitier" else []
+    spec.client_ranks = assign_ranks(cfg.method, spec.num_clients, tiers, cfg.seed)
 
 
 def evaluate_fn(cfg: RunConfig) -> Optional[Callable]:
@@ -362,13 +391,17 @@ def evaluate_fn(cfg: RunConfig) -> Optional[Callable]:
 def make_strategy(cfg: RunConfig, prep: PreparedRun):
     """The run's Flower strategy (``strategy=``, wrapped by ``dp=``; see
     :mod:`fedadapt.strategies.zoo`)."""
+    from fedadapt.federation.grid import NODE_BASE
     from fedadapt.strategies.zoo import build_strategy
 
     p = cfg.partition
+    global_rank = getattr(cfg.method, "global_rank", None)
+    ranks = prep.spec.client_ranks or [global_rank] * prep.spec.num_clients
     return build_strategy(cfg.strategy, cfg.dp, num_clients=prep.spec.num_clients,
                           fraction_train=p.fraction_fit, fraction_evaluate=p.fraction_evaluate,
                           weighting=cfg.method.weighting, lr=cfg.train.lr,
-                          federated=prep.model.federated)
+                          federated=prep.model.federated,
+                          rank_of=lambda node: ranks[node - NODE_BASE])
 
 
 def check_strategy(cfg: RunConfig, prep: PreparedRun) -> None:
@@ -376,10 +409,18 @@ def check_strategy(cfg: RunConfig, prep: PreparedRun) -> None:
     (before anything is written): refuses a strategy that needs every client to send every
     tensor where some do not, and builds it once (Flower's own checks of its values)."""
     from fedadapt.federation.worker import sent_names
-    from fedadapt.strategies.zoo import check_counts, check_every_tensor, sample_size
+    from fedadapt.strategies.zoo import LORA_RANK, check_counts, check_every_tensor, sample_size
 
     spec, model = prep.spec, prep.model
     evaluate_fn(cfg)  # a wrong name fails before anything is written
+    name, ranks = cfg.strategy.name, getattr(cfg.method, "ranks", None)
+    if name in LORA_RANK and not hasattr(cfg.method, "ranks"):
+        raise ConfigError(f"strategy={name} is invalid for method={cfg.method.name}: it "
+                          f"aggregates LoRA factors (method=lora, with method.ranks for "
+                          f"clients of different ranks)")
+    if ranks and len(set(ranks)) > 1 and name not in LORA_RANK:
+        raise ConfigError(f"method.ranks={list(ranks)} needs a strategy that aggregates LoRA of "
+                          f"different ranks: strategy={' | '.join(LORA_RANK)} (not {name})")
     if not model.federated:
         return
     check_counts(cfg.strategy, cfg.dp, num_clients=spec.num_clients,
