@@ -324,3 +324,24 @@ def test_flowers_local_dp_mod_adds_its_noise_to_each_reply(tmp_path, cache_dir):
     noise = np.concatenate([(replies["dp"][c][n] - replies["plain"][c][n]).ravel()
                             for c in replies["dp"] for n in replies["dp"][c]])
     assert noise.std() == pytest.approx(sigma, rel=0.1) and abs(noise.mean()) < sigma / 10
+
+
+def test_a_custom_fedavg_subclass_composes_with_per_tensor_averaging_and_dp(user_dir):
+    from fedadapt.strategies.fedavg import PerTensorFedAvg
+    from fedadapt.strategies.zoo import build_strategy, describe
+    from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
+
+    from fedadapt.entry import compose_config, to_run_config
+
+    def build(*extra):
+        cfg = to_run_config(compose_config(["strategy=custom", "strategy.step=0.25",
+                                            "strategy.target=halfstep.HalfStepFedAvg", *extra]))
+        return build_strategy(cfg.strategy, cfg.dp, num_clients=10, fraction_train=1.0,
+                              fraction_evaluate=0.0, weighting=cfg.method.weighting, lr=0.1)
+
+    plain = build()
+    assert isinstance(plain, PerTensorFedAvg) and plain.step == 0.25
+    assert type(plain).__mro__[1].__name__ == "HalfStepFedAvg"  # its aggregation over FedAvg's
+    wrapped = build("dp=server_fixed", "method.weighting=uniform", "dp.accounting=false")
+    assert isinstance(wrapped, DifferentialPrivacyServerSideFixedClipping)
+    assert describe(wrapped) == "DifferentialPrivacyServerSideFixedClipping(HalfStepFedAvg)"
