@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
-from fedadapt.strategies.fedavg import average_by_tensor
+from fedadapt.strategies.fedavg import PerTensorFedAvg, average_by_tensor
 from flwr.app import (
     Array,
     ArrayRecord,
@@ -56,7 +56,6 @@ from flwr.app import (
     RecordDict,
 )
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg
 
 from fedadapt.config import ConfigError
 
@@ -286,10 +285,12 @@ def _reply_arrays(content: RecordDict) -> ArrayRecord:
     return next(iter(content.array_records.values()))
 
 
-class LoRARankStrategy(FedAvg):
+class LoRARankStrategy(PerTensorFedAvg):
     """FedAvg whose clients train LoRA at their own ranks: the shared machinery of the five
     strategies below (sending each client its slices, reading and checking the replies' factors,
-    the FedAvg mean of every other tensor, accumulating ``X.base_delta``).
+    the FedAvg mean of every other tensor, accumulating ``X.base_delta``); on
+    :class:`~fedadapt.strategies.fedavg.PerTensorFedAvg`, which keeps the arrays each round
+    sends (``_sent_arrays``, never checkpointed).
 
     ``rank_of(node_id) -> rank`` gives each client's rank (an int from 1 to the global rank of
     each layer; :class:`ConfigError` naming ``rank_of(<node>)`` otherwise). The other parameters
@@ -302,28 +303,14 @@ class LoRARankStrategy(FedAvg):
     keeps its value, as in :class:`~fedadapt.strategies.fedavg.PerTensorFedAvg`); a
     ``base_delta`` in a reply is ignored (only the server folds)."""
 
-    #: Set by ``configure_train`` every round: never part of a checkpoint.
-    _transient = ("_sent_arrays",)
     #: Whether clients send (and the server aggregates) B.
     shares_b = True
 
-    def __init__(self, rank_of: Callable[[int], int], fraction_train: float = 1.0,
-                 fraction_evaluate: float = 1.0, min_train_nodes: int = 2,
-                 min_evaluate_nodes: int = 2, min_available_nodes: int = 2,
-                 weighted_by_key: str = "num-examples", arrayrecord_key: str = "arrays",
-                 configrecord_key: str = "config",
-                 train_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord] | None
-                 = None,
-                 evaluate_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
-                 | None = None) -> None:
+    def __init__(self, rank_of: Callable[[int], int], **kwargs) -> None:
+        """``kwargs``: FedAvg's parameters (``fraction_train``, ``weighted_by_key``, ...)."""
         if not callable(rank_of):
             raise ConfigError(f"rank_of={rank_of!r} is invalid: a function node id -> LoRA rank")
-        super().__init__(fraction_train=fraction_train, fraction_evaluate=fraction_evaluate,
-                         min_train_nodes=min_train_nodes, min_evaluate_nodes=min_evaluate_nodes,
-                         min_available_nodes=min_available_nodes, weighted_by_key=weighted_by_key,
-                         arrayrecord_key=arrayrecord_key, configrecord_key=configrecord_key,
-                         train_metrics_aggr_fn=train_metrics_aggr_fn,
-                         evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn)
+        super().__init__(**kwargs)
         self.rank_of = rank_of
 
     def pairs(self, names: Iterable[str]) -> dict[str, str]:
@@ -338,7 +325,6 @@ class LoRARankStrategy(FedAvg):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        self._sent_arrays = arrays
         return self._per_client(super().configure_train(server_round, arrays, config, grid),
                                 arrays, MessageType.TRAIN)
 
@@ -498,19 +484,8 @@ class HetLoRA(LoRARankStrategy):
     sends them that rank from then on)."""
 
     def __init__(self, rank_of: Callable[[int], int], data_weighted: bool = False,
-                 prune_gamma: float = 0.0,
-                 fraction_train: float = 1.0, fraction_evaluate: float = 1.0,
-                 min_train_nodes: int = 2, min_evaluate_nodes: int = 2,
-                 min_available_nodes: int = 2, weighted_by_key: str = "num-examples",
-                 arrayrecord_key: str = "arrays", configrecord_key: str = "config",
-                 train_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord] | None
-                 = None,
-                 evaluate_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
-                 | None = None) -> None:
-        super().__init__(rank_of, fraction_train, fraction_evaluate, min_train_nodes,
-                         min_evaluate_nodes, min_available_nodes, weighted_by_key,
-                         arrayrecord_key, configrecord_key, train_metrics_aggr_fn,
-                         evaluate_metrics_aggr_fn)
+                 prune_gamma: float = 0.0, **kwargs) -> None:
+        super().__init__(rank_of, **kwargs)
         self.data_weighted = bool(data_weighted)
         if isinstance(prune_gamma, bool) or not isinstance(prune_gamma, (int, float)) or not (
                 math.isfinite(prune_gamma) and prune_gamma >= 0):
@@ -608,19 +583,8 @@ class FLoRA(LoRARankStrategy):
     sends instead (``sum r_k`` ranks: fewer numbers than the dense ``out x in`` when
     ``sum r_k < out in / (out + in)``). Every other tensor: FedAvg's mean."""
 
-    def __init__(self, rank_of: Callable[[int], int], seed: int = 0,
-                 fraction_train: float = 1.0, fraction_evaluate: float = 1.0,
-                 min_train_nodes: int = 2, min_evaluate_nodes: int = 2,
-                 min_available_nodes: int = 2, weighted_by_key: str = "num-examples",
-                 arrayrecord_key: str = "arrays", configrecord_key: str = "config",
-                 train_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord] | None
-                 = None,
-                 evaluate_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
-                 | None = None) -> None:
-        super().__init__(rank_of, fraction_train, fraction_evaluate, min_train_nodes,
-                         min_evaluate_nodes, min_available_nodes, weighted_by_key,
-                         arrayrecord_key, configrecord_key, train_metrics_aggr_fn,
-                         evaluate_metrics_aggr_fn)
+    def __init__(self, rank_of: Callable[[int], int], seed: int = 0, **kwargs) -> None:
+        super().__init__(rank_of, **kwargs)
         self.rng = np.random.default_rng(seed)  # numpy Generator: checkpointed with the state
 
     def client_arrays(self, arrays, pairs, rank):

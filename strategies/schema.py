@@ -60,3 +60,20 @@ def schema_of(prefix: str, name: str, base: type, params: list, module: str = __
                                      bases=(base,))
     cls.__module__ = module
     return cls
+
+
+def accepted_params(cls: type) -> set[str]:
+    """The keyword arguments ``cls(...)`` takes: its ``__init__``'s named parameters and, where
+    it passes ``**kwargs`` on (``super().__init__(**kwargs)``), those of the next ``__init__``
+    up its method order, and so on (a user's ``class Mine(FedAvg)`` with ``**kwargs`` takes
+    FedAvg's ``fraction_train``, ``weighted_by_key``, ...)."""
+    out: set[str] = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None or klass is object:
+            continue
+        params = list(inspect.signature(init).parameters.values())[1:]
+        out |= {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return out

@@ -34,7 +34,13 @@ from typing import Any, Callable, Optional
 
 from fedadapt.strategies import lora_het
 from fedadapt.strategies.custom import CUSTOM
-from fedadapt.strategies.schema import DERIVED, DP_DEFAULTS, params_of, schema_of  # noqa: F401
+from fedadapt.strategies.schema import (  # noqa: F401
+    DERIVED,
+    DP_DEFAULTS,
+    accepted_params,
+    params_of,
+    schema_of,
+)
 from flwr.serverapp import strategy as flwr_strategies
 
 from fedadapt.config import ConfigError, DPConfig, StrategyConfig, check
@@ -247,7 +253,7 @@ def build_strategy(strategy: StrategyConfig, dp: DPConfig, *, num_clients: int,
     if not federated:
         return LocalOnly(**common)
     cls = strategy_class(strategy)
-    wanted = set(inspect.signature(cls.__init__).parameters)
+    wanted = accepted_params(cls)
     derived = {"eta_l": lr, "client_learning_rate": lr, "rank_of": rank_of}
     kwargs = {**{k: v for k, v in common.items() if k in wanted},
               **{k: v for k, v in derived.items() if k in wanted}, **keys_of(strategy)}

@@ -435,10 +435,30 @@ def test_conv_lora_shapes(flower_task):
 
 @pytest.mark.parametrize("cls", [HetLoRA, FlexLoRA, FLoRA, FedSALoRA, FedExLoRA])
 def test_constructors_take_fedavgs_parameters_by_name(cls):
-    """fedadapt's build_strategy passes FedAvg's parameters that the signature names."""
-    ours = inspect.signature(cls.__init__).parameters
-    assert set(inspect.signature(FedAvg.__init__).parameters) <= set(ours)
+    """fedadapt's build_strategy passes FedAvg's parameters (through the classes' ``**kwargs``)
+    and ``rank_of``."""
+    from fedadapt.strategies.fedavg import aggregate_client_metrics
+    from fedadapt.strategies.schema import accepted_params
+    from fedadapt.strategies.zoo import build_strategy
+
+    ours = accepted_params(cls)
+    assert set(inspect.signature(FedAvg.__init__).parameters) - {"self"} <= ours
     assert "rank_of" in ours
+
+    class Cfg:
+        name, target = "custom", f"{cls.__module__}.{cls.__qualname__}"
+        kwargs: dict = {}
+
+    from fedadapt.config import DPConfig
+
+    built = build_strategy(Cfg(), DPConfig(), num_clients=10, fraction_train=0.5,
+                           fraction_evaluate=0.2, weighting="uniform", lr=0.1,
+                           rank_of=lambda node: 4)
+    assert (built.fraction_train, built.min_train_nodes, built.fraction_evaluate,
+            built.min_evaluate_nodes, built.min_available_nodes) == (0.5, 5, 0.2, 2, 10)
+    assert built.weighted_by_key == "unit-weight"
+    assert built.train_metrics_aggr_fn is aggregate_client_metrics
+    assert built.client_rank(7) == 4
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, None])

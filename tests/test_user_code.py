@@ -336,11 +336,13 @@ def test_a_custom_fedavg_subclass_composes_with_per_tensor_averaging_and_dp(user
     def build(*extra):
         cfg = to_run_config(compose_config(["strategy=custom", "strategy.step=0.25",
                                             "strategy.target=halfstep.HalfStepFedAvg", *extra]))
-        return build_strategy(cfg.strategy, cfg.dp, num_clients=10, fraction_train=1.0,
+        return build_strategy(cfg.strategy, cfg.dp, num_clients=10, fraction_train=0.5,
                               fraction_evaluate=0.0, weighting=cfg.method.weighting, lr=0.1)
 
     plain = build()
     assert isinstance(plain, PerTensorFedAvg) and plain.step == 0.25
+    # FedAvg's parameters reach it through its **kwargs, as fedadapt derives them
+    assert (plain.fraction_train, plain.min_train_nodes) == (0.5, 5)
     assert type(plain).__mro__[1].__name__ == "HalfStepFedAvg"  # its aggregation over FedAvg's
     wrapped = build("dp=server_fixed", "method.weighting=uniform", "dp.accounting=false")
     assert isinstance(wrapped, DifferentialPrivacyServerSideFixedClipping)
