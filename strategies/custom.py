@@ -18,7 +18,6 @@ arrays, plain values, numpy and torch generators, or the class's own ``state_dic
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from typing import Any
 
@@ -88,16 +87,10 @@ def _check_keys(cls: type, target: str, given: dict) -> dict:
     return {k: (values[k] if k in known else v) for k, v in given.items()}
 
 
-def custom_config(node) -> StrategyCustomConfig:
-    """The typed ``strategy=custom`` config of a composed node (a ``DictConfig`` or the object
-    ``OmegaConf.to_object`` made of it, whose extra keys are attributes): its target loaded and
-    its constructor keys checked."""
-    if isinstance(node, DictConfig):
-        data = OmegaConf.to_container(node, resolve=True)
-    elif dataclasses.is_dataclass(node):
-        data = {k: v for k, v in vars(node).items() if not k.startswith("_")}
-    else:
-        data = dict(node)
+def custom_config(node: DictConfig) -> StrategyCustomConfig:
+    """The typed ``strategy=custom`` config of a composed (or reloaded) ``strategy`` node: its
+    target loaded and its constructor keys checked."""
+    data = OmegaConf.to_container(node, resolve=True)
     target = data.get("target")
     if not target or target == "???":
         raise ConfigError("strategy=custom needs strategy.target=pkg.module.Class (your Flower "
@@ -106,8 +99,3 @@ def custom_config(node) -> StrategyCustomConfig:
     out = StrategyCustomConfig(name=CUSTOM, target=str(target))
     out.__dict__["_kwargs"] = _check_keys(strategy_class(str(target)), str(target), given)
     return out
-
-
-def as_dict(cfg: StrategyCustomConfig) -> dict:
-    """The config as the user wrote it (name, target, keys): for the summary and the report."""
-    return {"name": cfg.name, "target": cfg.target, **cfg.kwargs}

@@ -12,6 +12,7 @@ import pytest
 import torch
 from flwr.serverapp.strategy import FedAvg
 from omegaconf import OmegaConf
+from test_resume import _Killed, _stopping_after  # a run that dies after a round, in process
 
 from fedadapt.config import ConfigError, FedadaptError
 from fedadapt.results.store import read_jsonl
@@ -59,30 +60,6 @@ def _run(run_dir, overrides, cache_dir, execute=None, resume=False):
     return summary, yaml
 
 
-class _Stopped(Exception):
-    pass
-
-
-def _stopping_after(round_: int):
-    from fedadapt.federation.inprocess import in_process
-
-    inner = in_process("workers")
-
-    def execute(plan, client_app):
-        saved = plan.on_round
-
-        def on_round(state):
-            saved(state)
-            if state.server_round == round_:
-                raise _Stopped
-
-        plan.on_round = on_round
-        return inner(plan, client_app)
-
-    execute.nodes = "workers"
-    return execute
-
-
 def _rows(run_dir):
     return [{k: v for k, v in r.items() if k not in WALL_CLOCK}
             for r in read_jsonl(run_dir / "metrics.jsonl")]
@@ -113,7 +90,7 @@ def test_the_docs_strategy_runs_is_recorded_stops_and_resumes_to_the_same_arrays
     assert "| linear_head | custom | halfstep.HalfStepFedAvg |" in (
         tmp_path / "report" / "report.md").read_text()
 
-    with pytest.raises(_Stopped):
+    with pytest.raises(_Killed):
         _run(tmp_path / "stopped", args, cache_dir, execute=_stopping_after(2))
     _run(tmp_path / "stopped", args, cache_dir, resume=True)
     assert _rows(tmp_path / "stopped") == rows  # the generator's draws continued exactly
@@ -287,7 +264,7 @@ def test_each_client_has_its_own_context_state_across_rounds_and_a_resume(tmp_pa
     args = ["rounds=3", "partition.fraction_fit=1.0", "federation.clients_per_worker=4",
             "federation.train_mods=[test_user_code:counting_mod]"]
     COUNTS.clear()
-    with pytest.raises(_Stopped):
+    with pytest.raises(_Killed):
         _run(tmp_path / "run", args, cache_dir, execute=_stopping_after(2))
     _run(tmp_path / "run", args, cache_dir, resume=True)
     by_client: dict[int, list[tuple[int, int]]] = {}

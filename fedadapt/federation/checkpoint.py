@@ -191,7 +191,7 @@ def _tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
 
 def _client_files(folder: Path, suffix: str = "safetensors") -> list[tuple[int, Path]]:
     return sorted((int(m.group(1)), p) for p in folder.iterdir()
-                  if (m := re.fullmatch(rf"round-(\d+)\.{suffix}", p.name)))
+                  if (m := re.fullmatch(rf"round-(\d+)\.{re.escape(suffix)}", p.name)))
 
 
 def _prune(folder: Path, checkpoint_round: int, suffix: str) -> None:

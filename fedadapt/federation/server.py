@@ -357,8 +357,17 @@ def _round0(state: ServerState, plan: ServerPlan) -> None:
            "clients_failed": 0, "train_loss": None, "global_acc": None, "global_loss": None,
            "client_acc": None, "client_acc_weighted": None, "clients_evaluated": None,
            **_server_eval(plan, 0, state.arrays)}
-    row.update({"bytes_up": 0, "bytes_down": 0, "cum_bytes": state.cum_bytes, **plan.counts,
-                "round_s": time.time() - t0, "wall_s": time.time() - state.started})
+    _close_round(state, plan, row, t0, bytes_up=0, bytes_down=0)
+
+
+def _close_round(state: ServerState, plan: ServerPlan, row: dict, t0: float, *, bytes_up: int,
+                 bytes_down: int) -> None:
+    """The round's row completed (bytes, counts, times) and kept; then ``on_round``."""
+    state.cum_bytes += bytes_up + bytes_down
+    row.update({"bytes_up": bytes_up, "bytes_down": bytes_down, "cum_bytes": state.cum_bytes,
+                **plan.counts, "round_s": time.time() - t0,
+                "wall_s": time.time() - state.started})
+    state.server_round = row["round"]
     state.history.append(row)
     if plan.on_round is not None:
         plan.on_round(state)
@@ -375,14 +384,7 @@ def run_round_loop(grid: ClientGrid, state: ServerState, plan: ServerPlan) -> Se
         row, bytes_down, bytes_up = _train_round(grid, state, plan, rnd, ConfigRecord(config))
         if rnd % plan.eval_every == 0 or rnd == state.num_rounds:
             bytes_down += _evaluate_round(grid, state, plan, rnd, ConfigRecord(config), row)
-        state.cum_bytes += bytes_up + bytes_down
-        row.update({"bytes_up": bytes_up, "bytes_down": bytes_down,
-                    "cum_bytes": state.cum_bytes, **plan.counts,
-                    "round_s": time.time() - t0, "wall_s": time.time() - state.started})
-        state.server_round = rnd
-        state.history.append(row)
-        if plan.on_round is not None:
-            plan.on_round(state)
+        _close_round(state, plan, row, t0, bytes_up=bytes_up, bytes_down=bytes_down)
     return state
 
 

@@ -18,6 +18,7 @@ the server expects and aggregates (:func:`sent_names`).
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -259,9 +260,7 @@ def _state_of(data: Optional[bytes]) -> RecordDict:
     return recorddict_from_proto(ProtoRecordDict.FromString(data)) if data else RecordDict()
 
 
-def _context_dir(spec: RunSpec, cid: int):
-    from pathlib import Path
-
+def _context_dir(spec: RunSpec, cid: int) -> Optional[Path]:
     return Path(spec.state_dir) / str(cid) / "context" if spec.state_dir else None
 
 

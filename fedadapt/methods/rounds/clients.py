@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from fedadapt.devices import return_freed_memory
 from fedadapt.federation import mods, records
@@ -122,7 +122,8 @@ def client_tensors(spec: RunSpec, model, cid: int, received: dict[str, torch.Ten
                          f"{unknown[:3]})")
     given = set(needed)
     out = model.tensors([n for n in model.trainable_names() if n not in given])
-    out.update(_at_model_rank(model, {n: received[n] for n in needed}))
+    given_tensors = {n: received[n] for n in needed}
+    out.update(_at_model_rank(model, given_tensors) if spec.client_ranks else given_tensors)
     out.update(load_personal(spec, model, cid, up_to, context))
     return out
 
@@ -175,13 +176,11 @@ def _at_client_rank(sent: dict[str, torch.Tensor], rank: Optional[int], gamma: f
 
 # -- training ---------------------------------------------------------------------------------
 
-def _round_of(content: RecordDict) -> int:
-    """The server round a message is for (its clients' shared config)."""
-    for cid in records.clients_of(content):
-        config = records.view(content, cid).config_records.get("config")
-        if config is not None and "server-round" in config:
-            return int(config["server-round"])
-    return 0
+def _shared_config(content: RecordDict) -> ConfigRecord:
+    """The round's config a message's clients share (empty when there is none)."""
+    cids = records.clients_of(content)
+    config = records.view(content, cids[0]).config_records.get("config") if cids else None
+    return config if config is not None else ConfigRecord({})
 
 
 def _trained_view(spec: RunSpec, model, cid: int, mine: RecordDict) -> RecordDict:
@@ -207,7 +206,8 @@ def train_clients(spec: RunSpec, msg: Message, context: Context) -> RecordDict:
     if not spec.train_mods:
         replies = train_views(spec, model, views, deadline, size, context)
     else:
-        rnd = _round_of(content)
+        config = _shared_config(content)
+        rnd = int(config.get("server-round", 0))
         contexts, loaded = client_contexts(spec, content, context, rnd - 1)
         msgs = {cid: mods.as_message(_trained_view(spec, model, cid, mine), msg, cid,
                                      node_id(cid)) for cid, mine in views.items()}
@@ -215,9 +215,7 @@ def train_clients(spec: RunSpec, msg: Message, context: Context) -> RecordDict:
             spec.train_mods, msgs, contexts,
             lambda arrived: train_views(spec, model, {c: m.content for c, m in arrived.items()},
                                         deadline, size, context))
-        checkpoint = int(next(iter(views.values())).config_records["config"].get(
-            "checkpoint-round", 0)) if views else 0
-        keep_contexts(spec, contexts, loaded, rnd, checkpoint)
+        keep_contexts(spec, contexts, loaded, rnd, int(config.get("checkpoint-round", 0)))
     del views
     return_freed_memory()
     deadline.wait()
@@ -376,7 +374,7 @@ def evaluate_clients(spec: RunSpec, msg: Message, context: Context) -> RecordDic
     content = msg.content
     if not spec.evaluate_mods:
         return for_each_client(content, lambda cid, mine: evaluate_one(spec, cid, mine, context))
-    rnd = _round_of(content)
+    rnd = int(_shared_config(content).get("server-round", 0))
     contexts, loaded = client_contexts(spec, content, context, rnd)
     out = for_each_client(content, lambda cid, mine: mods.around_one(
         spec.evaluate_mods, mods.as_message(mine, msg, cid, node_id(cid)), contexts[cid],
