@@ -166,3 +166,26 @@ def test_the_largest_rank_adapter_exports_and_loads_in_peft_to_the_runs_accuracy
     _run(tmp_path / "fedsa", ["strategy=fedsa_lora", "rounds=1"], cache_dir)
     with pytest.raises(ConfigError, match="is a FedSA-LoRA run"):
         export_run(tmp_path / "fedsa")
+
+
+@pytest.mark.slow  # four one-round runs, in process
+def test_clients_of_different_ranks_side_by_side_in_bf16_add_no_more_than_bf16s_own_error(
+        tmp_path, cache_dir):
+    """bf16 (a GPU's default, forced on this CPU): grouped against one at a time differs by no
+    more than bf16 against fp32 does (the tolerance of tests/test_grouped_bf16.py)."""
+    from fedadapt.api import load_result
+
+    final = {}
+    for precision in ("bf16", "fp32"):
+        for k in (1, 6):
+            folder = tmp_path / f"{precision}-{k}"
+            _run(folder, ["strategy=hetlora", "rounds=1", f"train.precision={precision}",
+                          f"federation.clients_per_worker={k}"], cache_dir)
+            arrays = load_result(folder).arrays
+            final[precision, k] = {n: arrays[n].numpy().astype(np.float64)
+                                   for n in arrays.keys()}
+
+    def gap(a, b):
+        return max(float(np.abs(final[a][n] - final[b][n]).max()) for n in final[a])
+
+    assert gap(("bf16", 6), ("bf16", 1)) <= 2 * gap(("bf16", 1), ("fp32", 1)) + 1e-4
