@@ -39,7 +39,7 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
     from fedadapt.data.cache import cached_features
     from fedadapt.data.catalogue import load_card
     from fedadapt.data.loading import prepare_dataset
-    from fedadapt.data.partition import format_stats, partition_dataset
+    from fedadapt.data.partition import cached_partition, format_stats
     from fedadapt.data.sources import DataSource, input_source
     from fedadapt.devices import resolve_precision, run_device, setup
     from fedadapt.federation.training import build_run_model
@@ -54,7 +54,7 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
     card = load_card(cfg.dataset.name)
     _check_method_settings(cfg, card)
     prepared = prepare_dataset(cfg.dataset, cfg.cache_dir, cfg.seed)
-    partition = partition_dataset(prepared.load()["train"], cfg.partition, card, cfg.seed)
+    partition = cached_partition(prepared, cfg.partition, card, cfg.seed, cfg.cache_dir)
     if not quiet:
         log(f"[data] {card.name}: {prepared.num_train} train / {prepared.num_test} test samples, "
             f"{prepared.num_classes} classes | {format_stats(partition.stats)}")
