@@ -9,7 +9,10 @@ backbone weights, the same seeded initialisation, hence FFA-LoRA's frozen ``A``)
   ``PeftModel.save_pretrained`` (``adapter_config.json`` + ``adapter_model.safetensors``) for the
   backbone's tuning module (the transformers ``ViTModel`` / ``ASTModel``, CLIP's image tower,
   EfficientNet), so ``peft.PeftModel.from_pretrained(base, DIR)`` loads it; ``--merge`` also
-  writes ``merged/``, the base with the update merged in (``merge_and_unload``).
+  writes ``merged/``, the base with the update merged in (``merge_and_unload``). Under FLoRA
+  and FedEx-LoRA, which fold updates into the frozen weights, ``base/`` is the base with those
+  folded in (``W0 + s * base_delta``; always written), the adapter the global LoRA on top, and
+  ``folded.safetensors`` the updates themselves.
 * ``bitfit``: ``backbone_biases.safetensors``, the trained biases to load over the base.
 * Every other client-trained method: ``model.safetensors``, the global trainable tensors under
   fedadapt's names, which :func:`load_export` puts back into the rebuilt model.
@@ -41,6 +44,9 @@ EXPORT_JSON = "fedadapt_export.json"
 #: A copy of :mod:`fedadapt._compat` written beside a PEFT export where this install needs it
 #: (a CPU torch beside a CUDA torchvision wheel), so the README's snippet needs no fedadapt.
 SHIM = "torchvision_shim.py"
+#: FLoRA's and FedEx-LoRA's folded updates (``X.base_delta``, fedadapt's names), beside a PEFT
+#: adapter whose ``base/`` holds them folded in.
+FOLDED = "folded.safetensors"
 
 
 def read_run(run_dir: Path):
@@ -117,6 +123,13 @@ def export_run(run_dir, out=None, *, merge: bool = False, quiet: bool = True) ->
     tmp.mkdir(parents=True)
     try:
         kind, base_class = _write(model, cfg, tmp, merge)
+        from fedadapt.strategies.lora_het import is_base_delta
+
+        folded = {n: t.contiguous() for n, t in arrays.items() if is_base_delta(n)}
+        if folded:  # FLoRA / FedEx-LoRA: the updates folded into base/'s weights, for fedadapt
+            from safetensors.torch import save_file
+
+            save_file(folded, tmp / FOLDED)
         if prep.spec.class_text is not None:  # CLIP methods: the class prompts' features
             from safetensors.torch import save_file
 
@@ -160,15 +173,35 @@ def _write(model, cfg, out: Path, merge: bool) -> tuple[str, Optional[str]]:
     return "fedadapt", None
 
 
-def _write_base(model, cfg, out: Path) -> Optional[str]:
-    """``base/``: the untuned tuning module, unless its weights came from the hub (then named
-    by their hub id); returns ``"base"`` or None."""
+def _base(model, cfg):
+    """The untuned tuning module, as the run built it, with the frozen weights the global model
+    folded its updates into (FLoRA, FedEx-LoRA: ``W0 + s * base_delta``) where it did."""
     from fedadapt.backbones import build_backbone
 
-    if hub_id(cfg.backbone.weights):
-        return None  # the base loads by its hub id
-    # random or package weights, or a local folder (a cache on this machine): copied beside
     base = build_backbone(cfg.backbone).tuning_module()
+    prefix = model.tuned_prefix + "."
+    with torch.no_grad():
+        for name, layer in _folded_layers(model).items():
+            target = base.get_submodule(name[len(prefix):].rsplit(".", 1)[0])
+            target.weight.copy_(layer.get_base_layer().weight)
+    return base
+
+
+def _folded_layers(model) -> dict:
+    """The model's LoRA layers whose frozen weight holds a folded update (by ``X.base_delta``)."""
+    layers = model.lora_layers() if hasattr(model, "lora_layers") else {}
+    return {n: m for n, m in layers.items() if hasattr(m, "fedadapt_w0")}
+
+
+def _write_base(model, cfg, out: Path) -> Optional[str]:
+    """``base/``: the untuned tuning module (with the global model's folded updates), unless its
+    weights came from the hub as they are (then named by their hub id); returns ``"base"`` or
+    None."""
+    if hub_id(cfg.backbone.weights) and not _folded_layers(model):
+        return None  # the base loads by its hub id
+    # random or package weights, a local folder (a cache on this machine), or folded weights:
+    # copied beside
+    base = _base(model, cfg)
     if hasattr(base, "save_pretrained"):
         base.save_pretrained(out / "base")
     else:
@@ -198,10 +231,8 @@ def _write_peft(model, cfg, out: Path, merge: bool) -> Optional[str]:
 
     from peft import get_peft_model
 
-    from fedadapt.backbones import build_backbone
-
     folder = _write_base(model, cfg, out)
-    base = build_backbone(cfg.backbone).tuning_module()
+    base = _base(model, cfg)
     base_class = type(base).__name__ if type(base).__module__.startswith("transformers.") \
         else None
     config = copy.deepcopy(model.peft_config)
@@ -344,6 +375,8 @@ def load_export(folder) -> torch.nn.Module:
                          logit_scale=float(meta["class_text"]["logit_scale"]))
     model = seeded_model(cfg.method, cfg.seed, backbone, meta["num_classes"],
                          with_backbone=True, class_text=text)
+    if (folder / FOLDED).is_file():  # FLoRA / FedEx-LoRA: the frozen weights' folded updates
+        model.load_tensors(load_file(folder / FOLDED))
     if meta["format"] == "peft":
         from peft import set_peft_model_state_dict
         from peft.utils import load_peft_weights

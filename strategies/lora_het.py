@@ -62,10 +62,12 @@ from fedadapt.config import ConfigError
 __all__ = ["BASE_DELTA", "FLoRA", "FedExLoRA", "FedSALoRA", "FlexLoRA", "HetLoRA",
            "LoRARankStrategy", "base_delta_name", "check_rank", "fedex_aggregate",
            "fedsa_aggregate", "flexlora_aggregate", "flora_stack", "hetlora_aggregate",
+           "is_base_delta",
            "lora_pairs", "normalise", "pad_rank", "self_prune", "sparsity_weights", "svd_split",
            "truncate_rank", "weighted_product_sum"]
 
 LORA_A, LORA_B = "lora_A", "lora_B"
+
 #: Last name component of a layer's folded update (``X.base_delta``).
 BASE_DELTA = "base_delta"
 
@@ -110,8 +112,9 @@ def base_delta_name(a_name: str) -> str:
     return ".".join(parts[:parts.index(LORA_A)] + [BASE_DELTA])
 
 
-def _is_base_delta(name: str) -> bool:
-    return name.split(".")[-1] == BASE_DELTA
+def is_base_delta(name: str) -> bool:
+    """Whether ``name`` is a LoRA layer's folded update (``X.base_delta``)."""
+    return name.rsplit(".", 1)[-1] == BASE_DELTA
 
 
 def check_rank(rank, what: str = "rank") -> int:
@@ -378,7 +381,7 @@ class LoRARankStrategy(PerTensorFedAvg):
         pairs = self.pairs(current.keys())
         lora = set(pairs) | set(pairs.values())
         others = ArrayRecord({n: a for n, a in current.items()
-                              if n not in lora and not _is_base_delta(n)})
+                              if n not in lora and not is_base_delta(n)})
         new: dict[str, Array] = dict(average_by_tensor(others, contents,
                                                        self.weighted_by_key).items())
         weights = [_reply_weight(c, self.weighted_by_key) for c in contents]

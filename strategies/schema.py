@@ -23,6 +23,7 @@ DERIVED = {
     "weighted_by_key": "method.weighting",
     "eta_l": "train.lr",
     "client_learning_rate": "train.lr",
+    "seed": "seed",
     "arrayrecord_key": "fedadapt's message layout ('arrays')",
     "configrecord_key": "fedadapt's message layout ('config')",
     "train_loss_key": "fedadapt's train metric ('train_loss')",

@@ -64,18 +64,16 @@ STRATEGIES: dict[str, type] = {
     "hetlora": lora_het.HetLoRA,
     "flexlora": lora_het.FlexLoRA,
     "fedsa_lora": lora_het.FedSALoRA,
+    "flora": lora_het.FLoRA,
+    "fedex_lora": lora_het.FedExLoRA,
 }
 #: The strategies that aggregate LoRA of different ranks (each layer over the clients that
 #: sent it; they send each client its own rank's slices): they need a LoRA method.
-LORA_RANK = ("hetlora", "flexlora", "fedsa_lora")
+LORA_RANK = ("hetlora", "flexlora", "fedsa_lora", "flora", "fedex_lora")
+#: Of those, the ones that fold an update into the clients' frozen weights (``X.base_delta``).
+LORA_FOLD = ("flora", "fedex_lora")
 #: Flower strategies that are not offered, and why (the strategy reference says so).
 NOT_OFFERED = {
-    "flora": "FLoRA (Wang et al., 2024) folds the stacked update into the clients' frozen "
-             "weights, which fedadapt's clients do not apply yet (its aggregation, tested, is "
-             "strategies/lora_het.py's FLoRA)",
-    "fedex_lora": "FedEx-LoRA (Singhal et al., 2025) folds its residual into the clients' "
-                  "frozen weights, which fedadapt's clients do not apply yet (its aggregation, "
-                  "tested, is strategies/lora_het.py's FedExLoRA)",
     "fedxgbbagging": "FedXgbBagging aggregates XGBoost trees sent as JSON bytes; fedadapt's "
                      "clients train tensors",
     "fedxgbcyclic": "FedXgbCyclic passes one XGBoost model (JSON bytes) from client to client; "
@@ -237,7 +235,7 @@ def sample_size(num_clients: int, fraction: float) -> int:
 def build_strategy(strategy: StrategyConfig, dp: DPConfig, *, num_clients: int,
                    fraction_train: float, fraction_evaluate: float, weighting: str, lr: float,
                    federated: bool = True, mods: Optional[list] = None,
-                   rank_of: Optional[Callable[[int], int]] = None):
+                   rank_of: Optional[Callable[[int], int]] = None, seed: int = 0):
     """The Flower strategy of ``strategy=`` (per-tensor for FedAvg's family), wrapped by
     ``dp=``; :class:`~fedadapt.strategies.fedavg.LocalOnly` for a method that is not
     federated. Flower's own ``ValueError`` on a bad value becomes a :class:`ConfigError`."""
@@ -254,7 +252,7 @@ def build_strategy(strategy: StrategyConfig, dp: DPConfig, *, num_clients: int,
         return LocalOnly(**common)
     cls = strategy_class(strategy)
     wanted = accepted_params(cls)
-    derived = {"eta_l": lr, "client_learning_rate": lr, "rank_of": rank_of}
+    derived = {"eta_l": lr, "client_learning_rate": lr, "rank_of": rank_of, "seed": seed}
     kwargs = {**{k: v for k, v in common.items() if k in wanted},
               **{k: v for k, v in derived.items() if k in wanted}, **keys_of(strategy)}
     if per_tensor_family(strategy) and dp.name == "none":
@@ -370,6 +368,9 @@ def markdown_table() -> str:
     for name, schema in strategy_schemas().items():
         cls = STRATEGIES[name]
         where = ("all (per-tensor mean under its own update)" if name in PER_TENSOR else
+                 "method=lora (plain LoRA for flora and fedex_lora), with or without "
+                 "method.ranks; each layer over the clients that sent it (multitier too); no "
+                 "dp=; see peft.md" if name in LORA_RANK else
                  "where every client sends every tensor; refused in multitier and "
                  "personalization, and for a method whose clients train part of what it sends")
         lines.append(f"| `{name}` | `{cls.__name__}` | {keys(schema)} | {where} |")

@@ -1,7 +1,8 @@
 """LoRA of different ranks across clients (method.ranks) under the heterogeneous-rank
-aggregators (strategy=hetlora|flexlora|fedsa_lora): ranks assigned, only a client's own rank
-travels, clients of different ranks side by side equal one at a time, HetLoRA's self-pruning,
-FedSA-LoRA's B kept on the clients; bad input in one line."""
+aggregators (strategy=hetlora|flexlora|fedsa_lora|flora|fedex_lora): ranks assigned, only a
+client's own rank travels, clients of different ranks side by side equal one at a time,
+HetLoRA's self-pruning, FedSA-LoRA's B kept on the clients, FLoRA's and FedEx-LoRA's updates
+folded into the frozen weights (clients, server, export); bad input in one line."""
 
 from pathlib import Path
 
@@ -69,6 +70,10 @@ def test_ranks_by_share_and_by_tier_and_their_bad_input():
     (["strategy=fedavg"], "method.ranks=[2, 4, 8] needs a strategy that aggregates LoRA"),
     (["strategy=hetlora", "dp=server_fixed", "method.weighting=uniform"],
      "dp=server_fixed is invalid with strategy=hetlora"),
+    (["strategy=flora", "method=dora", "method.ranks=null"],
+     "strategy=flora is invalid for method=dora"),
+    (["strategy=fedex_lora", "method.ranks=null", "method.ffa=true"],
+     "method.ffa=true is invalid with strategy=fedex_lora"),
 ])
 def test_what_cannot_aggregate_ranks_is_refused_in_one_line(overrides, says, tmp_path,
                                                             cache_dir):
@@ -138,30 +143,35 @@ def test_fedsa_lora_keeps_b_on_the_clients(tmp_path, cache_dir):
     assert rows[-1]["client_acc"] is not None
 
 
-@pytest.mark.slow  # a whole run, in process, and the export loaded back by peft
+@pytest.mark.slow  # whole runs, in process, and the exports loaded back by peft
 def test_the_largest_rank_adapter_exports_and_loads_in_peft_to_the_runs_accuracy(tmp_path,
                                                                                   cache_dir):
+    """HetLoRA's global LoRA; FLoRA's on top of base/, the base with its updates folded in
+    (and fedadapt's own load_export, which folds folded.safetensors)."""
     import torch
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import ViTModel
 
     from fedadapt.experiment import prepare_run
-    from fedadapt.export import export_run
+    from fedadapt.export import FOLDED, export_run, load_export
 
-    cfg, summary, _ = _run(tmp_path / "het", ["strategy=hetlora"], cache_dir)
-    out = export_run(tmp_path / "het", tmp_path / "exported")
-    base = ViTModel.from_pretrained(out / "base", add_pooling_layer=False)
-    tuned = PeftModel.from_pretrained(base, str(out)).eval()
-    assert tuned.peft_config["default"].r == 8  # the global LoRA: the largest rank
-    head = load_file(out / "head.safetensors")
-    test = prepare_run(cfg, quiet=True).spec.test_source
-    x, y = test.get(np.arange(len(test.labels())))
-    with torch.no_grad():
-        feats = tuned(pixel_values=x, interpolate_pos_encoding=True).last_hidden_state[:, 0]
-        acc = float((torch.nn.functional.linear(feats, head["weight"], head["bias"])
-                     .argmax(1) == y).float().mean())
-    assert round(acc, 4) == round(summary["final"]["global_acc"], 4)
+    for strategy in ("hetlora", "flora"):
+        cfg, summary, _ = _run(tmp_path / strategy, [f"strategy={strategy}"], cache_dir)
+        out = export_run(tmp_path / strategy, tmp_path / f"exported-{strategy}")
+        assert (out / FOLDED).is_file() == (strategy == "flora")
+        base = ViTModel.from_pretrained(out / "base", add_pooling_layer=False)
+        tuned = PeftModel.from_pretrained(base, str(out)).eval()
+        assert tuned.peft_config["default"].r == 8  # the global LoRA: the largest rank
+        head = load_file(out / "head.safetensors")
+        test = prepare_run(cfg, quiet=True).spec.test_source
+        x, y = test.get(np.arange(len(test.labels())))
+        with torch.no_grad():
+            feats = tuned(pixel_values=x, interpolate_pos_encoding=True).last_hidden_state[:, 0]
+            acc = float((torch.nn.functional.linear(feats, head["weight"], head["bias"])
+                         .argmax(1) == y).float().mean())
+            ours = float((load_export(out)(x).argmax(1) == y).float().mean())
+        assert round(acc, 4) == round(ours, 4) == round(summary["final"]["global_acc"], 4)
 
     _run(tmp_path / "fedsa", ["strategy=fedsa_lora", "rounds=1"], cache_dir)
     with pytest.raises(ConfigError, match="is a FedSA-LoRA run"):
@@ -189,3 +199,83 @@ def test_clients_of_different_ranks_side_by_side_in_bf16_add_no_more_than_bf16s_
         return max(float(np.abs(final[a][n] - final[b][n]).max()) for n in final[a])
 
     assert gap(("bf16", 6), ("bf16", 1)) <= 2 * gap(("bf16", 1), ("fp32", 1)) + 1e-4
+
+
+def _tiny_lora(cache_dir, *overrides):
+    from fedadapt.entry import compose_config, to_run_config
+    from fedadapt.experiment import prepare_run
+
+    return prepare_run(to_run_config(compose_config([*TINY, *overrides,
+                                                     f"cache_dir={cache_dir}"])), quiet=True)
+
+
+def test_a_folded_update_replaces_the_frozen_weight_never_adds_to_it(cache_dir):
+    import torch
+
+    prep = _tiny_lora(cache_dir, "method.alpha=4", "strategy=flora")
+    model = prep.model.eval()
+    layers = model.lora_layers()
+    assert layers and all(n.endswith(".base_delta") for n in layers)
+    name, layer = next(iter(layers.items()))
+    weight = layer.get_base_layer().weight
+    w0 = weight.detach().clone()
+    x, _ = prep.spec.test_source.get(np.arange(4))
+    before = model(x)
+    d1, d2 = torch.randn_like(w0), torch.randn_like(w0)
+    model.fold({name: d1})
+    assert layer.scaling["default"] == 0.5  # alpha / max(ranks) = 4 / 8
+    torch.testing.assert_close(weight, w0 + 0.5 * d1, rtol=0, atol=1e-6)
+    model.load_tensors({name: d2})  # a second round's delta: W0 + s D2, not W0 + s (D1 + D2)
+    torch.testing.assert_close(weight, w0 + 0.5 * d2, rtol=0, atol=1e-6)
+    model.fold({})  # no delta: the pretrained weight again
+    torch.testing.assert_close(weight, w0, rtol=0, atol=0)
+    torch.testing.assert_close(model(x), before, rtol=0, atol=0)
+    with pytest.raises(KeyError, match="no LoRA layer of that name"):
+        model.fold({"backbone.nothing.base_delta": d1})
+
+
+def _client_eval(prep, arrays: dict, cid: int) -> tuple[float, float]:
+    """(loss, accuracy) of the global ``arrays`` (folded as the server folds them) on client
+    ``cid``'s test split."""
+    from fedadapt.methods.rounds.clients import local_accuracy
+
+    prep.model.load_tensors(arrays)
+    return local_accuracy(prep.model, prep.spec, prep.spec.clients[cid].test, None)[:2]
+
+
+@pytest.mark.slow  # three whole runs, in process
+def test_fedex_and_flora_clients_fold_side_by_side_as_one_at_a_time(tmp_path, cache_dir):
+    """FedEx-LoRA with ranks 2/4/8: each rank's clients get their own folded weights (the
+    components they cannot hold folded in), so they train in groups by rank; grouped equals
+    one at a time, and every client evaluates the exact global model (the server's). FLoRA:
+    the clients evaluate the global model folded as the server folds it."""
+    from fedadapt.federation.checkpoint import latest_checkpoint, load_checkpoint
+
+    got: dict = {}
+    _, _, rows = _run(tmp_path / "k6", ["strategy=fedex_lora",
+                                        "federation.clients_per_worker=6"], cache_dir,
+                      on_reply=_replies(got))
+    assert all(r["clients_failed"] == 0 for r in rows)
+    alone: dict = {}
+    _run(tmp_path / "k1", ["strategy=fedex_lora", "federation.clients_per_worker=1"],
+         cache_dir, on_reply=_replies(alone))
+    for cid, arrays in got[2].items():  # round 2: every client trains on folded weights
+        for name, value in arrays.items():
+            np.testing.assert_allclose(value, alone[2][cid][name], atol=1e-5, rtol=0)
+    prep = _tiny_lora(cache_dir, "strategy=fedex_lora")
+    for strategy, run_dir in (("fedex_lora", tmp_path / "k6"),
+                              ("flora", tmp_path / "flora")):
+        if strategy == "flora":
+            _run(run_dir, ["strategy=flora"], cache_dir)
+        arrays, _ = load_checkpoint(latest_checkpoint(run_dir))  # round 2's global model
+        deltas = [t for n, t in arrays.items() if n.endswith(".base_delta")]
+        assert deltas and any(bool(t.any()) for t in deltas)
+        per_client = read_jsonl(run_dir / "clients.jsonl")
+        for row in (r for r in per_client if r["round"] == 2):  # the loss: the finer check
+            loss, acc = _client_eval(prep, arrays, row["client"])
+            assert (row["loss"], row["accuracy"]) == pytest.approx((loss, acc), abs=1e-5), \
+                strategy
+        unfolded = {n: t for n, t in arrays.items() if not n.endswith(".base_delta")}
+        prep.model.fold({})
+        assert any(_client_eval(prep, unfolded, r["client"])[0] != pytest.approx(
+            r["loss"], abs=1e-5) for r in per_client if r["round"] == 2)  # folding matters

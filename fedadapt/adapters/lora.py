@@ -65,6 +65,11 @@ class LoraMethodConfig(TunerConfig):
         super().check()
         if self.rank <= 0:
             raise ConfigError(f"method.rank={self.rank} is invalid: the LoRA rank must be >= 1")
+        if not self.alpha > 0:
+            raise ConfigError(f"method.alpha={self.alpha} is invalid: must be > 0")
+        if not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"method.lora_dropout={self.lora_dropout} is invalid: must be in "
+                              f"[0, 1)")
         if self.share not in ("both", "a"):
             raise ConfigError(f"method.share={self.share!r} is invalid: 'both' (A and B "
                               f"travel) or 'a' (B stays on each client, FedSA-LoRA)")
@@ -90,11 +95,6 @@ class LoraMethodConfig(TunerConfig):
     def global_rank(self) -> int:
         """The rank of the global LoRA (and of the process's model)."""
         return max(self.ranks) if self.ranks else int(self.rank)
-        if not self.alpha > 0:
-            raise ConfigError(f"method.alpha={self.alpha} is invalid: must be > 0")
-        if not 0 <= self.lora_dropout < 1:
-            raise ConfigError(f"method.lora_dropout={self.lora_dropout} is invalid: must be in "
-                              f"[0, 1)")
 
 
 @dataclass

@@ -22,6 +22,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 from torch import nn
 
 from fedadapt.adapters.exits import ExitModel, LayerwiseHeads, mlp
@@ -79,6 +80,58 @@ class Tuned:
             if ".lora_dropout." in name + ".":
                 m.train(mode)
         return self
+
+    # -- folded updates (FLoRA, FedEx-LoRA) -------------------------------------------------
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """:meth:`AdaptedModel.load_tensors`, and each ``X.base_delta`` among ``tensors``
+        folded into the frozen weight of LoRA layer ``X`` (:meth:`fold`)."""
+        from fedadapt.strategies.lora_het import is_base_delta
+
+        deltas = {n: t for n, t in tensors.items() if is_base_delta(n)}
+        if deltas:
+            self.fold(deltas)
+            tensors = {n: t for n, t in tensors.items() if n not in deltas}
+        super().load_tensors(tensors)
+
+    def fold(self, deltas: dict[str, torch.Tensor]) -> None:
+        """Set each LoRA layer's frozen weight to ``W0 + s * D``: ``W0`` its pretrained weight,
+        ``s`` its LoRA scaling, ``D`` = ``deltas["X.base_delta"]`` (``out x in``, or the conv
+        weight's shape) for layer ``X``; a layer without a delta gets ``W0`` back. The weight is
+        replaced, never added to, so a client folds the global ``D`` it receives whatever it
+        folded before (:mod:`fedadapt.strategies.lora_het`: FLoRA, FedEx-LoRA)."""
+        layers = self.lora_layers()
+        unknown = sorted(set(deltas) - set(layers))
+        if unknown:
+            raise KeyError(f"unknown tensor names: {unknown[:5]} (no LoRA layer of that name)")
+        with torch.no_grad():
+            for name, layer in layers.items():
+                weight = layer.get_base_layer().weight
+                if not hasattr(layer, "fedadapt_w0"):
+                    if name not in deltas:
+                        continue  # never folded: the pretrained weight as it is
+                    layer.fedadapt_w0 = weight.detach().clone()
+                w0 = layer.fedadapt_w0
+                if name not in deltas:
+                    weight.copy_(w0)
+                    continue
+                d = deltas[name]
+                if d.numel() != w0.numel():
+                    raise ValueError(f"{name}: {d.numel()} numbers for a weight of shape "
+                                     f"{tuple(w0.shape)}")
+                (scale,) = {float(s) for s in layer.scaling.values()}
+                weight.copy_(w0 + scale * d.reshape(w0.shape).to(w0.device, w0.dtype))
+
+    def lora_layers(self) -> dict[str, nn.Module]:
+        """``{"X.base_delta": peft LoRA layer X}`` of every LoRA layer (the name a folded
+        update of layer ``X`` has)."""
+        if not hasattr(self, "_lora_layers"):
+            from peft.tuners.lora import LoraLayer
+
+            from fedadapt.strategies.lora_het import BASE_DELTA
+
+            self._lora_layers = {f"{n}.{BASE_DELTA}": m for n, m in self.named_modules()
+                                 if isinstance(m, LoraLayer)}
+        return self._lora_layers
 
 
 class TunedModel(Tuned, AdaptedModel):

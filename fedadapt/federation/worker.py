@@ -32,6 +32,7 @@ from fedadapt.federation.grouped import ClientJob, ClientResult, UsedTensors, tr
 from fedadapt.federation.training import RunSpec, cached_model, train_local
 from fedadapt.log import log
 from fedadapt.settings import step_exits
+from fedadapt.strategies.lora_het import is_base_delta
 
 _USED: dict[str, UsedTensors] = {}
 
@@ -138,6 +139,9 @@ def _run_group(spec: RunSpec, model, jobs: list[ClientJob], lr: float, mu: float
     """``jobs`` trained side by side (one: :func:`train_local`) at learning rate ``lr`` and
     FedProx's ``mu``."""
     if len(jobs) > 1:
+        folded = _folded(jobs[0])
+        if folded:  # FLoRA / FedEx-LoRA: the group's frozen weights (one per group: _groups)
+            model.fold(folded)
         return train_group(model, spec.train_source, jobs, train, lr=lr,
                            precision=spec.precision, proximal_mu=mu, used=used_tensors(spec))
     (job,) = jobs
@@ -150,13 +154,20 @@ def _run_group(spec: RunSpec, model, jobs: list[ClientJob], lr: float, mu: float
 
 def _groups(jobs: list[ClientJob], size: int, rates: dict[int, tuple[float, float]]
             ) -> list[tuple[tuple[float, float], list[ClientJob]]]:
-    """Clients with the same exits (a tier) and the same ``(lr, mu)`` train together, ``size``
-    at a time."""
+    """Clients with the same exits (a tier), the same ``(lr, mu)`` and the same folded frozen
+    weights (FLoRA's and FedEx-LoRA's ``base_delta``: the same received tensors) train
+    together, ``size`` at a time."""
     by_key: dict[tuple, list[ClientJob]] = {}
     for job in jobs:
-        by_key.setdefault((tuple(job.exits or ()), rates[job.cid]), []).append(job)
+        folded = tuple(sorted((n, id(t)) for n, t in _folded(job).items()))
+        by_key.setdefault((tuple(job.exits or ()), rates[job.cid], folded), []).append(job)
     return [(key[1], group[i:i + size]) for key, group in by_key.items()
             for i in range(0, len(group), max(1, size))]
+
+
+def _folded(job: ClientJob) -> dict[str, torch.Tensor]:
+    """The update of the frozen weights the client received (``X.base_delta``; none: {})."""
+    return {n: t for n, t in job.tensors.items() if is_base_delta(n)}
 
 
 def train_groups(spec: RunSpec, model, jobs: list[ClientJob], size: int,

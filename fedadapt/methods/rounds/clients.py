@@ -47,6 +47,7 @@ from fedadapt.federation.worker import (
     train_groups,
 )
 from fedadapt.settings import only_training, part_names
+from fedadapt.strategies.lora_het import is_base_delta
 
 #: ``context.state`` key of a deployment client's personal tensors.
 PERSONAL_KEY = "personal"
@@ -114,8 +115,9 @@ def client_tensors(spec: RunSpec, model, cid: int, received: dict[str, torch.Ten
     """Every trainable tensor of the client's model: what it needs from the server, its
     personal ones, and (unused by it) the process model's current values for the rest."""
     needed = sent_names(spec, cid, model)
+    folded = {n: t for n, t in received.items() if is_base_delta(n)}
     missing = sorted(set(needed) - set(received))
-    unknown = sorted(set(received) - set(model.communicated_names()))
+    unknown = sorted(set(received) - set(model.communicated_names()) - set(folded))
     if missing or unknown:
         raise ValueError(f"client {cid}: the server sent tensors {sorted(received)[:4]}..., "
                          f"expected {needed[:4]}... (missing {missing[:3]}, unknown "
@@ -125,6 +127,7 @@ def client_tensors(spec: RunSpec, model, cid: int, received: dict[str, torch.Ten
     given_tensors = {n: received[n] for n in needed}
     out.update(_at_model_rank(model, given_tensors) if spec.client_ranks else given_tensors)
     out.update(load_personal(spec, model, cid, up_to, context))
+    out.update(folded)  # FLoRA's / FedEx-LoRA's update of the frozen weights: the model folds it
     return out
 
 

@@ -233,7 +233,8 @@ def run_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, config_yaml:
         metrics_path.unlink(missing_ok=True)
     # in the model's order (a checkpoint's file has its own): Flower's strategies pair the
     # global arrays with the replies' by position
-    initial = {n: initial[n] for n in model.communicated_names()}
+    initial = {**{n: initial[n] for n in model.communicated_names()}, **folded_updates(
+        cfg, model, initial)}
     if start is not None:
         log(f"[{label}] personalizing the final model of {cfg.setting.init_from}")
     resumed_round = resume_state["round"] if resume_state else 0
@@ -311,6 +312,21 @@ def _round_hook(cfg: RunConfig, run_dir: Path, config_sha: str, tracker, show: l
             state.checkpoint_round = rnd
 
     return on_round
+
+
+def folded_updates(cfg: RunConfig, model, arrays: dict) -> dict:
+    """Under FLoRA and FedEx-LoRA (``strategy=flora|fedex_lora``) the global model also holds
+    each LoRA layer's folded update ``X.base_delta`` (the frozen weight's shape): ``arrays``'
+    own (a checkpoint's), else zero; {} under any other strategy."""
+    from fedadapt.strategies.zoo import LORA_FOLD
+
+    if cfg.strategy.name not in LORA_FOLD:
+        return {}
+    import torch
+
+    return {n: arrays[n] if n in arrays else torch.zeros_like(layer.get_base_layer().weight,
+                                                              device="cpu")
+            for n, layer in model.lora_layers().items()}
 
 
 def _rounds_plan(cfg: RunConfig, prep: PreparedRun, initial, num_rounds: int,
@@ -401,7 +417,7 @@ def make_strategy(cfg: RunConfig, prep: PreparedRun):
                           fraction_train=p.fraction_fit, fraction_evaluate=p.fraction_evaluate,
                           weighting=cfg.method.weighting, lr=cfg.train.lr,
                           federated=prep.model.federated,
-                          rank_of=lambda node: ranks[node - NODE_BASE])
+                          rank_of=lambda node: ranks[node - NODE_BASE], seed=cfg.seed)
 
 
 def check_strategy(cfg: RunConfig, prep: PreparedRun) -> None:
@@ -409,7 +425,13 @@ def check_strategy(cfg: RunConfig, prep: PreparedRun) -> None:
     (before anything is written): refuses a strategy that needs every client to send every
     tensor where some do not, and builds it once (Flower's own checks of its values)."""
     from fedadapt.federation.worker import sent_names
-    from fedadapt.strategies.zoo import LORA_RANK, check_counts, check_every_tensor, sample_size
+    from fedadapt.strategies.zoo import (
+        LORA_FOLD,
+        LORA_RANK,
+        check_counts,
+        check_every_tensor,
+        sample_size,
+    )
 
     spec, model = prep.spec, prep.model
     evaluate_fn(cfg)  # a wrong name fails before anything is written
@@ -418,6 +440,12 @@ def check_strategy(cfg: RunConfig, prep: PreparedRun) -> None:
         raise ConfigError(f"strategy={name} is invalid for method={cfg.method.name}: it "
                           f"aggregates LoRA factors (method=lora, with method.ranks for "
                           f"clients of different ranks)")
+    if name in LORA_RANK and getattr(cfg.method, "ffa", False):
+        raise ConfigError(f"method.ffa=true is invalid with strategy={name}: it aggregates A "
+                          f"and B (FFA-LoRA's A is frozen and never sent)")
+    if name in LORA_FOLD and cfg.method.name != "lora":
+        raise ConfigError(f"strategy={name} is invalid for method={cfg.method.name}: it folds "
+                          f"an update into the frozen weights of plain LoRA (method=lora)")
     if ranks and len(set(ranks)) > 1 and name not in LORA_RANK:
         raise ConfigError(f"method.ranks={list(ranks)} needs a strategy that aggregates LoRA of "
                           f"different ranks: strategy={' | '.join(LORA_RANK)} (not {name})")
