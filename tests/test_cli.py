@@ -1,7 +1,7 @@
 """The console scripts: config errors name the key and leave nothing behind; a -m sweep writes
-one run directory per value; fedadapt-report aggregates them; fedadapt-inspect counts."""
+one run directory per value (tests/test_sweep_resume.py, with fedadapt-report's aggregation);
+fedadapt-inspect counts."""
 
-import csv
 import json
 import os
 import subprocess
@@ -57,23 +57,6 @@ def test_bad_input_fails_fast_naming_the_key(override, needle, tmp_path, cache_d
     assert "Traceback" not in out.stderr
     assert needle in out.stderr.strip().splitlines()[-1]  # one line says it
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*"))
-
-
-@pytest.mark.slow
-def test_sweep_writes_one_run_dir_per_value_and_report_aggregates(tmp_path, cache_dir):
-    out = run(["-m", "method=linear_head", "partition.alpha=0.1,1000", *TINY], tmp_path,
-              cache_dir)
-    assert out.returncode == 0, out.stderr[-3000:]
-    summaries = sorted((tmp_path / "out").rglob("summary.json"))
-    assert len(summaries) == 2
-    alphas = sorted(json.loads(p.read_text())["partition"]["alpha"] for p in summaries)
-    assert alphas == [0.1, 1000.0]
-    rep = subprocess.run([sys.executable, "-m", "fedadapt.results.report", str(tmp_path / "out")],
-                         capture_output=True, text=True, timeout=60)
-    assert rep.returncode == 0, rep.stderr
-    rows = list(csv.DictReader(open(tmp_path / "out" / "report.csv")))
-    assert sorted(float(r["partition.alpha"]) for r in rows) == [0.1, 1000.0]
-    assert all(r["seeds"] == "1" and 0 <= float(r["final global acc mean"]) <= 100 for r in rows)
 
 
 @pytest.mark.slow

@@ -3,6 +3,8 @@ through a shell as the stop line prints it, finishes the point that was running 
 checkpoint and runs the point never started, to the metrics of its points run straight through.
 The command lines (quoting, the replayed sweep) are checked without a run below."""
 
+import csv
+import json
 import os
 import shlex
 import signal
@@ -12,36 +14,28 @@ from pathlib import Path
 
 import pytest
 from test_interrupt import started, stop
-from test_resume import ROUNDS, TINY, fedadapt, metrics
+from test_resume import ROUNDS, TINY, fedadapt, metrics, same, straight_through
 
 from fedadapt.cli import hydra_value, quote_resume, sweep_resume_argv
 
 
-def straight_through(point: Path, run_dir: Path) -> list[dict]:
-    """The metrics of ``point``'s job (its ``job.json``) run straight through, in this process
-    (the same rounds as through Ray; the in-process run records Flower's strategy metrics
-    besides, which the comparison leaves out)."""
-    from omegaconf import OmegaConf
-
+def point_straight_through(point: Path, run_dir: Path) -> list[dict]:
+    """The metrics of ``point``'s job (its ``job.json``) run straight through, in this
+    process (:func:`test_resume.straight_through`)."""
     from fedadapt.cli import read_job
-    from fedadapt.entry import compose_config, to_run_config
-    from fedadapt.experiment import run_experiment
-    from fedadapt.federation.inprocess import in_process
 
-    composed = compose_config(read_job(point / "job.json", str(point)),
-                              default_experiment="quickstart")
-    run_experiment(to_run_config(composed), run_dir, execute=in_process("workers"),
-                   config_yaml=OmegaConf.to_yaml(composed, resolve=True))
-    return metrics(run_dir)
+    return straight_through(read_job(point / "job.json", str(point)), run_dir)
 
 
 @pytest.mark.slow
 def test_a_stopped_sweep_resumes_pasted_to_the_same_metrics(tmp_path, cache_dir):
-    """Two points (seeds 0 and 1): SIGTERM while point 0 runs; point 1 never started."""
+    """Two points (partition.alpha 0.1 and 1000): SIGTERM while point 0 runs; point 1 never
+    started. Once resumed, the sweep holds one run directory per value, and fedadapt-report
+    aggregates them by the swept key."""
     bin_dir = Path(sys.executable).parent  # where the `fedadapt` console script is
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "FEDADAPT_CACHE": cache_dir,
            "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
-    sweep_args = ["-m", "method=linear_head", "seed=0,1", *TINY]
+    sweep_args = ["-m", "method=linear_head", "partition.alpha=0.1,1000", *TINY]
     victim = fedadapt(sweep_args + [f"output_dir={tmp_path}/stopped"], env)
     point = started(tmp_path / "stopped", 5, victim)
     rc, err = stop(victim, signal.SIGTERM, group=False)
@@ -61,9 +55,19 @@ def test_a_stopped_sweep_resumes_pasted_to_the_same_metrics(tmp_path, cache_dir)
     assert [p.name.split("_")[0] for p in points] == ["0", "1"]
     for folder in points:  # each point against its config run straight through
         got = metrics(folder)
-        ref = straight_through(folder, tmp_path / "ref" / folder.name[:1])
-        assert got == [{k: r[k] for k in row} for row, r in zip(got, ref)], folder.name
-        assert len(got) == len(ref) == ROUNDS
+        assert same(got, point_straight_through(folder, tmp_path / "ref" / folder.name[:1])), \
+            folder.name
+        assert len(got) == ROUNDS
+
+    alphas = sorted(json.loads((p / "summary.json").read_text())["partition"]["alpha"]
+                    for p in points)
+    assert alphas == [0.1, 1000.0]
+    rep = subprocess.run([sys.executable, "-m", "fedadapt.results.report", str(sweep)],
+                         capture_output=True, text=True, timeout=60)
+    assert rep.returncode == 0, rep.stderr
+    rows = list(csv.DictReader(open(sweep / "report.csv")))
+    assert sorted(float(r["partition.alpha"]) for r in rows) == [0.1, 1000.0]
+    assert all(r["seeds"] == "1" and 0 <= float(r["final global acc mean"]) <= 100 for r in rows)
 
     # a point's folder holds "=" and ",": its resume command works pasted as printed too
     again = subprocess.run(["bash", "-c", f"fedadapt resume={shlex.quote(str(point))}"],
