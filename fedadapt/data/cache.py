@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -43,20 +44,25 @@ def feature_key(backbone, prepared: PreparedDataset, split: str, preprocess: Pre
 
 @torch.no_grad()
 def extract_features(backbone, source, *, batch_size: int = 256, device: str = "cpu",
-                     precision: str = "fp32", label: str = "") -> np.ndarray:
-    """Run ``backbone`` over every image of ``source`` (a :class:`DataSource` of images)."""
+                     precision: str = "fp32", label: str = "",
+                     indices: Optional[np.ndarray] = None) -> np.ndarray:
+    """Run ``backbone`` over the images ``indices`` of ``source`` (a :class:`DataSource` of
+    images; default every image): row i of the result is image ``indices[i]``'s feature."""
     from fedadapt.devices import autocast
 
     backbone = backbone.to(device).eval()
-    n = len(source.labels())
+    if indices is None:
+        indices = np.arange(len(source.labels()))
+    n = len(indices)
     out = np.empty((n, backbone.embed_dim), dtype=np.float32)
-    batches = [np.arange(s, min(n, s + batch_size)) for s in range(0, n, batch_size)]
+    starts = range(0, n, batch_size)
+    batches = [indices[s:s + batch_size] for s in starts]
     with progress.task(f"features {label}", total=n, unit="images") as bar:
-        for idx, (x, _) in zip(batches, source.stream(batches, device)):
+        for s, (x, _) in zip(starts, source.stream(batches, device)):
             with autocast(device, precision):
                 feats = backbone(x)
-            out[idx[0]:idx[-1] + 1] = feats.float().cpu().numpy()
-            bar.advance(len(idx))
+            out[s:s + len(feats)] = feats.float().cpu().numpy()
+            bar.advance(len(feats))
     return out
 
 
@@ -74,8 +80,33 @@ def cached_features(backbone, source, cache_dir: str, *, device: str = "cpu",
     folder = Path(cache_dir).expanduser() / "features"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{prepared.name}-{split}-{key}.npy"
-    if not valid_or_removed(path):
+    if valid_or_removed(path):
+        return str(path)
+    label = f"{prepared.name}/{split}"
+    origin = prepared.source_rows(split)
+    if origin is None:
+        save_npy(path, extract_features(backbone, source, device=device, precision=precision,
+                                        label=label))
+        return str(path)
+    # the source's rows through this backbone, shared by every prepared copy of the source
+    # (another seed, another subsample): only the rows none of them held are run
+    from fedadapt.data.rows import RowCache, gathered_file, row_cache_key
+
+    base, rows = origin
+    key = row_cache_key(backbone=backbone_fingerprint(backbone), source=prepared.source_key,
+                        split=base, preprocess=repr(source.preprocess),
+                        precision=compute_precision(device, precision))
+    cache = RowCache(folder / f"{prepared.name}-rows-{base}-{key}")
+    at = cache.missing(rows)  # the split's images whose source rows nobody ran
+    if len(at):
         feats = extract_features(backbone, source, device=device, precision=precision,
-                                 label=f"{prepared.name}/{split}")
-        save_npy(path, feats)
+                                 label=label, indices=at)
+
+        def write(tmp: Path) -> None:
+            with open(tmp, "wb") as fh:
+                np.save(fh, feats)
+
+        cache.add(rows[at], write)
+    gathered_file(path, (len(rows), backbone.embed_dim), np.float32, cache, rows,
+                  f"features {label}")
     return str(path)

@@ -33,7 +33,10 @@ from fedadapt.data.hub import load_hub
 from fedadapt.data.integrity import CacheIntegrityError
 
 # Bump when the preparation below changes, so stale prepared copies are not reused.
-_PREP_VERSION = 1
+_PREP_VERSION = 2
+#: The column (while preparing) and the files (``<SOURCE_ROWS>-<split>.npy`` in the copy) of
+#: each row's row in the source.
+SOURCE_ROWS = "__source_row__"
 
 
 @dataclass(frozen=True)
@@ -48,10 +51,25 @@ class PreparedDataset:
     num_train: int
     num_test: int
     columns: tuple[str, ...]
+    #: The key of the copy's source (card and path, not the seed: :func:`source_key`); None for
+    #: a copy that records no source rows.
+    source_key: Optional[str] = None
+    #: ``((split, source split), ...)``: which split of the source each split's rows come from.
+    source_splits: tuple[tuple[str, str], ...] = ()
 
     def load(self):
         """The ``DatasetDict``, memory-mapped from disk (cached per process)."""
         return open_prepared(self.path)
+
+    def source_rows(self, split: str) -> Optional[tuple[str, np.ndarray]]:
+        """``(source split, rows)``: the row of the source each row of ``split`` came from
+        (:mod:`fedadapt.data.rows` shares decoded images and features by them); None when not
+        recorded."""
+        base = dict(self.source_splits).get(split)
+        path = Path(self.path) / f"{SOURCE_ROWS}-{split}.npy"
+        if self.source_key is None or base is None or not path.is_file():
+            return None
+        return base, np.load(path)
 
 
 _OPEN: dict[str, object] = {}
@@ -384,8 +402,11 @@ def load_derived_domains(card: DatasetCard, per_domain: Optional[int] = None):
 
 
 # -- standardisation --------------------------------------------------------------------------
-def standardise(raw, card: DatasetCard, cfg: DatasetConfig, seed: int):
-    """Rename columns to the standard names, ensure ClassLabel, train/test splits."""
+def standardise(raw, card: DatasetCard, cfg: DatasetConfig, seed: int,
+                number_rows: Optional[dict] = None):
+    """Rename columns to the standard names, ensure ClassLabel, train/test splits. With
+    ``number_rows`` (a dict, filled with ``{split: source split}``), the train and test rows
+    carry their row in the source in the column :data:`SOURCE_ROWS`."""
     from datasets import ClassLabel, DatasetDict
 
     train_name = card.splits.get("train") or "train"
@@ -412,6 +433,10 @@ def standardise(raw, card: DatasetCard, cfg: DatasetConfig, seed: int):
         out[std_split] = ds
     if card.test_split_clients and "test" in out:  # the test split's users: unseen clients
         out = _test_users_into_train(out)
+    if number_rows is not None:  # each row's row in the source, before the seeded draws below
+        origin = {name: name for name in out}
+        out = {name: ds.add_column(SOURCE_ROWS, np.arange(len(ds), dtype=np.int64))
+               for name, ds in out.items()}
     if "test" not in out and cfg.test_fraction == 0:  # no global test set: an empty split
         out["test"] = out["train"].select([])
     elif "test" not in out:
@@ -420,6 +445,8 @@ def standardise(raw, card: DatasetCard, cfg: DatasetConfig, seed: int):
         out = {"train": parts["train"], "test": parts["test"]}
     if cfg.max_samples is not None and cfg.max_samples < len(out["train"]):
         out["train"] = out["train"].shuffle(seed=seed).select(range(cfg.max_samples))
+    if number_rows is not None:  # a test split drawn from the training data: its train rows
+        number_rows.update({name: origin.get(name, "train") for name in ("train", "test")})
     for name in card.keep_splits:  # carried as they are (e.g. background noise recordings)
         if name not in raw:
             raise ConfigError(f"dataset={card.name}: source has no split {name!r} "
@@ -469,18 +496,26 @@ def _build_prepared(card: DatasetCard, cfg: DatasetConfig, seed: int, key: str,
     SHA-256 of every file), then rename it to ``folder``."""
     from fedadapt.data.integrity import seal_folder
 
-    dsd = standardise(load_source(card, cfg.path), card, cfg, seed)
+    origin: dict = {}
+    dsd = standardise(load_source(card, cfg.path), card, cfg, seed, number_rows=origin)
+    rows = {name: np.asarray(dsd[name].with_format("arrow")[SOURCE_ROWS].to_pylist(),
+                             dtype=np.int64) for name in origin}
+    for name in origin:
+        dsd[name] = dsd[name].remove_columns(SOURCE_ROWS)
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         # An empty split (dataset.test_fraction=0) needs num_shards: datasets' size estimate
         # divides by its length.
         dsd.save_to_disk(str(tmp), num_shards={k: 1 for k, d in dsd.items() if len(d) == 0})
+        for name, r in rows.items():
+            np.save(tmp / f"{SOURCE_ROWS}-{name}.npy", r)
         names = dsd["train"].features["label"].names
         meta = {"fingerprint": f"{card.name}-{key}-{dsd['train']._fingerprint}",
                 "num_classes": len(names), "class_names": names,
                 "num_train": len(dsd["train"]), "num_test": len(dsd["test"]),
-                "columns": dsd["train"].column_names}
+                "columns": dsd["train"].column_names,
+                "source_key": source_key(card, cfg), "source_splits": origin}
         (tmp / "fedadapt_meta.json").write_text(json.dumps(meta))
         seal_folder(tmp)
         os.replace(tmp, folder)
@@ -503,6 +538,14 @@ def _card_key(card: DatasetCard) -> dict:
              if getattr(card, k) == (fields[k].default_factory() if fields[k].default_factory
                                      is not dataclasses.MISSING else fields[k].default)}
     return {k: v for k, v in card.__dict__.items() if k not in unset}
+
+
+def source_key(card: DatasetCard, cfg: DatasetConfig) -> str:
+    """The key of a data set's standardised source: its card and path, not the seeded draws
+    (test split, subsample) a prepared copy makes of it."""
+    return hashlib.sha256(json.dumps(
+        {"v": _PREP_VERSION, "card": _card_key(card), "path": cfg.path},
+        sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def prepare_dataset(cfg: DatasetConfig, cache_dir: str, seed: int) -> PreparedDataset:
@@ -530,4 +573,6 @@ def prepare_dataset(cfg: DatasetConfig, cache_dir: str, seed: int) -> PreparedDa
     return PreparedDataset(name=card.name, path=str(folder), fingerprint=meta["fingerprint"],
                            num_classes=meta["num_classes"],
                            class_names=tuple(meta["class_names"]), num_train=meta["num_train"],
-                           num_test=meta["num_test"], columns=tuple(meta["columns"]))
+                           num_test=meta["num_test"], columns=tuple(meta["columns"]),
+                           source_key=meta.get("source_key"),
+                           source_splits=tuple(sorted((meta.get("source_splits") or {}).items())))

@@ -92,30 +92,56 @@ def image_store(prepared: PreparedDataset, split: str, geo: Geometry, cache_dir:
     n = prepared.num_train if split == "train" else prepared.num_test
     shape = (n, geo.height, geo.width, geo.channels)
     if not valid_or_removed(path):
-        _build(prepared, split, geo, path, shape, workers)
+        if workers is None:  # decoding big JPEGs is worth processes; 32x32 PNGs are not
+            workers = 1 if geo.native else min(16, os.cpu_count() or 1)
+        source = prepared.source_rows(split)
+        if source is None:
+            _build(prepared, split, geo, path, shape, workers, np.arange(shape[0]))
+        else:
+            _gather(prepared, split, geo, path, shape, workers, *source, folder)
     return ImageStore(path=str(path), shape=shape)
 
 
+def _gather(prepared: PreparedDataset, split: str, geo: Geometry, path: Path, shape: tuple,
+            workers: int, base: str, rows: np.ndarray, folder: Path) -> None:
+    """The store of a split gathered from the decoded rows of its source
+    (:class:`~fedadapt.data.rows.RowCache`), decoding only the rows no other prepared copy of
+    that source (another seed, another subsample) decoded before."""
+    from fedadapt.data.rows import RowCache, gathered_file, row_cache_key
+
+    key = row_cache_key(v=_VERSION, source=prepared.source_key, split=base,
+                        geometry=geo.__dict__)
+    cache = RowCache(folder / f"{prepared.name}-rows-{base}-{key}")
+    at = cache.missing(rows)  # the split's images whose source rows nobody decoded
+    if len(at):
+        cache.add(rows[at], lambda tmp: _build(prepared, split, geo, tmp,
+                                               (len(at), *shape[1:]), workers, at, seal=False,
+                                               into=cache.folder.name))
+    gathered_file(path, shape, np.uint8, cache, rows, f"images {prepared.name}/{split}")
+
+
 def _build(prepared: PreparedDataset, split: str, geo: Geometry, path: Path, shape: tuple,
-           workers: Optional[int]) -> None:
-    if workers is None:  # decoding big JPEGs is worth processes; 32x32 PNGs are not
-        workers = 1 if geo.native else min(16, os.cpu_count() or 1)
+           workers: int, indices: np.ndarray, *, seal: bool = True,
+           into: Optional[str] = None) -> None:
+    """Decode rows ``indices`` of the split into the ``.npy`` ``path`` (row i: image
+    ``indices[i]``; ``into``: what the log calls it)."""
     label = f"{prepared.name}/{split}"
-    log(f"[images] decoding {shape[0]} images of {label} once into {path.name} "
+    log(f"[images] decoding {shape[0]} images of {label} once into {into or path.name} "
         f"({'native' if geo.native else geo.height} px, {workers} process(es))")
-    build_sealed(path, shape, np.uint8, _decode_chunk, (prepared.path, split, geo),
-                 workers=workers, label=f"images {label}", unit="images")
+    build_sealed(path, shape, np.uint8, _decode_chunk, (prepared.path, split, geo, indices),
+                 workers=workers, label=f"images {label}", unit="images", seal=seal)
 
 
 def build_sealed(path: Path, shape: tuple, dtype, fill: Callable[[tuple], int], args: tuple,
-                 *, workers: int, label: str, unit: str) -> None:
+                 *, workers: int, label: str, unit: str, seal: bool = True) -> None:
     """Write the ``.npy`` ``path`` of ``shape`` and ``dtype`` once: under a temporary name,
     chunk by chunk (``fill((tmp_path, *args, a, b))`` writes rows ``[a, b)`` through its own
     mapping and returns how many; in ``workers`` processes when > 1), then sealed with its
-    SHA-256 and renamed (:func:`fedadapt.data.integrity.seal_and_rename`)."""
+    SHA-256 and renamed (:func:`fedadapt.data.integrity.seal_and_rename`); ``seal=False``:
+    written at ``path`` itself, which the caller seals."""
     from fedadapt.data.integrity import seal_and_rename
 
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp") if seal else path
     out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=shape)
     del out  # workers (or the loop below) write through their own mappings
     jobs = [(str(tmp), *args, a, min(shape[0], a + DECODE_CHUNK))
@@ -129,31 +155,35 @@ def build_sealed(path: Path, shape: tuple, dtype, fill: Callable[[tuple], int], 
             else:
                 for job in jobs:
                     bar.advance(fill(job))
-        seal_and_rename(tmp, path)
+        if seal:
+            seal_and_rename(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
 
 
 def _decode_chunk(args) -> int:
-    """Decode rows ``[a, b)`` of a split into the memory-mapped file (runs in a worker)."""
+    """Decode images ``indices[a:b]`` of a split into rows ``[a, b)`` of the memory-mapped
+    file (runs in a worker)."""
     from fedadapt.data.loading import open_prepared
 
-    out_path, data_path, split, geo, a, b = args
+    out_path, data_path, split, geo, indices, a, b = args
     out = np.load(out_path, mmap_mode="r+")
     rows = open_prepared(data_path)[split]
+    which = [int(i) for i in indices[a:b]]
+    contiguous = which == list(range(which[0], which[0] + len(which)))
     try:  # datasets decodes (PIL's load()) the whole slice here
-        images = rows[a:b]["image"]
+        images = (rows[which[0]:which[-1] + 1] if contiguous else rows.select(which))["image"]
     except (OSError, ValueError):  # one of them is broken: find it, one at a time below
         images = None
-    for i in range(b - a):
+    for i, index in enumerate(which):
         try:
-            im = images[i] if images is not None else rows[a + i]["image"]
-            out[a + i] = decode(im, geo, a + i)
+            im = images[i] if images is not None else rows[index]["image"]
+            out[a + i] = decode(im, geo, index)
         except ConfigError as err:  # another size than the card's
-            raise ConfigError(f"{source_file(data_path, split, a + i)} {err}") from err
+            raise ConfigError(f"{source_file(data_path, split, index)} {err}") from err
         except (OSError, ValueError) as err:  # PIL: a truncated or garbled file
-            raise ConfigError(f"{source_file(data_path, split, a + i)} cannot be decoded: "
+            raise ConfigError(f"{source_file(data_path, split, index)} cannot be decoded: "
                               f"{err}") from err
     out.flush()
     return b - a
