@@ -219,6 +219,10 @@ class SettingConfig:
     #: multitier / personalization: the exits (0-based blocks) the tiers use, assigned to the
     #: clients in a balanced, seeded way; None = every exit of the backbone.
     tiers: Optional[list[int]] = None
+    #: multitier: ``balanced`` (the paper's: tiers in equal seeded shares) or ``fleet`` (each
+    #: client the deepest of the tiers its device trains within ``federation.round_timeout``
+    #: simulated seconds; needs a ``fleet=``).
+    tiers_from: str = "balanced"
     #: personalization: ``trainable`` (everything the method trains), ``full`` (also the
     #: backbone), ``adapters`` (the parallel adapters only), ``accumulator`` (the Accumulator
     #: and its head), ``client_token`` or ``tuner`` (a PEFT method's tensors in the backbone:
@@ -353,6 +357,42 @@ class FaultConfig:
 
 
 @dataclass
+class FleetConfig:
+    """Simulated devices (``fleet=`` group; :mod:`fedadapt.federation.fleet`): each client gets
+    a seeded profile (compute, downlink, uplink) and an availability, and each round runs on a
+    simulated clock: a client's time is its training FLOPs / its FLOP/s plus the bytes it
+    receives / its downlink and sends / its uplink; ``federation.round_timeout`` is then the
+    round's deadline in simulated seconds. ``none`` (the default) changes nothing."""
+
+    #: ``none``, ``tiers`` (``compute[i]`` for a seeded share ``fractions[i]`` of the clients),
+    #: ``lognormal`` (compute and bandwidths drawn log-normally around their medians) or
+    #: ``trace`` (as ``tiers``, availability read from the CSV ``trace``).
+    name: str = "none"
+    #: tiers / trace: each tier's compute in FLOP/s, slowest first.
+    compute: list[float] = field(default_factory=lambda: [1e9, 3e9, 1e10])
+    #: tiers / trace: the share of clients in each tier; null: equal shares.
+    fractions: Optional[list[float]] = None
+    #: lognormal: the median compute (FLOP/s) and the sigma of its log.
+    compute_median: float = 3e9
+    compute_sigma: float = 0.8
+    #: Downlink and uplink in bytes/s (lognormal: the medians).
+    downlink: float = 2.5e6
+    uplink: float = 1.25e6
+    #: lognormal: the sigma of the bandwidths' log (0: every client the medians).
+    bandwidth_sigma: float = 0.5
+    #: Availability: a two-state on/off process per client with these mean durations in
+    #: simulated seconds (exponential); null: always available (``trace``: from the CSV).
+    mean_on: Optional[float] = None
+    mean_off: Optional[float] = None
+    #: trace: a CSV with a header ``client,start,end``: the simulated seconds each client is
+    #: available (one row per interval; a client without a row is never available).
+    trace: Optional[str] = None
+    #: Over-selection: keep only the first N clients to arrive (the others are discarded, as
+    #: FedScale's over-commitment); null: every client that arrives in time.
+    keep_first: Optional[int] = None
+
+
+@dataclass
 class TrackingConfig:
     """Experiment tracking, fed by the per-round hook (optional extra ``fedadapt[tracking]``;
     see :mod:`fedadapt.tracking`). Both off by default; both work offline."""
@@ -417,6 +457,8 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     federation: FederationConfig = field(default_factory=FederationConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
+    #: Simulated devices and a simulated clock (``fleet=`` group).
+    fleet: FleetConfig = field(default_factory=FleetConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     #: What the ``fedadapt`` task function returns to a Hydra sweeper that searches
     #: (``hydra/sweeper=optuna``, preset ``search=lr``): ``val_acc``, the clients' mean accuracy
@@ -493,6 +535,12 @@ def validate(cfg: RunConfig) -> RunConfig:
     _validate_federation(cfg.federation, cfg.method)
     _validate_original(cfg.original)
     _validate_faults(cfg.faults, cfg.federation)
+    _validate_fleet(cfg.fleet, cfg.partition)
+    check(cfg.setting.tiers_from != "fleet" or (cfg.fleet.name != "none"
+                                               and cfg.federation.round_timeout is not None),
+          "setting.tiers_from", cfg.setting.tiers_from,
+          "'fleet' needs a fleet (fleet=tiers|lognormal|trace) and its deadline "
+          "(federation.round_timeout, in simulated seconds)")
     check(cfg.backbone.image_size >= 8, "backbone.image_size", cfg.backbone.image_size,
           "must be >= 8")
     _check_domains(cfg)
@@ -559,6 +607,10 @@ def _validate_setting(st: SettingConfig, p: PartitionConfig) -> None:
                and p.val_fraction == 0), "setting.personal_split", st.personal_split,
           "'val' fine-tunes on the clients' validation split: it needs partition.val_fraction "
           "> 0")
+    check(st.tiers_from in ("balanced", "fleet"), "setting.tiers_from", st.tiers_from,
+          "'balanced' or 'fleet'")
+    check(st.tiers_from == "balanced" or st.name == "multitier", "setting.tiers_from",
+          st.tiers_from, "'fleet' assigns the tiers of setting=multitier")
     check(len(st.corruptions) > 0, "setting.corruptions", st.corruptions, "must not be empty")
     check(len(st.severities) > 0 and all(0 <= s <= 5 for s in st.severities),
            "setting.severities", st.severities, "a non-empty list of severities in 0..5")
@@ -636,6 +688,42 @@ def _validate_faults(fl: FaultConfig, f: FederationConfig) -> None:
     check(not (fl.fraction > 0 and "straggler" in fl.kinds and not fl.delay_s),
            "faults.delay_s", fl.delay_s,
            "a 'straggler' fault needs faults.delay_s > 0 (how many seconds late it replies)")
+
+
+FLEETS = ("none", "tiers", "lognormal", "trace")
+
+
+def _validate_fleet(fl: FleetConfig, p: PartitionConfig) -> None:
+    check(fl.name in FLEETS, "fleet.name", fl.name, f"one of {FLEETS}")
+    if fl.name == "none":
+        return
+    for key in ("compute_median", "downlink", "uplink"):
+        value = getattr(fl, key)
+        check(math.isfinite(value) and value > 0, f"fleet.{key}", value,
+              "must be > 0 (a speed can be neither 0 nor negative)")
+    for key in ("compute_sigma", "bandwidth_sigma"):
+        value = getattr(fl, key)
+        check(math.isfinite(value) and value >= 0, f"fleet.{key}", value, "must be >= 0")
+    check(bool(fl.compute) and all(math.isfinite(c) and c > 0 for c in fl.compute),
+          "fleet.compute", list(fl.compute),
+          "each tier's FLOP/s must be > 0 (a speed can be neither 0 nor negative)")
+    if fl.fractions is not None:
+        fr = list(fl.fractions)
+        check(len(fr) == len(fl.compute) and all(f >= 0 for f in fr) and abs(sum(fr) - 1) < 1e-6,
+              "fleet.fractions", fr, "one share >= 0 per entry of fleet.compute, summing to 1")
+    check((fl.mean_on is None) == (fl.mean_off is None), "fleet.mean_on", fl.mean_on,
+          "set fleet.mean_on and fleet.mean_off together (null both: always available)")
+    for key in ("mean_on", "mean_off"):
+        value = getattr(fl, key)
+        check(value is None or (math.isfinite(value) and value > 0), f"fleet.{key}", value,
+              "must be > 0 simulated seconds, or null")
+    check((fl.name == "trace") == (fl.trace is not None), "fleet.trace", fl.trace,
+          "fleet=trace reads its availability from fleet.trace (a CSV client,start,end); the "
+          "other fleets take none")
+    check(fl.name != "trace" or fl.mean_on is None, "fleet.mean_on", fl.mean_on,
+          "fleet=trace reads availability from its CSV: leave fleet.mean_on null")
+    check(fl.keep_first is None or fl.keep_first >= 1, "fleet.keep_first", fl.keep_first,
+          "must be >= 1 or null")
 
 
 #: Seeds feed numpy's SeedSequence and torch.manual_seed, which take unsigned 64-bit values.

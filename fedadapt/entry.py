@@ -30,6 +30,7 @@ def register_configs() -> None:
     from fedadapt.config import (
         BackboneConfig,
         DatasetConfig,
+        FleetConfig,
         PartitionConfig,
         SettingConfig,
         StrategyCustomConfig,
@@ -43,6 +44,7 @@ def register_configs() -> None:
     cs.store(group=SCHEMA_GROUP, name="backbone", node=BackboneConfig)
     cs.store(group=SCHEMA_GROUP, name="partition", node=PartitionConfig)
     cs.store(group=SCHEMA_GROUP, name="setting", node=SettingConfig)
+    cs.store(group=SCHEMA_GROUP, name="fleet", node=FleetConfig)
     for name, spec in load_methods().items():
         cs.store(group=f"{SCHEMA_GROUP}/method", name=name, node=spec.config_cls)
     for name, schema in strategy_schemas().items():

@@ -31,6 +31,8 @@ class PreparedRun:
     #: How a simulation's clients were laid out (:func:`node_layout`): workers, clients side by
     #: side per worker and why; recorded in the summary.
     layout: Optional[dict] = None
+    #: Simulated devices (``fleet=``; :class:`fedadapt.federation.fleet.Fleet`), None without.
+    fleet: Optional[object] = None
 
 
 def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:

@@ -235,16 +235,20 @@ def sample_size(num_clients: int, fraction: float) -> int:
 def build_strategy(strategy: StrategyConfig, dp: DPConfig, *, num_clients: int,
                    fraction_train: float, fraction_evaluate: float, weighting: str, lr: float,
                    federated: bool = True, mods: Optional[list] = None,
-                   rank_of: Optional[Callable[[int], int]] = None, seed: int = 0):
+                   rank_of: Optional[Callable[[int], int]] = None, seed: int = 0,
+                   sample_available: bool = False):
     """The Flower strategy of ``strategy=`` (per-tensor for FedAvg's family), wrapped by
     ``dp=``; :class:`~fedadapt.strategies.fedavg.LocalOnly` for a method that is not
     federated. Flower's own ``ValueError`` on a bad value becomes a :class:`ConfigError`."""
     from fedadapt.strategies.fedavg import LocalOnly, aggregate_client_metrics, per_tensor
 
     train_n = sample_size(num_clients, fraction_train)
+    # a simulated fleet (sample_available): the strategy samples fraction_train of the clients
+    # available at the round's start, at least one, however few they are
     common = dict(fraction_train=fraction_train, fraction_evaluate=fraction_evaluate,
-                  min_train_nodes=train_n, min_evaluate_nodes=int(num_clients * fraction_evaluate),
-                  min_available_nodes=num_clients,
+                  min_train_nodes=1 if sample_available else train_n,
+                  min_evaluate_nodes=int(num_clients * fraction_evaluate),
+                  min_available_nodes=1 if sample_available else num_clients,
                   weighted_by_key=UNIFORM_KEY if weighting == "uniform" else "num-examples",
                   train_metrics_aggr_fn=aggregate_client_metrics,
                   evaluate_metrics_aggr_fn=aggregate_client_metrics)

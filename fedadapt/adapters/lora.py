@@ -133,11 +133,12 @@ def _build(cfg: LoraMethodConfig, backbone, num_classes: int, with_backbone: boo
     return model
 
 
-def assign_ranks(cfg: LoraMethodConfig, num_clients: int, tiers: list[int], seed: int
-                 ) -> list[int]:
+def assign_ranks(cfg: LoraMethodConfig, num_clients: int, tiers: list[int], seed: int,
+                 speeds: Optional[list[float]] = None) -> list[int]:
     """Each client's LoRA rank: by tier (``tiers``: each client's tier exit, multitier), else
-    by ``rank_fractions`` (equal shares by default) over a seeded permutation of the clients;
-    [] without ``method.ranks``."""
+    by ``rank_fractions`` (equal shares by default) over the clients ordered by their device's
+    ``speeds`` (a ``fleet=``: the slowest get ``ranks[0]``), or over a seeded permutation of
+    them; [] without ``method.ranks``."""
     import numpy as np
 
     ranks = list(cfg.ranks or [])
@@ -151,6 +152,8 @@ def assign_ranks(cfg: LoraMethodConfig, num_clients: int, tiers: list[int], seed
         return [ranks[levels.index(t)] for t in tiers]
     fractions = list(cfg.rank_fractions or [1 / len(ranks)] * len(ranks))
     order = np.random.default_rng([int(seed), 0x2A4B]).permutation(num_clients)
+    if speeds is not None:  # ties (a tier's clients) in the seeded order
+        order = order[np.argsort(np.asarray(speeds)[order], kind="stable")]
     bounds = np.round(np.cumsum([0.0, *fractions]) * num_clients).astype(int)
     out = [0] * num_clients
     for rank, lo, hi in zip(ranks, bounds, bounds[1:]):

@@ -124,6 +124,8 @@ class ClientGrid(Grid):
         self.num_clients = num_clients
         self.group_size = group_size
         self._ids = [node_id(p) for p in range(num_clients)]
+        #: The clients a strategy may sample now (None: all; see :meth:`get_node_ids`).
+        self.only: Optional[set[int]] = None
         #: ``trained(cid)``: the tensors a client trains; its arrays are counted restricted to
         #: them (and, on the deployment engine, sent so). None: every tensor it is sent.
         self.trained: Optional[Callable[[int], list[str]]] = None
@@ -149,6 +151,10 @@ class ClientGrid(Grid):
                        group_id=group_id, ttl=ttl)
 
     def get_node_ids(self) -> list[int]:
+        """Every client's node, or only those of the clients in :attr:`only` (a simulated
+        fleet's clients available at the round's start)."""
+        if self.only is not None:
+            return [node_id(c) for c in sorted(self.only)]
         return self._ids
 
     def push_messages(self, messages: Iterable[Message]) -> list[str]:

@@ -94,7 +94,7 @@ class ClientResult:
     seen: int
 
 
-class _Call(nn.Module):
+class StepLoss(nn.Module):
     """What one client's step computes, as a module ``functional_call`` can reparametrise."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -241,7 +241,7 @@ class UsedTensors:
             x, y = self.source.get(np.array([self.index]), dev)
             model.zero_grad(set_to_none=True)
             with torch.enable_grad(), autocast(dev.type, self.precision):
-                loss = _Call(model)(x, y, exit_)
+                loss = StepLoss(model)(x, y, exit_)
             loss.float().backward()
             self.cache[key] = frozenset(n for n, p in model.named_parameters()
                                         if p.requires_grad and p.grad is not None)
@@ -278,7 +278,7 @@ def train_group(model: nn.Module, source: DataSource, jobs: list[ClientJob], tra
     ``bf16``, the run's); one result per job, in order."""
     dev = next(model.parameters()).device
     g = _set_up(model, source, jobs, train, lr, precision, proximal_mu, used, dev)
-    call = _Call(model)
+    call = StepLoss(model)
     torch.manual_seed(derive_seed(jobs[0].seed, len(jobs), OTHER_STREAM))  # any other draw
     model.train()
     crops = _crops(jobs, g.scheds, g.plan, train, source)
@@ -325,7 +325,7 @@ def _set_up(model: nn.Module, source: DataSource, jobs: list[ClientJob], train: 
         proximal_mu=proximal_mu, dev=dev)
 
 
-def _bucket_step(g: _Group, call: "_Call", ks: list[int], t: int, x: torch.Tensor,
+def _bucket_step(g: _Group, call: "StepLoss", ks: list[int], t: int, x: torch.Tensor,
                  y: torch.Tensor) -> None:
     """One bucket (clients ``ks`` at step ``t``, one batch size and exit): its losses'
     gradients accumulated into the stacked tensors, its losses into the running sums."""
@@ -404,7 +404,7 @@ def _crops(jobs, scheds, plan, train: TrainConfig, source: DataSource):
             if all(jobs[k].crop_seed is not None for k in ks) else None for t, ks in plan]
 
 
-def _bucket_losses(call: _Call, stacked: dict, frozen: dict, pos: torch.Tensor, x: torch.Tensor,
+def _bucket_losses(call: StepLoss, stacked: dict, frozen: dict, pos: torch.Tensor, x: torch.Tensor,
                    y: torch.Tensor, keys: torch.Tensor, exit_: Optional[int], precision: str,
                    dev: torch.device) -> torch.Tensor:
     """``[len(pos)]`` losses of one bucket (its clients at one exit): their batches through the

@@ -43,7 +43,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Result
 
 from fedadapt.devices import return_freed_memory
-from fedadapt.federation.faults import Screened, require_enough, screen_clients
+from fedadapt.federation.faults import RoundFailed, Screened, require_enough, screen_clients
 from fedadapt.federation.grid import ClientGrid, Nodes, handshake, node_id
 from fedadapt.federation.interrupt import StoppableGrid
 from fedadapt.settings import per_tier_accuracy
@@ -81,6 +81,8 @@ class ServerState:
     #: One row per client after a server-trained method's phase (empty without one).
     delivered: list[dict] = field(default_factory=list)
     started: float = field(default_factory=time.time)
+    #: A simulated fleet's clock: the simulated second the last round ended (``sim_time_s``).
+    sim_time: float = 0.0
 
     def strategy_checkpoint(self) -> tuple[dict, dict]:
         """``(json, arrays)``: the sampling and noise streams and the strategy's attributes."""
@@ -182,6 +184,10 @@ class ServerPlan:
     #: "strategy_arrays", "wall_s", "client_metrics"}`` (``initial_arrays`` then holds the
     #: checkpoint's arrays).
     resume: Optional[dict] = None
+    #: Simulated devices and clock (``fleet=``; :class:`fedadapt.federation.fleet.Fleet`):
+    #: sampling among the clients available at a round's simulated start, clients dropped by
+    #: its simulated deadline, ``sim_*`` keys in each row. None: no fleet.
+    fleet: Optional[object] = None
     #: Filled by the ServerApp: the final state, or the exception that stopped it.
     result: Optional[ServerState] = None
     error: Optional[BaseException] = None
@@ -265,12 +271,25 @@ def _train_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd: in
     def expected(cid: int) -> dict[str, tuple]:
         return {n: shape(cid, n, shapes[n]) for n in names(cid)}
     grid.trained = plan.sent_names
-    with state.streams.use("train"):
-        messages = list(strategy.configure_train(rnd, state.arrays, config, grid))
+    fleet, sim = plan.fleet, {}
+    if fleet is not None:  # the strategy samples among the clients available now
+        start = fleet.next_available(state.sim_time)
+        if start is None:
+            raise RoundFailed(f"round {rnd}: no client of the fleet is ever available again "
+                              f"after simulated second {state.sim_time:.1f} (fleet.trace)")
+        grid.only = set(fleet.available(start))
+        sim["sim_unavailable"] = plan.num_clients - len(grid.only)
+    try:
+        with state.streams.use("train"):
+            messages = list(strategy.configure_train(rnd, state.arrays, config, grid))
+    finally:
+        grid.only = None
     sent, replies, screened = exchange(grid, messages, plan.timeout, expected, "training",
                                         rnd)
-    require_enough(screened, len(sent), plan.min_reply_fraction, rnd)
     down, up = grid.take_bytes()
+    if fleet is not None:  # the round on the simulated clock
+        sim.update(_simulated_round(fleet, start, state, screened, replies, sent, down, up))
+    require_enough(screened, len(sent), plan.min_reply_fraction, rnd)
     served = grid.take_nodes()
     weight = getattr(_inner(strategy), "weighted_by_key", "num-examples")
     good = [content for _, content in screened.good]
@@ -291,10 +310,31 @@ def _train_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd: in
            "global_acc": None, "global_loss": None, "client_acc": None,
            "client_acc_weighted": None, "clients_evaluated": None, **_privacy_row(strategy),
            **({"trained_on": served} if len(served) > 1 else {}),
-           **_prefixed(STRATEGY_TRAIN, train_metrics)}
+           **_prefixed(STRATEGY_TRAIN, train_metrics), **sim}
     del messages, sent, replies, screened, good  # freed before the next round
     return_freed_memory()
     return row, sum(down.values()), sum(up.values())
+
+
+def _simulated_round(fleet, start: float, state: ServerState, screened: Screened,
+                     replies: dict, sent: dict, down: dict, up: dict) -> dict:
+    """The round on the fleet's clock (:meth:`~fedadapt.federation.fleet.Fleet.round`): the
+    clients it drops (offline before they finish, later than the deadline, beyond
+    ``keep_first``) leave ``screened.good`` and get an error reply as a real timeout's would;
+    the clock moves to the round's end; returns the row's ``sim_*`` keys."""
+    dropped, seconds = fleet.round(start, [cid for cid, _ in screened.good], down, up)
+    for cid, why in sorted(dropped.items()):
+        detail = {"offline": "went offline before it finished", "late": "after the simulated "
+                  "deadline federation.round_timeout", "discarded": "beyond fleet.keep_first"}[why]
+        screened.dropped.append((cid, f"sim_{why}", detail))
+        replies[cid] = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
+                                     reason=f"sim_{why}: {detail}"), reply_to=sent[cid])
+    screened.good = [(cid, content) for cid, content in screened.good if cid not in dropped]
+    previous, state.sim_time = state.sim_time, start + seconds
+    whys = list(dropped.values())
+    return {"sim_round_s": state.sim_time - previous, "sim_time_s": state.sim_time,
+            "sim_offline": whys.count("offline"), "sim_late": whys.count("late"),
+            "sim_discarded": whys.count("discarded")}
 
 
 def _evaluate_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd: int,
@@ -438,6 +478,8 @@ def execute_plan(grid: Grid, plan: ServerPlan) -> ServerState:
         state.client_metrics = dict(plan.resume.get("client_metrics", {}))
         state.cum_bytes = int(plan.resume["cum_bytes"])
         state.started -= float(plan.resume.get("wall_s", 0.0))
+        state.sim_time = next((float(r["sim_time_s"]) for r in reversed(state.history)
+                               if "sim_time_s" in r), 0.0)
     if strategy is not None and state.server_round < state.num_rounds:
         strategy.summary()  # Flower's own start: logged at INFO (federation.verbose)
     state = run_round_loop(clients, state, plan)

@@ -1,4 +1,5 @@
-"""``curves.png``: accuracy against round and against cumulative bytes, one line per run."""
+"""``curves.png``: accuracy against round and against cumulative bytes, one line per run;
+``accuracy_vs_time.png``: accuracy against a simulated fleet's clock, one colour per group."""
 
 from __future__ import annotations
 
@@ -111,3 +112,31 @@ def write_partition_plot(run, partition, labels, path: str | Path,
     plot_partition(partition, labels, path, class_names=class_names,
                    title=f"{run.dataset.name}: partition={p.kind}{alpha}, "
                          f"{len(partition.clients)} clients, seed {run.seed}")
+
+
+def plot_accuracy_vs_time(groups: dict[str, list[list[dict]]], path: str | Path) -> None:
+    """``groups`` maps a label to its runs' metrics rows (``sim_time_s``, ``global_acc``): each
+    run a line against simulated hours, a group's runs in one colour. Written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from fedadapt.results.store import atomic_write
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (label, runs) in enumerate(groups.items()):
+        for j, rows in enumerate(runs):
+            pts = [(r["sim_time_s"] / 3600, 100 * r["global_acc"]) for r in rows
+                   if r.get("global_acc") is not None and r.get("sim_time_s") is not None]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colors[i % len(colors)],
+                        marker=".", alpha=0.8, label=label if j == 0 else None)
+    ax.set_xlabel("simulated time (hours)")
+    ax.set_ylabel("global test accuracy (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    atomic_write(path, lambda fh: fig.savefig(fh, format="png", dpi=110), mode="wb")
+    plt.close(fig)

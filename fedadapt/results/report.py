@@ -44,14 +44,17 @@ METRICS = [("final global acc", ("final", "global_acc"), 100.0),
 EPSILON = ("epsilon", ("privacy", "epsilon"), None)
 #: Shown when a run dropped clients (failures, late replies: ``faults.*``).
 DROPPED = ("clients dropped", ("client_failures",), None)
+#: Shown when a run had a simulated fleet (``fleet=``): its simulated duration.
+SIMULATED = ("simulated hours", ("simulated_s",), 1 / 3600)
+#: The optional columns, in order.
+OPTIONAL = (EPSILON, DROPPED, SIMULATED)
 
 
 def metrics_of(runs: list[dict]) -> list[tuple]:
     """The report's metric columns: :data:`METRICS`, epsilon when a run reports one, and the
     clients dropped when a run dropped some."""
-    return METRICS + ([EPSILON] if any(_get(r["summary"], EPSILON[1]) is not None
-                                       for r in runs) else []) \
-        + ([DROPPED] if any(_get(r["summary"], DROPPED[1]) for r in runs) else [])
+    return METRICS + [m for m in OPTIONAL if any(_get(r["summary"], m[1]) not in (None, 0)
+                                                 for r in runs)]
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -208,6 +211,8 @@ def _epsilon_cell(row: dict) -> str:
 def _cell(name: str, value) -> str:
     if value is None:
         return "—"
+    if isinstance(value, str):  # composed by its column (time to accuracy)
+        return value
     if name == "total bytes":
         return fmt_bytes(value.mean)
     if name == "s/round":
@@ -223,13 +228,15 @@ def _csv_cells(value) -> list:
     """mean, sample std, CI low, CI high (empty where undefined)."""
     if value is None:
         return ["", "", "", ""]
+    if isinstance(value, str):
+        return [value, "", "", ""]
     lo, hi = value.ci if value.ci is not None else ("", "")
     return [value.mean, "" if value.std is None else value.std, lo, hi]
 
 
 def render(varying: list[str], rows: list[dict], extra: tuple[str, ...] = ()
            ) -> tuple[str, str]:
-    metrics = METRICS + [m for m in (EPSILON, DROPPED) if rows and m[0] in rows[0]]
+    metrics = METRICS + [m for m in OPTIONAL if rows and m[0] in rows[0]]
     metrics += [(name, None, None) for name in extra]
     header = [*varying, "seeds", "trainable", "communicated", *(m[0] for m in metrics)]
     md_rows = [[str(r[k]) for k in varying] + [str(r["seeds"]), fmt_count(r["trainable"]),
@@ -305,6 +312,45 @@ def personalization_table(runs: list[dict]) -> str:
         gain = statistics.fmean(100 * p["gain"] for p in ps)
         return f"{_mean_std([100 * p['after'] for p in ps])} ({gain:+.2f})"
     return _pivot(relabeled, cell, exclude=("setting.personalize", "setting.init_from"))
+
+
+def history_of(run: dict) -> list[dict]:
+    """A run's ``metrics.jsonl`` rows."""
+    from fedadapt.results.store import read_jsonl
+
+    path = Path(run["dir"]) / "metrics.jsonl"
+    return read_jsonl(path) if path.is_file() else []
+
+
+def time_to_accuracy(rows: list[dict], target: float) -> str:
+    """A column of simulated hours to the first evaluation at or above ``target`` (a
+    fraction): per group, the mean ± std over the seeds that reached it, and how many did."""
+    column = f"sim hours to {100 * target:g}%"
+    for row in rows:
+        hours = []
+        for run in row["runs"]:
+            hit = next((r for r in history_of(run) if r.get("global_acc") is not None
+                        and r["global_acc"] >= target and r.get("sim_time_s") is not None),
+                       None)
+            if hit is not None:
+                hours.append(hit["sim_time_s"] / 3600)
+        n = len(row["runs"])
+        row[column] = (f"{fmt(describe(hours))} ({len(hours)}/{n})" if hours
+                       else f"not reached (0/{n})")
+    return column
+
+
+def accuracy_time_plot(varying: list[str], rows: list[dict], path: Path) -> bool:
+    """``accuracy_vs_time.png`` of the groups whose runs ran on a simulated clock; False when
+    none did."""
+    from fedadapt.results.plots import plot_accuracy_vs_time
+
+    groups = {", ".join(f"{k}={row[k]}" for k in varying): [history_of(r) for r in row["runs"]]
+              for row in rows}
+    groups = {k: v for k, v in groups.items() if any("sim_time_s" in r for h in v for r in h)}
+    if groups:
+        plot_accuracy_vs_time(groups, path)
+    return bool(groups)
 
 
 def rounds_to(history: list[dict], target: float) -> tuple[int, int] | None:
@@ -431,6 +477,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--provenance", action="store_true",
                         help="add each run's directory, git commit and config hash under the "
                              "table")
+    parser.add_argument("--target", type=float, metavar="ACC",
+                        help="runs layout: add the simulated hours (fleet=) each group takes to "
+                             "reach ACC%% global accuracy")
     parser.add_argument("--against", metavar="METHOD",
                         help="runs layout: add each group's final global accuracy minus "
                              "METHOD's, paired by seed under the same other settings")
@@ -467,7 +516,15 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as err:
             print(f"fedadapt-report: error: {err}", file=sys.stderr)
             sys.exit(2)
+    if args.target is not None:
+        if not 0 < args.target <= 100:
+            print(f"fedadapt-report: error: --target {args.target} is invalid: an accuracy in "
+                  f"percent, in (0, 100]", file=sys.stderr)
+            sys.exit(2)
+        extra = (*extra, time_to_accuracy(rows, args.target / 100))
     md, csv_text = render(varying, rows, extra)
+    if accuracy_time_plot(varying, rows, out / "accuracy_vs_time.png"):
+        md += "\n![accuracy against simulated time](accuracy_vs_time.png)\n"
     if args.provenance:
         md = f"{md}\n{provenance(runs)}"
     title = (f"# fedadapt report: {len(runs)} runs in {len(rows)} groups (mean ± std over "

@@ -50,6 +50,9 @@ class Rounds(Family):
         assign_client_ranks(cfg, prep.spec)
         prep.spec.train_mods, prep.spec.evaluate_mods = client_mods(cfg)
         check_strategy(cfg, prep)
+        from fedadapt.federation.fleet import build_fleet
+
+        prep.fleet = build_fleet(cfg, prep.spec, prep.model)  # a deadline nobody meets: now
 
     def units(self, cfg) -> int:
         return cfg.rounds

@@ -82,6 +82,10 @@ def apply_setting(cfg: RunConfig, spec: RunSpec, model: AdaptedModel) -> None:
                           f"on backbone={cfg.backbone.name}")
     spec.num_exits = model.num_exits
     spec.client_exits = client_exits(st, spec.num_clients, spec.num_exits, cfg.seed)
+    if st.tiers_from == "fleet":  # each client the deepest tier its device trains in time
+        from fedadapt.federation.fleet import tiers_from_fleet
+
+        spec.client_exits = tiers_from_fleet(cfg, spec, model)
     if st.name == "personalization":
         part_names(model, st.personalize)  # fails early for a part the method lacks
         if spec.train_source.kind != "images":
@@ -220,6 +224,10 @@ def run_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, config_yaml:
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(run_dir / "config.yaml", lambda fh: fh.write(config_yaml))
     write_partition(run_dir, cfg, prep)
+    if prep.fleet is not None:  # the devices, so a run can be reread (and resumed: same seed)
+        from fedadapt.results.store import write_json
+
+        write_json(run_dir / "fleet.json", prep.fleet.describe())
     spec.state_dir = str(run_dir / "clients")
     metrics_path = run_dir / METRICS
     resume_state = None
@@ -352,7 +360,9 @@ def _rounds_plan(cfg: RunConfig, prep: PreparedRun, initial, num_rounds: int,
         evaluate_fn=evaluate_fn(cfg),
         eval_round0=cfg.federation.eval_round0,
         counts={k: prep.counts[k] for k in ("trainable_params", "communicated_params")},
-        timeout=cfg.federation.round_timeout,
+        # with a fleet, federation.round_timeout is the simulated deadline, not a wall clock's
+        timeout=cfg.federation.round_timeout if prep.fleet is None else None,
+        fleet=prep.fleet,
         min_reply_fraction=cfg.federation.min_reply_fraction,
         on_round=on_round,
         resume=resume,
@@ -387,7 +397,13 @@ def assign_client_ranks(cfg: RunConfig, spec: RunSpec) -> None:
     from fedadapt.adapters.lora import assign_ranks
 
     tiers = spec.client_exits if cfg.setting.name == "multitier" else []
-    spec.client_ranks = assign_ranks(cfg.method, spec.num_clients, tiers, cfg.seed)
+    speeds = None
+    if cfg.fleet.name != "none" and not tiers:  # a fleet: the slowest devices the smallest rank
+        from fedadapt.federation.fleet import profiles
+
+        speeds = [p.compute for p in profiles(cfg.fleet, spec.num_clients, cfg.seed)]
+    spec.client_ranks = assign_ranks(cfg.method, spec.num_clients, tiers, cfg.seed,
+                                     speeds=speeds)
 
 
 def evaluate_fn(cfg: RunConfig) -> Optional[Callable]:
@@ -417,7 +433,8 @@ def make_strategy(cfg: RunConfig, prep: PreparedRun):
                           fraction_train=p.fraction_fit, fraction_evaluate=p.fraction_evaluate,
                           weighting=cfg.method.weighting, lr=cfg.train.lr,
                           federated=prep.model.federated,
-                          rank_of=lambda node: ranks[node - NODE_BASE], seed=cfg.seed)
+                          rank_of=lambda node: ranks[node - NODE_BASE], seed=cfg.seed,
+                          sample_available=cfg.fleet.name != "none")
 
 
 def check_strategy(cfg: RunConfig, prep: PreparedRun) -> None:
@@ -440,6 +457,10 @@ def check_strategy(cfg: RunConfig, prep: PreparedRun) -> None:
         raise ConfigError(f"strategy={name} is invalid for method={cfg.method.name}: it "
                           f"aggregates LoRA factors (method=lora, with method.ranks for "
                           f"clients of different ranks)")
+    if cfg.fleet.name != "none" and cfg.dp.name != "none":
+        raise ConfigError(f"dp={cfg.dp.name} is invalid with fleet={cfg.fleet.name}: its noise "
+                          f"is calibrated to a fixed number of clients per round, and a fleet's "
+                          f"rounds sample among the clients available and drop late ones")
     if name in LORA_RANK and getattr(cfg.method, "ffa", False):
         raise ConfigError(f"method.ffa=true is invalid with strategy={name}: it aggregates A "
                           f"and B (FFA-LoRA's A is frozen and never sent)")
@@ -503,6 +524,8 @@ def _finish_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, state, *, l
         "strategy": _strategy_summary(cfg, state.strategy),
         "privacy": _privacy_summary(cfg, state.strategy),
         "total_bytes": state.cum_bytes,
+        # a simulated fleet's clock at the end (fleet=): fedadapt-report's "simulated hours"
+        **({"simulated_s": state.sim_time} if prep.fleet is not None else {}),
         "client_failures": sum(r.get("clients_failed", 0) for r in history),
         "resumed_after_round": resume_state["round"] if resume_state else None,
         "bytes_up": sum(r["bytes_up"] for r in history),

@@ -1,0 +1,306 @@
+"""Simulated devices (``fleet=tiers|lognormal|trace``): a seeded profile per client and a
+simulated clock for the rounds; nothing sleeps.
+
+* **Profiles** (:func:`profiles`): compute in FLOP/s, downlink and uplink in bytes/s. ``tiers``
+  gives tier i's ``compute[i]`` to a seeded share ``fractions[i]`` of the clients (equal shares
+  by default) and every client the same bandwidths; ``lognormal`` draws each client's compute
+  and bandwidths from log-normals around the medians (seeded per client).
+* **Availability**: a two-state on/off process per client (exponential periods of means
+  ``mean_on`` / ``mean_off``, the first state drawn from the stationary split), or the intervals
+  of a CSV trace (``client,start,end`` in simulated seconds), or always on.
+* **A client's time in a round** (:meth:`Fleet.seconds`): its local training FLOPs (the model's
+  FLOPs per training example at the client's exit, measured once with
+  ``torch.utils.flop_counter``, times its examples and local epochs) / its FLOP/s, plus the
+  bytes it was sent / its downlink, plus the bytes it sent / its uplink.
+* **A round on the clock** (:func:`fedadapt.federation.server`): it starts when the previous
+  one ended; the strategy samples among the clients available then; a client that goes offline
+  before it would finish fails; one that would finish after ``federation.round_timeout``
+  (simulated seconds) is dropped as the real timeout drops it; with ``keep_first`` only the
+  first N to arrive are kept. The round lasts until its last kept client arrives (the deadline
+  when a client was late). ``metrics.jsonl`` gets ``sim_round_s``, ``sim_time_s``,
+  ``sim_unavailable``, ``sim_offline``, ``sim_late`` and ``sim_discarded``.
+
+The profiles, each client's work and the availability's parameters are written to
+``fleet.json`` in the run directory; everything is a function of the config and the seed, so a
+resumed run continues on the same clock (the last row's ``sim_time_s``).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from fedadapt.config import ConfigError, FleetConfig
+
+#: The seed streams of the profiles and of each client's availability.
+PROFILE_STREAM, AVAILABILITY_STREAM = 0xF1EE7, 0xA7A1
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One client's device."""
+
+    compute: float  # FLOP/s
+    downlink: float  # bytes/s
+    uplink: float  # bytes/s
+    tier: Optional[int] = None  # tiers / trace: its index in fleet.compute (0: slowest)
+
+
+def profiles(cfg: FleetConfig, num_clients: int, seed: int) -> list[Profile]:
+    """Each client's seeded :class:`Profile`."""
+    rng = np.random.default_rng([int(seed), PROFILE_STREAM])
+    if cfg.name == "lognormal":
+        c = cfg.compute_median * np.exp(cfg.compute_sigma * rng.standard_normal(num_clients))
+        d = cfg.downlink * np.exp(cfg.bandwidth_sigma * rng.standard_normal(num_clients))
+        u = cfg.uplink * np.exp(cfg.bandwidth_sigma * rng.standard_normal(num_clients))
+        return [Profile(float(a), float(b), float(e)) for a, b, e in zip(c, d, u)]
+    tiers = len(cfg.compute)
+    fractions = list(cfg.fractions or [1 / tiers] * tiers)
+    bounds = np.round(np.cumsum([0.0, *fractions]) * num_clients).astype(int)
+    tier_of = np.zeros(num_clients, dtype=int)
+    order = rng.permutation(num_clients)
+    for t, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        tier_of[order[lo:hi]] = t
+    return [Profile(float(cfg.compute[t]), float(cfg.downlink), float(cfg.uplink), int(t))
+            for t in tier_of]
+
+
+def read_trace(path: str, num_clients: int) -> list[list[tuple[float, float]]]:
+    """Each client's available intervals from the CSV ``path`` (``client,start,end``, sorted
+    and merged); :class:`ConfigError` naming ``fleet.trace`` for a file that is missing or
+    malformed, an unknown client or an interval that ends before it starts."""
+    where = f"fleet.trace={path!r}"
+    try:
+        with open(Path(path).expanduser(), newline="") as fh:
+            rows = list(csv.DictReader(fh))
+    except OSError as err:
+        raise ConfigError(f"{where} is invalid: {err.strerror or err}") from None
+    if not rows or not {"client", "start", "end"} <= set(rows[0]):
+        raise ConfigError(f"{where} is invalid: a CSV with the header client,start,end and one "
+                          f"row per available interval is needed")
+    out: list[list[tuple[float, float]]] = [[] for _ in range(num_clients)]
+    for line, row in enumerate(rows, start=2):
+        try:
+            cid, start, end = int(row["client"]), float(row["start"]), float(row["end"])
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where} is invalid: line {line} ({dict(row)}) is not an "
+                              f"integer client and two numbers") from None
+        if not 0 <= cid < num_clients:
+            raise ConfigError(f"{where} is invalid: line {line} names client {cid}, but the "
+                              f"run has clients 0..{num_clients - 1}")
+        if not (math.isfinite(start) and math.isfinite(end) and 0 <= start < end):
+            raise ConfigError(f"{where} is invalid: line {line}: an interval needs "
+                              f"0 <= start < end (got {start}, {end})")
+        out[cid].append((start, end))
+    for cid, spans in enumerate(out):
+        spans.sort()
+        merged: list[tuple[float, float]] = []
+        for a, b in spans:
+            if merged and a <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        out[cid] = merged
+    if not any(out):
+        raise ConfigError(f"{where} is invalid: no client is ever available")
+    return out
+
+
+class Fleet:
+    """The run's devices and their availability; :meth:`seconds` is a client's time in a
+    round. ``work[cid]``: the FLOPs of the client's local training in one round."""
+
+    def __init__(self, cfg: FleetConfig, num_clients: int, seed: int, work: list[float],
+                 deadline: Optional[float] = None) -> None:
+        if len(work) != num_clients:
+            raise ValueError(f"work for {len(work)} clients, the run has {num_clients}")
+        self.cfg, self.seed, self.work = cfg, int(seed), [float(w) for w in work]
+        self.deadline = deadline
+        self.keep_first = cfg.keep_first
+        self.profiles = profiles(cfg, num_clients, seed)
+        self._trace = read_trace(cfg.trace, num_clients) if cfg.name == "trace" else None
+        self._spans: list[list[tuple[float, float]]] = [[] for _ in range(num_clients)]
+        self._until = [0.0] * num_clients  # how far each client's on/off process is drawn
+        self._rngs: dict[int, np.random.Generator] = {}
+        self._on = [False] * num_clients
+        if self.deadline is not None and self.work:
+            fastest = min(self.seconds(c, 0, 0) for c in range(num_clients))
+            if fastest > self.deadline:
+                raise ConfigError(
+                    f"federation.round_timeout={self.deadline} is invalid with fleet="
+                    f"{cfg.name}: no client can meet it (the fastest needs {fastest:.4g} "
+                    f"simulated seconds to train, before any bytes travel)")
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.profiles)
+
+    # -- time -------------------------------------------------------------------------------
+    def seconds(self, cid: int, bytes_down: int, bytes_up: int) -> float:
+        """Client ``cid``'s simulated seconds in a round: its training FLOPs / its FLOP/s, plus
+        ``bytes_down`` / its downlink and ``bytes_up`` / its uplink."""
+        p = self.profiles[cid]
+        return self.work[cid] / p.compute + bytes_down / p.downlink + bytes_up / p.uplink
+
+    # -- availability -----------------------------------------------------------------------
+    def _intervals(self, cid: int, t: float) -> list[tuple[float, float]]:
+        """The client's available intervals, drawn (on/off) at least up to ``t``."""
+        if self._trace is not None:
+            return self._trace[cid]
+        if self.cfg.mean_on is None:
+            return [(0.0, math.inf)]
+        rng = self._rngs.get(cid)
+        if rng is None:
+            rng = self._rngs[cid] = np.random.default_rng([self.seed, AVAILABILITY_STREAM, cid])
+            on, off = self.cfg.mean_on, self.cfg.mean_off
+            self._on[cid] = bool(rng.random() < on / (on + off))  # the stationary split
+        spans = self._spans[cid]
+        while self._until[cid] <= t:
+            start = self._until[cid]
+            mean = self.cfg.mean_on if self._on[cid] else self.cfg.mean_off
+            end = start + float(rng.exponential(mean))
+            if self._on[cid]:
+                spans.append((start, end))
+            self._until[cid], self._on[cid] = end, not self._on[cid]
+        return spans
+
+    def online_until(self, cid: int, t: float) -> Optional[float]:
+        """When the client's available interval holding ``t`` ends; None: it is not available
+        at ``t``."""
+        for a, b in self._intervals(cid, t):
+            if a <= t < b:
+                return b
+        return None
+
+    def available(self, t: float) -> list[int]:
+        """The clients available at simulated time ``t``."""
+        return [c for c in range(self.num_clients) if self.online_until(c, t) is not None]
+
+    def _next_start(self, cid: int, t: float) -> Optional[float]:
+        """When the client's next available interval after ``t`` starts (None: never)."""
+        if self._trace is None and self.cfg.mean_on is None:
+            return None  # always available
+        horizon = t
+        while True:
+            later = [a for a, _ in self._intervals(cid, horizon) if a > t]
+            if later or self._trace is not None:
+                return later[0] if later else None
+            horizon = self._until[cid]  # draw the next period
+
+    def next_available(self, t: float) -> Optional[float]:
+        """The first time >= ``t`` at which some client is available (None: never again)."""
+        if self.available(t):
+            return t
+        starts = [s for c in range(self.num_clients) if (s := self._next_start(c, t)) is not None]
+        return min(starts) if starts else None
+
+    # -- the round --------------------------------------------------------------------------
+    def round(self, start: float, sampled: list[int], sent: dict[int, int],
+              received: dict[int, int]) -> tuple[dict[int, str], float]:
+        """The simulated round that starts at ``start`` with the clients ``sampled`` (those
+        that replied; ``sent`` / ``received``: the bytes each got and sent): ``({client: why}``
+        of the clients dropped (``offline``, ``late``, ``discarded``), the round's simulated
+        seconds)."""
+        times = {c: self.seconds(c, sent.get(c, 0), received.get(c, 0)) for c in sampled}
+        dropped: dict[int, str] = {}
+        end = 0.0
+        for c, t in times.items():
+            until = self.online_until(c, start)
+            if until is not None and start + t > until:  # it goes offline before it finishes
+                dropped[c] = "offline"
+                end = max(end, min(until - start, self.deadline or math.inf))
+            elif self.deadline is not None and t > self.deadline:
+                dropped[c] = "late"
+                end = max(end, self.deadline)
+        arrived = sorted((t, c) for c, t in times.items() if c not in dropped)
+        if self.keep_first is not None and len(arrived) > self.keep_first:
+            for _, c in arrived[self.keep_first:]:
+                dropped[c] = "discarded"
+            # the server stops waiting at the N-th arrival: the others cost it nothing
+            return dropped, arrived[self.keep_first - 1][0]
+        if arrived:
+            end = max(end, arrived[-1][0])
+        return dropped, end
+
+    def describe(self) -> dict:
+        """What ``fleet.json`` holds: the config, each client's profile and work."""
+        return {"config": asdict(self.cfg), "seed": self.seed, "deadline_s": self.deadline,
+                "clients": [{"client": c, **asdict(p), "train_flops": self.work[c]}
+                            for c, p in enumerate(self.profiles)]}
+
+
+
+
+def train_flops_per_example(model, source, index: int, exits: Optional[list[int]]) -> float:
+    """The FLOPs one training example costs the model at ``exits`` (their mean: an anytime
+    client draws one per step; None: the model's own forward): forward and backward of a batch
+    of two copies of example ``index`` under ``torch.utils.flop_counter.FlopCounterMode``,
+    halved. The counter counts matrix products, convolutions and attention (forward and
+    backward), not elementwise operations."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fedadapt.federation.grouped import StepLoss
+
+    x, y = source.get(np.array([index, index]))
+    call, out = StepLoss(model), []
+    was_training = model.training
+    model.train()
+    try:
+        for e in exits if exits else [None]:
+            model.zero_grad(set_to_none=True)
+            with FlopCounterMode(display=False) as counter:
+                loss = call(x, y, e)
+                if loss.requires_grad:
+                    loss.backward()
+            out.append(counter.get_total_flops() / 2)
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+    return float(np.mean(out))
+
+
+def tiers_from_fleet(cfg, spec, model) -> list[int]:
+    """``setting.tiers_from=fleet``: each client's tier, the deepest of the setting's exits
+    (``setting.tiers``, default every exit) whose local training its device finishes within
+    ``federation.round_timeout`` simulated seconds (compute only: FLOPs per example at the exit
+    x its examples x local epochs / its FLOP/s); a client too slow for the shallowest gets the
+    shallowest (and is late)."""
+    exits = sorted(set(cfg.setting.tiers if cfg.setting.tiers is not None
+                       else range(spec.num_exits)))
+    sample = next((int(c.train[0]) for c in spec.clients if len(c.train)), 0)
+    flops = {e: train_flops_per_example(model, spec.train_source, sample, [e]) for e in exits}
+    out = []
+    for client, p in zip(spec.clients, profiles(cfg.fleet, spec.num_clients, cfg.seed)):
+        work = len(client.train) * cfg.train.local_epochs / p.compute
+        fits = [e for e in exits if flops[e] * work <= cfg.federation.round_timeout]
+        out.append(fits[-1] if fits else exits[0])
+    return out
+
+
+def build_fleet(cfg, spec, model) -> Optional[Fleet]:
+    """The run's :class:`Fleet` (``fleet=``; None for ``fleet=none``): each client's training
+    FLOPs per round measured on ``model`` at its exits, times its examples and local epochs."""
+    from fedadapt.federation.worker import client_exits
+
+    if cfg.fleet.name == "none":
+        return None
+    sample = next((int(c.train[0]) for c in spec.clients if len(c.train)), 0)
+    per_example: dict[tuple, float] = {}
+    work = []
+    for cid, client in enumerate(spec.clients):
+        exits = client_exits(spec, cid)
+        key = tuple(exits) if exits else ()
+        if key not in per_example:
+            per_example[key] = train_flops_per_example(model, spec.train_source, sample, exits)
+        work.append(per_example[key] * len(client.train) * cfg.train.local_epochs)
+    return Fleet(cfg.fleet, spec.num_clients, cfg.seed, work,
+                 deadline=cfg.federation.round_timeout)
+
+
+__all__ = ["Fleet", "Profile", "build_fleet", "profiles", "read_trace", "tiers_from_fleet",
+           "train_flops_per_example"]

@@ -1,0 +1,235 @@
+"""Simulated devices (fleet=tiers|lognormal|trace, fedadapt/federation/fleet.py): seeded
+profiles, availability, a client's simulated time, the round's deadline, over-selection and
+offline clients, FLOPs counted by torch's flop counter, the clock in metrics.jsonl and across a
+resume; fleet=none changes nothing; bad input in one line naming the key."""
+
+import math
+
+import numpy as np
+import pytest
+
+from fedadapt.config import ConfigError, FleetConfig
+from fedadapt.federation.fleet import Fleet, profiles, read_trace
+from fedadapt.results.store import read_jsonl
+
+TINY = ["method=linear_head", "backbone=small_cnn", "backbone.image_size=16",
+        "dataset.max_samples=300", "partition.num_clients=6", "rounds=4"]
+
+
+def test_tiers_and_lognormal_profiles_are_seeded_and_shared_as_configured():
+    cfg = FleetConfig(name="tiers", compute=[1e9, 1e10], fractions=[0.25, 0.75])
+    got = profiles(cfg, 8, seed=3)
+    assert [p.tier for p in got].count(0) == 2 and got == profiles(cfg, 8, seed=3)
+    assert {p.compute for p in got if p.tier == 1} == {1e10}
+    assert got != profiles(cfg, 8, seed=4)
+    logn = profiles(FleetConfig(name="lognormal", compute_median=2e9, compute_sigma=0.5), 4000, 0)
+    assert np.median([p.compute for p in logn]) == pytest.approx(2e9, rel=0.05)
+    assert np.std(np.log([p.compute for p in logn])) == pytest.approx(0.5, rel=0.05)
+
+
+def _fleet(work, deadline=None, **kw):
+    return Fleet(FleetConfig(name="tiers", compute=[1.0, 10.0], downlink=100.0, uplink=50.0,
+                             **kw), len(work), 0, work, deadline=deadline)
+
+
+def test_a_clients_time_is_flops_over_speed_plus_bytes_over_bandwidth():
+    fleet = _fleet([20.0, 20.0, 20.0, 20.0])
+    for cid, p in enumerate(fleet.profiles):
+        assert fleet.seconds(cid, 300, 100) == pytest.approx(20 / p.compute + 3 + 2)
+
+
+def test_the_round_drops_late_clients_at_the_deadline_and_keeps_the_first_n():
+    fleet = _fleet([20.0] * 4, deadline=10.0)  # tier 0: 20 s, tier 1: 2 s
+    slow = [c for c, p in enumerate(fleet.profiles) if p.tier == 0]
+    dropped, seconds = fleet.round(0.0, [0, 1, 2, 3], {}, {})
+    assert dropped == {c: "late" for c in slow} and seconds == 10.0  # waited to the deadline
+    fast = [c for c in range(4) if c not in slow]
+    dropped, seconds = fleet.round(0.0, fast, {}, {})
+    assert dropped == {} and seconds == pytest.approx(2.0)  # ends with the last arrival
+    keep = Fleet(FleetConfig(name="tiers", compute=[1.0, 10.0], keep_first=1), 4, 0, [20.0] * 4,
+                 deadline=None)
+    dropped, seconds = keep.round(0.0, [0, 1, 2, 3], {}, {})
+    assert len(dropped) == 3 and set(dropped.values()) == {"discarded"}
+    assert seconds == pytest.approx(2.0)  # the first arrival; the others are not waited for
+    with pytest.raises(ConfigError, match="federation.round_timeout=1.0 is invalid"):
+        _fleet([20.0] * 4, deadline=1.0)  # no client can meet it
+
+
+def test_on_off_availability_is_seeded_stationary_and_drops_clients_going_offline(tmp_path):
+    cfg = FleetConfig(name="tiers", compute=[1.0], mean_on=30.0, mean_off=10.0)
+    fleet = Fleet(cfg, 400, 0, [1.0] * 400)
+    shares = [len(fleet.available(t)) / 400 for t in np.linspace(0, 2000, 41)]
+    assert np.mean(shares) == pytest.approx(0.75, abs=0.05)  # mean_on / (mean_on + mean_off)
+    again = Fleet(cfg, 400, 0, [1.0] * 400)
+    assert [again.available(t) for t in (500.0, 5.0)] == [fleet.available(t) for t in (500.0, 5.0)]
+    cid = fleet.available(0.0)[0]
+    until = fleet.online_until(cid, 0.0)
+    work = [until * 2] * 400  # this client would need twice its remaining time online
+    slow = Fleet(cfg, 400, 0, work)
+    dropped, seconds = slow.round(0.0, [cid], {}, {})
+    assert dropped == {cid: "offline"} and seconds == pytest.approx(until)
+
+
+def test_a_trace_gives_availability_and_its_bad_input_is_one_line(tmp_path):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("client,start,end\n0,0,10\n0,5,20\n2,30,40\n")
+    spans = read_trace(str(trace), 3)
+    assert spans == [[(0.0, 20.0)], [], [(30.0, 40.0)]]
+    fleet = Fleet(FleetConfig(name="trace", compute=[1.0], trace=str(trace)), 3, 0, [1.0] * 3)
+    assert fleet.available(10.0) == [0] and fleet.available(25.0) == []
+    assert fleet.next_available(25.0) == 30.0 and fleet.next_available(45.0) is None
+    for text, says in (("client,start,end\n7,0,1\n", "names client 7, but the run has clients"),
+                       ("who,when\n0,1\n", "header client,start,end"),
+                       ("client,start,end\n0,5,1\n", "0 <= start < end"),
+                       ("client,start,end\nx,0,1\n", "is not an integer client")):
+        trace.write_text(text)
+        with pytest.raises(ConfigError) as err:
+            read_trace(str(trace), 3)
+        assert str(err.value).startswith("fleet.trace=") and says in str(err.value)
+        assert "\n" not in str(err.value)
+
+
+def test_training_flops_are_counted_by_torchs_flop_counter():
+    """A linear head on D features, C classes: 2DC forward and 2DC for its weight's gradient
+    per example (no gradient flows into the cached features)."""
+    import torch
+
+    from fedadapt.federation.fleet import train_flops_per_example
+
+    class Source:
+        def get(self, idx):
+            return torch.randn(len(idx), 16), torch.zeros(len(idx), dtype=torch.long)
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(16, 10)
+
+        def training_loss(self, x, y):
+            return torch.nn.functional.cross_entropy(self.fc(x), y)
+
+    assert train_flops_per_example(Head(), Source(), 0, None) == 4 * 16 * 10
+
+
+def _run(run_dir, overrides, cache_dir, stop_after=None):
+    from omegaconf import OmegaConf
+
+    from fedadapt.entry import compose_config, to_run_config
+    from fedadapt.experiment import run_experiment
+    from fedadapt.federation.inprocess import in_process
+
+    composed = compose_config([*TINY, *overrides, f"cache_dir={cache_dir}"])
+    execute = in_process("workers")
+    if stop_after is not None:
+        from test_resume import _stopping_after
+
+        execute = _stopping_after(stop_after)
+    return run_experiment(to_run_config(composed), run_dir, execute=execute,
+                          config_yaml=OmegaConf.to_yaml(composed, resolve=True))
+
+
+def test_fleet_none_adds_nothing_and_a_bad_fleet_is_refused_before_writing(tmp_path,
+                                                                           cache_dir):
+    _run(tmp_path / "none", [], cache_dir)
+    assert not any(k.startswith("sim_") for r in read_jsonl(tmp_path / "none" / "metrics.jsonl")
+                   for k in r)
+    assert not (tmp_path / "none" / "fleet.json").exists()
+    for overrides, says in (
+            (["fleet=tiers", "fleet.uplink=-1"], "fleet.uplink=-1.0 is invalid"),
+            (["fleet=tiers", "federation.round_timeout=1e-9"],
+             "federation.round_timeout=1e-09 is invalid with fleet=tiers: no client can meet"),
+            (["fleet=tiers", "dp=server_fixed", "method.weighting=uniform"],
+             "dp=server_fixed is invalid with fleet=tiers")):
+        with pytest.raises(ConfigError) as err:
+            _run(tmp_path / "bad", overrides, cache_dir)
+        assert str(err.value).startswith(says) and "\n" not in str(err.value)
+        assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.slow  # three short runs, in process
+def test_the_clock_samples_available_clients_drops_late_ones_and_resumes(tmp_path, cache_dir):
+    import json
+
+    trace = tmp_path / "trace.csv"  # clients 0-3 always there, 4 and 5 never
+    trace.write_text("client,start,end\n" + "".join(f"{c},0,1e12\n" for c in range(4)))
+    fleet = ["fleet=trace", f"fleet.trace={trace}", "fleet.compute=[1e3,1e6]",
+             "partition.fraction_fit=1.0"]
+    _run(tmp_path / "trace", fleet, cache_dir)
+    rows = read_jsonl(tmp_path / "trace" / "metrics.jsonl")
+    described = json.loads((tmp_path / "trace" / "fleet.json").read_text())["clients"]
+    slow = {c["client"] for c in described if c["tier"] == 0 and c["client"] < 4}
+    assert all(r["sim_unavailable"] == 2 and r["clients_sampled"] == 4 for r in rows)
+    assert all(r["sim_late"] == 0 for r in rows)
+    times = [r["sim_time_s"] for r in rows]
+    assert times == sorted(times) and times[0] > 0
+    assert sum(r["sim_round_s"] for r in rows) == pytest.approx(times[-1])
+
+    # a deadline between the tiers' times: every slow client is late, every round
+    fast_s = max(c["train_flops"] / c["compute"] for c in described if c["tier"] == 1)
+    slow_s = min(c["train_flops"] / c["compute"] for c in described if c["tier"] == 0)
+    assert fast_s * 10 < slow_s
+    deadline = math.sqrt(fast_s * slow_s)
+    _run(tmp_path / "late", [*fleet, f"federation.round_timeout={deadline}"], cache_dir)
+    late = read_jsonl(tmp_path / "late" / "metrics.jsonl")
+    assert all(r["sim_late"] == len(slow) and r["clients_trained"] == 4 - len(slow)
+               and r["sim_round_s"] == pytest.approx(deadline) for r in late)
+
+    # stopped after round 2 and resumed: the same clock
+    from test_resume import _Killed
+
+    with pytest.raises(_Killed):
+        _run(tmp_path / "resumed", fleet, cache_dir, stop_after=2)
+    from omegaconf import OmegaConf
+
+    from fedadapt.entry import compose_config, to_run_config
+    from fedadapt.experiment import run_experiment
+    from fedadapt.federation.inprocess import in_process
+
+    composed = compose_config([*TINY, *fleet, f"cache_dir={cache_dir}"])
+    run_experiment(to_run_config(composed), tmp_path / "resumed", execute=in_process("workers"),
+                   config_yaml=OmegaConf.to_yaml(composed, resolve=True), resume=True)
+    again = read_jsonl(tmp_path / "resumed" / "metrics.jsonl")
+    assert [r["sim_time_s"] for r in again] == pytest.approx(times)
+
+    # fedadapt-report: the simulated hours, the time to a target accuracy, the plot
+    from fedadapt.results.report import main as report
+
+    report([str(tmp_path / "trace"), str(tmp_path / "late"), "--target", "1",
+            "--out", str(tmp_path / "report")])
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "simulated hours" in text and "sim hours to 1%" in text and "(1/1)" in text
+    assert (tmp_path / "report" / "accuracy_vs_time.png").stat().st_size > 0
+
+
+def test_tiers_and_lora_ranks_follow_the_devices(cache_dir):
+    """setting.tiers_from=fleet: the deepest exit a device trains by the deadline (faster:
+    deeper); method.ranks with a fleet: the slowest devices the smallest rank."""
+    from fedadapt.adapters.lora import LoraMethodConfig, assign_ranks
+    from fedadapt.entry import compose_config, to_run_config
+    from fedadapt.experiment import prepare_run
+    from fedadapt.federation.fleet import train_flops_per_example
+
+    ranks = assign_ranks(LoraMethodConfig(ranks=[2, 8]), 4, [], 0, speeds=[5.0, 1.0, 9.0, 2.0])
+    assert ranks == [8, 2, 8, 2]
+
+    base = ["method=lw_linear", "backbone=tiny_vit", "dataset.max_samples=300",
+            "partition.num_clients=6", "setting=multitier", "setting.tiers_from=fleet",
+            "fleet=tiers", "fleet.compute=[1e6,1e9]", f"cache_dir={cache_dir}"]
+    with pytest.raises(ConfigError, match="setting.tiers_from='fleet' is invalid"):
+        to_run_config(compose_config([*base[:-3], f"cache_dir={cache_dir}"]))
+    prep = prepare_run(to_run_config(compose_config([*base, "federation.round_timeout=1e9"])),
+                       quiet=True)
+    spec = prep.spec
+    assert set(spec.client_exits) == {spec.num_exits - 1}  # all the way, everyone in time
+    # a deadline the slow tier meets at the first exit at most (tiny_vit: 2 exits)
+    assert spec.num_exits == 2
+    first = train_flops_per_example(prep.model, spec.train_source, 0, [0])
+    assert train_flops_per_example(prep.model, spec.train_source, 0, [1]) > first
+    n = min(len(c.train) for c in spec.clients)
+    deadline = first * n / 1e6 * 1.01
+    prep = prepare_run(to_run_config(compose_config([*base,
+                                                     f"federation.round_timeout={deadline}"])),
+                       quiet=True)
+    tiers = [p.tier for p in prep.fleet.profiles]
+    assert 0 < sum(tiers) < len(tiers)
+    assert prep.spec.client_exits == [1 if t == 1 else 0 for t in tiers]
