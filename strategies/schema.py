@@ -24,6 +24,7 @@ DERIVED = {
     "eta_l": "train.lr",
     "client_learning_rate": "train.lr",
     "seed": "seed",
+    "num_clients": "partition.num_clients",
     "arrayrecord_key": "fedadapt's message layout ('arrays')",
     "configrecord_key": "fedadapt's message layout ('config')",
     "train_loss_key": "fedadapt's train metric ('train_loss')",

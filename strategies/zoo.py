@@ -32,7 +32,7 @@ import inspect
 import logging
 from typing import Any, Callable, Optional
 
-from fedadapt.strategies import lora_het
+from fedadapt.strategies import fedbuff, lora_het
 from fedadapt.strategies.custom import CUSTOM
 from fedadapt.strategies.schema import (  # noqa: F401
     DERIVED,
@@ -66,7 +66,11 @@ STRATEGIES: dict[str, type] = {
     "fedsa_lora": lora_het.FedSALoRA,
     "flora": lora_het.FLoRA,
     "fedex_lora": lora_het.FedExLoRA,
+    # asynchronous, on a simulated fleet's clock (fedadapt's)
+    "fedbuff": fedbuff.FedBuff,
 }
+#: Strategies that aggregate asynchronously on a fleet's clock (each tensor over its senders).
+ASYNC = ("fedbuff",)
 #: The strategies that aggregate LoRA of different ranks (each layer over the clients that
 #: sent it; they send each client its own rank's slices): they need a LoRA method.
 LORA_RANK = ("hetlora", "flexlora", "fedsa_lora", "flora", "fedex_lora")
@@ -216,7 +220,7 @@ def per_tensor_family(strategy: StrategyConfig) -> bool:
 
 def check_every_tensor(strategy: StrategyConfig, dp: DPConfig, why: str) -> None:
     """Refuse a strategy or DP wrapper that needs every client to send every tensor."""
-    if not per_tensor_family(strategy) and strategy.name not in LORA_RANK:
+    if not per_tensor_family(strategy) and strategy.name not in (*LORA_RANK, *ASYNC):
         raise ConfigError(f"strategy={strategy.name} is invalid here: it combines whole "
                           f"updates, and {why} (strategies that average each tensor over its "
                           f"senders: {', '.join(PER_TENSOR)})")
@@ -256,7 +260,8 @@ def build_strategy(strategy: StrategyConfig, dp: DPConfig, *, num_clients: int,
         return LocalOnly(**common)
     cls = strategy_class(strategy)
     wanted = accepted_params(cls)
-    derived = {"eta_l": lr, "client_learning_rate": lr, "rank_of": rank_of, "seed": seed}
+    derived = {"eta_l": lr, "client_learning_rate": lr, "rank_of": rank_of, "seed": seed,
+               "num_clients": num_clients}
     kwargs = {**{k: v for k, v in common.items() if k in wanted},
               **{k: v for k, v in derived.items() if k in wanted}, **keys_of(strategy)}
     if per_tensor_family(strategy) and dp.name == "none":
@@ -372,6 +377,9 @@ def markdown_table() -> str:
     for name, schema in strategy_schemas().items():
         cls = STRATEGIES[name]
         where = ("all (per-tensor mean under its own update)" if name in PER_TENSOR else
+                 "a fleet (fleet=tiers|lognormal|trace): asynchronous on its clock, each "
+                 "tensor over its senders; no dp=, no federation.round_timeout; see fleet.md"
+                 if name in ASYNC else
                  "method=lora (plain LoRA for flora and fedex_lora), with or without "
                  "method.ranks; each layer over the clients that sent it (multitier too); no "
                  "dp=; see peft.md" if name in LORA_RANK else

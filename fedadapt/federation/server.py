@@ -287,7 +287,10 @@ def _train_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd: in
     sent, replies, screened = exchange(grid, messages, plan.timeout, expected, "training",
                                         rnd)
     down, up = grid.take_bytes()
-    if fleet is not None:  # the round on the simulated clock
+    asynchronous = getattr(_inner(strategy), "asynchronous", False)
+    if fleet is not None and asynchronous:  # FedBuff: when each started client will arrive
+        sim.update(_arrivals(fleet, start, _inner(strategy), screened, replies, sent, down, up))
+    elif fleet is not None:  # the round on the simulated clock
         sim.update(_simulated_round(fleet, start, state, screened, replies, sent, down, up))
     require_enough(screened, len(sent), plan.min_reply_fraction, rnd)
     served = grid.take_nodes()
@@ -302,6 +305,9 @@ def _train_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd: in
     if new_arrays is not None:
         _check_arrays(strategy, new_arrays, state.arrays)
         state.arrays = _in_dtypes_of(state.arrays, new_arrays)
+    if fleet is not None and asynchronous:  # the clock: the update's simulated second
+        previous, state.sim_time = state.sim_time, max(state.sim_time, _inner(strategy).now)
+        sim.update({"sim_round_s": state.sim_time - previous, "sim_time_s": state.sim_time})
     row = {"round": rnd, "lr": plan.lr_at(rnd), "clients_sampled": len(sent),
            "clients_trained": len(screened.good), "clients_failed": len(screened.dropped),
            "failures": screened.counts(),
@@ -335,6 +341,29 @@ def _simulated_round(fleet, start: float, state: ServerState, screened: Screened
     return {"sim_round_s": state.sim_time - previous, "sim_time_s": state.sim_time,
             "sim_offline": whys.count("offline"), "sim_late": whys.count("late"),
             "sim_discarded": whys.count("discarded")}
+
+
+def _arrivals(fleet, start: float, strategy, screened: Screened, replies: dict, sent: dict,
+              down: dict, up: dict) -> dict:
+    """An asynchronous strategy's clients started at ``start``: when each will arrive on the
+    fleet's clock (``strategy.arrivals``); one that would go offline first is dropped (its
+    reply becomes an error, as a real disconnection's). Returns the row's ``sim_*`` counts."""
+    offline = []
+    strategy.arrivals = {}
+    for cid, _ in screened.good:
+        seconds = fleet.seconds(cid, down.get(cid, 0), up.get(cid, 0))
+        until = fleet.online_until(cid, start)
+        if until is not None and start + seconds > until:
+            offline.append(cid)
+        else:
+            strategy.arrivals[cid] = (start, seconds)
+    for cid in offline:
+        screened.dropped.append((cid, "sim_offline", "went offline before it finished"))
+        replies[cid] = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
+                                     reason="sim_offline: went offline before it finished"),
+                               reply_to=sent[cid])
+    screened.good = [(cid, c) for cid, c in screened.good if cid not in offline]
+    return {"sim_offline": len(offline), "sim_late": 0, "sim_discarded": 0}
 
 
 def _evaluate_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd: int,

@@ -457,6 +457,13 @@ def check_strategy(cfg: RunConfig, prep: PreparedRun) -> None:
         raise ConfigError(f"strategy={name} is invalid for method={cfg.method.name}: it "
                           f"aggregates LoRA factors (method=lora, with method.ranks for "
                           f"clients of different ranks)")
+    if name == "fedbuff" and cfg.fleet.name == "none":
+        raise ConfigError("strategy=fedbuff is invalid without a fleet: its clients arrive on a "
+                          "simulated clock (fleet=tiers|lognormal|trace)")
+    if name == "fedbuff" and cfg.federation.round_timeout is not None:
+        raise ConfigError(f"federation.round_timeout={cfg.federation.round_timeout} is invalid "
+                          f"with strategy=fedbuff: it has no rounds to time out (the server "
+                          f"applies each buffer as it fills)")
     if cfg.fleet.name != "none" and cfg.dp.name != "none":
         raise ConfigError(f"dp={cfg.dp.name} is invalid with fleet={cfg.fleet.name}: its noise "
                           f"is calibrated to a fixed number of clients per round, and a fleet's "
