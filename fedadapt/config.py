@@ -221,7 +221,8 @@ class SettingConfig:
     tiers: Optional[list[int]] = None
     #: multitier: ``balanced`` (the paper's: tiers in equal seeded shares) or ``fleet`` (each
     #: client the deepest of the tiers its device trains within ``federation.round_timeout``
-    #: simulated seconds; needs a ``fleet=``).
+    #: simulated seconds; needs a ``fleet=``). anytime with ``fleet``: each client's steps draw
+    #: from the exits up to the deepest its device trains in time on average.
     tiers_from: str = "balanced"
     #: personalization: ``trainable`` (everything the method trains), ``full`` (also the
     #: backbone), ``adapters`` (the parallel adapters only), ``accumulator`` (the Accumulator
@@ -609,8 +610,9 @@ def _validate_setting(st: SettingConfig, p: PartitionConfig) -> None:
           "> 0")
     check(st.tiers_from in ("balanced", "fleet"), "setting.tiers_from", st.tiers_from,
           "'balanced' or 'fleet'")
-    check(st.tiers_from == "balanced" or st.name == "multitier", "setting.tiers_from",
-          st.tiers_from, "'fleet' assigns the tiers of setting=multitier")
+    check(st.tiers_from == "balanced" or st.name in ("multitier", "anytime"),
+          "setting.tiers_from", st.tiers_from,
+          "'fleet' assigns the tiers of setting=multitier or caps the exits of setting=anytime")
     check(len(st.corruptions) > 0, "setting.corruptions", st.corruptions, "must not be empty")
     check(len(st.severities) > 0 and all(0 <= s <= 5 for s in st.severities),
            "setting.severities", st.severities, "a non-empty list of severities in 0..5")

@@ -60,8 +60,8 @@ def step_exits(setting: SettingConfig, exit_of_client: int, num_exits: int
     over them. None = the model's own forward (conventional: the last exit)."""
     if setting.name == "conventional":
         return None
-    if setting.name == "anytime":
-        return list(range(num_exits))
+    if setting.name == "anytime":  # capped by the client's device (setting.tiers_from=fleet)
+        return list(range(exit_of_client + 1 if setting.tiers_from == "fleet" else num_exits))
     return [exit_of_client]
 
 

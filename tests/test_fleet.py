@@ -319,3 +319,27 @@ def test_fedbuff_with_one_buffer_of_every_client_is_fedavg_and_resumes(tmp_path,
     resumed = read_jsonl(tmp_path / "stopped" / "metrics.jsonl")
     assert max(r["strategy/train/staleness_max"] for r in straight) >= 1  # truly asynchronous
     assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in straight]
+
+
+def test_an_anytime_clients_exits_are_capped_by_its_device(tmp_path, cache_dir):
+    from fedadapt.entry import compose_config, to_run_config
+    from fedadapt.experiment import prepare_run
+    from fedadapt.federation.fleet import train_flops_per_example
+    from fedadapt.federation.worker import client_exits
+
+    base = ["method=lw_linear", "backbone=tiny_vit", "dataset.max_samples=300",
+            "partition.num_clients=6", "setting=anytime", "setting.tiers_from=fleet",
+            "fleet=tiers", "fleet.compute=[1e6,1e9]", f"cache_dir={cache_dir}"]
+    prep = prepare_run(to_run_config(compose_config([*base, "federation.round_timeout=1e9"])),
+                       quiet=True)
+    first = train_flops_per_example(prep.model, prep.spec.train_source, 0, [0])
+    deadline = first * min(len(c.train) for c in prep.spec.clients) / 1e6 * 1.01
+    overrides = [*base, f"federation.round_timeout={deadline}"]
+    prep = prepare_run(to_run_config(compose_config(overrides)), quiet=True)
+    tiers = [p.tier for p in prep.fleet.profiles]
+    assert [client_exits(prep.spec, c) for c in range(6)] == [[0, 1] if t else [0]
+                                                              for t in tiers]
+    _run(tmp_path / "anytime", [*overrides[3:], "method=lw_linear", "backbone=tiny_vit",
+                                "rounds=1", "partition.fraction_fit=1.0"], cache_dir)
+    (row,) = read_jsonl(tmp_path / "anytime" / "metrics.jsonl")
+    assert row["clients_trained"] + row["sim_late"] == 6 and row["global_acc"] is not None

@@ -265,15 +265,19 @@ def train_flops_per_example(model, source, index: int, exits: Optional[list[int]
 
 
 def tiers_from_fleet(cfg, spec, model) -> list[int]:
-    """``setting.tiers_from=fleet``: each client's tier, the deepest of the setting's exits
-    (``setting.tiers``, default every exit) whose local training its device finishes within
-    ``federation.round_timeout`` simulated seconds (compute only: FLOPs per example at the exit
-    x its examples x local epochs / its FLOP/s); a client too slow for the shallowest gets the
-    shallowest (and is late)."""
-    exits = sorted(set(cfg.setting.tiers if cfg.setting.tiers is not None
+    """``setting.tiers_from=fleet``: each client's exit, the deepest whose local training its
+    device finishes within ``federation.round_timeout`` simulated seconds (compute only: FLOPs
+    per example x its examples x local epochs / its FLOP/s). Multi-tier: its tier, among the
+    setting's exits (``setting.tiers``, default every exit), at that exit's cost. Anytime: the
+    deepest exit its steps may draw, at the mean cost of the exits up to it. A client too slow
+    even for the shallowest gets the shallowest (and is late)."""
+    anytime = cfg.setting.name == "anytime"
+    exits = sorted(set(cfg.setting.tiers if cfg.setting.tiers is not None and not anytime
                        else range(spec.num_exits)))
     sample = next((int(c.train[0]) for c in spec.clients if len(c.train)), 0)
     flops = {e: train_flops_per_example(model, spec.train_source, sample, [e]) for e in exits}
+    if anytime:  # a step draws uniformly from the exits up to the cap
+        flops = {e: float(np.mean([flops[d] for d in exits if d <= e])) for e in exits}
     out = []
     for client, p in zip(spec.clients, profiles(cfg.fleet, spec.num_clients, cfg.seed)):
         work = len(client.train) * cfg.train.local_epochs / p.compute

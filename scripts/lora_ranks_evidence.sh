@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The evidence table of docs/peft.md, "LoRA of different ranks across clients": the offline
+# pretrained small ViT of experiment=acc_offline (conventional setting), 10 clients on digits, LoRA
+# at lr 0.2 (LoRA r = 8's best on this preset, docs/peft.md), every client also evaluated on its
+# own 20% (partition.fraction_evaluate=1.0 partition.test_fraction=0.2: FedSA-LoRA's global model
+# has no B, so it is compared on the clients), Dirichlet 0.1 and 1000, seeds 0-2:
+#   ranks 2/4/8 in equal shares under each aggregator (hetlora, flexlora, flora, fedex_lora,
+#   fedsa_lora), against homogeneous rank-8 LoRA and every client at rank 2 (FedAvg).
+# Seed 0 of every row first, then seeds 1-2. Then the table: scripts/lora_ranks_table.py.
+#   bash scripts/lora_ranks_evidence.sh [OUT]        (default outputs/lora_ranks)
+set -euo pipefail
+out=${1:-outputs/lora_ranks}
+export HF_HUB_OFFLINE=1
+weights=${FEDADAPT_CACHE:-$HOME/.cache/fedadapt}/pretrained/small_vit-fashion_mnist-s0
+[ -d "$weights" ] || fedadapt-pretrain --epochs 3 dataset=fashion_mnist backbone=small_vit
+common=(experiment=acc_offline setting=conventional compare=[] method=lora train.lr=0.2
+        partition.fraction_evaluate=1.0 partition.test_fraction=0.2 partition.alpha=0.1,1000)
+sweep() { local name=$1; shift; fedadapt -m "${common[@]}" "$@" hydra.sweep.dir="$out/$name"; }
+for seeds in 0 1,2; do
+  s=${seeds/,/}
+  sweep "homogeneous_s$s" strategy=fedavg method.rank=8,2 seed=$seeds
+  sweep "ranks_s$s" method.ranks=[2,4,8] strategy=hetlora,flexlora,flora,fedex_lora,fedsa_lora \
+    seed=$seeds
+done
+python "$(dirname "$0")/lora_ranks_table.py" "$out"
