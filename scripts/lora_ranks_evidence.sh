@@ -5,7 +5,9 @@
 # own 20% (partition.fraction_evaluate=1.0 partition.test_fraction=0.2: FedSA-LoRA's global model
 # has no B, so it is compared on the clients), Dirichlet 0.1 and 1000, seeds 0-2:
 #   ranks 2/4/8 in equal shares under each aggregator (hetlora, flexlora, flora, fedex_lora,
-#   fedsa_lora), against homogeneous rank-8 LoRA and every client at rank 2 (FedAvg).
+#   fedsa_lora), against homogeneous rank-8 LoRA and every client at rank 2 (FedAvg). Every
+#   client of the ranks runs has the scale alpha / max(ranks) = 16 / 8 = 2 (docs/peft.md); the
+#   rank-2 baseline is run at that scale (alpha 4) and at peft's alpha 16 (scale 8).
 # Seed 0 of every row first, then seeds 1-2. Then the table: scripts/lora_ranks_table.py.
 #   bash scripts/lora_ranks_evidence.sh [OUT]        (default outputs/lora_ranks)
 set -euo pipefail
@@ -19,6 +21,7 @@ sweep() { local name=$1; shift; fedadapt -m "${common[@]}" "$@" hydra.sweep.dir=
 for seeds in 0 1,2; do
   s=${seeds/,/}
   sweep "homogeneous_s$s" strategy=fedavg method.rank=8,2 seed=$seeds
+  sweep "rank2_scale2_s$s" strategy=fedavg method.rank=2 method.alpha=4 seed=$seeds
   sweep "ranks_s$s" method.ranks=[2,4,8] strategy=hetlora,flexlora,flora,fedex_lora,fedsa_lora \
     seed=$seeds
 done

@@ -2,7 +2,8 @@
 scripts/lora_ranks_evidence.sh writes: per aggregator (and the two homogeneous baselines) and
 Dirichlet alpha, the final global accuracy and the clients' mean accuracy on their own test
 splits (mean ± std over seeds), the bytes a run sends, and each row's difference to homogeneous
-rank-8 LoRA and to every client at rank 2, paired by seed (the same seed: the same partition,
+rank-8 LoRA and to every client at rank 2 (both at the ranks runs' scale alpha / r = 2), paired by
+seed (the same seed: the same partition,
 the same sampled clients). FedSA-LoRA's global model has no B (each client keeps its own): its
 row is compared on the clients' accuracy.
 
@@ -27,7 +28,8 @@ def _runs(root: Path) -> list[dict]:
         s = json.loads(summary.read_text())
         ranks = cfg["method"].get("ranks")
         out.append({
-            "row": (cfg["strategy"]["name"], tuple(ranks) if ranks else (cfg["method"]["rank"],)),
+            "row": (cfg["strategy"]["name"], tuple(ranks) if ranks else (cfg["method"]["rank"],),
+                    cfg["method"]["alpha"]),
             "alpha": cfg["partition"]["alpha"], "seed": s["seed"],
             "global": 100 * s["final"]["global_acc"], "client": 100 * s["final"]["client_acc"],
             "bytes": s["total_bytes"]})
@@ -43,18 +45,21 @@ def _describe(values: list[float]) -> str:
 
 
 def _label(row: tuple) -> str:
-    strategy, ranks = row
+    strategy, ranks, alpha = row
+    scale = alpha / max(ranks)
     if len(ranks) == 1:
-        return f"LoRA r = {ranks[0]}, every client (`strategy={strategy}`)"
-    return f"ranks {'/'.join(map(str, ranks))} (`strategy={strategy}`)"
+        return (f"LoRA r = {ranks[0]}, every client, scale {scale:g} (alpha {alpha:g}; "
+                f"`strategy={strategy}`)")
+    return f"ranks {'/'.join(map(str, ranks))}, scale {scale:g} (`strategy={strategy}`)"
 
 
 def table(runs: list[dict]) -> str:
     alphas = sorted({r["alpha"] for r in runs})
     by = {(r["row"], r["alpha"], r["seed"]): r for r in runs}
     order = sorted({r["row"] for r in runs}, key=lambda row: (len(row[1]) > 1, -row[1][0],
-                                                              row[0]))
-    bases = {"r = 8": ("fedavg", (8,)), "r = 2": ("fedavg", (2,))}
+                                                              row[2], row[0]))
+    # the baselines at the ranks runs' scale, 2: rank 8 at alpha 16, rank 2 at alpha 4
+    bases = {"r = 8": ("fedavg", (8,), 16.0), "r = 2": ("fedavg", (2,), 4.0)}
     head = ["rows", "seeds", "MB sent"]
     for a in alphas:
         head += [f"global, α {a:g}", f"clients, α {a:g}", f"Δ vs r = 8, α {a:g}",
