@@ -8,6 +8,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+#: Bumped whenever any module anywhere registers a parameter or a submodule (torch's global
+#: registration hooks): :meth:`AdaptedModel.named_params` relists its parameters after that.
+_STRUCTURE = [0]
+
+
+def _structure_changed(*_args) -> None:
+    _STRUCTURE[0] += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_structure_changed)
+torch.nn.modules.module.register_module_module_registration_hook(_structure_changed)
+
 
 class AdaptedModel(nn.Module):
     """Backbone (frozen, optional) followed by a trainable head.
@@ -81,8 +93,18 @@ class AdaptedModel(nn.Module):
         return F.cross_entropy(self(x), y)
 
     # -- what trains, what travels -------------------------------------------------------
+    def named_params(self) -> list[tuple[str, nn.Parameter]]:
+        """``list(self.named_parameters())``, listed again only after a parameter or module was
+        registered somewhere (the walk over a ViT's thousands of modules costs milliseconds,
+        and a round asks for the trainable names many times per client)."""
+        cached = self.__dict__.get("_named_params_cache")
+        if cached is None or cached[0] != _STRUCTURE[0]:
+            cached = (_STRUCTURE[0], list(self.named_parameters()))
+            self.__dict__["_named_params_cache"] = cached
+        return cached[1]
+
     def trainable_names(self) -> list[str]:
-        return [n for n, p in self.named_parameters() if p.requires_grad]
+        return [n for n, p in self.named_params() if p.requires_grad]
 
     def personal_names(self) -> list[str]:
         names = self.trainable_names()
@@ -102,7 +124,7 @@ class AdaptedModel(nn.Module):
 
     def tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Detached CPU copies of the named parameters."""
-        params = dict(self.named_parameters())
+        params = dict(self.named_params())
         return {n: params[n].detach().cpu().clone() for n in names}
 
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:

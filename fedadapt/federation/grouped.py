@@ -235,7 +235,9 @@ class UsedTensors:
 
     def __call__(self, exit_: Optional[int]) -> frozenset[str]:
         model = self.model
-        key = (exit_, tuple(n for n, p in model.named_parameters() if p.requires_grad))
+        params = model.named_params() if hasattr(model, "named_params") else list(
+            model.named_parameters())
+        key = (exit_, tuple(n for n, p in params if p.requires_grad))
         if key not in self.cache:  # per exit and trainable set (personalization changes it)
             dev = next(model.parameters()).device
             x, y = self.source.get(np.array([self.index]), dev)
