@@ -275,6 +275,14 @@ def test_fedex_and_flora_clients_fold_side_by_side_as_one_at_a_time(tmp_path, ca
             loss, acc = _client_eval(prep, arrays, row["client"])
             assert (row["loss"], row["accuracy"]) == pytest.approx((loss, acc), abs=1e-5), \
                 strategy
+        if strategy == "flora":  # base_delta travels down, dense, with every message
+            per_message = sum(4 * t.numel() for t in deltas)
+            flex = _run(tmp_path / "flex", ["strategy=flexlora"], cache_dir)[2]
+            rows = read_jsonl(run_dir / "metrics.jsonl")
+            for mine, other in zip(rows, flex):  # the same shapes of A and B otherwise
+                messages = mine["clients_sampled"] + mine["clients_evaluated"]
+                extra = mine["bytes_down"] - other["bytes_down"]  # each array's header too
+                assert 0 <= extra - messages * per_message <= messages * len(deltas) * 256
         unfolded = {n: t for n, t in arrays.items() if not n.endswith(".base_delta")}
         prep.model.fold({})
         assert any(_client_eval(prep, unfolded, r["client"])[0] != pytest.approx(

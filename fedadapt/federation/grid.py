@@ -198,9 +198,14 @@ class ClientGrid(Grid):
         return out
 
     def _counted(self, record: ArrayRecord, cid: int) -> ArrayRecord:
+        """What of ``record`` the client needs: the tensors it trains, and the folded updates
+        of its frozen weights (FLoRA's and FedEx-LoRA's ``X.base_delta``)."""
         if self.trained is None:
             return record
-        return ArrayRecord({n: record[n] for n in self.trained(cid) if n in record})
+        from fedadapt.strategies.lora_het import is_base_delta
+
+        names = [*self.trained(cid), *(n for n in record.keys() if is_base_delta(n))]
+        return ArrayRecord({n: record[n] for n in names if n in record})
 
     def _size(self, record: ArrayRecord, cid: int) -> int:
         names = tuple(self.trained(cid)) if self.trained is not None else None
