@@ -21,6 +21,12 @@ torch.nn.modules.module.register_module_parameter_registration_hook(_structure_c
 torch.nn.modules.module.register_module_module_registration_hook(_structure_changed)
 
 
+def structure_version() -> int:
+    """How many parameters and modules have been registered anywhere so far: a listing of a
+    model's parameters or layers taken at this version still holds while it has not moved."""
+    return _STRUCTURE[0]
+
+
 class AdaptedModel(nn.Module):
     """Backbone (frozen, optional) followed by a trainable head.
 
@@ -98,8 +104,8 @@ class AdaptedModel(nn.Module):
         registered somewhere (the walk over a ViT's thousands of modules costs milliseconds,
         and a round asks for the trainable names many times per client)."""
         cached = self.__dict__.get("_named_params_cache")
-        if cached is None or cached[0] != _STRUCTURE[0]:
-            cached = (_STRUCTURE[0], list(self.named_parameters()))
+        if cached is None or cached[0] != structure_version():
+            cached = (structure_version(), list(self.named_parameters()))
             self.__dict__["_named_params_cache"] = cached
         return cached[1]
 

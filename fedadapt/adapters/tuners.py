@@ -124,14 +124,18 @@ class Tuned:
     def lora_layers(self) -> dict[str, nn.Module]:
         """``{"X.base_delta": peft LoRA layer X}`` of every LoRA layer (the name a folded
         update of layer ``X`` has)."""
-        if not hasattr(self, "_lora_layers"):
+        from fedadapt.adapters.model import structure_version
+
+        cached = self.__dict__.get("_lora_layers_cache")
+        if cached is None or cached[0] != structure_version():  # again after a registration
             from peft.tuners.lora import LoraLayer
 
             from fedadapt.strategies.lora_het import BASE_DELTA
 
-            self._lora_layers = {f"{n}.{BASE_DELTA}": m for n, m in self.named_modules()
-                                 if isinstance(m, LoraLayer)}
-        return self._lora_layers
+            cached = (structure_version(), {f"{n}.{BASE_DELTA}": m for n, m in self.named_modules()
+                                      if isinstance(m, LoraLayer)})
+            self.__dict__["_lora_layers_cache"] = cached
+        return cached[1]
 
 
 class TunedModel(Tuned, AdaptedModel):

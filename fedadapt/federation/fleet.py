@@ -177,6 +177,12 @@ class Fleet:
                 return b
         return None
 
+    def offline_before(self, cid: int, start: float, seconds: float) -> Optional[float]:
+        """When the client goes offline, if that is before it finishes ``seconds`` of work
+        started at ``start``; None: it finishes online."""
+        until = self.online_until(cid, start)
+        return until if until is not None and start + seconds > until else None
+
     def available(self, t: float) -> list[int]:
         """The clients available at simulated time ``t``."""
         return [c for c in range(self.num_clients) if self.online_until(c, t) is not None]
@@ -210,8 +216,8 @@ class Fleet:
         dropped: dict[int, str] = {}
         end = 0.0
         for c, t in times.items():
-            until = self.online_until(c, start)
-            if until is not None and start + t > until:  # it goes offline before it finishes
+            until = self.offline_before(c, start, t)
+            if until is not None:
                 dropped[c] = "offline"
                 end = max(end, min(until - start, self.deadline or math.inf))
             elif self.deadline is not None and t > self.deadline:
@@ -264,6 +270,25 @@ def train_flops_per_example(model, source, index: int, exits: Optional[list[int]
     return float(np.mean(out))
 
 
+#: FLOPs per training example by ``(run, exit)``: each exit of a run measured once (the
+#: tiers from the fleet and the fleet's work ask for the same ones).
+_FLOPS: dict[tuple, float] = {}
+
+
+def _flops_at(spec, model, exits: Optional[list[int]]) -> float:
+    """:func:`train_flops_per_example` at ``exits`` (their mean; None: the model's own
+    forward), each exit measured once per run."""
+    from fedadapt.federation.worker import first_train_index
+
+    if any(key[0] != spec.run_id for key in _FLOPS):
+        _FLOPS.clear()  # another run's model
+    for e in exits or [None]:
+        if (spec.run_id, e) not in _FLOPS:
+            _FLOPS[(spec.run_id, e)] = train_flops_per_example(
+                model, spec.train_source, first_train_index(spec), None if e is None else [e])
+    return float(np.mean([_FLOPS[(spec.run_id, e)] for e in exits or [None]]))
+
+
 def tiers_from_fleet(cfg, spec, model) -> list[int]:
     """``setting.tiers_from=fleet``: each client's exit, the deepest whose local training its
     device finishes within ``federation.round_timeout`` simulated seconds (compute only: FLOPs
@@ -274,10 +299,9 @@ def tiers_from_fleet(cfg, spec, model) -> list[int]:
     anytime = cfg.setting.name == "anytime"
     exits = sorted(set(cfg.setting.tiers if cfg.setting.tiers is not None and not anytime
                        else range(spec.num_exits)))
-    sample = next((int(c.train[0]) for c in spec.clients if len(c.train)), 0)
-    flops = {e: train_flops_per_example(model, spec.train_source, sample, [e]) for e in exits}
-    if anytime:  # a step draws uniformly from the exits up to the cap
-        flops = {e: float(np.mean([flops[d] for d in exits if d <= e])) for e in exits}
+    # anytime: a step draws uniformly from the exits up to the cap
+    flops = {e: _flops_at(spec, model, [d for d in exits if d <= e] if anytime else [e])
+             for e in exits}
     out = []
     for client, p in zip(spec.clients, profiles(cfg.fleet, spec.num_clients, cfg.seed)):
         work = len(client.train) * cfg.train.local_epochs / p.compute
@@ -293,15 +317,8 @@ def build_fleet(cfg, spec, model) -> Optional[Fleet]:
 
     if cfg.fleet.name == "none":
         return None
-    sample = next((int(c.train[0]) for c in spec.clients if len(c.train)), 0)
-    per_example: dict[tuple, float] = {}
-    work = []
-    for cid, client in enumerate(spec.clients):
-        exits = client_exits(spec, cid)
-        key = tuple(exits) if exits else ()
-        if key not in per_example:
-            per_example[key] = train_flops_per_example(model, spec.train_source, sample, exits)
-        work.append(per_example[key] * len(client.train) * cfg.train.local_epochs)
+    work = [_flops_at(spec, model, client_exits(spec, cid)) * len(client.train)
+            * cfg.train.local_epochs for cid, client in enumerate(spec.clients)]
     return Fleet(cfg.fleet, spec.num_clients, cfg.seed, work,
                  deadline=cfg.federation.round_timeout)
 

@@ -322,48 +322,51 @@ def _train_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd: in
     return row, sum(down.values()), sum(up.values())
 
 
+#: Why a fleet's clock drops a client (its failure kind is ``sim_<why>``).
+SIM_DROPS = {"offline": "went offline before it finished",
+             "late": "after the simulated deadline federation.round_timeout",
+             "discarded": "beyond fleet.keep_first"}
+
+
+def _drop_simulated(screened: Screened, replies: dict, sent: dict,
+                    dropped: dict[int, str]) -> dict:
+    """The clients the clock drops (``{client: why}``) leave ``screened.good`` and get an error
+    reply as a real timeout's or disconnection's would; returns the row's ``sim_<why>``
+    counts."""
+    for cid, why in sorted(dropped.items()):
+        screened.dropped.append((cid, f"sim_{why}", SIM_DROPS[why]))
+        replies[cid] = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
+                                     reason=f"sim_{why}: {SIM_DROPS[why]}"), reply_to=sent[cid])
+    screened.good = [(cid, content) for cid, content in screened.good if cid not in dropped]
+    whys = list(dropped.values())
+    return {f"sim_{why}": whys.count(why) for why in SIM_DROPS}
+
+
 def _simulated_round(fleet, start: float, state: ServerState, screened: Screened,
                      replies: dict, sent: dict, down: dict, up: dict) -> dict:
     """The round on the fleet's clock (:meth:`~fedadapt.federation.fleet.Fleet.round`): the
     clients it drops (offline before they finish, later than the deadline, beyond
-    ``keep_first``) leave ``screened.good`` and get an error reply as a real timeout's would;
-    the clock moves to the round's end; returns the row's ``sim_*`` keys."""
+    ``keep_first``) are dropped (:func:`_drop_simulated`); the clock moves to the round's end;
+    returns the row's ``sim_*`` keys."""
     dropped, seconds = fleet.round(start, [cid for cid, _ in screened.good], down, up)
-    for cid, why in sorted(dropped.items()):
-        detail = {"offline": "went offline before it finished", "late": "after the simulated "
-                  "deadline federation.round_timeout", "discarded": "beyond fleet.keep_first"}[why]
-        screened.dropped.append((cid, f"sim_{why}", detail))
-        replies[cid] = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
-                                     reason=f"sim_{why}: {detail}"), reply_to=sent[cid])
-    screened.good = [(cid, content) for cid, content in screened.good if cid not in dropped]
+    counts = _drop_simulated(screened, replies, sent, dropped)
     previous, state.sim_time = state.sim_time, start + seconds
-    whys = list(dropped.values())
-    return {"sim_round_s": state.sim_time - previous, "sim_time_s": state.sim_time,
-            "sim_offline": whys.count("offline"), "sim_late": whys.count("late"),
-            "sim_discarded": whys.count("discarded")}
+    return {"sim_round_s": state.sim_time - previous, "sim_time_s": state.sim_time, **counts}
 
 
 def _arrivals(fleet, start: float, strategy, screened: Screened, replies: dict, sent: dict,
               down: dict, up: dict) -> dict:
     """An asynchronous strategy's clients started at ``start``: when each will arrive on the
-    fleet's clock (``strategy.arrivals``); one that would go offline first is dropped (its
-    reply becomes an error, as a real disconnection's). Returns the row's ``sim_*`` counts."""
-    offline = []
-    strategy.arrivals = {}
+    fleet's clock (``strategy.arrivals``); one that would go offline first is dropped
+    (:func:`_drop_simulated`). Returns the row's ``sim_*`` counts."""
+    strategy.arrivals, offline = {}, {}
     for cid, _ in screened.good:
         seconds = fleet.seconds(cid, down.get(cid, 0), up.get(cid, 0))
-        until = fleet.online_until(cid, start)
-        if until is not None and start + seconds > until:
-            offline.append(cid)
+        if fleet.offline_before(cid, start, seconds) is not None:
+            offline[cid] = "offline"
         else:
             strategy.arrivals[cid] = (start, seconds)
-    for cid in offline:
-        screened.dropped.append((cid, "sim_offline", "went offline before it finished"))
-        replies[cid] = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
-                                     reason="sim_offline: went offline before it finished"),
-                               reply_to=sent[cid])
-    screened.good = [(cid, c) for cid, c in screened.good if cid not in offline]
-    return {"sim_offline": len(offline), "sim_late": 0, "sim_discarded": 0}
+    return _drop_simulated(screened, replies, sent, offline)
 
 
 def _evaluate_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd: int,

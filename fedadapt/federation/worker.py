@@ -45,13 +45,18 @@ def client_exits(spec: RunSpec, cid: int) -> Optional[list[int]]:
     return step_exits(spec.setting, exit_of, spec.num_exits)
 
 
+def first_train_index(spec: RunSpec) -> int:
+    """The first training example of the first client that has one: the sample a one-step
+    probe of the model runs on (which tensors train, how many FLOPs)."""
+    return next((int(c.train[0]) for c in spec.clients if len(c.train)), 0)
+
+
 def used_tensors(spec: RunSpec, model=None) -> UsedTensors:
     """Which trainable tensors a step at each exit trains (found once per process and run)."""
     if spec.run_id not in _USED:
         _USED.clear()
         model = cached_model(spec) if model is None else model
-        sample = next((int(c.train[0]) for c in spec.clients if len(c.train)), 0)
-        _USED[spec.run_id] = UsedTensors(model, spec.train_source, sample,
+        _USED[spec.run_id] = UsedTensors(model, spec.train_source, first_train_index(spec),
                                             precision=spec.precision)
     return _USED[spec.run_id]
 

@@ -315,11 +315,14 @@ def personalization_table(runs: list[dict]) -> str:
 
 
 def history_of(run: dict) -> list[dict]:
-    """A run's ``metrics.jsonl`` rows."""
+    """A run's ``metrics.jsonl`` rows, read once (the time-to-accuracy column and the plot
+    both ask)."""
     from fedadapt.results.store import read_jsonl
 
-    path = Path(run["dir"]) / "metrics.jsonl"
-    return read_jsonl(path) if path.is_file() else []
+    if "history" not in run:
+        path = Path(run["dir"]) / "metrics.jsonl"
+        run["history"] = read_jsonl(path) if path.is_file() else []
+    return run["history"]
 
 
 def time_to_accuracy(rows: list[dict], target: float) -> str:
@@ -345,9 +348,10 @@ def accuracy_time_plot(varying: list[str], rows: list[dict], path: Path) -> bool
     none did."""
     from fedadapt.results.plots import plot_accuracy_vs_time
 
-    groups = {", ".join(f"{k}={row[k]}" for k in varying): [history_of(r) for r in row["runs"]]
-              for row in rows}
-    groups = {k: v for k, v in groups.items() if any("sim_time_s" in r for h in v for r in h)}
+    groups = {", ".join(f"{k}={row[k]}" for k in varying):
+              [history_of(r) for r in row["runs"] if "simulated_s" in r["summary"]]
+              for row in rows}  # a run without a fleet is not read
+    groups = {k: v for k, v in groups.items() if v}
     if groups:
         plot_accuracy_vs_time(groups, path)
     return bool(groups)
