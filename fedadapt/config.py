@@ -281,7 +281,10 @@ class TrainConfig:
 class FederationConfig:
     """How the simulation runs."""
 
-    #: ``simulation`` (Flower's Ray backend via run_simulation).
+    #: ``simulation``: Flower's simulation engine (Ray backend, ``flwr.simulation.run_simulation``),
+    #: the workers Ray actors. ``inprocess``: the same server code, ClientApp and workers in this
+    #: one process, no Ray (one machine; the workers' messages handled in turn): the same
+    #: numbers, less start-up and memory (docs/speed.md).
     backend: str = "simulation"
     #: Simulated workers (Ray actors that each hold the frozen backbone once and train the
     #: clients a message names): ``auto`` = one per GPU, on the CPU one per two cores; or N.
@@ -493,6 +496,8 @@ PERSONALIZE_PARTS = ("trainable", "full", "adapters", "accumulator", "client_tok
 KNOWN_OPTIMIZERS = ("sgd", "adam", "adamw")
 KNOWN_WEIGHTINGS = ("examples", "uniform")
 KNOWN_SELECTIONS = ("last", "best_val")
+#: ``federation.backend``: Flower's simulation engine on Ray, or every worker in this process.
+BACKENDS = ("simulation", "inprocess")
 #: ``train.precision`` (see :mod:`fedadapt.devices`).
 PRECISIONS = ("auto", "fp32", "bf16")
 #: ``faults.kinds`` (see :mod:`fedadapt.federation.faults`).
@@ -648,9 +653,11 @@ def _validate_federation(f: FederationConfig, method: MethodConfig) -> None:
            f"one of {KNOWN_WEIGHTINGS}")
     check(f.select in KNOWN_SELECTIONS, "federation.select", f.select,
            f"one of {KNOWN_SELECTIONS}")
-    check(f.backend == "simulation", "federation.backend", f.backend,
-           "'simulation' is the in-process launcher; for a SuperLink use `flwr run` "
-           "(see docs/deployment.md)")
+    check(f.backend in BACKENDS, "federation.backend", f.backend,
+           f"one of {BACKENDS} (for a SuperLink use `flwr run`: docs/deployment.md)")
+    check(f.backend != "inprocess" or f.ray_address is None, "federation.ray_address",
+          f.ray_address, "a Ray cluster needs federation.backend=simulation (inprocess runs "
+          "every worker in this process)")
     check(f.num_cpus is None or f.num_cpus > 0, "federation.num_cpus", f.num_cpus,
           "must be > 0 or null")
     for key, value in (("federation.workers", f.workers),

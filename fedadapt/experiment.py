@@ -8,6 +8,7 @@ below (the run directory's partition, tracker, summary head and tail, the simula
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
@@ -184,12 +185,17 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
                                      execute=execute, resume=resume, t0=t0)
 
 
-def write_partition(run_dir: Path, cfg: RunConfig, prep: PreparedRun) -> None:
+def write_partition(run_dir: Path, cfg: RunConfig, prep: PreparedRun, *, stats: bool = True,
+                    plot: bool = True) -> None:
     """``partition.json`` (statistics) and ``partition.png`` (classes per client)."""
-    from fedadapt.results.plots import write_partition_plot
     from fedadapt.results.store import write_json
 
-    write_json(run_dir / "partition.json", prep.partition.stats)
+    if stats:
+        write_json(run_dir / "partition.json", prep.partition.stats)
+    if not plot:
+        return
+    from fedadapt.results.plots import write_partition_plot
+
     source = prep.spec.train_source
     write_partition_plot(cfg, prep.partition, source.labels(), run_dir / "partition.png",
                          class_names=list(source.prepared.class_names))
@@ -213,7 +219,12 @@ def open_tracker(cfg: RunConfig, run_dir: Path, config_yaml: str, label: str,
 
 
 def simulation(cfg: RunConfig) -> Callable:
-    """The default ``execute``: Flower's simulation engine with ``cfg.federation``."""
+    """The default ``execute``: Flower's simulation engine with ``cfg.federation``, or with
+    ``federation.backend=inprocess`` the workers in this process."""
+    if cfg.federation.backend == "inprocess":
+        from fedadapt.federation.inprocess import in_process
+
+        return in_process(nodes="workers")
     from fedadapt.federation.launch import run_simulation
 
     return lambda plan, client_app: run_simulation(plan, client_app, cfg.federation)
@@ -277,7 +288,10 @@ def node_layout(cfg: RunConfig, prep: PreparedRun, execute: Optional[Callable],
         else None
     backbone_trained = prep.model.count([n for n in prep.model.trainable_names()
                                          if n.startswith("backbone.")])
-    sizing = size_simulation(cfg.federation, spec.device, sampled, cfg.train.batch_size,
+    fed = cfg.federation
+    if fed.backend == "inprocess" and str(fed.workers).strip().lower() == "auto":
+        fed = dataclasses.replace(fed, workers="1")  # its workers take turns: one has every CPU
+    sizing = size_simulation(fed, spec.device, sampled, cfg.train.batch_size,
                              probe, trains_whole=backbone_trained
                              >= prep.counts["backbone_params"] / 2)
     announce(sizing)

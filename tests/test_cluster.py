@@ -54,6 +54,21 @@ def test_resources_are_checked(key, value, needle, cache_dir):
         validate(cfg)
 
 
+@pytest.mark.parametrize("backend,address,needle", [
+    ("ray", None, "federation.backend='ray' is invalid: one of ('simulation', 'inprocess')"),
+    ("inprocess", "10.0.0.1:6379", "federation.ray_address='10.0.0.1:6379' is invalid: a Ray "
+                                   "cluster needs federation.backend=simulation"),
+])
+def test_a_backend_is_one_of_two_and_inprocess_joins_no_cluster(backend, address, needle,
+                                                                 cache_dir):
+    from fedadapt.adapters.heads import LinearHeadConfig
+
+    cfg = tiny_run(cache_dir, LinearHeadConfig(name="linear_head"))
+    cfg.federation.backend, cfg.federation.ray_address = backend, address
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        validate(cfg)
+
+
 @pytest.mark.parametrize("address,needle", [
     ("ray://10.0.0.1:10001", "Ray Client (ray://) is not supported"),
     ("no-port", "HOST:PORT"),

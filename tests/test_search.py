@@ -52,16 +52,18 @@ def test_search_preset_composes_an_optuna_lr_search():
 
 @pytest.mark.slow
 def test_optuna_search_runs_trials_and_records_the_best(tmp_path, cache_dir):
-    """Two trials (tiny model, 1 round, partition=pathological) in one process: each returns its
-    validation accuracy; Optuna's result names the best train.lr; Flower's deprecation notice
-    appears at most once."""
+    """Two trials (tiny model, 1 round, partition=pathological) in one process, each a run
+    without Ray (``federation.backend=inprocess``): each returns its validation accuracy;
+    Optuna's result names the best train.lr; Flower's deprecation notice appears at most
+    once."""
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "FEDADAPT_CACHE": cache_dir}
     out = subprocess.run(
         [sys.executable, "-m", "fedadapt.cli", "search=lr", "method=linear_head",
          "hydra.sweeper.n_trials=2", "rounds=1", "partition=pathological",
          "partition.num_clients=3", "partition.classes_per_client=4", "backbone=small_cnn",
-         "backbone.image_size=16", "dataset.max_samples=300", f"output_dir={tmp_path}/out"],
+         "backbone.image_size=16", "dataset.max_samples=300", "federation.backend=inprocess",
+         f"output_dir={tmp_path}/out"],
         capture_output=True, text=True, timeout=600, env=env)
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-3000:]

@@ -42,9 +42,12 @@ def test_ten_clients_four_rounds_learn(cache_dir, tmp_path):
 WALL_CLOCK = ("round_s", "wall_s")
 
 
-def test_same_seed_same_metrics(cache_dir, tmp_path):
+def test_same_seed_same_metrics_on_ray_and_in_process(cache_dir, tmp_path):
     """Two runs of one config and seed give identical metrics (wall-clock fields aside), even
-    for full fine-tuning where every float of the aggregate feeds the next round.
+    for full fine-tuning where every float of the aggregate feeds the next round: one on
+    Flower's simulation engine (Ray), one with ``federation.backend=inprocess`` (the same
+    server, ClientApp and worker in this process), so the two backends are also the same run to
+    the last bit.
 
     On the CPU, with each client's torch threads pinned (``federation.num_cpus``), whatever
     else runs on the machine. Not on a GPU by default: cuDNN's convolutions and the CUDA
@@ -54,10 +57,14 @@ def test_same_seed_same_metrics(cache_dir, tmp_path):
     cfg = tiny_run(cache_dir, FinetuneConfig(), rounds=3)
     cfg.partition.fraction_fit = 0.67  # sampling must be seeded too
     cfg.federation.num_gpus = 0
-    runs = []
-    for i in range(2):
-        run_experiment(cfg, tmp_path / f"run{i}", config_yaml="test: true\n")
+    cfg.federation.num_cpus = 1  # the same threads on both backends, whatever the machine
+    runs, summaries = [], []
+    for i, backend in enumerate(("simulation", "inprocess")):
+        cfg.federation.backend = backend
+        summaries.append(run_experiment(cfg, tmp_path / f"run{i}", config_yaml="test: true\n"))
         runs.append([{k: v for k, v in r.items() if k not in WALL_CLOCK}
                      for r in read_jsonl(tmp_path / f"run{i}" / "metrics.jsonl")])
     assert runs[0] == runs[1]
     assert runs[0][-1]["clients_trained"] == 2
+    assert summaries[0]["final"] == summaries[1]["final"]
+    assert (tmp_path / "run1" / "partition.png").is_file()  # drawn after the rounds

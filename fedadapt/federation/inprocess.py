@@ -1,7 +1,13 @@
 """Run a plan with every client in this process, one message at a time: no Ray, no simulation
 engine. The server code (:func:`fedadapt.federation.server.execute_plan`) and the ClientApp are
 the real ones; messages are copied on the way there and back, as a transport would, and every
-exchange can be watched (``on_reply``). For tests and debugging: a tiny run takes seconds.
+exchange can be watched (``on_reply``).
+
+``federation.backend=inprocess`` runs a simulation this way
+(:func:`fedadapt.experiment.simulation`): the simulation's layout, its workers taking turns in
+this process (one worker with every CPU unless ``federation.workers`` says otherwise), with no
+Ray start-up, no actor processes and no engine polling between the server and the workers
+(docs/speed.md).
 
 Usage: ``run_experiment(cfg, run_dir, config_yaml=..., execute=run_in_process)``: one node per
 client, as on the deployment engine; ``execute=in_process(nodes="workers")``: the simulation's
@@ -18,6 +24,7 @@ import time
 import uuid
 from typing import Callable, Iterable, Iterator, Optional
 
+import torch
 from flwr.app import Context, Error, Message, RecordDict
 
 from fedadapt.federation.server import ServerPlan, ServerState, execute_plan
@@ -54,11 +61,14 @@ class InProcessGrid:
             msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
             context = self.contexts[msg.metadata.dst_node_id]
             t0 = time.monotonic()
+            threads = torch.get_num_threads()
             try:
                 reply = self.app(copy.deepcopy(msg), context)
             except Exception as err:  # as the engines report a raising ClientApp
                 reply = Message(Error(code=0, reason=f"{type(err).__name__}: {err}"),
                                 reply_to=msg)
+            finally:  # a worker pins its threads: the server's evaluation keeps this process's
+                torch.set_num_threads(threads)
             if timeout is not None and time.monotonic() - t0 > timeout:
                 continue  # too late: the server never sees it
             reply = copy.deepcopy(reply)
@@ -85,8 +95,6 @@ def _task_identity() -> Iterator[None]:
 def run_in_process(plan: ServerPlan, client_app, *,
                    on_reply: Optional[OnReply] = None) -> ServerState:
     """Execute ``plan`` against ``plan.num_nodes`` in-process nodes; the final state."""
-    import torch
-
     threads = torch.get_num_threads()  # a client pins its process's threads: this one's
     flwr_logger = logging.getLogger("flwr")
     level = flwr_logger.level
