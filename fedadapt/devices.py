@@ -104,6 +104,17 @@ def hold_frozen(module: nn.Module, precision: str) -> None:
                     p.data = p.data.to(torch.bfloat16)
 
 
+def seed_torch(seed: int, device: torch.device) -> None:
+    """What ``torch.manual_seed(seed)`` does for a process computing on ``device``: the CPU
+    generator, and on CUDA every GPU's. Called per client and round: ``torch.manual_seed`` also
+    queues seeds for CUDA, XPU and MTIA while they are not initialised, each queued call
+    recording a formatted stack trace (about 0.6 ms each under fedadapt's stack, 17 ms in a
+    round of 10 clients training linear heads)."""
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed_all(seed)
+
+
 def return_freed_memory() -> None:
     """Hand the memory Python and torch have freed back to the operating system (glibc's
     ``malloc_trim``; a no-op elsewhere). glibc keeps freed blocks below its mmap threshold

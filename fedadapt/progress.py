@@ -481,7 +481,6 @@ def quiet_libraries() -> None:
     if _QUIETED:
         return
     _QUIETED.append(True)
-    import transformers
     from huggingface_hub.utils import disable_progress_bars
 
     import datasets
@@ -491,5 +490,8 @@ def quiet_libraries() -> None:
     # "Parameter 'indices'=[...] couldn't be hashed properly, a random hash was used": datasets
     # fingerprints a select() for its cache, which fedadapt does not use
     logging.getLogger("datasets.fingerprint").setLevel(logging.ERROR)
-    transformers.utils.logging.disable_progress_bar()
     disable_progress_bars()
+    # transformers reads the Hub's setting when imported; importing it here only to silence it
+    # took a second of a small CNN's start-up
+    if "transformers" in sys.modules:
+        sys.modules["transformers"].utils.logging.disable_progress_bar()

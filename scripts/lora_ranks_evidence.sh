@@ -8,15 +8,30 @@
 #   fedsa_lora), against homogeneous rank-8 LoRA and every client at rank 2 (FedAvg). Every
 #   client of the ranks runs has the scale alpha / max(ranks) = 16 / 8 = 2 (docs/peft.md); the
 #   rank-2 baseline is run at that scale (alpha 4) and at peft's alpha 16 (scale 8).
+# With `efficientnet` as the second argument, the same rows on the main job's shape instead
+# (experiment=quickstart: frozen EfficientNet-Lite0 with its ImageNet weights, 64 px, 10 clients on
+# digits, 3 per round, 12 rounds, the preset's SGD lr 0.002 with momentum 0.9; LoRA on the
+# pointwise convolutions).
 # Seed 0 of every row first, then seeds 1-2. Then the table: scripts/lora_ranks_table.py.
-#   bash scripts/lora_ranks_evidence.sh [OUT]        (default outputs/lora_ranks)
+#   bash scripts/lora_ranks_evidence.sh [OUT] [small_vit|efficientnet]
+#   (default OUT: outputs/lora_ranks, or outputs/lora_ranks_efficientnet)
 set -euo pipefail
-out=${1:-outputs/lora_ranks}
+backbone=${2:-small_vit}
 export HF_HUB_OFFLINE=1
-weights=${FEDADAPT_CACHE:-$HOME/.cache/fedadapt}/pretrained/small_vit-fashion_mnist-s0
-[ -d "$weights" ] || fedadapt-pretrain --epochs 3 dataset=fashion_mnist backbone=small_vit
-common=(experiment=acc_offline setting=conventional compare=[] method=lora train.lr=0.2
-        partition.fraction_evaluate=1.0 partition.test_fraction=0.2 partition.alpha=0.1,1000)
+evaluate=(partition.fraction_evaluate=1.0 partition.test_fraction=0.2 partition.alpha=0.1,1000)
+case $backbone in
+  small_vit)
+    out=${1:-outputs/lora_ranks}
+    weights=${FEDADAPT_CACHE:-$HOME/.cache/fedadapt}/pretrained/small_vit-fashion_mnist-s0
+    [ -d "$weights" ] || fedadapt-pretrain --epochs 3 dataset=fashion_mnist backbone=small_vit
+    common=(experiment=acc_offline setting=conventional compare=[] method=lora train.lr=0.2
+            "${evaluate[@]}") ;;
+  efficientnet)
+    out=${1:-outputs/lora_ranks_efficientnet}
+    common=(experiment=quickstart compare=[] method=lora "${evaluate[@]}") ;;
+  *) echo "scripts/lora_ranks_evidence.sh: the second argument is small_vit or efficientnet," \
+       "not '$backbone'" >&2; exit 2 ;;
+esac
 sweep() { local name=$1; shift; fedadapt -m "${common[@]}" "$@" hydra.sweep.dir="$out/$name"; }
 for seeds in 0 1,2; do
   s=${seeds/,/}

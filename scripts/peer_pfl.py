@@ -1,8 +1,9 @@
 """fedadapt side by side with Apple's pfl-research (PyPI ``pfl`` 0.6.0) on this machine.
 
     python scripts/peer_pfl.py [--rounds 20] [--repeats 2] [--workloads W1,W3]
+                               [--backends simulation,inprocess]
                                [--out outputs/peer_pfl] [--clients 1000]
-                               [--max-samples N] [--w3-image-size 64]
+                               [--max-samples N] [--w3-image-size 64] [--prepare-only]
 
 Run it with fedadapt's venv active. Both sides run the same federated training: Fashion-MNIST,
 fedadapt's own Dirichlet(0.5) partition over ``--clients`` clients, FedAvg weighted by examples,
@@ -29,6 +30,9 @@ dp-accounting, prv-accountant); no other torch and no CUDA package. Its side use
 simulation API: ``FederatedDataset``, ``PyTorchModel``, ``FederatedAveraging``,
 ``SimulatedBackend`` with ``WeightByDatapoints``, and a ``CentralEvaluationCallback`` after the
 last round.
+
+fedadapt runs with each of ``--backends`` (``federation.backend``): ``simulation``, Flower's
+simulation engine on Ray, and ``inprocess``, the same server, ClientApp and worker in one process.
 
 Each run is its own process, the repeats interleaved (fedadapt, pfl, fedadapt, pfl, ...).
 Measured per run: seconds per round (median of the rounds after round 1, from the times each
@@ -266,8 +270,8 @@ def child_export(a) -> int:
 # -- child: fedadapt (its venv) ----------------------------------------------------------------
 
 def child_fedadapt(a) -> int:
-    """One fedadapt run in this process, as ``fedadapt`` itself runs it (Flower's simulation
-    engine); records when each round ended and which clients trained."""
+    """One fedadapt run in this process, as ``fedadapt`` itself runs it (on ``--backend``);
+    records when each round ended and which clients trained."""
     meta = json.loads(Path(a.meta).read_text())
     from omegaconf import OmegaConf
 
@@ -292,7 +296,7 @@ def child_fedadapt(a) -> int:
         return out
 
     server._close_round, server.exchange = timed_close, recorded_exchange
-    composed = compose_config(meta["overrides"])
+    composed = compose_config(meta["overrides"] + [f"federation.backend={a.backend}"])
     run = to_run_config(composed)
     prep = prepare_run(run)
     same_partition = partition_hash(c.train for c in prep.spec.clients) == meta["partition_hash"]
@@ -694,7 +698,7 @@ def render(report: dict) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for w in a["workloads"]:
-        for side in ("fedadapt", "pfl"):
+        for side in report["sides"]:
             runs = [r for r in report["runs"] if r["workload"] == w and r["side"] == side]
             lines.append(
                 f"| {w} | {side} | {_cell([r['s_per_round'] for r in runs], '.3f')} | "
@@ -705,16 +709,16 @@ def render(report: dict) -> str:
     lines += ["", "Cells: median over the repeats (min–max when more than one). s / round: "
               "median of the rounds after round 1 (round 1 is in the start-up column; the last "
               "round includes the evaluation on the 10,000 test images, both sides). Peak PSS: "
-              "the process and its descendants (fedadapt: Ray's too), sampled every "
-              f"{PSS_INTERVAL_S} s. pfl's round 1 also evaluates each of its clients before and "
-              "after local training (pfl does so in every central iteration where iteration % "
+              "the process and its descendants (fedadapt on simulation: Ray's too), sampled "
+              f"every {PSS_INTERVAL_S} s. pfl's round 1 also evaluates each of its clients before "
+              "and after local training (pfl does so in every central iteration where iteration % "
               "evaluation_frequency == 0, which iteration 0 always is). W3's features: "
               f"EfficientNet-Lite0 at {a['w3_image_size']} px, computed once by the export "
               "(not timed).", ""]
     for w in a["workloads"]:
         lines.append(f"- {w}: {WORKLOADS[w]}.")
         checks = report["exports"][w]
-        runs = [r for r in report["runs"] if r["workload"] == w and r["side"] == "fedadapt"]
+        runs = [r for r in report["runs"] if r["workload"] == w and r["side"] != "pfl"]
         same = all(r.get("same_clients") and r.get("same_partition") for r in runs)
         lines.append(f"  Checks: fedadapt's runs trained the exported clients on the exported "
                      f"partition: {'yes' if same else 'NO'}"
@@ -731,6 +735,10 @@ def parent(a) -> int:
         raise SetupError(f"--workloads {a.workloads!r}: choose from {', '.join(WORKLOADS)}")
     if a.rounds < 1 or a.repeats < 1:
         raise SetupError("--rounds and --repeats must be at least 1")
+    backends = [b.strip() for b in a.backends.split(",") if b.strip()]
+    if not backends or any(b not in ("simulation", "inprocess") for b in backends):
+        raise SetupError(f"--backends {a.backends!r}: simulation, inprocess or both")
+    sides = [f"fedadapt {b}" for b in backends] + ["pfl"]
     if a.clients < PER_ROUND:
         raise SetupError(f"--clients must be at least {PER_ROUND}")
     missing = [f for f in FMNIST_FILES if not (FMNIST_DIR / f).exists()
@@ -762,15 +770,19 @@ def parent(a) -> int:
               f"{exports[w]['train_samples']} training samples, "
               f"{measured['exited'] - measured['started']:.0f} s", flush=True)
 
+    if a.prepare_only:
+        print(f"[export] done (--prepare-only): the measured runs read {out / 'export'}")
+        return 0
     runs = []
     for rep in range(1, a.repeats + 1):
         for w in workloads:
-            for side in ("fedadapt", "pfl"):
-                tag = f"{stamp}-{w}-{side}-{rep}"
+            for side in sides:
+                tag = f"{stamp}-{w}-{side.replace(' ', '-')}-{rep}"
                 log, result = out / "logs" / f"{tag}.log", out / "logs" / f"{tag}.json"
-                if side == "fedadapt":
+                if side != "pfl":
                     cmd = child_cmd(sys.executable, a, "fedadapt", w, meta=out / "export" /
-                                    f"{w}.json", run_dir=out / "runs" / tag, result=result)
+                                    f"{w}.json", run_dir=out / "runs" / tag, result=result,
+                                    backend=side.split()[1])
                 else:
                     cmd = child_cmd(pfl_python, a, "pfl", w, export=exports[w]["npz"],
                                     result=result)
@@ -792,7 +804,8 @@ def parent(a) -> int:
               "args": {"rounds": a.rounds, "repeats": a.repeats, "workloads": workloads,
                        "clients": a.clients, "max_samples": a.max_samples,
                        "w3_image_size": a.w3_image_size},
-              "fedadapt": fed, "pfl": {k: v for k, v in pfl_info.items() if k != "packages"},
+              "sides": sides, "fedadapt": fed,
+              "pfl": {k: v for k, v in pfl_info.items() if k != "packages"},
               "pfl_venv_packages": pfl_info.get("packages"), "exports": {
                   w: {k: v for k, v in e.items() if k != "schedule"} for w, e in exports.items()},
               "runs": runs}
@@ -810,6 +823,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--workloads", default="W1,W3", help="comma-separated: W1, W3")
+    p.add_argument("--backends", default="simulation,inprocess",
+                   help="fedadapt's federation.backend: simulation, inprocess or both")
     p.add_argument("--out", default="outputs/peer_pfl")
     p.add_argument("--clients", type=int, default=1000,
                    help="clients of the partition (fewer: a quick check)")
@@ -817,9 +832,13 @@ def main(argv=None) -> int:
                    help="use only this many training images (fedadapt's dataset.max_samples)")
     p.add_argument("--w3-image-size", type=int, default=64,
                    help="EfficientNet-Lite0's input size for W3's features")
+    p.add_argument("--prepare-only", action="store_true",
+                   help="make pfl's venv and the exports (W3's features: the long part), then "
+                        "stop; a later run measures")
     p.add_argument("--timeout", type=float, default=3600.0,
                    help="seconds one measured run may take")
-    for name in ("child", "workload", "export-dir", "result", "meta", "run-dir", "export"):
+    for name in ("child", "workload", "export-dir", "result", "meta", "run-dir", "export",
+                 "backend"):
         p.add_argument(f"--{name}", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     child = {"export": child_export, "fedadapt": child_fedadapt, "pfl": child_pfl}

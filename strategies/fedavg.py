@@ -27,7 +27,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from fedadapt.federation.records import UNIFORM_KEY
+from fedadapt.federation.records import UNIFORM_KEY, as_numpy
 
 __all__ = ["UNIFORM_KEY", "LocalOnly", "PerTensorFedAvg", "aggregate_client_metrics",
            "average_by_tensor", "per_tensor"]
@@ -65,7 +65,7 @@ def average_by_tensor(current: ArrayRecord, contents: Sequence[RecordDict], weig
         acc, total = None, 0.0
         for arrays, w in zip(sent, weights):
             if name in arrays:
-                t = torch.from_numpy(arrays[name].numpy()).double() * w
+                t = torch.from_numpy(as_numpy(arrays[name]).astype(np.float64)) * w
                 acc = t if acc is None else acc + t
                 total += w
         if acc is None or total <= 0:

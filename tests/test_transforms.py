@@ -142,6 +142,43 @@ def test_store_decodes_once_at_native_size_and_is_sealed(cache_dir):
         assert torch.equal(y, torch.from_numpy(src.labels()[b]))
 
 
+@pytest.mark.parametrize("shape,size,resize", [
+    ((28, 28, 1), 32, 32),   # Fashion-MNIST into a small CNN: upsampled, grey kept
+    ((37, 29, 3), 24, 27),   # shrunk on both sides, then cropped
+    ((16, 16, 3), 16, 16),   # nothing to resize
+])
+def test_resized_bytes_then_normalised_is_the_per_batch_input_to_the_bit(shape, size, resize):
+    pre = Preprocess(size=size, resize=resize, interpolation="bilinear",
+                     mean=(0.5, 0.4, 0.3), std=(0.2, 0.3, 0.25))
+    images = torch.from_numpy(np.random.default_rng(3).integers(0, 256, (6, *shape), np.uint8))
+    stored = pre.resized_bytes(images)
+    assert stored.dtype == torch.uint8 and stored.shape == (6, size, size, shape[-1])
+    assert torch.equal(pre.normalize(to_float(stored)), pre.apply(images))
+
+
+def test_a_source_resizes_each_row_once_and_streams_what_it_streamed_per_batch(
+        cache_dir, monkeypatch):
+    from fedadapt.data import sources
+
+    prep = prepare_run(tiny_run(cache_dir, LinearHeadConfig(use_cache=False)), quiet=True)
+    src = prep.spec.train_source  # digits' 8 px stored, the tiny CNN's 16 px input
+    batches = [np.array([5, 1, 9]), np.array([1, 0]), np.array([9, 9, 2])]
+    expected = [src.preprocess.apply(torch.from_numpy(src.store.array()[b])) for b in batches]
+    monkeypatch.setattr(sources, "_CACHE", {})  # nothing resized by an earlier test
+    resized = []
+    real = Preprocess.resized_bytes
+    monkeypatch.setattr(Preprocess, "resized_bytes",
+                        lambda self, x: resized.append(len(x)) or real(self, x))
+    for b, want, (x, y) in zip(batches, expected, src.stream(batches, "cpu")):
+        assert torch.equal(x, want)
+        assert torch.equal(y, torch.from_numpy(src.labels()[b]))
+    assert resized == [3, 1, 1]  # rows 5, 1, 9, then 0, then 2: each once
+    # a training crop still samples the stored image, and corrupted rows are made per batch
+    assert sources.resized_rows(src.corrupted("gaussian_noise", 3, seed=0), batches[0]) is None
+    monkeypatch.setattr(sources, "RESIZED_MAX_BYTES", 0)
+    assert sources.resized_rows(src, batches[0]) is None
+
+
 def test_cpu_batches_are_made_in_the_callers_thread():
     """On a CPU no second thread runs torch ops beside the training step (it oversubscribed the
     cores: 2.5x slower local training on 2 cores); the items still come lazily, in order."""

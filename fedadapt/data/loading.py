@@ -75,6 +75,12 @@ class PreparedDataset:
 _OPEN: dict[str, object] = {}
 
 
+def column(ds, name: str, dtype=None) -> np.ndarray:
+    """``np.asarray(ds[name], dtype)``, read through Arrow in one go: datasets 4 returns a lazy
+    ``Column`` that numpy reads row by row (60,000 labels: half a second)."""
+    return np.asarray(ds.with_format("arrow")[name].to_pylist(), dtype=dtype)
+
+
 def open_prepared(path: str):
     """The prepared ``DatasetDict`` at ``path``. :func:`prepare_dataset` checked every file's
     digest before the run; other processes (Ray workers, decoding workers) check that the

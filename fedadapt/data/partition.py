@@ -23,6 +23,7 @@ import numpy as np
 
 from fedadapt.config import ConfigError, PartitionConfig
 from fedadapt.data.catalogue import DatasetCard
+from fedadapt.data.loading import column
 from fedadapt.log import log
 
 
@@ -201,7 +202,7 @@ def partition_dataset(train_ds, cfg: PartitionConfig, card: DatasetCard, seed: i
                           f"is invalid for dataset={card.name}: client(s) {empty[:5]} get no "
                           f"sample; use fewer clients")
     if cfg.kind == "superclass":  # the mixed clients take the first partition ids
-        indices = [_column(p, "__idx__", np.int64) for p in mixed] + indices
+        indices = [column(p, "__idx__", np.int64) for p in mixed] + indices
         names = [f"client-{i}" for i in range(len(indices))]
     elif key is None:
         names = [f"client-{i}" for i in range(len(indices))]
@@ -215,7 +216,7 @@ def partition_dataset(train_ds, cfg: PartitionConfig, card: DatasetCard, seed: i
     if cfg.val_clients > 0:  # "by client" validation: whole training clients
         _hold_out_validation_clients(clients, indices, cfg, seed)
     if held is not None:  # each test user is an unseen client holding test data only
-        users = _column(train_ds.select(held), "client")
+        users = column(train_ds.select(held), "client")
         for uid in sorted(np.unique(users).tolist(), key=str):
             whole = np.sort(held[users == uid]).astype(np.int64)
             clients.append(ClientSplit(train=whole[:0], val=whole[:0], test=whole))
@@ -231,16 +232,10 @@ def partition_dataset(train_ds, cfg: PartitionConfig, card: DatasetCard, seed: i
             whole = np.sort(np.asarray(indices[j], dtype=np.int64))
             clients[j] = ClientSplit(train=whole[:0], val=whole[:0], test=whole)
     part = Partition(clients=clients, names=names, unseen=unseen, unseen_name=unseen_name)
-    part.stats = partition_stats(part, _column(train_ds, "label"))
+    part.stats = partition_stats(part, column(train_ds, "label"))
     if rows is not None:
         part.stats["selected_ids"] = {"ids": int(cfg.select_ids), "samples": int(n)}
     return part
-
-
-def _column(ds, name: str, dtype=None) -> np.ndarray:
-    """``np.asarray(ds[name], dtype)``, read through Arrow in one go: datasets 4 returns a lazy
-    ``Column`` that numpy reads row by row (60,000 labels: half a second)."""
-    return np.asarray(ds.with_format("arrow")[name].to_pylist(), dtype=dtype)
 
 
 def _load_partitions(partitioner, key: Optional[str]) -> tuple[list[np.ndarray], list]:
@@ -257,10 +252,10 @@ def _load_partitions(partitioner, key: Optional[str]) -> tuple[list[np.ndarray],
     positions = _positions(partitioner, k)
     if positions is None:
         parts = [first] + [partitioner.load_partition(i) for i in range(1, k)]
-        return ([_column(p, "__idx__", np.int64) for p in parts],
+        return ([column(p, "__idx__", np.int64) for p in parts],
                 [p[key][0] if key and len(p) else None for p in parts])
     ds = partitioner.dataset  # read after the draw: the shard partitioner sorts its dataset
-    rows = _column(ds, "__idx__", np.int64)
+    rows = column(ds, "__idx__", np.int64)
     keys = ds.with_format("arrow")[key].to_pylist() if key else None
     return ([rows[p] for p in positions],
             [keys[p[0]] if keys is not None and len(p) else None for p in positions])
@@ -382,7 +377,7 @@ def _selected_rows(train_ds, cfg: PartitionConfig, card: DatasetCard, seed: int
         raise ConfigError(f"partition.select_ids={cfg.select_ids} is invalid for "
                           f"dataset={card.name}: it has no natural id ('client') column "
                           f"(the card maps none)")
-    return select_ids(_column(train_ds, "client"), cfg.select_ids, seed, card)
+    return select_ids(column(train_ds, "client"), cfg.select_ids, seed, card)
 
 
 def _check_enough(cfg: PartitionConfig, card: DatasetCard, n: int) -> None:
@@ -436,7 +431,7 @@ def test_user_rows(train_ds, cfg: PartitionConfig, card: DatasetCard) -> Optiona
         raise ConfigError(f"partition.test_clients={cfg.test_clients} is invalid for "
                           f"dataset={card.name}: its test users (its test split) are the unseen "
                           f"test clients; set it to 0")
-    return np.flatnonzero(_column(train_ds, "test_client", bool))
+    return np.flatnonzero(column(train_ds, "test_client", bool))
 
 
 def _hold_out_validation_clients(clients: list[ClientSplit], indices: list[np.ndarray],

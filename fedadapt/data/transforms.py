@@ -75,6 +75,19 @@ class Preprocess:
 
     def apply(self, images: torch.Tensor) -> torch.Tensor:
         """``uint8 [B, H, W, C]`` -> normalised ``float32 [B, 3, S, S]`` on the same device."""
+        return self.normalize(self.resized(images))
+
+    def resized_bytes(self, images: torch.Tensor) -> torch.Tensor:
+        """``uint8 [B, H, W, C]`` -> the resized and centre-cropped ``uint8 [B, S, S, C]``:
+        every resampling pass is rounded to bytes (as PIL stores it), so ``apply(images)`` is
+        ``normalize(to_float(resized_bytes(images)))`` to the bit. What a source keeps per row
+        to resize each image once (:mod:`fedadapt.data.sources`)."""
+        x = self.resized(images).mul(255.0).round_().to(torch.uint8)
+        return x.permute(0, 2, 3, 1).contiguous()
+
+    def resized(self, images: torch.Tensor) -> torch.Tensor:
+        """``uint8 [B, H, W, C]`` -> resized and centre-cropped ``float32 [B, C, S, S]`` in
+        [0, 1], on the byte grid."""
         x = to_float(images)
         h, w = x.shape[-2:]
         # torchvision's Resize(int) and transformers' processors: the long side truncated
@@ -88,7 +101,7 @@ class Preprocess:
         if new_h != h:
             x = _quantize(F.interpolate(x, size=(new_h, new_w), mode=self.interpolation,
                                         align_corners=False, antialias=True))
-        return self.normalize(center_crop(x, self.size))
+        return center_crop(x, self.size)
 
     def crop(self, images: torch.Tensor, scale: tuple[float, float], seeds: np.ndarray,
              indices: np.ndarray) -> torch.Tensor:

@@ -136,7 +136,7 @@ def _check_arrays(content: RecordDict, expected: dict[str, tuple]) -> tuple[str,
         if not _fits(tuple(arr.shape), tuple(expected[name])):
             return "wrong_shape", f"{name}: {tuple(arr.shape)} != {tuple(expected[name])}"
     for name, arr in arrays.items():
-        values = arr.numpy()
+        values = records.as_numpy(arr)
         if np.issubdtype(values.dtype, np.floating) and not np.isfinite(values).all():
             return "nonfinite", f"{name} has NaN/Inf"
     metrics = content.metric_records

@@ -65,7 +65,7 @@ from torch.overrides import TorchFunctionMode
 
 from fedadapt.config import TrainConfig
 from fedadapt.data.sources import DataSource
-from fedadapt.devices import autocast
+from fedadapt.devices import autocast, seed_torch
 from fedadapt.federation.training import derive_seed, local_schedule
 
 
@@ -281,7 +281,7 @@ def train_group(model: nn.Module, source: DataSource, jobs: list[ClientJob], tra
     dev = next(model.parameters()).device
     g = _set_up(model, source, jobs, train, lr, precision, proximal_mu, used, dev)
     call = StepLoss(model)
-    torch.manual_seed(derive_seed(jobs[0].seed, len(jobs), OTHER_STREAM))  # any other draw
+    seed_torch(derive_seed(jobs[0].seed, len(jobs), OTHER_STREAM), dev)  # any other draw
     model.train()
     crops = _crops(jobs, g.scheds, g.plan, train, source)
     for i, (x, y) in enumerate(_stream(source, jobs, g.scheds, g.plan, dev, crops)):

@@ -15,7 +15,10 @@ empty outside Ray). On the deployment engine a node is one client and a message 
 
 from __future__ import annotations
 
-from flwr.app import ConfigRecord, RecordDict
+import math
+
+import numpy as np
+from flwr.app import Array, ConfigRecord, RecordDict
 
 #: The packing record: ``clients`` (partition ids), ``group-size``, ``nodes``, ``timeout``.
 GRID = "fedadapt.grid"
@@ -94,3 +97,23 @@ def unpack(content: RecordDict) -> dict[int, RecordDict]:
 def error_of(content: RecordDict) -> str | None:
     record = content.config_records.get(ERROR)
     return None if record is None else str(record["reason"])
+
+
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+def as_numpy(array: Array) -> np.ndarray:
+    """``array.numpy()`` as a read-only view of the message's bytes. Flower's ``Array.numpy``
+    goes through ``np.load``, which parses each tensor's ``.npy`` header with ``ast`` and copies
+    the data (about 80 us a tensor: a server decoding every reply twice, to screen it and to
+    average it, spent 3.6 ms a round on it); the header's length is in its first bytes, and the
+    dtype and shape are the Array's own fields. Anything but a C-ordered ``.npy`` of versions
+    1-3 goes through ``Array.numpy``."""
+    data = array.data
+    if array.stype == "numpy.ndarray" and data[:6] == _NPY_MAGIC and data[6] in (1, 2, 3):
+        size = 2 if data[6] == 1 else 4
+        start = 8 + size + int.from_bytes(data[8:8 + size], "little")
+        if b"'fortran_order': False" in data[8 + size:start]:
+            return np.frombuffer(data, dtype=np.dtype(array.dtype), offset=start,
+                                 count=math.prod(array.shape)).reshape(array.shape)
+    return array.numpy()

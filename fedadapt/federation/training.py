@@ -264,7 +264,7 @@ def train_local(
     gets its seeded ``RandomResizedCrop``. ``train.clip_grad_norm`` clips the gradients' norm.
     ``precision`` (``fp32`` / ``bf16``, the run's :attr:`RunSpec.precision`) is the forward's.
     """
-    from fedadapt.devices import autocast
+    from fedadapt.devices import autocast, seed_torch
     from fedadapt.federation import dropout
 
     dev = next(model.parameters()).device
@@ -273,7 +273,7 @@ def train_local(
     anchor = [p.detach().clone() for p in params] if proximal_mu > 0 else None
     opt = make_optimizer(params, train, lr)
     batches, step_exits = local_schedule(indices, train, seed, exits)
-    torch.manual_seed(seed)  # any draw other than dropout's
+    seed_torch(seed, dev)  # any draw other than dropout's
     model.train()
     total, seen = torch.zeros((), dtype=torch.float64, device=dev), 0
     crops = None

@@ -223,7 +223,9 @@ def run_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, config_yaml:
     num_rounds = 0 if start is not None else cfg.rounds
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(run_dir / "config.yaml", lambda fh: fh.write(config_yaml))
-    write_partition(run_dir, cfg, prep)
+    # the plot after the rounds: importing matplotlib and drawing 1,000 clients took 3.4 s
+    # before round 1
+    write_partition(run_dir, cfg, prep, plot=False)
     if prep.fleet is not None:  # the devices, so a run can be reread (and resumed: same seed)
         from fedadapt.results.store import write_json
 
@@ -258,6 +260,7 @@ def run_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, config_yaml:
                 bar.update(completed=resumed_round)
             show[0] = _progress(label, cfg.rounds, bar)
             state = (execute or simulation(cfg))(plan, make_client_app(SpecRef(spec)))
+        write_partition(run_dir, cfg, prep, stats=False)
         summary = _finish_rounds(cfg, run_dir, prep, state, label=label, t0=t0,
                                  num_rounds=num_rounds, resume_state=resume_state)
     except BaseException:

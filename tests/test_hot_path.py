@@ -1,0 +1,54 @@
+"""The per-round shortcuts give exactly what they replace: decoding a message's arrays without
+``np.load``, seeding torch for the device in use, reading a label column through Arrow."""
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array
+
+from fedadapt.data.loading import column
+from fedadapt.devices import seed_torch
+from fedadapt.federation.records import as_numpy
+
+
+@pytest.mark.parametrize("value", [
+    np.arange(12, dtype=np.float32).reshape(3, 4) / 7,
+    np.arange(5, dtype=np.int64),
+    np.ones((), dtype=np.float32),
+    np.zeros((0, 3), dtype=np.float16),
+    np.asfortranarray(np.arange(6, dtype=np.float64).reshape(2, 3)),  # Array.numpy's path
+    np.arange(6, dtype=">f4").reshape(3, 2),
+    np.array([True, False]),
+], ids=["f32", "i64", "scalar", "empty", "fortran", "big-endian", "bool"])
+def test_as_numpy_equals_flowers_decoding(value):
+    array = Array(np.asarray(value))
+    ours, flowers = as_numpy(array), array.numpy()
+    assert ours.dtype == flowers.dtype and ours.shape == flowers.shape
+    assert np.array_equal(ours, flowers)
+
+
+def test_as_numpy_is_a_read_only_view_of_the_message():
+    array = Array(np.arange(4, dtype=np.float32))
+    view = as_numpy(array)
+    assert not view.flags.writeable
+    assert np.shares_memory(view, np.frombuffer(array.data, dtype=np.uint8))
+
+
+def test_seed_torch_on_the_cpu_draws_what_manual_seed_draws():
+    torch.manual_seed(123)
+    expected = (torch.randn(5), torch.nn.functional.dropout(torch.ones(64), 0.5),
+                torch.randperm(10))
+    torch.manual_seed(0)  # another state first
+    seed_torch(123, torch.device("cpu"))
+    got = (torch.randn(5), torch.nn.functional.dropout(torch.ones(64), 0.5), torch.randperm(10))
+    for a, b in zip(expected, got):
+        assert torch.equal(a, b)
+
+
+def test_a_label_column_read_through_arrow_equals_the_datasets_column():
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"label": [3, 1, 4, 1, 5, 9, 2, 6]}).select([7, 0, 2, 5])
+    assert np.array_equal(column(ds, "label", np.int64),
+                          np.asarray(ds["label"], dtype=np.int64))
+    assert column(ds, "label", np.int64).tolist() == [6, 3, 4, 9]
