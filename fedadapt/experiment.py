@@ -293,7 +293,8 @@ def node_layout(cfg: RunConfig, prep: PreparedRun, execute: Optional[Callable],
         fed = dataclasses.replace(fed, workers="1")  # its workers take turns: one has every CPU
     sizing = size_simulation(fed, spec.device, sampled, cfg.train.batch_size,
                              probe, trains_whole=backbone_trained
-                             >= prep.counts["backbone_params"] / 2)
+                             >= prep.counts["backbone_params"] / 2,
+                             features=spec.train_source.kind == "features")
     announce(sizing)
     prep.layout = {"workers": sizing.workers, "clients_per_worker": sizing.group_size,
                    "num_cpus": sizing.num_cpus, "num_gpus": sizing.num_gpus,

@@ -44,6 +44,9 @@ class InProcessGrid:
                  first_node_id: int = 1001) -> None:
         self.app = client_app
         self.on_reply = on_reply
+        #: torch's threads as the clients left them (a worker pins them once: a process of
+        #: its own would keep them), set around each call; the server keeps its own
+        self.client_threads: Optional[int] = None
         self.contexts = {
             first_node_id + 7 * cid: Context(run_id=1, node_id=first_node_id + 7 * cid,
                                              node_config={"partition-id": cid,
@@ -61,14 +64,17 @@ class InProcessGrid:
             msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
             context = self.contexts[msg.metadata.dst_node_id]
             t0 = time.monotonic()
-            threads = torch.get_num_threads()
+            server_threads = torch.get_num_threads()
+            if self.client_threads is not None:
+                torch.set_num_threads(self.client_threads)
             try:
                 reply = self.app(copy.deepcopy(msg), context)
             except Exception as err:  # as the engines report a raising ClientApp
                 reply = Message(Error(code=0, reason=f"{type(err).__name__}: {err}"),
                                 reply_to=msg)
-            finally:  # a worker pins its threads: the server's evaluation keeps this process's
-                torch.set_num_threads(threads)
+            finally:  # as two processes would: the clients' threads and the server's own
+                self.client_threads = torch.get_num_threads()
+                torch.set_num_threads(server_threads)
             if timeout is not None and time.monotonic() - t0 > timeout:
                 continue  # too late: the server never sees it
             reply = copy.deepcopy(reply)
