@@ -8,9 +8,11 @@
 #   Accumulator + PA with exits capped by the fleet, LoRA r = 8 (FedAvg), and FedBuff over the
 #   same LoRA (no deadline: buffer 3 of 6 in flight).
 # Then fedadapt-report with the simulated hours to 80% and accuracy_vs_time.png.
-#   bash scripts/fleet_evidence.sh [OUT]        (default outputs/fleet_evidence)
+#   bash scripts/fleet_evidence.sh [OUT] [OVERRIDE ...]     (default OUT: outputs/fleet_evidence;
+#   OVERRIDEs go to every run, e.g. federation.backend=inprocess: the same numbers without Ray)
 set -euo pipefail
 out=${1:-outputs/fleet_evidence}
+extra=("${@:2}")
 export HF_HUB_OFFLINE=1
 weights=${FEDADAPT_CACHE:-$HOME/.cache/fedadapt}/pretrained/small_vit-fashion_mnist-s0
 [ -d "$weights" ] || fedadapt-pretrain --epochs 3 dataset=fashion_mnist backbone=small_vit
@@ -18,7 +20,13 @@ common=(experiment=acc_offline compare=[] fleet=tiers partition.alpha=0.1 seed=0
 # the deadline drops the clients that would arrive late; a round goes on with whoever arrived
 # (one of the three is enough: min_reply_fraction 0.3, against the default's two of three)
 deadline=(federation.round_timeout=8 federation.min_reply_fraction=0.3)
-sweep() { local name=$1; shift; fedadapt -m "${common[@]}" "$@" hydra.sweep.dir="$out/$name"; }
+# a sweep that finished (its .done) is not run again: rerun the script to go on after a stop
+sweep() {
+  local name=$1; shift
+  [ -f "$out/$name/.done" ] && return
+  fedadapt -m "${common[@]}" "$@" "${extra[@]}" hydra.sweep.dir="$out/$name"
+  touch "$out/$name/.done"
+}
 sweep finetune setting=conventional method=lw_finetune train.lr=0.02 "${deadline[@]}"
 sweep multitier setting=multitier setting.tiers_from=fleet method=accumulator_pa \
   train.lr=0.05 "${deadline[@]}"

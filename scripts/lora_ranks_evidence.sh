@@ -13,10 +13,12 @@
 # digits, 3 per round, 12 rounds, the preset's SGD lr 0.002 with momentum 0.9; LoRA on the
 # pointwise convolutions).
 # Seed 0 of every row first, then seeds 1-2. Then the table: scripts/lora_ranks_table.py.
-#   bash scripts/lora_ranks_evidence.sh [OUT] [small_vit|efficientnet]
-#   (default OUT: outputs/lora_ranks, or outputs/lora_ranks_efficientnet)
+#   bash scripts/lora_ranks_evidence.sh [OUT] [small_vit|efficientnet] [OVERRIDE ...]
+#   (default OUT: outputs/lora_ranks, or outputs/lora_ranks_efficientnet; OVERRIDEs go to every
+#   run, e.g. federation.backend=inprocess: the same numbers without Ray)
 set -euo pipefail
 backbone=${2:-small_vit}
+extra=("${@:3}")
 export HF_HUB_OFFLINE=1
 evaluate=(partition.fraction_evaluate=1.0 partition.test_fraction=0.2 partition.alpha=0.1,1000)
 case $backbone in
@@ -32,7 +34,13 @@ case $backbone in
   *) echo "scripts/lora_ranks_evidence.sh: the second argument is small_vit or efficientnet," \
        "not '$backbone'" >&2; exit 2 ;;
 esac
-sweep() { local name=$1; shift; fedadapt -m "${common[@]}" "$@" hydra.sweep.dir="$out/$name"; }
+# a sweep that finished (its .done) is not run again: rerun the script to go on after a stop
+sweep() {
+  local name=$1; shift
+  [ -f "$out/$name/.done" ] && return
+  fedadapt -m "${common[@]}" "$@" "${extra[@]}" hydra.sweep.dir="$out/$name"
+  touch "$out/$name/.done"
+}
 for seeds in 0 1,2; do
   s=${seeds/,/}
   sweep "homogeneous_s$s" strategy=fedavg method.rank=8,2 seed=$seeds

@@ -8,6 +8,8 @@ all but 1e-4 of the values (PIL resamples bytes in fixed point: measured, bicubi
 ``resized_crop`` on the same box to 1e-5.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -156,27 +158,27 @@ def test_resized_bytes_then_normalised_is_the_per_batch_input_to_the_bit(shape, 
     assert torch.equal(pre.normalize(to_float(stored)), pre.apply(images))
 
 
-def test_a_source_resizes_each_row_once_and_streams_what_it_streamed_per_batch(
+def test_a_source_keeps_its_images_at_the_input_size_and_streams_the_per_batch_input(
         cache_dir, monkeypatch):
-    from fedadapt.data import sources
+    from fedadapt.data import integrity, sources, store
 
     prep = prepare_run(tiny_run(cache_dir, LinearHeadConfig(use_cache=False)), quiet=True)
     src = prep.spec.train_source  # digits' 8 px stored, the tiny CNN's 16 px input
+    assert src.inputs.shape == (src.store.shape[0], 16, 16, 1)
+    assert integrity.problem(src.inputs.path) is None  # sealed, beside the store
     batches = [np.array([5, 1, 9]), np.array([1, 0]), np.array([9, 9, 2])]
     expected = [src.preprocess.apply(torch.from_numpy(src.store.array()[b])) for b in batches]
-    monkeypatch.setattr(sources, "_CACHE", {})  # nothing resized by an earlier test
-    resized = []
-    real = Preprocess.resized_bytes
-    monkeypatch.setattr(Preprocess, "resized_bytes",
-                        lambda self, x: resized.append(len(x)) or real(self, x))
+    monkeypatch.setattr(Preprocess, "resized_bytes", None)  # nothing resized while streaming
     for b, want, (x, y) in zip(batches, expected, src.stream(batches, "cpu")):
         assert torch.equal(x, want)
         assert torch.equal(y, torch.from_numpy(src.labels()[b]))
-    assert resized == [3, 1, 1]  # rows 5, 1, 9, then 0, then 2: each once
-    # a training crop still samples the stored image, and corrupted rows are made per batch
-    assert sources.resized_rows(src.corrupted("gaussian_noise", 3, seed=0), batches[0]) is None
-    monkeypatch.setattr(sources, "RESIZED_MAX_BYTES", 0)
-    assert sources.resized_rows(src, batches[0]) is None
+    # corrupted rows are resized per batch; a store at the input size, or too big, has none
+    assert sources.input_rows(src.corrupted("gaussian_noise", 3, seed=0), batches[0]) is None
+    monkeypatch.undo()
+    square = dataclasses.replace(src.preprocess, size=8, resize=8)
+    assert store.input_store(src.store, square) is None
+    monkeypatch.setattr(store, "INPUT_STORE_MAX_BYTES", 0)
+    assert store.input_store(src.store, src.preprocess) is None
 
 
 def test_cpu_batches_are_made_in_the_callers_thread():

@@ -56,6 +56,9 @@ class DataSource:
     corruption: Optional[str] = None
     severity: int = 0
     corruption_seed: int = 0
+    #: The store resized to the model's input (:func:`fedadapt.data.store.input_store`), when
+    #: one is kept: batches without a training crop are read from it and only normalised.
+    inputs: Optional[ImageStore] = None
 
     @property
     def kind(self) -> str:
@@ -128,7 +131,7 @@ def stream_parts(batches: Sequence[Sequence[tuple[DataSource, np.ndarray]]],
         parts = batches[i]
         idx = np.concatenate([ix for _, ix in parts])
         crop = crops[i] if crops is not None else None
-        resized = None if crop is not None else [resized_rows(src, ix) for src, ix in parts]
+        resized = None if crop is not None else [input_rows(src, ix) for src, ix in parts]
         if resized is not None and all(r is not None for r in resized):  # resized once
             x = _to_device(torch.from_numpy(np.concatenate(resized)), device)
             y = _to_device(torch.from_numpy(labels[idx]), device)
@@ -208,38 +211,13 @@ def _labels(path: str, split: str) -> np.ndarray:
     return _CACHE[key]
 
 
-#: A process keeps a store's rows resized to the model's input (bytes) when that copy is at most
-#: this big: Fashion-MNIST at 32 px is 61 MB, CIFAR-100 at DeiT's 224 px 7.5 GB (resized per
-#: batch, as before).
-RESIZED_MAX_BYTES = 256 * 2**20
-
-
-def resized_rows(source: DataSource, indices: np.ndarray) -> Optional[np.ndarray]:
-    """``uint8 [B, S, S, C]``: the rows resized and centre-cropped to the model's input
-    (:meth:`Preprocess.resized_bytes`), each row resized once per process and kept; None where
-    the evaluation transform is not a resize of the stored bytes (a training crop is applied by
-    the caller; corrupted rows, audio, a store already at the input size) or the copy would be
-    larger than :data:`RESIZED_MAX_BYTES`. The model's input made from these rows is the one
-    made per batch, to the bit (``tests/test_transforms.py``). A small CNN on Fashion-MNIST
-    (28 px to 32) spent 13% of its training time resizing the same images round after round."""
-    pre = source.preprocess
-    if not isinstance(pre, Preprocess) or (source.corruption and source.severity > 0):
+def input_rows(source: DataSource, indices: np.ndarray) -> Optional[np.ndarray]:
+    """``uint8 [B, S, S, C]``: the rows at the model's input size from the source's
+    :attr:`~DataSource.inputs`, or None where it keeps none or its rows are corrupted (they are
+    corrupted at native resolution, then resized per batch)."""
+    if source.inputs is None or (source.corruption and source.severity > 0):
         return None
-    store = source.store.array()
-    n, h, w, c = store.shape
-    if (h, w) == (pre.size, pre.size) or n * pre.size * pre.size * c > RESIZED_MAX_BYTES:
-        return None
-    key = ("resized", source.store.path, pre)
-    if key not in _CACHE:  # pages are committed as rows are resized
-        _CACHE[key] = (np.zeros(n, dtype=bool), np.empty((n, pre.size, pre.size, c), np.uint8))
-    done, rows = _CACHE[key]
-    idx = np.asarray(indices, dtype=np.int64)
-    todo = np.unique(idx[~done[idx]])
-    for start in range(0, len(todo), 4096):
-        part = todo[start:start + 4096]
-        rows[part] = pre.resized_bytes(torch.from_numpy(store[part])).numpy()
-        done[part] = True
-    return rows[idx]
+    return source.inputs.array()[np.asarray(indices, dtype=np.int64)]
 
 
 def corrupted_rows(source: DataSource, indices: np.ndarray) -> np.ndarray:
@@ -296,8 +274,9 @@ def input_source(card, backbone, prepared: PreparedDataset, split: str, cache_di
         return DataSource(prepared, split, store=spectrogram_store(prepared, split, pre,
                                                                    cache_dir),
                           preprocess=pre)
-    from fedadapt.data.store import geometry, image_store
+    from fedadapt.data.store import geometry, image_store, input_store
 
     pre = Preprocess.for_backbone(backbone)
-    return DataSource(prepared, split, store=image_store(prepared, split, geometry(card, pre),
-                                                         cache_dir), preprocess=pre)
+    store = image_store(prepared, split, geometry(card, pre), cache_dir)
+    return DataSource(prepared, split, store=store, preprocess=pre,
+                      inputs=input_store(store, pre))

@@ -102,6 +102,50 @@ def image_store(prepared: PreparedDataset, split: str, geo: Geometry, cache_dir:
     return ImageStore(path=str(path), shape=shape)
 
 
+#: A store is also kept at the model's input size (:func:`input_store`) when that copy is at
+#: most this big: Fashion-MNIST at 32 px is 61 MB; CIFAR-100 at DeiT's 224 px would be 7.5 GB
+#: (its batches are resized on the device, as before).
+INPUT_STORE_MAX_BYTES = 1 << 30
+
+
+def input_store(store: ImageStore, preprocess) -> Optional[ImageStore]:
+    """``store`` resized and centre-cropped to the model's input, as bytes
+    (:meth:`~fedadapt.data.transforms.Preprocess.resized_bytes`), built once next to it and
+    sealed; None when the store already is the input size or the copy would be larger than
+    :data:`INPUT_STORE_MAX_BYTES`. Batches then only normalise: the model's input is the one
+    made per batch, to the bit. A small CNN on Fashion-MNIST (28 px into 32) spent 13 ms of a
+    106 ms round resizing images."""
+    from fedadapt.data.integrity import valid_or_removed
+
+    n, h, w, c = store.shape
+    size = int(preprocess.size)
+    if (h, w) == (size, size) or n * size * size * c > INPUT_STORE_MAX_BYTES:
+        return None
+    blob = json.dumps({"v": _VERSION, "size": size, "resize": preprocess.resize,
+                       "interpolation": preprocess.interpolation}, sort_keys=True)
+    key = hashlib.sha256(blob.encode()).hexdigest()[:12]
+    path = Path(store.path).with_name(f"{Path(store.path).stem}-input-{key}.npy")
+    shape = (n, size, size, c)
+    if not valid_or_removed(path):
+        log(f"[images] resizing {n} images of {Path(store.path).name} once to the model's "
+            f"{size} px input")
+        build_sealed(path, shape, np.uint8, _resize_chunk, (store.path, preprocess), workers=1,
+                     label=f"input {Path(store.path).stem}", unit="images")
+    return ImageStore(path=str(path), shape=shape)
+
+
+def _resize_chunk(args) -> int:
+    """Rows ``[a, b)`` of a store resized into the memory-mapped file."""
+    import torch
+
+    out_path, store_path, preprocess, a, b = args
+    out = np.load(out_path, mmap_mode="r+")
+    rows = np.ascontiguousarray(np.load(store_path, mmap_mode="r")[a:b])
+    out[a:b] = preprocess.resized_bytes(torch.from_numpy(rows)).numpy()
+    out.flush()
+    return b - a
+
+
 def _gather(prepared: PreparedDataset, split: str, geo: Geometry, path: Path, shape: tuple,
             workers: int, base: str, rows: np.ndarray, folder: Path) -> None:
     """The store of a split gathered from the decoded rows of its source
