@@ -23,11 +23,11 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from fedadapt.federation.records import UNIFORM_KEY, as_numpy
+from fedadapt.federation.records import UNIFORM_KEY, as_numpy, to_array
 
 __all__ = ["UNIFORM_KEY", "LocalOnly", "PerTensorFedAvg", "aggregate_client_metrics",
            "average_by_tensor", "per_tensor"]
@@ -72,7 +72,7 @@ def average_by_tensor(current: ArrayRecord, contents: Sequence[RecordDict], weig
             out[name] = array
             continue
         dtype = torch.from_numpy(np.empty(0, dtype=array.dtype)).dtype  # not decoded
-        out[name] = Array.from_torch_tensor((acc / total).to(dtype))
+        out[name] = to_array((acc / total).to(dtype))
     return out
 
 

@@ -1,5 +1,6 @@
-"""The per-round shortcuts give exactly what they replace: decoding a message's arrays without
-``np.load``, seeding torch for the device in use, reading a label column through Arrow."""
+"""The per-round shortcuts give exactly what they replace: encoding and decoding a message's
+arrays without formatting or parsing their ``.npy`` headers each time, seeding torch for the
+device in use, reading a label column through Arrow."""
 
 import numpy as np
 import pytest
@@ -8,7 +9,7 @@ from flwr.app import Array
 
 from fedadapt.data.loading import column
 from fedadapt.devices import seed_torch
-from fedadapt.federation.records import as_numpy
+from fedadapt.federation.records import as_numpy, to_array
 
 
 @pytest.mark.parametrize("value", [
@@ -25,6 +26,22 @@ def test_as_numpy_equals_flowers_decoding(value):
     ours, flowers = as_numpy(array), array.numpy()
     assert ours.dtype == flowers.dtype and ours.shape == flowers.shape
     assert np.array_equal(ours, flowers)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(3, 4), lambda: torch.arange(5), lambda: torch.tensor(1.5),
+    lambda: torch.randn(4, 3).t(),  # not contiguous: Flower's own path
+    lambda: np.ones((2, 2), np.float16), lambda: np.zeros((0, 4), np.float32),
+    lambda: np.asfortranarray(np.random.default_rng(0).random((3, 2))),
+], ids=["f32", "i64", "scalar", "transposed", "f16", "empty", "fortran"])
+def test_to_array_gives_flowers_bytes_the_first_time_and_after(make):
+    for _ in range(2):  # the header is made, then reused
+        value = make()
+        ref = (Array.from_torch_tensor(value) if isinstance(value, torch.Tensor)
+               else Array.from_numpy_ndarray(value))
+        ours = to_array(value)
+        assert (ours.dtype, tuple(ours.shape), ours.stype, ours.data) == \
+            (ref.dtype, tuple(ref.shape), ref.stype, ref.data)
 
 
 def test_as_numpy_is_a_read_only_view_of_the_message():

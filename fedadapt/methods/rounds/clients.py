@@ -266,7 +266,7 @@ def train_views(spec: RunSpec, model, views: dict[int, RecordDict], deadline: De
         if not deadline.in_time(faults[cid]):
             return None
         return RecordDict({
-            "arrays": ArrayRecord(torch_state_dict=sent, keep_input=False),
+            "arrays": ArrayRecord({n: records.to_array(sent.pop(n)) for n in list(sent)}),
             "metrics": MetricRecord({"num-examples": len(spec.clients[cid].train),
                                      records.UNIFORM_KEY: 1.0, "train_loss": res.loss})})
 
