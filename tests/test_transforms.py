@@ -165,9 +165,10 @@ def test_a_source_keeps_its_images_at_the_input_size_and_streams_the_per_batch_i
     prep = prepare_run(tiny_run(cache_dir, LinearHeadConfig(use_cache=False)), quiet=True)
     src = prep.spec.train_source  # digits' 8 px stored, the tiny CNN's 16 px input
     assert src.inputs.shape == (src.store.shape[0], 16, 16, 1)
-    assert integrity.problem(src.inputs.path) is None  # sealed, beside the store
     batches = [np.array([5, 1, 9]), np.array([1, 0]), np.array([9, 9, 2])]
     expected = [src.preprocess.apply(torch.from_numpy(src.store.array()[b])) for b in batches]
+    sources.input_rows(src, batches[0])  # the first batch builds it
+    assert integrity.problem(src.inputs.path) is None  # sealed, beside the store
     monkeypatch.setattr(Preprocess, "resized_bytes", None)  # nothing resized while streaming
     for b, want, (x, y) in zip(batches, expected, src.stream(batches, "cpu")):
         assert torch.equal(x, want)

@@ -217,6 +217,12 @@ def input_rows(source: DataSource, indices: np.ndarray) -> Optional[np.ndarray]:
     corrupted at native resolution, then resized per batch)."""
     if source.inputs is None or (source.corruption and source.severity > 0):
         return None
+    key = ("inputs", source.inputs.path)
+    if key not in _CACHE:  # built (once, on disk) when a batch first needs it
+        from fedadapt.data.store import build_input_store
+
+        build_input_store(source.inputs, source.store, source.preprocess)
+        _CACHE[key] = True
     return source.inputs.array()[np.asarray(indices, dtype=np.int64)]
 
 

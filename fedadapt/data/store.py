@@ -109,14 +109,13 @@ INPUT_STORE_MAX_BYTES = 1 << 30
 
 
 def input_store(store: ImageStore, preprocess) -> Optional[ImageStore]:
-    """``store`` resized and centre-cropped to the model's input, as bytes
-    (:meth:`~fedadapt.data.transforms.Preprocess.resized_bytes`), built once next to it and
-    sealed; None when the store already is the input size or the copy would be larger than
-    :data:`INPUT_STORE_MAX_BYTES`. Batches then only normalise: the model's input is the one
-    made per batch, to the bit. A small CNN on Fashion-MNIST (28 px into 32) spent 13 ms of a
-    106 ms round resizing images."""
-    from fedadapt.data.integrity import valid_or_removed
-
+    """Where ``store`` resized and centre-cropped to the model's input is kept, as bytes
+    (:meth:`~fedadapt.data.transforms.Preprocess.resized_bytes`; built next to it by
+    :func:`build_input_store` when a batch first needs it, so a run on cached features never
+    makes one); None when the store already is the input size or the copy would be larger
+    than :data:`INPUT_STORE_MAX_BYTES`. Batches then only normalise: the model's input is the
+    one made per batch, to the bit. A small CNN on Fashion-MNIST (28 px into 32) spent 13 ms
+    of a 106 ms round resizing images."""
     n, h, w, c = store.shape
     size = int(preprocess.size)
     if (h, w) == (size, size) or n * size * size * c > INPUT_STORE_MAX_BYTES:
@@ -125,13 +124,20 @@ def input_store(store: ImageStore, preprocess) -> Optional[ImageStore]:
                        "interpolation": preprocess.interpolation}, sort_keys=True)
     key = hashlib.sha256(blob.encode()).hexdigest()[:12]
     path = Path(store.path).with_name(f"{Path(store.path).stem}-input-{key}.npy")
-    shape = (n, size, size, c)
+    return ImageStore(path=str(path), shape=(n, size, size, c))
+
+
+def build_input_store(inputs: ImageStore, store: ImageStore, preprocess) -> None:
+    """Build ``inputs`` (:func:`input_store`) from ``store`` once, sealed; a valid one is
+    kept."""
+    from fedadapt.data.integrity import valid_or_removed
+
+    path = Path(inputs.path)
     if not valid_or_removed(path):
-        log(f"[images] resizing {n} images of {Path(store.path).name} once to the model's "
-            f"{size} px input")
-        build_sealed(path, shape, np.uint8, _resize_chunk, (store.path, preprocess), workers=1,
-                     label=f"input {Path(store.path).stem}", unit="images")
-    return ImageStore(path=str(path), shape=shape)
+        log(f"[images] resizing {inputs.shape[0]} images of {Path(store.path).name} once to "
+            f"the model's {inputs.shape[1]} px input")
+        build_sealed(path, inputs.shape, np.uint8, _resize_chunk, (store.path, preprocess),
+                     workers=1, label=f"input {Path(store.path).stem}", unit="images")
 
 
 def _resize_chunk(args) -> int:
