@@ -178,18 +178,21 @@ def test_the_largest_rank_adapter_exports_and_loads_in_peft_to_the_runs_accuracy
         export_run(tmp_path / "fedsa")
 
 
-@pytest.mark.slow  # four one-round runs, in process
+@pytest.mark.slow  # four short runs each, in process
+@pytest.mark.parametrize("strategy,rounds", [("hetlora", 1), ("fedex_lora", 2)])
 def test_clients_of_different_ranks_side_by_side_in_bf16_add_no_more_than_bf16s_own_error(
-        tmp_path, cache_dir):
+        tmp_path, cache_dir, strategy, rounds):
     """bf16 (a GPU's default, forced on this CPU): grouped against one at a time differs by no
-    more than bf16 against fp32 does (the tolerance of tests/test_grouped_bf16.py)."""
+    more than bf16 against fp32 does (the tolerance of tests/test_grouped_bf16.py); for
+    FedEx-LoRA in round 2, the first whose clients train on the folded frozen weights."""
     from fedadapt.api import load_result
 
     final = {}
     for precision in ("bf16", "fp32"):
         for k in (1, 6):
             folder = tmp_path / f"{precision}-{k}"
-            _run(folder, ["strategy=hetlora", "rounds=1", f"train.precision={precision}",
+            _run(folder, [f"strategy={strategy}", f"rounds={rounds}",
+                          f"train.precision={precision}",
                           f"federation.clients_per_worker={k}"], cache_dir)
             arrays = load_result(folder).arrays
             final[precision, k] = {n: arrays[n].numpy().astype(np.float64)

@@ -146,7 +146,7 @@ def _resize_chunk(args) -> int:
 
     out_path, store_path, preprocess, a, b = args
     out = np.load(out_path, mmap_mode="r+")
-    rows = np.ascontiguousarray(np.load(store_path, mmap_mode="r")[a:b])
+    rows = np.array(np.load(store_path, mmap_mode="r")[a:b])  # a writable copy for torch
     out[a:b] = preprocess.resized_bytes(torch.from_numpy(rows)).numpy()
     out.flush()
     return b - a

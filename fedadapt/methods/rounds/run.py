@@ -328,15 +328,15 @@ def _round_hook(cfg: RunConfig, run_dir: Path, config_sha: str, tracker, show: l
 def folded_updates(cfg: RunConfig, model, arrays: dict) -> dict:
     """Under FLoRA and FedEx-LoRA (``strategy=flora|fedex_lora``) the global model also holds
     each LoRA layer's folded update ``X.base_delta`` (the frozen weight's shape): ``arrays``'
-    own (a checkpoint's), else zero; {} under any other strategy."""
+    own (a checkpoint's), else zero; {} under any other strategy. In float32 whatever the
+    frozen weight's precision (bf16 holds it in bf16; what is communicated stays float32)."""
     from fedadapt.strategies.zoo import LORA_FOLD
 
     if cfg.strategy.name not in LORA_FOLD:
         return {}
     import torch
 
-    return {n: arrays[n] if n in arrays else torch.zeros_like(layer.get_base_layer().weight,
-                                                              device="cpu")
+    return {n: arrays[n] if n in arrays else torch.zeros(layer.get_base_layer().weight.shape)
             for n, layer in model.lora_layers().items()}
 
 
