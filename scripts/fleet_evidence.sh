@@ -35,4 +35,4 @@ sweep anytime setting=anytime setting.tiers_from=fleet method=accumulator_pa tra
 sweep lora setting=conventional method=lora train.lr=0.2 "${deadline[@]}"
 sweep fedbuff setting=conventional method=lora train.lr=0.2 strategy=fedbuff \
   strategy.buffer_size=3 strategy.concurrency=6
-fedadapt-report "$out"/* --out "$out" --target 80
+fedadapt-report "$out"/*/ --out "$out" --target 80

@@ -234,3 +234,18 @@ def test_report_bad_input_is_one_line_without_usage(argv, says, capsys):
     err = capsys.readouterr().err
     assert done.value.code == 2 and says in err and err.count("\n") == 1, err
     assert "usage" not in err
+
+
+def test_a_plot_legend_names_the_method_setting_and_strategy_and_only_what_else_it_needs():
+    from fedadapt.results.report import legend_keys
+
+    varying = ["method.head", "method.name", "setting.name", "strategy.name", "train.lr"]
+    rows = [{"method.head": "linear", "method.name": "lora", "setting.name": "conventional",
+             "strategy.name": s, "train.lr": 0.2} for s in ("fedavg", "fedbuff")]
+    rows.append({"method.head": "mlp", "method.name": "accumulator_pa",
+                 "setting.name": "anytime", "strategy.name": "fedavg", "train.lr": 0.05})
+    assert legend_keys(varying, rows) == ["method.name", "setting.name", "strategy.name"]
+    # two learning rates of one method: the rate is what tells them apart
+    rows = [{**rows[0], "train.lr": lr} for lr in (0.2, 0.05)]
+    assert legend_keys(varying, rows) == ["method.name", "setting.name", "strategy.name",
+                                          "train.lr"]

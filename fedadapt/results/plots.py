@@ -136,7 +136,8 @@ def plot_accuracy_vs_time(groups: dict[str, list[list[dict]]], path: str | Path)
     ax.set_xlabel("simulated time (hours)")
     ax.set_ylabel("global test accuracy (%)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    atomic_write(path, lambda fh: fig.savefig(fh, format="png", dpi=110), mode="wb")
+    # below the axes: long labels never cover the lines
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
+    atomic_write(path, lambda fh: fig.savefig(fh, format="png", dpi=110, bbox_inches="tight"),
+                 mode="wb")
     plt.close(fig)

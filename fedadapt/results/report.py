@@ -343,12 +343,33 @@ def time_to_accuracy(rows: list[dict], target: float) -> str:
     return column
 
 
+#: What a plot's legend names first: the method, the setting and the strategy.
+PRIMARY_KEYS = ("method.name", "setting.name", "strategy.name")
+
+
+def legend_keys(varying: list[str], rows: list[dict]) -> list[str]:
+    """The fewest varying keys that tell the groups apart, the primary ones first
+    (:data:`PRIMARY_KEYS`): a method's own settings (its head, dropout, ...) vary with it and
+    would make every label a line of the table."""
+    def distinct(keys: list[str]) -> int:
+        return len({tuple(str(row[key]) for key in keys) for row in rows})
+
+    keys = [k for k in PRIMARY_KEYS if k in varying]
+    for k in [k for k in varying if k not in keys]:
+        if distinct(keys) == len(rows):
+            break
+        if distinct(keys + [k]) > distinct(keys):
+            keys.append(k)
+    return [k for k in varying if k in keys] or list(varying)
+
+
 def accuracy_time_plot(varying: list[str], rows: list[dict], path: Path) -> bool:
     """``accuracy_vs_time.png`` of the groups whose runs ran on a simulated clock; False when
     none did."""
     from fedadapt.results.plots import plot_accuracy_vs_time
 
-    groups = {", ".join(f"{k}={row[k]}" for k in varying):
+    keys = legend_keys(varying, rows)
+    groups = {", ".join(f"{k.removesuffix('.name')}={row[k]}" for k in keys):
               [history_of(r) for r in row["runs"] if "simulated_s" in r["summary"]]
               for row in rows}  # a run without a fleet is not read
     groups = {k: v for k, v in groups.items() if v}
