@@ -33,7 +33,6 @@ from typing import Optional
 
 import numpy as np
 from flwr.app import (
-    Array,
     ArrayRecord,
     ConfigRecord,
     Message,
@@ -45,6 +44,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from fedadapt.config import ConfigError
+from fedadapt.federation.records import as_numpy, to_array
 
 STALENESS = ("sqrt", "constant")
 
@@ -131,8 +131,8 @@ class FedBuff(FedAvg):
                 "client": cid, "version": self.version, "finish": start + seconds,
                 "weight": float(metrics[self.weighted_by_key]),
                 "loss": float(metrics.get("train_loss", float("nan"))),
-                "delta": {n: trained[n].numpy().astype(np.float64)
-                          - sent[n].numpy().astype(np.float64) for n in trained.keys()}})
+                "delta": {n: as_numpy(trained[n]).astype(np.float64)
+                          - as_numpy(sent[n]).astype(np.float64) for n in trained.keys()}})
         self.arrivals = {}
         # the buffer's size; fewer only when no client could start (the rest are all busy or
         # offline): then the clients in flight are applied as they are, or nothing would move
@@ -152,8 +152,8 @@ class FedBuff(FedAvg):
                 new[name] = array
                 continue
             step = sum(f["weight"] / total * s * f["delta"][name] for f, s in holders)
-            value = array.numpy().astype(np.float64) + self.server_lr * step
-            new[name] = Array(value.astype(array.numpy().dtype))
+            value = as_numpy(array).astype(np.float64) + self.server_lr * step
+            new[name] = to_array(value.astype(np.dtype(array.dtype)))
         self.now = max(self.now, buffer[-1]["finish"])
         self.version += 1
         losses = [(f["loss"], f["weight"]) for f in buffer if math.isfinite(f["loss"])]

@@ -58,6 +58,7 @@ from flwr.app import (
 from flwr.serverapp import Grid
 
 from fedadapt.config import ConfigError
+from fedadapt.federation.records import to_array
 
 __all__ = ["BASE_DELTA", "FLoRA", "FedExLoRA", "FedSALoRA", "FlexLoRA", "HetLoRA",
            "LoRARankStrategy", "base_delta_name", "check_rank", "fedex_aggregate",
@@ -269,7 +270,7 @@ def _torch_dtype(array: Array) -> torch.dtype:
 
 
 def _array(t: Tensor, shape, dtype: torch.dtype) -> Array:
-    return Array.from_torch_tensor(t.reshape(shape).to(dtype).contiguous())
+    return to_array(t.reshape(shape).to(dtype).contiguous())
 
 
 def _sliced(array: Array, rank: int, axis: int) -> Array:
@@ -277,7 +278,7 @@ def _sliced(array: Array, rank: int, axis: int) -> Array:
     if array.shape[axis] == rank:
         return array
     t = _torch(array)
-    return Array.from_torch_tensor((t[:rank] if axis == 0 else t[:, :rank]).contiguous())
+    return to_array((t[:rank] if axis == 0 else t[:, :rank]).contiguous())
 
 
 def _reply_weight(content: RecordDict, key: str) -> float:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 #: Bumped whenever any module anywhere registers a parameter or a submodule (torch's global
-#: registration hooks): :meth:`AdaptedModel.named_params` relists its parameters after that.
+#: registration hooks): what :func:`structure_cached` keeps is made again after that.
 _STRUCTURE = [0]
 
 
@@ -20,11 +20,17 @@ def _structure_changed(*_args) -> None:
 torch.nn.modules.module.register_module_parameter_registration_hook(_structure_changed)
 torch.nn.modules.module.register_module_module_registration_hook(_structure_changed)
 
+T = TypeVar("T")
 
-def structure_version() -> int:
-    """How many parameters and modules have been registered anywhere so far: a listing of a
-    model's parameters or layers taken at this version still holds while it has not moved."""
-    return _STRUCTURE[0]
+
+def structure_cached(module: nn.Module, name: str, make: Callable[[], T]) -> T:
+    """``make()``, kept on ``module`` under ``name`` until a parameter or a submodule is next
+    registered anywhere: a listing of a model's parameters or layers still holds until then."""
+    cached = module.__dict__.get(name)
+    if cached is None or cached[0] != _STRUCTURE[0]:
+        cached = (_STRUCTURE[0], make())
+        module.__dict__[name] = cached
+    return cached[1]
 
 
 class AdaptedModel(nn.Module):
@@ -103,11 +109,8 @@ class AdaptedModel(nn.Module):
         """``list(self.named_parameters())``, listed again only after a parameter or module was
         registered somewhere (the walk over a ViT's thousands of modules costs milliseconds,
         and a round asks for the trainable names many times per client)."""
-        cached = self.__dict__.get("_named_params_cache")
-        if cached is None or cached[0] != structure_version():
-            cached = (structure_version(), list(self.named_parameters()))
-            self.__dict__["_named_params_cache"] = cached
-        return cached[1]
+        return structure_cached(self, "_named_params_cache",
+                                lambda: list(self.named_parameters()))
 
     def trainable_names(self) -> list[str]:
         return [n for n, p in self.named_params() if p.requires_grad]

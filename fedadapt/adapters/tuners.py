@@ -124,18 +124,13 @@ class Tuned:
     def lora_layers(self) -> dict[str, nn.Module]:
         """``{"X.base_delta": peft LoRA layer X}`` of every LoRA layer (the name a folded
         update of layer ``X`` has)."""
-        from fedadapt.adapters.model import structure_version
+        from peft.tuners.lora import LoraLayer
 
-        cached = self.__dict__.get("_lora_layers_cache")
-        if cached is None or cached[0] != structure_version():  # again after a registration
-            from peft.tuners.lora import LoraLayer
+        from fedadapt.adapters.model import structure_cached
+        from fedadapt.strategies.lora_het import BASE_DELTA
 
-            from fedadapt.strategies.lora_het import BASE_DELTA
-
-            cached = (structure_version(), {f"{n}.{BASE_DELTA}": m for n, m in self.named_modules()
-                                      if isinstance(m, LoraLayer)})
-            self.__dict__["_lora_layers_cache"] = cached
-        return cached[1]
+        return structure_cached(self, "_lora_layers_cache", lambda: {
+            f"{n}.{BASE_DELTA}": m for n, m in self.named_modules() if isinstance(m, LoraLayer)})
 
 
 class TunedModel(Tuned, AdaptedModel):

@@ -131,16 +131,15 @@ def stream_parts(batches: Sequence[Sequence[tuple[DataSource, np.ndarray]]],
         parts = batches[i]
         idx = np.concatenate([ix for _, ix in parts])
         crop = crops[i] if crops is not None else None
+        y = _to_device(torch.from_numpy(labels[idx]), device)
         resized = None if crop is not None else [input_rows(src, ix) for src, ix in parts]
         if resized is not None and all(r is not None for r in resized):  # resized once
             x = _to_device(torch.from_numpy(np.concatenate(resized)), device)
-            y = _to_device(torch.from_numpy(labels[idx]), device)
             return first.preprocess.normalize(to_float(x)), y
         rows = [src.images(ix) for src, ix in parts]
         if len({r.shape[-1] for r in rows}) > 1:  # clean grey beside corrupted RGB rows
             rows = [np.repeat(r, 3, axis=-1) if r.shape[-1] == 1 else r for r in rows]
         x = _to_device(torch.from_numpy(np.concatenate(rows)), device)
-        y = _to_device(torch.from_numpy(labels[idx]), device)
         return model_input(x, first.preprocess,
                            None if crop is None else (crop[0], crop[1], idx)), y
 

@@ -158,14 +158,11 @@ def size_simulation(fed: FederationConfig, device: str, sampled: int, batch_size
     k = parse_count(fed.clients_per_worker, "federation.clients_per_worker")
     cuda = device == "cuda"
     note = ""
-    if k is None and trains_whole and not cuda:
+    if k is None and (trains_whole or features) and not cuda:
         k = 1
-        note = ("federation.clients_per_worker=auto: K=1 on the CPU (the model trains whole: "
-                "no frozen weights for a group to share)")
-    elif k is None and features and not cuda:
-        k = 1
-        note = ("federation.clients_per_worker=auto: K=1 on the CPU (cached features: no frozen "
-                "backbone runs in a step for a group to share)")
+        why = ("the model trains whole: no frozen weights" if trains_whole else
+               "cached features: no frozen backbone runs in a step")
+        note = f"federation.clients_per_worker=auto: K=1 on the CPU ({why} for a group to share)"
     elif k is None:
         fits = per_worker if cuda else CPU_IMAGES_PER_STEP // max(batch_size, 1)
         k = max(1, min(per_worker, fits))
