@@ -60,11 +60,15 @@ def register_configs() -> None:
 
 def register_resolvers() -> None:
     """OmegaConf resolvers of the shipped config: ``${unique_dir:PATH}`` claims a new run or
-    sweep folder (see :mod:`fedadapt.results.rundir`); cached, so a sweep claims one."""
-    from fedadapt.results.rundir import claim_new_dir
+    sweep folder (see :mod:`fedadapt.results.rundir`); cached, so a sweep claims one.
+    ``${point_dir:NUM,OVERRIDES}`` names a sweep point's folder, cut to a length every file
+    system takes."""
+    from fedadapt.results.rundir import claim_new_dir, point_dir
 
     if not OmegaConf.has_resolver("unique_dir"):
         OmegaConf.register_new_resolver("unique_dir", claim_new_dir, use_cache=True)
+    if not OmegaConf.has_resolver("point_dir"):
+        OmegaConf.register_new_resolver("point_dir", point_dir)
 
 
 def to_run_config(cfg: DictConfig) -> RunConfig:

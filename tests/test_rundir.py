@@ -192,3 +192,20 @@ def test_joblib_sweep_gives_the_metrics_of_runs_done_alone(two_at_once, tmp_path
     assert sorted(points) == [0, 1]
     assert _metrics(points[0]) == _metrics(two_at_once[0])
     assert _metrics(points[1]) != _metrics(points[0])
+
+
+def test_a_sweep_points_folder_name_stays_within_what_file_systems_take(tmp_path):
+    from omegaconf import OmegaConf, open_dict
+
+    from fedadapt.results.rundir import POINT_NAME_MAX, point_dir
+
+    assert point_dir(3, "seed=0,strategy=hetlora") == "3_seed=0,strategy=hetlora"  # as Hydra's
+    long = ",".join(f"key{i}.setting=value{i}" for i in range(20))
+    names = {point_dir(n, long + extra) for n in (0, 1) for extra in ("", ",seed=1")}
+    assert len(names) == 4 and all(len(n.encode()) == POINT_NAME_MAX for n in names)
+    assert point_dir(0, long).startswith("0_key0.setting=value0,")
+    cfg = _compose([], tmp_path)  # the shipped config names each point so
+    with open_dict(cfg):
+        cfg.hydra.job.num, cfg.hydra.job.override_dirname = 7, long + ",method.ranks=[2,4,8]"
+    subdir = OmegaConf.to_container(cfg.hydra.sweep, resolve=True)["subdir"]
+    assert subdir == point_dir(7, long + ",method.ranks=[2,4,8]")

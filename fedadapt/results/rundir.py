@@ -58,6 +58,26 @@ def claim_new_dir(path: str | os.PathLike, *, attempts: int = 1000) -> str:
                       f"choose another output_dir")
 
 
+#: The longest sweep-point folder name :func:`point_dir` gives (file systems allow 255 bytes).
+POINT_NAME_MAX = 200
+
+
+def point_dir(num, overrides: str) -> str:
+    """A sweep point's folder name, ``<num>_<its overrides>`` (Hydra's ``override_dirname``),
+    cut to :data:`POINT_NAME_MAX` bytes where it would be longer, with the first 10 hex digits
+    of the whole name's SHA-1 after the cut, so that points stay apart (their overrides are in
+    each point's ``job.json`` and ``config.yaml``)."""
+    import hashlib
+
+    name = f"{num}_{overrides}"
+    raw = name.encode()
+    if len(raw) <= POINT_NAME_MAX:
+        return name
+    digest = hashlib.sha1(raw).hexdigest()[:10]
+    head = raw[:POINT_NAME_MAX - len(digest) - 1].decode(errors="ignore")
+    return f"{head}_{digest}"
+
+
 def _owner() -> dict:
     return {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
 
