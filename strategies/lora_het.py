@@ -194,12 +194,14 @@ def sparsity_weights(As: Sequence[Tensor], Bs: Sequence[Tensor],
 
 
 def hetlora_aggregate(As: Sequence[Tensor], Bs: Sequence[Tensor], r_max: int,
-                      base: Sequence[float] | None = None
+                      base: Sequence[float] | None = None, sparsity: bool = True
                       ) -> tuple[Tensor, Tensor, list[float]]:
     """HetLoRA: ``A = sum_k w_k pad(A_k)``, ``B = sum_k w_k pad(B_k)`` with the
-    :func:`sparsity_weights` ``w``, every factor zero-padded to ``r_max``; returns
+    :func:`sparsity_weights` ``w`` (``sparsity=False``: ``w`` is ``base``, or uniform,
+    normalised: the plain zero-padded average), every factor zero-padded to ``r_max``; returns
     ``(A, B, w)``."""
-    w = sparsity_weights(As, Bs, base)
+    w = (sparsity_weights(As, Bs, base) if sparsity else
+         normalise([1.0] * len(As) if base is None else base))
     padded = [pad_rank(a, b, r_max) for a, b in zip(As, Bs)]
     return (sum(wk * a for wk, (a, _) in zip(w, padded)),
             sum(wk * b for wk, (_, b) in zip(w, padded)), w)
@@ -485,12 +487,18 @@ class HetLoRA(LoRARankStrategy):
     ``data_weighted``). Every other tensor: FedAvg's mean. With ``prune_gamma > 0`` the
     clients prune their trailing rank components after training (:func:`self_prune`, the
     ``prune-gamma`` in their config) and keep the smaller rank in later rounds (the server
-    sends them that rank from then on)."""
+    sends them that rank from then on).
+
+    ``sparsity_weighted=False`` drops the sparsity weights: ``w_k`` is ``n_k`` (or uniform),
+    the plain zero-padded average. The new global factors are then the padded truncations
+    sent (public) plus the mean of the clients' updates, which is what client-side DP's noise
+    is calibrated to (``dp=client_fixed``; the sparsity weights depend on the updates)."""
 
     def __init__(self, rank_of: Callable[[int], int], data_weighted: bool = False,
-                 prune_gamma: float = 0.0, **kwargs) -> None:
+                 prune_gamma: float = 0.0, sparsity_weighted: bool = True, **kwargs) -> None:
         super().__init__(rank_of, **kwargs)
         self.data_weighted = bool(data_weighted)
+        self.sparsity_weighted = bool(sparsity_weighted)
         if isinstance(prune_gamma, bool) or not isinstance(prune_gamma, (int, float)) or not (
                 math.isfinite(prune_gamma) and prune_gamma >= 0):
             raise ConfigError(f"prune_gamma={prune_gamma!r} is invalid: a finite number >= 0 "
@@ -527,7 +535,8 @@ class HetLoRA(LoRARankStrategy):
 
     def aggregate_layer(self, a_name, current, As, Bs, weights, ranks):
         a, b, _ = hetlora_aggregate(As, Bs, current[a_name].shape[0],
-                                    weights if self.data_weighted else None)
+                                    weights if self.data_weighted else None,
+                                    sparsity=self.sparsity_weighted)
         return a, b, None
 
 

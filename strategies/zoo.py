@@ -76,6 +76,9 @@ ASYNC = ("fedbuff",)
 LORA_RANK = ("hetlora", "flexlora", "fedsa_lora", "flora", "fedex_lora")
 #: Of those, the ones that fold an update into the clients' frozen weights (``X.base_delta``).
 LORA_FOLD = ("flora", "fedex_lora")
+#: Of those, the ones client-side DP composes with (:func:`lora_dp_refusal`): their new global
+#: model is a public function of what was sent plus the plain mean of the clients' updates.
+LORA_DP = ("fedsa_lora", "hetlora")
 #: Flower strategies that are not offered, and why (the strategy reference says so).
 NOT_OFFERED = {
     "fedxgbbagging": "FedXgbBagging aggregates XGBoost trees sent as JSON bytes; fedadapt's "
@@ -164,21 +167,66 @@ def check_strategy(strategy: StrategyConfig, dp: DPConfig, *, weighting: str,
     if dp.name == "none":
         return
     if name in LORA_RANK:
-        raise ConfigError(f"dp={dp.name} is invalid with strategy={name}: the wrapper clips "
-                          f"whole updates, and clients of different LoRA ranks send tensors of "
-                          f"different shapes")
+        refusal = lora_dp_refusal(strategy, dp)
+        if refusal:
+            raise ConfigError(refusal)
     if getattr(dp, "accounting", False):
         check(dp.noise_multiplier > 0, "dp.noise_multiplier", dp.noise_multiplier,
               "privacy accounting (dp.accounting=true) needs a noise multiplier > 0; "
               "dp.accounting=false runs the mechanism without a privacy guarantee")
-        check(name in ("fedavg", "fedprox") or (name == CUSTOM and per_tensor_family(strategy)),
+        check(name in ("fedavg", "fedprox", *LORA_DP)
+              or (name == CUSTOM and per_tensor_family(strategy)),
               "strategy", name,
               f"dp={dp.name} with accounting needs FedAvg's own aggregation (Flower's accountant "
-              f"accepts only FedAvg.aggregate_train): strategy=fedavg or fedprox, or "
-              f"dp.accounting=false")
+              f"accepts only FedAvg.aggregate_train) or one with the same sensitivity: "
+              f"strategy=fedavg, fedprox, {' or '.join(LORA_DP)}, or dp.accounting=false")
     check(weighting == "uniform", "method.weighting", weighting,
           f"dp={dp.name} averages the clipped updates with equal weights (the noise is "
           f"calibrated to clipping_norm / clients per round): set method.weighting=uniform")
+
+
+def lora_dp_refusal(strategy: StrategyConfig, dp: DPConfig) -> Optional[str]:
+    """Why ``dp=`` cannot wrap a LoRA-rank strategy (one line), or None where the maths allows.
+
+    Flower's client-side wrappers add Gaussian noise of std ``noise_multiplier *
+    clipping_norm / n`` to the aggregate of ``n`` clients whose updates (reply minus what the
+    client was sent, at its own rank) were clipped to ``clipping_norm`` by the client's mod.
+    That is the Gaussian mechanism only where one client moves the aggregate by at most
+    ``clipping_norm / n``: the aggregate is a public function of what was sent plus the plain
+    mean of the updates. FedSA-LoRA's zero-padded mean of A, and HetLoRA's zero-padded mean
+    without its sparsity weights, are (a pad of a truncation of the global factors is public;
+    the ranks are the config's). FlexLoRA (an SVD of the mean of ``B_k A_k``), FLoRA and
+    FedEx-LoRA (the mean of ``B_k A_k`` folded into the frozen weights) are quadratic in a
+    client's update, so its clipped norm does not bound what it moves. The server-side wrappers
+    clip each reply against the global record at the largest rank, which a client of a
+    smaller rank does not send."""
+    name = strategy.name
+    if dp.name.startswith("server_"):
+        return (f"dp={dp.name} is invalid with strategy={name}: the server clips each reply "
+                f"against the global record at the largest LoRA rank, and clients of smaller "
+                f"ranks send smaller tensors; use dp=client_fixed or client_adaptive (each "
+                f"client clips its own rank's update) with strategy={' or '.join(LORA_DP)}")
+    if name == "flexlora":
+        return (f"dp={dp.name} is invalid with strategy=flexlora: its aggregate is the SVD of "
+                f"the mean of the products B_k A_k, quadratic in a client's update, so "
+                f"clipping the update does not bound what one client moves (the noise's "
+                f"calibration); strategy={' or '.join(LORA_DP)} compose with it")
+    if name in LORA_FOLD:
+        return (f"dp={dp.name} is invalid with strategy={name}: it folds the mean of the "
+                f"products B_k A_k into the frozen weights, quadratic in a client's update, so "
+                f"clipping the update does not bound what one client moves (the noise's "
+                f"calibration); strategy={' or '.join(LORA_DP)} compose with it")
+    if name == "hetlora" and getattr(strategy, "sparsity_weighted", True):
+        return (f"strategy.sparsity_weighted=true is invalid with dp={dp.name}: HetLoRA's "
+                f"weights ||B_k A_k|| depend on the clients' updates, so one client moves the "
+                f"aggregate by more than clipping_norm / clients (the noise's calibration); "
+                f"set strategy.sparsity_weighted=false (the plain zero-padded mean)")
+    if name == "hetlora" and getattr(strategy, "prune_gamma", 0.0) > 0:
+        return (f"strategy.prune_gamma={strategy.prune_gamma} is invalid with dp={dp.name}: a "
+                f"client that prunes replies at a smaller rank than it was sent, and the "
+                f"clipping mod measures the update against what was sent; set "
+                f"strategy.prune_gamma=0")
+    return None
 
 
 def check_counts(strategy: StrategyConfig, dp: DPConfig, *, num_clients: int,
@@ -274,9 +322,15 @@ def build_strategy(strategy: StrategyConfig, dp: DPConfig, *, num_clients: int,
         if dp.name == "none":
             return built
         wrapper = DP_WRAPPERS[dp.name]
-        extra = {}
-        if getattr(dp, "accounting", False):
-            extra["accountant"] = _accountant(dp, num_clients)
+        accountant = _accountant(dp, num_clients) if getattr(dp, "accounting", False) else None
+        if strategy.name in LORA_DP:
+            # Flower's wrapper takes an accountant only on FedAvg.aggregate_train; these
+            # aggregate a public part plus the plain mean of the clipped updates, the same
+            # sensitivity (lora_dp_refusal), so the same Gaussian releases are accounted
+            wrapped = wrapper(built, num_sampled_clients=train_n, **keys_of(dp))
+            wrapped.accountant = accountant
+            return wrapped
+        extra = {"accountant": accountant} if accountant is not None else {}
         return wrapper(built, num_sampled_clients=train_n, **keys_of(dp), **extra)
     except ValueError as err:  # Flower's own check of a value
         which = f"dp={dp.name}" if dp.name != "none" else f"strategy={strategy.name}"
@@ -381,8 +435,9 @@ def markdown_table() -> str:
                  "tensor over its senders; no dp=, no federation.round_timeout; see fleet.md"
                  if name in ASYNC else
                  "method=lora (plain LoRA for flora and fedex_lora), with or without "
-                 "method.ranks; each layer over the clients that sent it (multitier too); no "
-                 "dp=; see peft.md" if name in LORA_RANK else
+                 "method.ranks; each layer over the clients that sent it (multitier too); "
+                 "dp=client_fixed|client_adaptive with fedsa_lora, and with hetlora without "
+                 "its sparsity weights and pruning; see peft.md" if name in LORA_RANK else
                  "where every client sends every tensor; refused in multitier and "
                  "personalization, and for a method whose clients train part of what it sends")
         lines.append(f"| `{name}` | `{cls.__name__}` | {keys(schema)} | {where} |")
@@ -397,7 +452,8 @@ def markdown_table() -> str:
               "Fixed clipping reports epsilon at `dp.delta` (default min(1e-5, N^-1.1), well "
               "below 1/N) after every round "
               "with Flower's RDP accountant (no sampling amplification, FedAvg's aggregation: "
-              "`strategy=fedavg` or `fedprox`).", "",
+              "`strategy=fedavg` or `fedprox`; or the same sensitivity with client-side "
+              "clipping: `fedsa_lora`, `hetlora` with `strategy.sparsity_weighted=false`).", "",
               "| dp= | Flower wrapper | keys (defaults) | client mod |", "|---|---|---|---|",
               "| `none` | — | — | — |"]
     for name, schema in dp_schemas().items():
