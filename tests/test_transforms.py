@@ -255,7 +255,10 @@ def test_corruptions_run_at_native_resolution_seeded_per_image(cache_dir):
     assert not np.array_equal(blurred, np.repeat(src.store.array()[idx], 3, axis=-1))
 
 
-def test_features_move_to_the_device_once_per_call(cache_dir, monkeypatch):
+def test_features_move_to_the_device_once_per_call_or_are_read_per_batch(cache_dir,
+                                                                          monkeypatch):
+    """Off the CPU a call's rows move once (features and labels), then are indexed there; on
+    the CPU each batch is read from the mapping. Both give each batch's rows, in its order."""
     from fedadapt.data import sources
 
     prep = prepare_run(tiny_run(cache_dir, LinearHeadConfig()), quiet=True)
@@ -263,12 +266,16 @@ def test_features_move_to_the_device_once_per_call(cache_dir, monkeypatch):
     calls = []
     real = sources._to_device
     monkeypatch.setattr(sources, "_to_device", lambda t, d: calls.append(t.shape) or real(t, d))
-    batches = [np.array([3, 1]), np.array([8]), np.array([1, 2])]
-    got = list(src.stream(batches, "cpu"))
+    batches = [np.array([3, 1]), np.array([8]), np.array([1, 2])]  # unsorted, overlapping
+    cpu = torch.device("cpu")
+    moved = list(sources.feature_stream(src, batches, cpu, move_once=True))
     assert len(calls) == 2  # features and labels, once for all batches
-    for b, (x, y) in zip(batches, got):
+    read = list(src.stream(batches, "cpu"))  # the CPU's default: per batch, nothing moved
+    assert len(calls) == 2
+    for b, (x, y), (x1, y1) in zip(batches, moved, read):
         np.testing.assert_array_equal(x.numpy(), src.features()[b])
         np.testing.assert_array_equal(y.numpy(), src.labels()[b])
+        assert torch.equal(x, x1) and torch.equal(y, y1) and x1.dtype == torch.float32
 
 
 def test_precision_is_checked_and_resolved(cache_dir, monkeypatch, request):

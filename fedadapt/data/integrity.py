@@ -143,6 +143,13 @@ def mapped(path: str | Path, what: str = "cache file") -> np.ndarray:
     return _MAPPED[key]
 
 
+def unmap_all() -> None:
+    """Forget every mapping :func:`mapped` keeps (mapped again on the next call, unchecked:
+    a file's check is kept): the pages a run touched leave the process when nothing else
+    holds its arrays."""
+    _MAPPED.clear()
+
+
 def valid_or_removed(path: str | Path) -> bool:
     """True when ``path`` exists and matches its digest; a file that fails is deleted (with its
     sidecar) so the caller rebuilds it. Returns False for a missing file too."""

@@ -109,7 +109,7 @@ class DataSource:
         if not batches:
             return iter(())
         if self.kind == "features":
-            return _feature_stream(self, batches, device)
+            return feature_stream(self, batches, device)
         return stream_parts([[(self, b)] for b in batches], device, crops)
 
 
@@ -146,9 +146,20 @@ def stream_parts(batches: Sequence[Sequence[tuple[DataSource, np.ndarray]]],
     return prefetched(len(batches), make, device)
 
 
-def _feature_stream(source: DataSource, batches: list[np.ndarray], device: torch.device
-                    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Features of every batch's rows on the device once, then indexed there."""
+def feature_stream(source: DataSource, batches: list[np.ndarray], device: torch.device, *,
+                   move_once: Optional[bool] = None
+                   ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Features of every batch's rows: read per batch from the mapped file, or with
+    ``move_once`` (the default off the CPU) the rows of all the batches moved to the device
+    at once, then indexed there. Both give the same batches."""
+    if move_once is None:
+        move_once = device.type != "cpu"
+    if not move_once:  # no transfer to save: the union and its positions cost more
+        feats, labels = source.features(), source.labels()
+        for idx in batches:
+            yield (torch.from_numpy(np.ascontiguousarray(feats[idx], dtype=np.float32)),
+                   torch.from_numpy(labels[idx]))
+        return
     union = np.unique(np.concatenate(batches))
     feats = _to_device(torch.from_numpy(np.ascontiguousarray(source.features()[union],
                                                              dtype=np.float32)), device)
@@ -199,6 +210,15 @@ def prefetched(n: int, make: Callable[[int], tuple], device: torch.device) -> It
 
 # -- per-process caches -----------------------------------------------------------------------
 _CACHE: dict[tuple, object] = {}
+
+
+def clear_cache() -> None:
+    """Forget this process's labels, input stores and corrupted rows (made again on use), and
+    the feature and store mappings (:func:`fedadapt.data.integrity.unmap_all`)."""
+    from fedadapt.data.integrity import unmap_all
+
+    _CACHE.clear()
+    unmap_all()
 
 
 def _labels(path: str, split: str) -> np.ndarray:

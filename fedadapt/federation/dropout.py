@@ -66,8 +66,13 @@ def _forward(module: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
     return x * keep.to(x.dtype) * (1.0 / (1.0 - module.p))
 
 
-def install(model: nn.Module) -> None:
-    """Every ``nn.Dropout`` of ``model`` draws from the key of :func:`keyed` (idempotent)."""
+def install(model: nn.Module) -> bool:
+    """Every ``nn.Dropout`` of ``model`` draws from the key of :func:`keyed` (idempotent);
+    whether it has any (without, a step needs no key)."""
+    found = False
     for m in model.modules():
-        if type(m) is nn.Dropout and not isinstance(m.__dict__.get("forward"), partial):
-            m.forward = partial(_forward, m)
+        if type(m) is nn.Dropout:
+            found = True
+            if not isinstance(m.__dict__.get("forward"), partial):
+                m.forward = partial(_forward, m)
+    return found

@@ -11,6 +11,7 @@ run's device (prepared one batch ahead), forward passes run under the run's prec
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -174,6 +175,11 @@ def seeded_model(method, seed: int, backbone, num_classes: int, *, with_backbone
 _MODELS: dict[str, tuple[AdaptedModel, dict]] = {}
 
 
+def drop_cached_model() -> None:
+    """Forget this process's client model (:func:`cached_model` builds it again)."""
+    _MODELS.clear()
+
+
 def cached_model(spec: RunSpec) -> AdaptedModel:
     """One model per process and run; every call overwrites all trainable tensors before use."""
     return _cached(spec)[0]
@@ -268,7 +274,7 @@ def train_local(
     from fedadapt.federation import dropout
 
     dev = next(model.parameters()).device
-    dropout.install(model)  # the client's own masks, as when it trains in a group
+    masks = dropout.install(model)  # the client's own masks, as when it trains in a group
     params = [p for p in model.parameters() if p.requires_grad]
     anchor = [p.detach().clone() for p in params] if proximal_mu > 0 else None
     opt = make_optimizer(params, train, lr)
@@ -281,7 +287,8 @@ def train_local(
         scale = (float(train.crop_scale[0]), float(train.crop_scale[1]))
         crops = [(scale, np.full(len(b), crop_seed, dtype=np.uint64)) for b in batches]
     for t, (x, y) in enumerate(source.stream(batches, dev, crops)):
-        with autocast(dev.type, precision), dropout.keyed(torch.tensor(dropout.step_key(seed, t))):
+        keyed = dropout.keyed(torch.tensor(dropout.step_key(seed, t))) if masks else nullcontext()
+        with autocast(dev.type, precision), keyed:
             if step_exits[t] is None:
                 loss = model.training_loss(x, y)
             else:

@@ -260,6 +260,9 @@ def run_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, config_yaml:
                 bar.update(completed=resumed_round)
             show[0] = _progress(label, cfg.rounds, bar)
             state = (execute or simulation(cfg))(plan, make_client_app(SpecRef(spec)))
+        from fedadapt.federation.worker import release_process_caches
+
+        release_process_caches()  # in process, the workers' model and mappings: not for plots
         write_partition(run_dir, cfg, prep, stats=False)
         summary = _finish_rounds(cfg, run_dir, prep, state, label=label, t0=t0,
                                  num_rounds=num_rounds, resume_state=resume_state)
