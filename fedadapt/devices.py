@@ -17,6 +17,8 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import os
 from typing import Optional
 
@@ -115,18 +117,51 @@ def seed_torch(seed: int, device: torch.device) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
-def return_freed_memory() -> None:
-    """Hand the memory Python and torch have freed back to the operating system (glibc's
-    ``malloc_trim``; a no-op elsewhere). glibc keeps freed blocks below its mmap threshold
-    (which grows to 32 MB as large blocks are freed) in the process heap, so a process that
-    decodes, trains and encodes a whole CLIP (605 MB) per client grows round after round
-    without it. Called once per message on a worker and once per round on the server: cheap
-    next to either."""
-    try:
-        import ctypes
+#: :func:`return_freed_memory` trims only when the heap holds at least this much free memory.
+TRIM_ABOVE_BYTES = 64 << 20
 
-        libc = ctypes.CDLL(None)
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim(0)
+
+def heap_free_bytes() -> Optional[int]:
+    """The free bytes glibc's heaps keep (``mallinfo2().fordblks``, every arena); None where
+    that cannot be read (another C library, glibc before 2.33)."""
+    libc = _libc()
+    info = getattr(libc, "mallinfo2", None) if libc is not None else None
+    if info is None:
+        return None
+    if info.restype is not _MallInfo2:
+        info.restype = _MallInfo2
+    return int(info().fordblks)
+
+
+def return_freed_memory(min_free: int = TRIM_ABOVE_BYTES) -> bool:
+    """Hand the memory Python and torch have freed back to the operating system (glibc's
+    ``malloc_trim``; a no-op elsewhere); whether it trimmed. glibc keeps freed blocks below its
+    mmap threshold (which grows to 32 MB as large blocks are freed) in the process heap, so a
+    process that decodes, trains and encodes a whole CLIP (605 MB) per client grows round after
+    round without it. Called once per message on a worker and once per round on the server.
+    It trims only when the heaps hold ``min_free`` bytes or more (:data:`TRIM_ABOVE_BYTES`):
+    a trim releases the pages and the next round faults them in again, 1.3 ms a call on a
+    small CNN's round under cProfile, for a few MB (``scripts/peer_pfl.py``'s W1)."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return False
+    free = heap_free_bytes()
+    if free is not None and free < min_free:
+        return False
+    libc.malloc_trim(0)
+    return True
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    """This process's C library (ctypes), or None."""
+    try:
+        return ctypes.CDLL(None)
+    except OSError:
+        return None

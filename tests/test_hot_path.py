@@ -8,7 +8,7 @@ import torch
 from flwr.app import Array
 
 from fedadapt.data.loading import column
-from fedadapt.devices import seed_torch
+from fedadapt.devices import heap_free_bytes, return_freed_memory, seed_torch
 from fedadapt.federation.records import as_numpy, to_array
 
 
@@ -69,3 +69,16 @@ def test_a_label_column_read_through_arrow_equals_the_datasets_column():
     assert np.array_equal(column(ds, "label", np.int64),
                           np.asarray(ds["label"], dtype=np.int64))
     assert column(ds, "label", np.int64).tolist() == [6, 3, 4, 9]
+
+
+def test_freed_memory_is_trimmed_only_when_the_heaps_hold_enough_of_it():
+    free = heap_free_bytes()
+    if free is None:
+        pytest.skip("no glibc mallinfo2 here: every call trims, as before")
+    assert return_freed_memory(min_free=free + (1 << 30)) is False  # far more than is free
+    blocks = [bytearray(100_000) for _ in range(400)]  # under the mmap threshold: heap blocks
+    kept = blocks[1::2]  # every other one freed: holes the heap keeps (no top to shrink)
+    del blocks
+    assert heap_free_bytes() >= 100_000 * 150
+    assert return_freed_memory(min_free=1 << 20) is True
+    del kept
