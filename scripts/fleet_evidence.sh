@@ -14,19 +14,12 @@ set -euo pipefail
 out=${1:-outputs/fleet_evidence}
 extra=("${@:2}")
 export HF_HUB_OFFLINE=1
-weights=${FEDADAPT_CACHE:-$HOME/.cache/fedadapt}/pretrained/small_vit-fashion_mnist-s0
-[ -d "$weights" ] || fedadapt-pretrain --epochs 3 dataset=fashion_mnist backbone=small_vit
+. "$(dirname "$0")/evidence_sweep.sh"  # ensure_small_vit, sweep
+ensure_small_vit
 common=(experiment=acc_offline compare=[] fleet=tiers partition.alpha=0.1 seed=0,1,2)
 # the deadline drops the clients that would arrive late; a round goes on with whoever arrived
 # (one of the three is enough: min_reply_fraction 0.3, against the default's two of three)
 deadline=(federation.round_timeout=8 federation.min_reply_fraction=0.3)
-# a sweep that finished (its .done) is not run again: rerun the script to go on after a stop
-sweep() {
-  local name=$1; shift
-  [ -f "$out/$name/.done" ] && return
-  fedadapt -m "${common[@]}" "$@" "${extra[@]}" hydra.sweep.dir="$out/$name"
-  touch "$out/$name/.done"
-}
 sweep finetune setting=conventional method=lw_finetune train.lr=0.02 "${deadline[@]}"
 sweep multitier setting=multitier setting.tiers_from=fleet method=accumulator_pa \
   train.lr=0.05 "${deadline[@]}"

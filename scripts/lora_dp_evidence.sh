@@ -14,21 +14,14 @@ set -euo pipefail
 out=${1:-outputs/lora_dp}
 extra=("${@:2}")
 export HF_HUB_OFFLINE=1
-weights=${FEDADAPT_CACHE:-$HOME/.cache/fedadapt}/pretrained/small_vit-fashion_mnist-s0
-[ -d "$weights" ] || fedadapt-pretrain --epochs 3 dataset=fashion_mnist backbone=small_vit
+. "$(dirname "$0")/evidence_sweep.sh"  # ensure_small_vit, sweep
+ensure_small_vit
 common=(experiment=acc_offline setting=conventional compare=[] method=lora train.lr=0.2
         partition.fraction_evaluate=1.0 partition.test_fraction=0.2 partition.alpha=0.1
         method.weighting=uniform seed=0,1,2)
 ranks=(method.ranks=[2,4,8])
 plain=(strategy=hetlora strategy.sparsity_weighted=false)
 dp=(dp=client_fixed dp.clipping_norm=1.0)
-# a sweep that finished (its .done) is not run again: rerun the script to go on after a stop
-sweep() {
-  local name=$1; shift
-  [ -f "$out/$name/.done" ] && return
-  fedadapt -m "${common[@]}" "$@" "${extra[@]}" hydra.sweep.dir="$out/$name"
-  touch "$out/$name/.done"
-}
 sweep hetlora_plain_nodp "${ranks[@]}" "${plain[@]}"
 sweep hetlora_plain_clip "${ranks[@]}" "${plain[@]}" "${dp[@]}" dp.noise_multiplier=0 \
   dp.accounting=false

@@ -20,12 +20,12 @@ set -euo pipefail
 backbone=${2:-small_vit}
 extra=("${@:3}")
 export HF_HUB_OFFLINE=1
+. "$(dirname "$0")/evidence_sweep.sh"  # ensure_small_vit, sweep
 evaluate=(partition.fraction_evaluate=1.0 partition.test_fraction=0.2 partition.alpha=0.1,1000)
 case $backbone in
   small_vit)
     out=${1:-outputs/lora_ranks}
-    weights=${FEDADAPT_CACHE:-$HOME/.cache/fedadapt}/pretrained/small_vit-fashion_mnist-s0
-    [ -d "$weights" ] || fedadapt-pretrain --epochs 3 dataset=fashion_mnist backbone=small_vit
+    ensure_small_vit
     common=(experiment=acc_offline setting=conventional compare=[] method=lora train.lr=0.2
             "${evaluate[@]}") ;;
   efficientnet)
@@ -34,13 +34,6 @@ case $backbone in
   *) echo "scripts/lora_ranks_evidence.sh: the second argument is small_vit or efficientnet," \
        "not '$backbone'" >&2; exit 2 ;;
 esac
-# a sweep that finished (its .done) is not run again: rerun the script to go on after a stop
-sweep() {
-  local name=$1; shift
-  [ -f "$out/$name/.done" ] && return
-  fedadapt -m "${common[@]}" "$@" "${extra[@]}" hydra.sweep.dir="$out/$name"
-  touch "$out/$name/.done"
-}
 for seeds in 0 1,2; do
   s=${seeds/,/}
   sweep "homogeneous_s$s" strategy=fedavg method.rank=8,2 seed=$seeds
