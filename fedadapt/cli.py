@@ -265,6 +265,7 @@ def method_costs(jobs, prepared: dict, dirs: dict[str, Path]
 
     import torch
 
+    from fedadapt.devices import run_device
     from fedadapt.results.store import read_jsonl
 
     measured, extra, per_image = {}, {}, {}
@@ -278,8 +279,8 @@ def method_costs(jobs, prepared: dict, dirs: dict[str, Path]
         prep = prepared.get(name)
         backbone = getattr(getattr(prep, "model", None), "backbone", None)
         if backbone is None or getattr(run.method, "use_cache", False) \
-                or torch.cuda.is_available():  # the driver's CPU says nothing of a GPU's time
-            continue
+                or run_device(run.federation.num_gpus) != "cpu":  # the driver's CPU says
+            continue  # nothing of a GPU's time
         key = (run.backbone.name, backbone.image_size)
         if key not in per_image:
             training = backbone.training

@@ -97,7 +97,7 @@ def test_training_flops_are_counted_by_torchs_flop_counter():
     from fedadapt.federation.fleet import train_flops_per_example
 
     class Source:
-        def get(self, idx):
+        def get(self, idx, device):
             return torch.randn(len(idx), 16), torch.zeros(len(idx), dtype=torch.long)
 
     class Head(torch.nn.Module):
@@ -108,7 +108,8 @@ def test_training_flops_are_counted_by_torchs_flop_counter():
         def training_loss(self, x, y):
             return torch.nn.functional.cross_entropy(self.fc(x), y)
 
-    assert train_flops_per_example(Head(), Source(), 0, None) == 4 * 16 * 10
+    assert train_flops_per_example(Head(), Source(), 0, None, device="cpu",
+                                   precision="fp32") == 4 * 16 * 10
 
 
 def _run(run_dir, overrides, cache_dir, stop_after=None):
@@ -223,8 +224,9 @@ def test_tiers_and_lora_ranks_follow_the_devices(cache_dir):
     assert set(spec.client_exits) == {spec.num_exits - 1}  # all the way, everyone in time
     # a deadline the slow tier meets at the first exit at most (tiny_vit: 2 exits)
     assert spec.num_exits == 2
-    first = train_flops_per_example(prep.model, spec.train_source, 0, [0])
-    assert train_flops_per_example(prep.model, spec.train_source, 0, [1]) > first
+    at = dict(device=spec.device, precision=spec.precision)
+    first = train_flops_per_example(prep.model, spec.train_source, 0, [0], **at)
+    assert train_flops_per_example(prep.model, spec.train_source, 0, [1], **at) > first
     n = min(len(c.train) for c in spec.clients)
     deadline = first * n / 1e6 * 1.01
     prep = prepare_run(to_run_config(compose_config([*base,
@@ -332,7 +334,8 @@ def test_an_anytime_clients_exits_are_capped_by_its_device(tmp_path, cache_dir):
             "fleet=tiers", "fleet.compute=[1e6,1e9]", f"cache_dir={cache_dir}"]
     prep = prepare_run(to_run_config(compose_config([*base, "federation.round_timeout=1e9"])),
                        quiet=True)
-    first = train_flops_per_example(prep.model, prep.spec.train_source, 0, [0])
+    first = train_flops_per_example(prep.model, prep.spec.train_source, 0, [0],
+                                    device=prep.spec.device, precision=prep.spec.precision)
     deadline = first * min(len(c.train) for c in prep.spec.clients) / 1e6 * 1.01
     overrides = [*base, f"federation.round_timeout={deadline}"]
     prep = prepare_run(to_run_config(compose_config(overrides)), quiet=True)

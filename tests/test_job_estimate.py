@@ -24,7 +24,8 @@ def test_a_method_to_come_is_counted_at_its_own_cost():
     assert _after_one_method(measured={"heavy": 3.0}, extra={"heavy": 5.0}).eta == 2 + 9 * 3.0
 
 
-def test_method_costs_measured_from_a_resumed_run_or_estimated_from_the_backbone(tmp_path):
+def test_method_costs_measured_from_a_resumed_run_or_estimated_from_the_backbone(tmp_path,
+                                                                                monkeypatch):
     from fedadapt.adapters.heads import LinearHeadConfig
     from fedadapt.backbones import build_backbone
     from fedadapt.cli import method_costs
@@ -33,6 +34,8 @@ def test_method_costs_measured_from_a_resumed_run_or_estimated_from_the_backbone
     jobs = [(name, tiny_run(str(tmp_path), LinearHeadConfig(use_cache=cached)), "")
             for name, cached in (("cached", True), ("through_backbone", False),
                                  ("resumed", False))]
+    for _, run, _ in jobs:  # runs on the CPU (a GPU's time is not estimated from the CPU's)
+        run.federation.num_gpus = 0
     backbone = build_backbone(BackboneConfig(**SMALL_CNN))
     prep = SimpleNamespace(model=SimpleNamespace(backbone=backbone), layout={"workers": 1},
                            partition=SimpleNamespace(clients=[SimpleNamespace(
@@ -47,3 +50,9 @@ def test_method_costs_measured_from_a_resumed_run_or_estimated_from_the_backbone
     assert set(extra) == {"through_backbone"} and extra["through_backbone"] > 0
     after = backbone.state_dict()  # the timed forward changed nothing of the run's model
     assert all((after[k] == v).all() for k, v in state.items())
+    import torch  # runs on a GPU: the driver's CPU does not estimate their time
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for _, run, _ in jobs:
+        run.federation.num_gpus = None
+    assert method_costs(jobs, {name: prep for name, _, _ in jobs}, dirs) == ({"resumed": 5}, {})

@@ -215,14 +215,15 @@ def _tiny_lora(cache_dir, *overrides):
 def test_a_folded_update_replaces_the_frozen_weight_never_adds_to_it(cache_dir):
     import torch
 
-    prep = _tiny_lora(cache_dir, "method.alpha=4", "strategy=flora")
+    # exact arithmetic on the weights: fp32 (a bf16-held frozen weight rounds W0 + s D)
+    prep = _tiny_lora(cache_dir, "method.alpha=4", "strategy=flora", "train.precision=fp32")
     model = prep.model.eval()
     layers = model.lora_layers()
     assert layers and all(n.endswith(".base_delta") for n in layers)
     name, layer = next(iter(layers.items()))
     weight = layer.get_base_layer().weight
     w0 = weight.detach().clone()
-    x, _ = prep.spec.test_source.get(np.arange(4))
+    x, _ = prep.spec.test_source.get(np.arange(4), prep.spec.device)
     before = model(x)
     d1, d2 = torch.randn_like(w0), torch.randn_like(w0)
     model.fold({name: d1})

@@ -242,17 +242,20 @@ class Fleet:
 
 
 
-def train_flops_per_example(model, source, index: int, exits: Optional[list[int]]) -> float:
+def train_flops_per_example(model, source, index: int, exits: Optional[list[int]], *,
+                            device: str, precision: str) -> float:
     """The FLOPs one training example costs the model at ``exits`` (their mean: an anytime
     client draws one per step; None: the model's own forward): forward and backward of a batch
     of two copies of example ``index`` under ``torch.utils.flop_counter.FlopCounterMode``,
-    halved. The counter counts matrix products, convolutions and attention (forward and
-    backward), not elementwise operations."""
+    halved, on the run's device and in its precision (a bf16-held model needs autocast; the
+    count does not depend on either). The counter counts matrix products, convolutions and
+    attention (forward and backward), not elementwise operations."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    from fedadapt.devices import autocast
     from fedadapt.federation.grouped import StepLoss
 
-    x, y = source.get(np.array([index, index]))
+    x, y = source.get(np.array([index, index]), device)
     call, out = StepLoss(model), []
     was_training = model.training
     model.train()
@@ -260,7 +263,8 @@ def train_flops_per_example(model, source, index: int, exits: Optional[list[int]
         for e in exits if exits else [None]:
             model.zero_grad(set_to_none=True)
             with FlopCounterMode(display=False) as counter:
-                loss = call(x, y, e)
+                with autocast(device, precision):
+                    loss = call(x, y, e)
                 if loss.requires_grad:
                     loss.backward()
             out.append(counter.get_total_flops() / 2)
@@ -285,7 +289,8 @@ def _flops_at(spec, model, exits: Optional[list[int]]) -> float:
     for e in exits or [None]:
         if (spec.run_id, e) not in _FLOPS:
             _FLOPS[(spec.run_id, e)] = train_flops_per_example(
-                model, spec.train_source, first_train_index(spec), None if e is None else [e])
+                model, spec.train_source, first_train_index(spec), None if e is None else [e],
+                device=spec.device, precision=spec.precision)
     return float(np.mean([_FLOPS[(spec.run_id, e)] for e in exits or [None]]))
 
 
