@@ -236,10 +236,12 @@ class _Utilisation:
 
 
 def throughput(cfg, *, steps: int, repeats: int, data_only: bool = False,
-               clients: int = 1) -> dict:
+               clients: int = 1, profile: Path | None = None) -> dict:
     """Images/s of local training three ways (see the module docstring); with ``clients`` K > 1
     fedadapt trains K clients side by side (each ``steps`` batches) and the bare loop steps
-    at the same total batch, K x ``train.batch_size``."""
+    at the same total batch, K x ``train.batch_size``. ``profile``: after the timed repeats,
+    one more call of fedadapt's loop and of the bare loop under ``torch.profiler``, their
+    operator tables written to that file (:func:`write_profile`)."""
     from dataclasses import replace
 
     from fedadapt.config import ConfigError
@@ -290,6 +292,8 @@ def throughput(cfg, *, steps: int, repeats: int, data_only: bool = False,
                 samples += u.samples
     util = statistics.mean(samples) if samples else None
     med = {k: statistics.median(v) for k, v in rates.items()}
+    if profile is not None and not data_only:
+        write_profile(profile, {"fedadapt": ours, "bare": bare}, dev, clients * steps * bs)
     return {"fedadapt_images_per_s": med.get("fedadapt"), "bare_images_per_s": med.get("bare"),
             "data_images_per_s": med["data"],
             "ratio": med["fedadapt"] / med["bare"] if "bare" in med else None,
@@ -297,6 +301,41 @@ def throughput(cfg, *, steps: int, repeats: int, data_only: bool = False,
             "clients": clients, "image_size": cfg.backbone.image_size, "steps": steps,
             "repeats": repeats, "gpu_utilisation_mean": util, "runs": rates,
             "machine": _machine()}
+
+
+def write_profile(path: Path, loops: dict, dev: torch.device, images: int) -> None:
+    """One call of each loop under ``torch.profiler`` (CPU, and CUDA where the device is one):
+    per loop its wall time, the kernels' busy time on the device, and the operators that take
+    the most device time and the most CPU time, to ``path`` (text, written atomically)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from fedadapt.results.store import atomic_write
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    parts = []
+    for name, fn in loops.items():
+        _sync(dev)
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            fn()
+            _sync(dev)
+            wall = time.perf_counter() - t0
+        avg = prof.key_averages()
+        # the device's own events (kernels, copies), as the table's "Self CUDA time total"
+        # counts them: an operator's row repeats its kernels' time
+        kernels = sum(e.self_device_time_total for e in avg if e.device_type == DeviceType.CUDA
+                      and not e.is_user_annotation) / 1e6
+        busy = (f"; device kernels {kernels:.3f} s ({100 * kernels / wall:.0f}% of the wall "
+                f"time)" if dev.type == "cuda" else "")
+        parts += [f"## {name}: {images} images in {wall:.3f} s under the profiler "
+                  f"({images / wall:,.0f} images/s){busy}", ""]
+        if dev.type == "cuda":
+            parts += ["### by device time", avg.table(sort_by="self_device_time_total",
+                                                       row_limit=25, max_name_column_width=60), ""]
+        parts += ["### by CPU time", avg.table(sort_by="self_cpu_time_total", row_limit=25,
+                                               max_name_column_width=60), ""]
+    atomic_write(path, lambda fh: fh.write("\n".join(parts)))
 
 
 def prepare_run_quiet(cfg):
@@ -356,6 +395,13 @@ def _parser() -> argparse.ArgumentParser:
                                                 "(Fashion-MNIST, 100 clients)")
     parser.add_argument("--data-only", action="store_true",
                         help="--throughput: only the data path")
+    parser.add_argument("--rows", help="--throughput: several rows in one process, "
+                                       "clients:batch:precision:method comma-separated (e.g. "
+                                       "1:10:bf16:accumulator_pa,10:10:bf16:lora); --out is "
+                                       "their folder, one JSON per row")
+    parser.add_argument("--profile", action="store_true",
+                        help="--throughput --rows: each row's loops once more under "
+                             "torch.profiler, tables beside its JSON (.profile.txt)")
     parser.add_argument("--clients", type=int, default=1,
                         help="--throughput: clients trained side by side (the bare loop steps "
                              "at the same total batch)")
@@ -373,13 +419,74 @@ def _write(out: str, name: str, obj: dict) -> Path:
     return path
 
 
+def parse_rows(text: str) -> list[tuple[int, int, str, str]]:
+    """``--rows``: ``clients:batch:precision:method`` rows, comma-separated."""
+    from fedadapt.config import ConfigError
+
+    rows = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        parts = item.split(":")
+        if len(parts) != 4 or not parts[0].isdigit() or not parts[1].isdigit() \
+                or int(parts[0]) < 1 or int(parts[1]) < 1:
+            raise ConfigError(f"--rows: {item!r} is not clients:batch:precision:method (e.g. "
+                              f"10:10:bf16:accumulator_pa)")
+        rows.append((int(parts[0]), int(parts[1]), parts[2], parts[3]))
+    if not rows:
+        raise ConfigError("--rows: no row given (e.g. 1:10:bf16:accumulator_pa,10:10:bf16:lora)")
+    return rows
+
+
+def row_name(clients: int, batch: int, precision: str, method: str) -> str:
+    """A ``--rows`` row's JSON file name (read back by ``scripts/gpu_check_report.py``)."""
+    return f"throughput-{method}-k{clients}-b{batch}-{precision}.json"
+
+
 def _run_throughput(args) -> None:
     from fedadapt.entry import compose_config, to_run_config
 
+    if args.rows:  # several rows in one process: one start-up (imports, CUDA) for all
+        out, failed = Path(args.out), []
+        for k, bs, precision, method in parse_rows(args.rows):
+            extra = [f"method={method}", f"train.batch_size={bs}", f"train.precision={precision}"]
+            name = row_name(k, bs, precision, method)
+            print(f"[fedadapt-bench] {method}, {k} client(s) x batch {bs}, {precision}",
+                  flush=True)
+            try:  # a row that fails is recorded and the next one runs
+                cfg = to_run_config(compose_config(THROUGHPUT_BASE + list(args.overrides) + extra))
+                res = throughput(cfg, steps=args.steps, repeats=args.repeats, clients=k,
+                                 profile=out / name.replace(".json", ".profile.txt")
+                                 if args.profile else None)
+            except Exception as err:  # noqa: BLE001 - reported in the row's JSON and on stdout
+                import traceback
+
+                traceback.print_exc()
+                why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                print(f"[fedadapt-bench] row failed: {why}", flush=True)
+                failed.append(name)
+                res = {"error": why, "clients": k, "batch_size": bs, "precision": precision}
+            _write(str(out / name), "", {**res, "config": THROUGHPUT_BASE + args.overrides + extra})
+            if "error" not in res:
+                _print_throughput(res, out / name)
+            _free(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        if failed:
+            raise SystemExit(f"fedadapt-bench: {len(failed)} row(s) failed: {', '.join(failed)}")
+        return
     cfg = to_run_config(compose_config(THROUGHPUT_BASE + list(args.overrides)))
     res = throughput(cfg, steps=args.steps, repeats=args.repeats, data_only=args.data_only,
                      clients=args.clients)
     path = _write(args.out, "bench-throughput", {**res, "config": THROUGHPUT_BASE + args.overrides})
+    _print_throughput(res, path)
+
+
+def _free(dev: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _print_throughput(res: dict, path: Path) -> None:
     fmt = {k: ("—" if res[k] is None else f"{res[k]:,.0f}")
            for k in ("fedadapt_images_per_s", "bare_images_per_s", "data_images_per_s")}
     ratio = "—" if res["ratio"] is None else f"{res['ratio']:.2f}"

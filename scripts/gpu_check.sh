@@ -12,8 +12,12 @@
 # says which failed and why): the versions; the data set; attention kernels under vmap
 # (scripts/vmap_attention.py); the fast tests (pytest -n 12); experiment=acc_conventional for 5
 # rounds with defaults (s/round, GPU busy %, peak memory, the K it chose); the throughput table
-# (fedadapt-bench --throughput: 1 x 10, 1 x 64, 10 x 10, 32 x 10 and LoRA 10 x 10 in bf16,
-# 10 x 10 in fp32); experiment=acc_anytime for 3 rounds.
+# in one process (fedadapt-bench --throughput --rows: 1 x 10, 1 x 64, 10 x 10, 32 x 10 and
+# LoRA 10 x 10 in bf16, 10 x 10 in fp32); the 10 x 10 bf16 row's loops under torch.profiler
+# (--profile, 2 steps); experiment=acc_anytime for 3 rounds; experiment=acc_conventional
+# method=lora for 3 rounds. FLASH_ROWS=10:10:bf16:accumulator_pa (rows as --rows takes them)
+# adds an experiment: flash attention under vmap in bf16 (FEDADAPT_VMAP_ATTENTION=flash), the
+# CUDA cases of tests/test_grouped_bf16.py and those rows with it.
 # --small shrinks it to a CPU rehearsal (small_vit at 32 px, 5,000 + 500 images, a few tests),
 # so the script itself is tested where no GPU is. PYTEST_ARGS replaces the test selection.
 set -uo pipefail
@@ -32,24 +36,27 @@ if [ $small = 1 ]; then
   sizes=(--train 5000 --test 500)
   model=(backbone=small_vit)
   tests=(tests/test_grouped_bf16.py tests/test_sizing.py -q -p no:cacheprovider)
-  steps=4; t_tests=300; t_run=300; t_tp=240
+  steps=4; t_tests=300; t_run=300; t_tp=400; flash_rows=${FLASH_ROWS-}
   small_run=(partition.num_clients=10 partition.fraction_fit=0.5)  # 100 classes, few images
 else
   sizes=()
   model=(backbone=deit_small backbone.weights=null)
   tests=(-m "not slow" -n 12 -q -p no:cacheprovider --durations=15)
-  steps=8; t_tests=240; t_run=180; t_tp=90
+  steps=8; t_tests=120; t_run=150; t_tp=150; flash_rows=${FLASH_ROWS-}
   small_run=()
 fi
 # PYTEST_ARGS: the tests' arguments, as a shell would split them (quotes kept); none: no tests.
 if [ "${PYTEST_ARGS:-}" = none ]; then tests=()
 elif [ -n "${PYTEST_ARGS:-}" ]; then eval "tests=($PYTEST_ARGS)"; fi
-# RUNS and THROUGHPUT: which runs (name:preset:rounds) and throughput rows
+# RUNS and THROUGHPUT: which runs (name:preset:rounds:method) and throughput rows
 # (clients:batch:precision:method) to measure; by default all of them.
-runs=${RUNS:-conventional:acc_conventional:5 anytime:acc_anytime:3}
+runs=${RUNS:-conventional:acc_conventional:5:accumulator_pa anytime:acc_anytime:3:accumulator_pa \
+lora:acc_conventional:3:lora}
 rows=${THROUGHPUT:-1:10:bf16:accumulator_pa 1:64:bf16:accumulator_pa 10:10:bf16:accumulator_pa \
 10:10:fp32:accumulator_pa 32:10:bf16:accumulator_pa 10:10:bf16:lora}
-paper=(dataset=cifar100 "dataset.path=$data" "${model[@]}" method=accumulator_pa)
+profile_row=10:10:bf16:accumulator_pa
+if [ $small = 1 ]; then rows=${rows//:bf16:/:auto:}; profile_row=10:10:auto:accumulator_pa; fi
+paper=(dataset=cifar100 "dataset.path=$data" "${model[@]}")
 
 # step NAME SECONDS COMMAND...: runs COMMAND under its timeout, its output in NAME.log; records
 # NAME, exit code and seconds in steps.tsv, then rewrites the report from what is there so far.
@@ -73,26 +80,32 @@ watch_gpu() {
   fi
 }
 
-step versions 60 python "$here/gpu_check_report.py" --versions
-step data 120 python "$here/synthetic_cifar100.py" "$data" "${sizes[@]}"
-step attention 90 python "$here/vmap_attention.py" --out "$out/attention.md"
+step versions 30 python "$here/gpu_check_report.py" --versions
+step data 60 python "$here/synthetic_cifar100.py" "$data" "${sizes[@]}"
+step attention 45 python "$here/vmap_attention.py" --out "$out/attention.md"
 [ "${#tests[@]}" -gt 0 ] && step tests "$t_tests" python -m pytest "${tests[@]}"
 
 for run in $runs; do
-  IFS=: read -r name preset rounds <<< "$run"
+  IFS=: read -r name preset rounds method <<< "$run"
   smi=$(watch_gpu "run-$name")
-  step "run-$name" "$t_run" fedadapt "experiment=$preset" "${paper[@]}" "rounds=$rounds" \
-    "federation.eval_every=$rounds" "output_dir=$out/runs/$name" "${small_run[@]}"
+  step "run-$name" "$t_run" fedadapt "experiment=$preset" "${paper[@]}" "method=$method" \
+    "rounds=$rounds" "federation.eval_every=$rounds" "output_dir=$out/runs/$name" "${small_run[@]}"
   [ -n "$smi" ] && kill "$smi" 2> /dev/null
-  if [ "$name" = conventional ]; then  # the table, after the run that matters most
-    for tp in $rows; do
-      IFS=: read -r k bs prec method <<< "$tp"
-      [ $small = 1 ] && [ "$prec" = bf16 ] && prec=auto  # the CPU's own precision
-      step "throughput-$method-k$k-b$bs-$prec" "$t_tp" fedadapt-bench --throughput \
-        --steps "$steps" --repeats 3 --clients "$k" --out "$out/throughput-$method-k$k-b$bs-$prec.json" \
-        "${paper[@]}" "method=$method" partition.num_clients=10 "train.batch_size=$bs" \
-        "train.precision=$prec" "train.crop_scale=[0.05,1.0]" train.lr=0.005 train.momentum=0.0
-    done
+  if [ "$name" = conventional ] && [ -n "$rows" ]; then  # the table, after the run that matters most
+    step throughput "$t_tp" fedadapt-bench --throughput --rows "${rows// /,}" \
+      --steps "$steps" --repeats 3 --out "$out" "${paper[@]}" partition.num_clients=10 \
+      "train.crop_scale=[0.05,1.0]" train.lr=0.005 train.momentum=0.0
+    step profile 90 fedadapt-bench --throughput --rows "${profile_row}" --profile --steps 2 \
+      --repeats 1 --out "$out/profile" "${paper[@]}" partition.num_clients=10 \
+      "train.crop_scale=[0.05,1.0]" train.lr=0.005 train.momentum=0.0
+  fi
+  if [ "$name" = anytime ] && [ -n "$flash_rows" ]; then  # the candidate kernel, checked and timed
+    FEDADAPT_VMAP_ATTENTION=flash step flash-tests 60 python -m pytest \
+      tests/test_grouped_bf16.py -k "cuda and not computes_in" -q -p no:cacheprovider
+    FEDADAPT_VMAP_ATTENTION=flash step flash-throughput 75 fedadapt-bench --throughput \
+      --rows "$flash_rows" --profile --steps "$steps" --repeats 3 --out "$out/flash" \
+      "${paper[@]}" partition.num_clients=10 "train.crop_scale=[0.05,1.0]" train.lr=0.005 \
+      train.momentum=0.0
   fi
 done
 python "$here/gpu_check_report.py" "$out"

@@ -71,6 +71,16 @@ def _tail(path: Path, n: int) -> str:
     return "\n".join(lines[-n:])
 
 
+def _profiles(folder: Path, out: Path) -> list[str]:
+    """Each ``--profile`` file's headline in ``folder`` (its ``## `` lines: wall time and
+    device busy), named relative to the report's folder ``out``."""
+    lines = []
+    for path in sorted(folder.glob("throughput-*.profile.txt")):
+        heads = [line[3:] for line in path.read_text().splitlines() if line.startswith("## ")]
+        lines.append(f"- `{path.relative_to(out)}`: " + "; ".join(heads))
+    return lines
+
+
 def _throughput(out: Path) -> list[str]:
     rows = ["| method | clients x batch | precision | fedadapt img/s | bare loop img/s (same "
             "total batch) | ratio | data path img/s | GPU busy % |",
@@ -78,6 +88,10 @@ def _throughput(out: Path) -> list[str]:
     for path in sorted(out.glob("throughput-*.json")):
         method = path.stem.split("-")[1]
         r = json.loads(path.read_text())
+        if "error" in r:
+            rows.append(f"| {method} | {r['clients']} x {r['batch_size']} | {r['precision']} | "
+                        f"**failed**: {r['error']} | | | | |")
+            continue
 
         def f(v, d=0):
             return "—" if v is None else f"{v:,.{d}f}"
@@ -118,6 +132,7 @@ def _run(out: Path, name: str, total_rounds: int) -> list[str]:
     util, peak = _smi(out / f"run-{name}.smi.csv", end - sum(secs), end)
     layout = summary.get("layout") or {}
     med = statistics.median(plain)
+    eval_s = (secs[[r["round"] for r in rounds].index(evaluated[-1])] - med) if evaluated else None
     lines = [f"- run directory: `{run_dir.relative_to(out)}`; device {summary.get('device')}, "
              f"precision {summary.get('precision')}",
              f"- clients side by side: K = {layout.get('clients_per_worker')} on "
@@ -125,6 +140,8 @@ def _run(out: Path, name: str, total_rounds: int) -> list[str]:
              f"- seconds per round: {', '.join(f'{s:.2f}' for s in secs)} (round "
              f"{', '.join(map(str, evaluated)) or '—'} with the global evaluation); median "
              f"without round 1 and evaluation: {med:.2f} s",
+             *([f"- the global evaluation (round {evaluated[-1]}): about {eval_s:.2f} s (that "
+                f"round's seconds less the median)"] if evaluated else []),
              f"- {total_rounds} rounds at that median: {med * total_rounds / 60:.1f} min, plus "
              f"the evaluations",
              "- GPU busy over the rounds: " + ("—" if util is None else f"{util:.0f}%") +
@@ -160,9 +177,22 @@ def report(out: Path) -> str:
                   "K clients side by side, each its own batches; the bare loop is a plain "
                   "PyTorch step of the same model at the total batch K x B on one batch "
                   "already on the device (the ceiling). Median of 3 repeats.", "", *rows]
-    for name, total in (("conventional", 500), ("anytime", 1500)):
+    profiles = _profiles(out / "profile", out)
+    if profiles:
+        parts += ["", "## Where the time goes (`--profile`: one more call of each loop under "
+                  "torch.profiler; tables in the `.profile.txt` file)", "", *profiles]
+    flash = _throughput(out / "flash")
+    if len(flash) > 2 or (out / "flash-tests.log").exists():
+        parts += ["", "## Flash attention under vmap in bf16 (`FEDADAPT_VMAP_ATTENTION=flash`, "
+                  "an experiment)", "", "The CUDA cases of `tests/test_grouped_bf16.py` (grouped "
+                  "against one at a time) with flash:", "", "```",
+                  _tail(out / "flash-tests.log", 1), "```", "", *flash, "",
+                  *_profiles(out / "flash", out)]
+    for name, title, total in (("conventional", "acc_conventional", 500),
+                               ("anytime", "acc_anytime", 1500),
+                               ("lora", "acc_conventional method=lora", 500)):
         if f"run-{name}" in steps:
-            parts += ["", f"## `experiment=acc_{name}`, defaults", "", *_run(out, name, total)]
+            parts += ["", f"## `experiment={title}`, defaults", "", *_run(out, name, total)]
     bad = [n for n, (rc, _, _) in steps.items() if rc != 0]
     for name in bad:
         parts += ["", f"## Log of the step that failed: {name}", "", "```",

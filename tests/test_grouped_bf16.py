@@ -183,3 +183,21 @@ def test_an_op_cast_by_hand_runs_as_autocast_runs_it(monkeypatch):
     with grouped.vmap_autocast("cpu", "fp32"):
         vmap(one)(torch.randn(2, 5, 4))
     assert seen["low"][:2] == (torch.float32, torch.float32)  # fp32: nothing cast
+
+
+def test_flash_under_vmap_is_an_experiment_for_bf16_on_cuda_only(monkeypatch):
+    """``FEDADAPT_VMAP_ATTENTION=flash`` lets flash take a grouped step's attention in bf16 on
+    CUDA (math beside it); every other case, and the default, is the math kernel alone."""
+    import torch
+
+    from fedadapt.federation.grouped import attention_for_vmap
+
+    def allowed(dev: str, precision: str) -> tuple[bool, bool, bool]:
+        b = torch.backends.cuda
+        with attention_for_vmap(torch.device(dev), precision):
+            return b.math_sdp_enabled(), b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled()
+
+    assert allowed("cuda", "bf16") == (True, False, False)
+    monkeypatch.setenv("FEDADAPT_VMAP_ATTENTION", "flash")
+    assert allowed("cuda", "bf16") == (True, True, False)
+    assert allowed("cuda", "fp32") == allowed("cpu", "bf16") == (True, False, False)

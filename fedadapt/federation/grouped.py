@@ -52,6 +52,7 @@ are summed on the device, and the final tensors and losses come back in two tran
 from __future__ import annotations
 
 import contextlib
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
@@ -422,7 +423,7 @@ def _bucket_losses(call: StepLoss, stacked: dict, frozen: dict, pos: torch.Tenso
             return functional_call(call, {**frozen, **p}, (xk, yk, exit_), strict=False)
 
     with autocast(dev.type, precision), vmap_autocast(dev.type, precision), \
-            attention_for_vmap(dev), _no_mha_fast_path():
+            attention_for_vmap(dev, precision), _no_mha_fast_path():
         out = vmap(one, randomness="different")(params, xs, ys, keys)
     return out.float()
 
@@ -495,7 +496,7 @@ def _cast(value, dtype: torch.dtype):
     return value
 
 
-def attention_for_vmap(dev: torch.device):
+def attention_for_vmap(dev: torch.device, precision: str = "fp32"):
     """The attention kernel grouped clients use: the math form, on the CPU and on CUDA.
 
     On the CPU the fused kernel has no batching rule (torch would loop over the clients). On
@@ -505,9 +506,15 @@ def attention_for_vmap(dev: torch.device):
     returns wrong values in bf16 and has no fp32 kernel, and flash has no fp32 kernel; flash in
     bf16 matched (and took 1.2 ms against the math form's 1.8-2.1 ms at 10 clients x batch 10),
     but no grouped run has used it yet. Until one has, the math form: its matmuls and softmax
-    have batching rules and run as one batched call for the group."""
+    have batching rules and run as one batched call for the group.
+
+    ``FEDADAPT_VMAP_ATTENTION=flash`` (an experiment, for ``scripts/gpu_check.sh``) lets flash
+    take bf16 attention on CUDA, the math form everything else."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if (os.environ.get("FEDADAPT_VMAP_ATTENTION") == "flash" and dev.type == "cuda"
+            and precision == "bf16"):
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH])
     return sdpa_kernel(SDPBackend.MATH)
 
 

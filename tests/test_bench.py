@@ -1,0 +1,48 @@
+"""``fedadapt-bench --throughput --rows``: several rows in one process, one JSON per row, a row
+that fails recorded and the others measured, ``--profile`` tables beside them (what
+``scripts/gpu_check.sh`` reads)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+def test_rows_are_parsed_and_a_bad_row_is_one_line():
+    from fedadapt.bench import parse_rows, row_name
+    from fedadapt.config import ConfigError
+
+    assert parse_rows("1:10:bf16:accumulator_pa, 32:10:fp32:lora") == [
+        (1, 10, "bf16", "accumulator_pa"), (32, 10, "fp32", "lora")]
+    assert row_name(32, 10, "fp32", "lora") == "throughput-lora-k32-b10-fp32.json"
+    for bad in ("10:10:bf16", "0:10:bf16:lora", "a:10:bf16:lora", ""):
+        with pytest.raises(ConfigError, match="^--rows: ") as err:
+            parse_rows(bad)
+        assert "\n" not in str(err.value)
+
+
+def test_rows_in_one_process_write_each_row_and_record_a_failed_one(tmp_path, cache_dir, capsys):
+    from fedadapt import bench
+
+    out = tmp_path / "tp"
+    with pytest.raises(SystemExit) as ended:
+        bench.main(["--throughput", "--rows", "2:4:fp32:accumulator_pa,1:4:fp32:nosuchmethod",
+                    "--profile", "--steps", "2", "--repeats", "1", "--out", str(out),
+                    "dataset=digits", "backbone=tiny_vit", "dataset.max_samples=300",
+                    f"cache_dir={cache_dir}"])
+    assert "1 row(s) failed: throughput-nosuchmethod-k1-b4-fp32.json" in str(ended.value.code)
+    good = json.loads((out / "throughput-accumulator_pa-k2-b4-fp32.json").read_text())
+    assert good["clients"] == 2 and good["batch_size"] == 4 and good["precision"] == "fp32"
+    assert good["fedadapt_images_per_s"] > 0 and good["bare_images_per_s"] > 0
+    assert good["ratio"] == pytest.approx(good["fedadapt_images_per_s"]
+                                          / good["bare_images_per_s"])
+    bad = json.loads((out / "throughput-nosuchmethod-k1-b4-fp32.json").read_text())
+    assert bad["error"].startswith("MissingConfigException") and "nosuchmethod" in bad["error"]
+    profile = (out / "throughput-accumulator_pa-k2-b4-fp32.profile.txt").read_text()
+    heads = [line for line in profile.splitlines() if line.startswith("## ")]
+    assert [h.split(":")[0] for h in heads] == ["## fedadapt", "## bare"]
+    assert all("16 images in" in h for h in heads)  # 2 clients x 2 steps x batch 4
+    assert "by CPU time" in profile and "aten::" in profile
+    assert "row failed: MissingConfigException" in capsys.readouterr().out
+
