@@ -272,6 +272,7 @@ def test_a_run_with_dropout_anytime_fedprox_and_crops_is_the_same_for_k_1_4_8(ca
     from fedadapt.federation.inprocess import in_process
 
     base = ["experiment=custom", "dataset=digits", "dataset.max_samples=300",
+            "train.precision=fp32",  # compared to 1e-6: fp32 on any device
             "backbone=tiny_vit", "backbone.image_size=32", "method=lw_mlp_pa",
             "method.hidden_dim=16", "setting=anytime", "partition=dirichlet",
             "partition.alpha=0.3", "partition.num_clients=8", "partition.fraction_fit=1.0",
@@ -292,3 +293,25 @@ def test_a_run_with_dropout_anytime_fedprox_and_crops_is_the_same_for_k_1_4_8(ca
         assert losses[k] == pytest.approx(losses[1], rel=1e-6)
         for n, v in arrays[1].items():
             np.testing.assert_allclose(arrays[k][n], v, rtol=0, atol=1e-6, err_msg=f"K={k} {n}")
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_plain_sgd_updates_in_one_call_and_leaves_unreached_slices_as_they_were(weight_decay):
+    """Plain SGD takes the fused update: a client's slice its step did not reach has a zero
+    gradient and stays as it was, as under the mask; with weight decay the mask still decides
+    (torch decays only tensors with a gradient)."""
+    from fedadapt.config import TrainConfig
+    from fedadapt.federation.grouped import StackedOptimizer
+
+    torch.manual_seed(0)
+    p = torch.randn(3, 4, 5, requires_grad=True)
+    used = torch.tensor([[True, False, True]])  # client 1's step did not reach it
+    grad = torch.randn(3, 4, 5) * used.view(3, 1, 1)
+    p.grad = grad.clone()
+    before = p.detach().clone()
+    train = replace(TrainConfig(), optimizer="sgd", momentum=0.0, weight_decay=weight_decay)
+    StackedOptimizer({"w": p}, train, lr=0.1).step(used, [True])
+    d = grad + weight_decay * before
+    expected = torch.where(used.view(3, 1, 1), before - 0.1 * d, before)
+    torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-7)
+    assert torch.equal(p.detach()[1], before[1])

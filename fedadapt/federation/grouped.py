@@ -113,7 +113,9 @@ class StackedOptimizer:
     """Per-client SGD (momentum, weight decay) / Adam / AdamW over ``[K, ...]`` tensors, torch's
     update rules; ``step(used, active)`` updates client k's slice of the i-th tensor only where
     ``used[i, k]`` (a device tensor), as torch skips a tensor without a gradient (its state
-    untouched too); ``active[i]`` (on the host): whether any client used it."""
+    untouched too); ``active[i]`` (on the host): whether any client used it. Plain SGD (no
+    momentum, no weight decay) needs no mask (an unused slice's gradient is zero): one fused
+    update of every tensor."""
 
     def __init__(self, stacked: dict[str, torch.Tensor], train: TrainConfig, lr: float) -> None:
         self.tensors, self.train, self.lr = stacked, train, lr
@@ -125,6 +127,16 @@ class StackedOptimizer:
 
     @torch.no_grad()
     def step(self, used: torch.Tensor, active) -> None:
+        t = self.train
+        if t.optimizer == "sgd" and not t.momentum and not t.weight_decay:
+            # plain SGD: a client's slice of a tensor its step did not reach has a zero
+            # gradient (its loss does not depend on it), so p - lr * g leaves it as torch's
+            # skip would; one fused update for every tensor, as torch's own foreach SGD
+            ps = [p for i, p in enumerate(self.tensors.values())
+                  if p.grad is not None and active[i]]
+            if ps:
+                torch._foreach_add_(ps, [p.grad for p in ps], alpha=-self.lr)
+            return
         for i, (name, p) in enumerate(self.tensors.items()):
             if p.grad is None or not active[i]:
                 continue
@@ -309,7 +321,8 @@ def _set_up(model: nn.Module, source: DataSource, jobs: list[ClientJob], train: 
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     frozen = {f"model.{n}": p for n, p in model.named_parameters() if not p.requires_grad}
     frozen.update({f"model.{n}": b for n, b in model.named_buffers()})
-    stacked = {n: torch.stack([j.tensors[n].to(dev, torch.float32) for j in jobs])
+    # stacked where the clients' tensors are (the host), then one transfer per tensor
+    stacked = {n: torch.stack([j.tensors[n].to(dtype=torch.float32) for j in jobs]).to(dev)
                .requires_grad_(True) for n in names}
     start = {n: t.detach().clone() for n, t in stacked.items()} if proximal_mu > 0 else None
     scheds = [_schedule(j, train) for j in jobs]
@@ -337,7 +350,8 @@ def _bucket_step(g: _Group, call: "StepLoss", ks: list[int], t: int, x: torch.Te
     size = len(g.scheds[ks[0]].batches[t])
     pos = torch.tensor(ks, device=g.dev)
     keys = torch.tensor([dropout.step_key(g.jobs[k].seed, t) for k in ks], device=g.dev)
-    losses = _bucket_losses(call, g.stacked, g.frozen, pos, x, y, keys,
+    every = ks == list(range(len(g.jobs)))  # the whole group, in order: no gather
+    losses = _bucket_losses(call, g.stacked, g.frozen, None if every else pos, x, y, keys,
                             g.scheds[ks[0]].exits[t], g.precision, g.dev)
     if g.start is not None:
         losses = losses + 0.5 * g.proximal_mu * sum(
@@ -407,15 +421,17 @@ def _crops(jobs, scheds, plan, train: TrainConfig, source: DataSource):
             if all(jobs[k].crop_seed is not None for k in ks) else None for t, ks in plan]
 
 
-def _bucket_losses(call: StepLoss, stacked: dict, frozen: dict, pos: torch.Tensor, x: torch.Tensor,
-                   y: torch.Tensor, keys: torch.Tensor, exit_: Optional[int], precision: str,
-                   dev: torch.device) -> torch.Tensor:
-    """``[len(pos)]`` losses of one bucket (its clients at one exit): their batches through the
+def _bucket_losses(call: StepLoss, stacked: dict, frozen: dict, pos: Optional[torch.Tensor],
+                   x: torch.Tensor, y: torch.Tensor, keys: torch.Tensor, exit_: Optional[int],
+                   precision: str, dev: torch.device) -> torch.Tensor:
+    """``[len(keys)]`` losses of one bucket (its clients ``pos`` at one exit; None: every client
+    of the group, in order, whose stacked tensors need no gather): their batches through the
     model at once, each client's dropout drawn from its own ``keys`` entry."""
     from fedadapt.federation.dropout import keyed
 
-    kb = len(pos)
-    params = {f"model.{n}": t.index_select(0, pos) for n, t in stacked.items()}
+    kb = len(keys)
+    params = {f"model.{n}": t if pos is None else t.index_select(0, pos)
+              for n, t in stacked.items()}
     xs, ys = x.reshape(kb, -1, *x.shape[1:]), y.reshape(kb, -1)
 
     def one(p, xk, yk, key):  # one client: its tensors, its batch, its dropout key
