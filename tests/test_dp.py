@@ -14,6 +14,7 @@ from fedadapt.federation.inprocess import in_process
 from fedadapt.results.store import read_jsonl
 
 TASK = ["experiment=custom", "dataset=digits", "dataset.max_samples=240", "backbone=small_cnn",
+        "train.precision=fp32",  # compared exactly: fp32 on any device
         "backbone.image_size=16", "method=linear_head", "partition=iid",
         "partition.num_clients=4", "partition.fraction_fit=1.0", "rounds=3",
         "train.batch_size=16", "method.weighting=uniform", "federation.workers=1"]

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.slow  # Ray: Flower's run_simulation
 
 ROUNDS, CLIENTS, LR = 3, 4, 0.05
 TASK = ["experiment=custom", "dataset=digits", "dataset.max_samples=240", "backbone=small_cnn",
+        "train.precision=fp32",  # compared exactly: fp32 on any device
         "backbone.image_size=16", "method=linear_head", "partition=iid",
         f"partition.num_clients={CLIENTS}", "partition.fraction_fit=1.0",
         "partition.fraction_evaluate=0.0", f"rounds={ROUNDS}", "train.batch_size=16",

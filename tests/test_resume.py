@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow  # fedadapt subprocesses (Ray), multi-round runs r
 ROUNDS = 30
 TINY = ["backbone=small_cnn", "backbone.image_size=16", "dataset.max_samples=300",
         "partition.num_clients=4", f"rounds={ROUNDS}", "federation.eval_every=1",
-        "federation.checkpoint_every=2"]
+        "federation.checkpoint_every=2", "train.precision=fp32"]  # compared exactly, any device
 WALL_CLOCK = ("round_s", "wall_s")
 
 
