@@ -17,9 +17,9 @@ def assert_only_fedadapts(stderr: str, expected: str) -> None:
     """Every line on standard error is fedadapt's (``[data]``, ``[job]``, ``[federation]``,
     ``[<method>] round``, ``[ray]``, and the data preparation's progress: ``images
     digits/train 300/300 ...``, ``input <store> 300/300 ...`` where the cache has not yet
-    resized the images to the model's input): no Flower deprecation banner, no ``Manually terminating
-    ClientAppActor``, no Ray IP probe warning, no progress bar's carriage returns, no traceback,
-    and no line broken by another thread's."""
+    resized the images to the model's input): no Flower deprecation banner, no ``Manually
+    terminating ClientAppActor``, no Ray IP probe warning, no progress bar's carriage returns,
+    no traceback, and no line broken by another thread's."""
     lines = stderr.splitlines()
     strangers = [ln for ln in lines if not ln.startswith(("[", "images ", "features ", "input "))]
     assert lines and not strangers, strangers
