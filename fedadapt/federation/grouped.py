@@ -321,9 +321,9 @@ def _set_up(model: nn.Module, source: DataSource, jobs: list[ClientJob], train: 
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     frozen = {f"model.{n}": p for n, p in model.named_parameters() if not p.requires_grad}
     frozen.update({f"model.{n}": b for n, b in model.named_buffers()})
-    # stacked where the clients' tensors are (the host), then one transfer per tensor
-    stacked = {n: torch.stack([j.tensors[n].to(dtype=torch.float32) for j in jobs]).to(dev)
-               .requires_grad_(True) for n in names}
+    # stacked where the first client's tensors are (the host), then one transfer per tensor
+    stacked = {n: torch.stack([j.tensors[n].to(jobs[0].tensors[n].device, torch.float32)
+                               for j in jobs]).to(dev).requires_grad_(True) for n in names}
     start = {n: t.detach().clone() for n, t in stacked.items()} if proximal_mu > 0 else None
     scheds = [_schedule(j, train) for j in jobs]
     plan = _plan(scheds)
