@@ -235,20 +235,17 @@ class _Utilisation:
         return statistics.mean(self.samples) if self.samples else None
 
 
-def throughput(cfg, *, steps: int, repeats: int, data_only: bool = False,
-               clients: int = 1, profile: Path | None = None) -> dict:
-    """Images/s of local training three ways (see the module docstring); with ``clients`` K > 1
-    fedadapt trains K clients side by side (each ``steps`` batches) and the bare loop steps
-    at the same total batch, K x ``train.batch_size``. ``profile``: after the timed repeats,
-    one more call of fedadapt's loop and of the bare loop under ``torch.profiler``, their
-    operator tables written to that file (:func:`write_profile`)."""
+def training_loops(prep, cfg, *, clients: int, steps: int) -> dict:
+    """The three loops :func:`throughput` times, on a prepared run (``prep``): ``data`` (the
+    data path alone), ``fedadapt`` (``train_local``, or ``train_group`` of ``clients`` side by
+    side, each ``steps`` batches) and ``bare`` (a bare PyTorch loop of ``steps`` steps at the
+    total batch, K x ``train.batch_size``, on one batch already on the device)."""
     from dataclasses import replace
 
     from fedadapt.config import ConfigError
     from fedadapt.federation.grouped import ClientJob, train_group
     from fedadapt.federation.training import batches_of, make_optimizer, train_local
 
-    prep = prepare_run_quiet(cfg)
     spec, model, src = prep.spec, prep.model, prep.spec.train_source
     bs, dev = cfg.train.batch_size, torch.device(spec.device)
     pool = np.concatenate([c.train for c in spec.clients])
@@ -279,7 +276,21 @@ def throughput(cfg, *, steps: int, repeats: int, data_only: bool = False,
     bare = _bare_loop(model, src.get(batches[0], dev, None if crops is None else crops[0]),
                       make_optimizer([p for p in model.parameters() if p.requires_grad], train,
                                      train.lr), steps, dev, spec.precision)
-    loops = {"data": data} if data_only else {"data": data, "fedadapt": ours, "bare": bare}
+    return {"data": data, "fedadapt": ours, "bare": bare}
+
+
+def throughput(cfg, *, steps: int, repeats: int, data_only: bool = False,
+               clients: int = 1, profile: Path | None = None) -> dict:
+    """Images/s of local training three ways (see the module docstring); with ``clients`` K > 1
+    fedadapt trains K clients side by side (each ``steps`` batches) and the bare loop steps
+    at the same total batch, K x ``train.batch_size``. ``profile``: after the timed repeats,
+    one more call of fedadapt's loop and of the bare loop under ``torch.profiler``, their
+    operator tables written to that file (:func:`write_profile`)."""
+    prep = prepare_run_quiet(cfg)
+    spec, bs = prep.spec, cfg.train.batch_size
+    dev = torch.device(spec.device)
+    every = training_loops(prep, cfg, clients=clients, steps=steps)
+    loops = {"data": every["data"]} if data_only else every
     for fn in loops.values():
         fn()  # warm-up: kernels, allocator, the store's pages
     rates: dict[str, list[float]] = {name: [] for name in loops}
@@ -293,7 +304,8 @@ def throughput(cfg, *, steps: int, repeats: int, data_only: bool = False,
     util = statistics.mean(samples) if samples else None
     med = {k: statistics.median(v) for k, v in rates.items()}
     if profile is not None and not data_only:
-        write_profile(profile, {"fedadapt": ours, "bare": bare}, dev, clients * steps * bs)
+        write_profile(profile, {n: every[n] for n in ("fedadapt", "bare")}, dev,
+                      clients * steps * bs)
     return {"fedadapt_images_per_s": med.get("fedadapt"), "bare_images_per_s": med.get("bare"),
             "data_images_per_s": med["data"],
             "ratio": med["fedadapt"] / med["bare"] if "bare" in med else None,
@@ -467,10 +479,15 @@ def _run_throughput(args) -> None:
             _write(str(out / name), "", {**res, "config": THROUGHPUT_BASE + args.overrides + extra})
             if "error" not in res:
                 _print_throughput(res, out / name)
-            _free(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+            _free()
         if failed:
             raise SystemExit(f"fedadapt-bench: {len(failed)} row(s) failed: {', '.join(failed)}")
         return
+    if args.profile:
+        from fedadapt.config import ConfigError
+
+        raise ConfigError("--profile writes beside each --rows row's JSON: give --rows (e.g. "
+                          "--rows 10:10:bf16:accumulator_pa)")
     cfg = to_run_config(compose_config(THROUGHPUT_BASE + list(args.overrides)))
     res = throughput(cfg, steps=args.steps, repeats=args.repeats, data_only=args.data_only,
                      clients=args.clients)
@@ -478,11 +495,12 @@ def _run_throughput(args) -> None:
     _print_throughput(res, path)
 
 
-def _free(dev: torch.device) -> None:
+def _free() -> None:
+    """The last row's model and data released before the next row's."""
     import gc
 
     gc.collect()
-    if dev.type == "cuda":
+    if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 

@@ -25,10 +25,8 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -56,10 +54,8 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-    from fedadapt.bench import THROUGHPUT_BASE, _bare_loop, prepare_run_quiet
+    from fedadapt.bench import THROUGHPUT_BASE, prepare_run_quiet, training_loops
     from fedadapt.entry import compose_config, to_run_config
-    from fedadapt.federation.grouped import ClientJob, train_group
-    from fedadapt.federation.training import batches_of, make_optimizer
 
     data = Path(os.environ.get("FEDADAPT_CACHE") or Path.home() / ".cache" / "fedadapt") \
         / "grouped_overhead"
@@ -68,21 +64,9 @@ def main() -> None:
                         str(data), "--train", "5000", "--test", "500"], check=True)
     cfg = to_run_config(compose_config(THROUGHPUT_BASE + TINY_DEIT + [
         "dataset=cifar100", f"dataset.path={data}", f"train.batch_size={a.batch}"]))
-    prep = prepare_run_quiet(cfg)
-    model, src, k, bs, steps = prep.model, prep.spec.train_source, a.clients, a.batch, a.steps
-    pool = np.concatenate([c.train for c in prep.spec.clients])
-    idx = [pool[i * steps * bs:(i + 1) * steps * bs] for i in range(k)]
-    train = replace(cfg.train, local_epochs=1)
-    start = model.tensors(model.trainable_names())
-    jobs = [ClientJob(cid=i, indices=idx[i], tensors=start, seed=i, crop_seed=7)
-            for i in range(k)]
-    batch = src.get(batches_of(np.concatenate(idx), bs * k, 1,
-                               torch.Generator().manual_seed(0))[0], "cpu", None)
-    sides = {
-        "grouped": lambda: train_group(model, src, jobs, train, lr=train.lr, precision="fp32"),
-        "bare": _bare_loop(model, batch, make_optimizer(
-            [q for q in model.parameters() if q.requires_grad], train, train.lr), steps,
-            torch.device("cpu"), "fp32")}
+    k, bs, steps = a.clients, a.batch, a.steps
+    loops = training_loops(prepare_run_quiet(cfg), cfg, clients=k, steps=steps)
+    sides = {"grouped": loops["fedadapt"], "bare": loops["bare"]}
     for fn in sides.values():
         fn()  # warm-up
     ops = {name: top_level_ops(fn) / steps for name, fn in sides.items()}

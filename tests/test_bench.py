@@ -45,4 +45,8 @@ def test_rows_in_one_process_write_each_row_and_record_a_failed_one(tmp_path, ca
     assert all("16 images in" in h for h in heads)  # 2 clients x 2 steps x batch 4
     assert "by CPU time" in profile and "aten::" in profile
     assert "row failed: MissingConfigException" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as ended:  # --profile without --rows: one line, exit 2
+        bench.main(["--throughput", "--profile", "--out", str(out)])
+    assert ended.value.code == 2
+    assert "error: --profile writes beside each --rows row's JSON" in capsys.readouterr().err
 
