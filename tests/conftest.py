@@ -15,19 +15,19 @@ os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
 # fp32 means fp32 on CUDA too (no TF32 matmuls), here and in the Ray workers tests start: the
 # tests that compare results exactly run in fp32 (fedadapt.devices.setup)
 os.environ["FEDADAPT_TF32"] = "0"
-# pytest-xdist: each worker process takes its share of the cores for torch's threads (torch would
-# give each all of them: 12 workers x 16 threads on a 16-core GPU machine doubled the suite's time)
-if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(
-        1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 import pytest
 
 import fedadapt  # noqa: F401  (torchvision shim)
 
-if "OMP_NUM_THREADS" in os.environ and int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+# pytest-xdist: each worker process takes its share of the cores for torch's threads, and so do
+# the processes it starts (torch would give each all of them: 12 workers x 16 threads on a
+# 16-core GPU machine doubled the suite's time)
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     import torch
 
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(
+        1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 from fedadapt.config import (
     BackboneConfig,
