@@ -36,13 +36,13 @@ if [ $small = 1 ]; then
   sizes=(--train 5000 --test 500)
   model=(backbone=small_vit)
   tests=(tests/test_grouped_bf16.py tests/test_sizing.py -q -p no:cacheprovider)
-  steps=4; t_tests=300; t_run=300; t_tp=400; flash_rows=${FLASH_ROWS-}
+  steps=4; t_tests=300; t_run=300; t_tp=400
   small_run=(partition.num_clients=10 partition.fraction_fit=0.5)  # 100 classes, few images
 else
   sizes=()
   model=(backbone=deit_small backbone.weights=null)
   tests=(-m "not slow" -n 12 -q -p no:cacheprovider --durations=15)
-  steps=8; t_tests=120; t_run=150; t_tp=150; flash_rows=${FLASH_ROWS-}
+  steps=8; t_tests=120; t_run=150; t_tp=150
   small_run=()
 fi
 # PYTEST_ARGS: the tests' arguments, as a shell would split them (quotes kept); none: no tests.
@@ -56,7 +56,11 @@ rows=${THROUGHPUT:-1:10:bf16:accumulator_pa 1:64:bf16:accumulator_pa 10:10:bf16:
 10:10:fp32:accumulator_pa 32:10:bf16:accumulator_pa 10:10:bf16:lora}
 profile_row=10:10:bf16:accumulator_pa
 if [ $small = 1 ]; then rows=${rows//:bf16:/:auto:}; profile_row=10:10:auto:accumulator_pa; fi
+flash_rows=${FLASH_ROWS-}
 paper=(dataset=cifar100 "dataset.path=$data" "${model[@]}")
+# fedadapt-bench's rows: the paper's shape, 10 clients to draw images from
+bench=("${paper[@]}" partition.num_clients=10 "train.crop_scale=[0.05,1.0]" train.lr=0.005
+       train.momentum=0.0)
 
 # step NAME SECONDS COMMAND...: runs COMMAND under its timeout, its output in NAME.log; records
 # NAME, exit code and seconds in steps.tsv, then rewrites the report from what is there so far.
@@ -93,19 +97,15 @@ for run in $runs; do
   [ -n "$smi" ] && kill "$smi" 2> /dev/null
   if [ "$name" = conventional ] && [ -n "$rows" ]; then  # the table, after the run that matters most
     step throughput "$t_tp" fedadapt-bench --throughput --rows "${rows// /,}" \
-      --steps "$steps" --repeats 3 --out "$out" "${paper[@]}" partition.num_clients=10 \
-      "train.crop_scale=[0.05,1.0]" train.lr=0.005 train.momentum=0.0
+      --steps "$steps" --repeats 3 --out "$out" "${bench[@]}"
     step profile 90 fedadapt-bench --throughput --rows "${profile_row}" --profile --steps 2 \
-      --repeats 1 --out "$out/profile" "${paper[@]}" partition.num_clients=10 \
-      "train.crop_scale=[0.05,1.0]" train.lr=0.005 train.momentum=0.0
+      --repeats 1 --out "$out/profile" "${bench[@]}"
   fi
   if [ "$name" = anytime ] && [ -n "$flash_rows" ]; then  # the candidate kernel, checked and timed
     FEDADAPT_VMAP_ATTENTION=flash step flash-tests 60 python -m pytest \
-      tests/test_grouped_bf16.py -k "cuda and not computes_in" -q -p no:cacheprovider
+      tests/test_grouped_bf16.py -k "cuda and equals_alone" -q -p no:cacheprovider
     FEDADAPT_VMAP_ATTENTION=flash step flash-throughput 75 fedadapt-bench --throughput \
-      --rows "$flash_rows" --profile --steps "$steps" --repeats 3 --out "$out/flash" \
-      "${paper[@]}" partition.num_clients=10 "train.crop_scale=[0.05,1.0]" train.lr=0.005 \
-      train.momentum=0.0
+      --rows "$flash_rows" --profile --steps "$steps" --repeats 3 --out "$out/flash" "${bench[@]}"
   fi
 done
 python "$here/gpu_check_report.py" "$out"

@@ -197,6 +197,7 @@ def test_flash_under_vmap_is_an_experiment_for_bf16_on_cuda_only(monkeypatch):
         with attention_for_vmap(torch.device(dev), precision):
             return b.math_sdp_enabled(), b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled()
 
+    monkeypatch.delenv("FEDADAPT_VMAP_ATTENTION", raising=False)
     assert allowed("cuda", "bf16") == (True, False, False)
     monkeypatch.setenv("FEDADAPT_VMAP_ATTENTION", "flash")
     assert allowed("cuda", "bf16") == (True, True, False)
