@@ -138,7 +138,7 @@ class AdaptedModel(nn.Module):
 
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy named tensors into parameters; names and shapes must match exactly."""
-        params = dict(self.named_parameters())
+        params = dict(self.named_params())
         unknown = sorted(set(tensors) - set(params))
         if unknown:
             raise KeyError(f"unknown tensor names: {unknown[:5]}")
