@@ -22,12 +22,11 @@ import math
 from collections.abc import Iterable, Sequence
 
 import numpy as np
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from fedadapt.federation.records import UNIFORM_KEY, as_numpy, to_array
+from fedadapt.federation.records import UNIFORM_KEY, as_numpy, record, to_array
 
 __all__ = ["UNIFORM_KEY", "LocalOnly", "PerTensorFedAvg", "aggregate_client_metrics",
            "average_by_tensor", "per_tensor"]
@@ -35,7 +34,8 @@ __all__ = ["UNIFORM_KEY", "LocalOnly", "PerTensorFedAvg", "aggregate_client_metr
 
 def aggregate_client_metrics(replies: list[RecordDict], weight_key: str) -> MetricRecord:
     """Weighted and unweighted means of every metric the clients report."""
-    rows = [next(iter(r.metric_records.values())) for r in replies]
+    # plain dicts: a MetricRecord checks every key on every access
+    rows = [dict(record(r, MetricRecord).items()) for r in replies]
     weights = [float(m[weight_key]) for m in rows]
     out: dict[str, float] = {weight_key: float(sum(weights)), "num-clients": float(len(rows))}
     keys = sorted({k for m in rows for k in m.keys()} - {weight_key})
@@ -58,21 +58,26 @@ def average_by_tensor(current: ArrayRecord, contents: Sequence[RecordDict], weig
     One tensor at a time: besides the replies, the server holds one tensor's float64 sum and
     the new record, never every reply decoded at once (a whole CLIP's replies are 605 MB
     each)."""
-    weights = [float(next(iter(c.metric_records.values()))[weight_key]) for c in contents]
-    sent = [next(iter(c.array_records.values())) for c in contents]
+    weights = [float(record(c, MetricRecord)[weight_key]) for c in contents]
+    sent = [record(c, ArrayRecord) for c in contents]
     out = ArrayRecord()
     for name, array in current.items():
-        acc, total = None, 0.0
+        acc, term, total = None, None, 0.0
         for arrays, w in zip(sent, weights):
-            if name in arrays:
-                t = torch.from_numpy(as_numpy(arrays[name]).astype(np.float64)) * w
-                acc = t if acc is None else acc + t
-                total += w
+            if name not in arrays:
+                continue
+            values = as_numpy(arrays[name])
+            if acc is None:  # float64(x) * w, then added: two roundings, as always
+                acc = np.empty(values.shape, dtype=np.float64)  # arrays, 0-d ones too
+                term = np.empty_like(acc)
+                np.multiply(values, w, out=acc, dtype=np.float64)
+            else:
+                np.add(acc, np.multiply(values, w, out=term, dtype=np.float64), out=acc)
+            total += w
         if acc is None or total <= 0:
             out[name] = array
             continue
-        dtype = torch.from_numpy(np.empty(0, dtype=array.dtype)).dtype  # not decoded
-        out[name] = to_array((acc / total).to(dtype))
+        out[name] = to_array(np.divide(acc, total, out=acc).astype(np.dtype(array.dtype)))
     return out
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import numpy as np
-from flwr.app import RecordDict
+from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
 from fedadapt.config import FAULT_KINDS, FedadaptError
 from fedadapt.federation import records
@@ -124,10 +124,9 @@ def _fits(shape: tuple, expected: tuple) -> bool:
 
 
 def _check_arrays(content: RecordDict, expected: dict[str, tuple]) -> tuple[str, str] | None:
-    records_ = content.array_records
-    if "arrays" not in records_:
+    arrays = records.record(content, ArrayRecord, "arrays")
+    if arrays is None:
         return "wrong_keys", "no 'arrays' record"
-    arrays = records_["arrays"]
     names = set(arrays.keys())
     if names != set(expected):
         extra, missing = sorted(names - set(expected)), sorted(set(expected) - names)
@@ -139,8 +138,8 @@ def _check_arrays(content: RecordDict, expected: dict[str, tuple]) -> tuple[str,
         values = records.as_numpy(arr)
         if np.issubdtype(values.dtype, np.floating) and not np.isfinite(values).all():
             return "nonfinite", f"{name} has NaN/Inf"
-    metrics = content.metric_records
-    if "metrics" not in metrics or "num-examples" not in metrics["metrics"]:
+    metrics = records.record(content, MetricRecord, "metrics")
+    if metrics is None or "num-examples" not in metrics:
         return "wrong_keys", "no num-examples metric"
     return None
 

@@ -310,7 +310,7 @@ class ClientGrid(Grid):
                                          reason=reason), reply_to=msg))
                 continue
             self._up[cid] = self._up.get(cid, 0) + sum(
-                r.count_bytes() for r in content.array_records.values())
+                r.count_bytes() for r in content.values() if isinstance(r, ArrayRecord))
             self._file(Message(content, reply_to=msg))
 
     def _file(self, reply: Message) -> None:

@@ -25,13 +25,23 @@ import uuid
 from typing import Callable, Iterable, Iterator, Optional
 
 import torch
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import ArrayRecord, Context, Error, Message, RecordDict
 
 from fedadapt.federation.server import ServerPlan, ServerState, execute_plan
 
 #: ``on_reply(sent, reply, context)``: called for every exchange, ``context`` being the
 #: replying node's (its ``state`` as the ClientApp left it).
 OnReply = Callable[[Message, Message, Context], None]
+
+
+def transport_copy(msg: Message) -> Message:
+    """A copy of ``msg`` as the other side of a transport gets it: every record and the message
+    itself new, the arrays' ``Array`` objects shared (their fields are strings, a tuple and the
+    bytes, which a deep copy shares too; copying the objects around them was half the copy's
+    cost: 260 us a reply of 10 clients' linear heads)."""
+    keep = {id(a): a for record in msg.content.values() if isinstance(record, ArrayRecord)
+            for a in record.values()} if msg.has_content() else {}
+    return copy.deepcopy(msg, keep)
 
 
 class InProcessGrid:
@@ -68,7 +78,7 @@ class InProcessGrid:
             if self.client_threads is not None:
                 torch.set_num_threads(self.client_threads)
             try:
-                reply = self.app(copy.deepcopy(msg), context)
+                reply = self.app(transport_copy(msg), context)
             except Exception as err:  # as the engines report a raising ClientApp
                 reply = Message(Error(code=0, reason=f"{type(err).__name__}: {err}"),
                                 reply_to=msg)
@@ -77,7 +87,7 @@ class InProcessGrid:
                 torch.set_num_threads(server_threads)
             if timeout is not None and time.monotonic() - t0 > timeout:
                 continue  # too late: the server never sees it
-            reply = copy.deepcopy(reply)
+            reply = transport_copy(reply)
             if self.on_reply is not None:
                 self.on_reply(msg, reply, context)
             replies.append(reply)

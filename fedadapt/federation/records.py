@@ -33,13 +33,23 @@ ERROR = "error"
 UNIFORM_KEY = "unit-weight"
 
 
+def record(content: RecordDict, kind: type, name: str | None = None):
+    """``content.<kind>_records.get(name)`` (the first record of ``kind`` when ``name`` is None)
+    without Flower's typed view of the records, which is built anew at every access (6 us
+    each; a round reads each reply's records several times)."""
+    if name is None:
+        return next((r for r in content.values() if isinstance(r, kind)), None)
+    found = content[name] if name in content else None
+    return found if isinstance(found, kind) else None
+
+
 def key(cid: int, name: str) -> str:
     return f"c{cid}/{name}"
 
 
 def packing(content: RecordDict) -> ConfigRecord:
     """The message's :data:`GRID` record (empty when there is none)."""
-    return content.config_records.get(GRID) or ConfigRecord({})
+    return record(content, ConfigRecord, GRID) or ConfigRecord({})
 
 
 def clients_of(content: RecordDict) -> list[int]:
@@ -96,8 +106,8 @@ def unpack(content: RecordDict) -> dict[int, RecordDict]:
 
 
 def error_of(content: RecordDict) -> str | None:
-    record = content.config_records.get(ERROR)
-    return None if record is None else str(record["reason"])
+    found = record(content, ConfigRecord, ERROR)
+    return None if found is None else str(found["reason"])
 
 
 _NPY_MAGIC = b"\x93NUMPY"
@@ -120,8 +130,9 @@ def as_numpy(array: Array) -> np.ndarray:
     return array.numpy()
 
 
-#: ``.npy`` headers by ``(dtype, shape)``: a model sends the same shapes every round.
-_NPY_HEADERS: dict[tuple, bytes] = {}
+#: ``(.npy header, dtype name, shape)`` by ``(dtype, shape)``: a model sends the same shapes
+#: every round.
+_NPY_HEADERS: dict[tuple, tuple[bytes, str, tuple]] = {}
 
 
 def to_array(value) -> Array:
@@ -135,12 +146,13 @@ def to_array(value) -> Array:
     if not isinstance(a, np.ndarray) or not a.flags.c_contiguous or a.dtype.hasobject:
         return Array.from_numpy_ndarray(np.asarray(a))
     key = (a.dtype.str, a.shape)
-    header = _NPY_HEADERS.get(key)
-    if header is None:
+    known = _NPY_HEADERS.get(key)
+    if known is None:
         buffer = io.BytesIO()
         np.save(buffer, a, allow_pickle=False)
         data = buffer.getvalue()
-        _NPY_HEADERS[key] = data[:len(data) - a.nbytes]
+        _NPY_HEADERS[key] = (data[:len(data) - a.nbytes], str(a.dtype),
+                             tuple(int(d) for d in a.shape))
         return Array(dtype=str(a.dtype), shape=tuple(a.shape), stype="numpy.ndarray", data=data)
-    return Array(dtype=str(a.dtype), shape=tuple(int(d) for d in a.shape),
-                 stype="numpy.ndarray", data=header + a.tobytes())
+    header, dtype, shape = known
+    return Array(dtype, shape, "numpy.ndarray", header + a.tobytes())

@@ -159,7 +159,9 @@ class Deadline:
     def wait(self) -> None:
         """Sleep until the worker's reply is due (see the class docstring)."""
         until = self.timeout if self.any_late else self.due
-        time.sleep(max(0.0, until - (time.monotonic() - self.start)))
+        left = until - (time.monotonic() - self.start)
+        if left > 0:  # time.sleep(0) still yields the CPU: 70 us a message on this machine
+            time.sleep(left)
 
 
 def reason_of(err: BaseException) -> str:
