@@ -88,9 +88,10 @@ class AdaptedModel(nn.Module):
             if not self.train_backbone:
                 self.backbone.eval()
             else:  # keep pretrained normalisation statistics
-                for m in self.backbone.modules():
-                    if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                        m.eval()
+                for m in structure_cached(self, "_batch_norms", lambda: [
+                        m for m in self.backbone.modules()
+                        if isinstance(m, nn.modules.batchnorm._BatchNorm)]):
+                    m.eval()
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # images [B,3,H,W] or feats [B,D]

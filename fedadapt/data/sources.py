@@ -129,12 +129,13 @@ def stream_parts(batches: Sequence[Sequence[tuple[DataSource, np.ndarray]]],
 
     def make(i: int) -> tuple[torch.Tensor, torch.Tensor]:
         parts = batches[i]
-        idx = np.concatenate([ix for _, ix in parts])
+        idx = np.concatenate([ix for _, ix in parts]) if len(parts) > 1 else parts[0][1]
         crop = crops[i] if crops is not None else None
         y = _to_device(torch.from_numpy(labels[idx]), device)
         resized = None if crop is not None else [input_rows(src, ix) for src, ix in parts]
         if resized is not None and all(r is not None for r in resized):  # resized once
-            x = _to_device(torch.from_numpy(np.concatenate(resized)), device)
+            x = _to_device(torch.from_numpy(np.concatenate(resized) if len(resized) > 1
+                                            else resized[0]), device)
             return first.preprocess.normalize(to_float(x)), y
         rows = [src.images(ix) for src, ix in parts]
         if len({r.shape[-1] for r in rows}) > 1:  # clean grey beside corrupted RGB rows

@@ -111,10 +111,21 @@ class Preprocess:
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """``(x - mean) / std`` of ``[B, C, H, W]`` in [0, 1] as one fused pass into a new
         contiguous ``[B, 3, H, W]`` (a grey image, C = 1, becomes RGB as PIL's
-        ``convert("RGB")``, then per-channel normalised)."""
-        scale = 1.0 / torch.tensor(self.std, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
-        shift = -torch.tensor(self.mean, device=x.device, dtype=x.dtype).view(1, 3, 1, 1) * scale
+        ``convert("RGB")``, then per-channel normalised). The scale and shift are made once
+        per device and dtype: making them took as long as the pass itself on a batch of 32
+        small images."""
+        key = (self.mean, self.std, x.device, x.dtype)
+        if key not in _NORMALIZERS:
+            scale = 1.0 / torch.tensor(self.std, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
+            shift = -torch.tensor(self.mean, device=x.device, dtype=x.dtype).view(1, 3, 1,
+                                                                                 1) * scale
+            _NORMALIZERS[key] = (scale, shift)
+        scale, shift = _NORMALIZERS[key]
         return torch.addcmul(shift, x, scale)
+
+
+#: :meth:`Preprocess.normalize`'s ``(scale, shift)`` by ``(mean, std, device, dtype)``.
+_NORMALIZERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def to_float(images: torch.Tensor) -> torch.Tensor:
