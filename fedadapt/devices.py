@@ -19,7 +19,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import math
 import os
+import time
 from typing import Optional
 
 import torch
@@ -119,6 +121,10 @@ def seed_torch(seed: int, device: torch.device) -> None:
 
 #: :func:`return_freed_memory` trims only when the heap holds at least this much free memory.
 TRIM_ABOVE_BYTES = 64 << 20
+#: ... and reads how much is free at most once in this many seconds (``mallinfo2`` walks every
+#: free block of every arena: 275 us a call in a small CNN's process, twice a 80 ms round).
+CHECK_EVERY_S = 1.0
+_LAST_CHECK = [-math.inf]
 
 
 def heap_free_bytes() -> Optional[int]:
@@ -133,7 +139,8 @@ def heap_free_bytes() -> Optional[int]:
     return int(info().fordblks)
 
 
-def return_freed_memory(min_free: int = TRIM_ABOVE_BYTES) -> bool:
+def return_freed_memory(min_free: int = TRIM_ABOVE_BYTES,
+                        check_every_s: float = CHECK_EVERY_S) -> bool:
     """Hand the memory Python and torch have freed back to the operating system (glibc's
     ``malloc_trim``; a no-op elsewhere); whether it trimmed. glibc keeps freed blocks below its
     mmap threshold (which grows to 32 MB as large blocks are freed) in the process heap, so a
@@ -141,10 +148,16 @@ def return_freed_memory(min_free: int = TRIM_ABOVE_BYTES) -> bool:
     round without it. Called once per message on a worker and once per round on the server.
     It trims only when the heaps hold ``min_free`` bytes or more (:data:`TRIM_ABOVE_BYTES`):
     a trim releases the pages and the next round faults them in again, 1.3 ms a call on a
-    small CNN's round under cProfile, for a few MB (``scripts/peer_pfl.py``'s W1)."""
+    small CNN's round under cProfile, for a few MB (``scripts/peer_pfl.py``'s W1). A call
+    within ``check_every_s`` of the last one that read the heaps does nothing: a round that
+    frees a large model's worth takes longer than that anyway."""
     libc = _libc()
     if libc is None or not hasattr(libc, "malloc_trim"):
         return False
+    now = time.monotonic()
+    if now - _LAST_CHECK[0] < check_every_s:
+        return False
+    _LAST_CHECK[0] = now
     free = heap_free_bytes()
     if free is not None and free < min_free:
         return False

@@ -89,8 +89,8 @@ class AdaptedModel(nn.Module):
                 self.backbone.eval()
             else:  # keep pretrained normalisation statistics
                 for m in structure_cached(self, "_batch_norms", lambda: [
-                        m for m in self.backbone.modules()
-                        if isinstance(m, nn.modules.batchnorm._BatchNorm)]):
+                        b for b in self.backbone.modules()
+                        if isinstance(b, nn.modules.batchnorm._BatchNorm)]):
                     m.eval()
         return self
 

@@ -55,7 +55,7 @@ def release_process_caches() -> None:
     _SENT.clear()
     clear_cache()
     gc.collect()  # a model's modules hold reference cycles
-    return_freed_memory()
+    return_freed_memory(check_every_s=0)
 
 
 def client_exits(spec: RunSpec, cid: int) -> Optional[list[int]]:
