@@ -182,14 +182,16 @@ def _at_client_rank(sent: dict[str, torch.Tensor], rank: Optional[int], gamma: f
 def _shared_config(content: RecordDict) -> ConfigRecord:
     """The round's config a message's clients share (empty when there is none)."""
     cids = records.clients_of(content)
-    config = records.view(content, cids[0]).config_records.get("config") if cids else None
+    if not cids:
+        return ConfigRecord({})
+    config = records.record(records.view(content, cids[0]), ConfigRecord, "config")
     return config if config is not None else ConfigRecord({})
 
 
 def _trained_view(spec: RunSpec, model, cid: int, mine: RecordDict) -> RecordDict:
     """The client's records with its arrays cut to the tensors it trains (what a deployment
     client receives, and what a mod compares the reply's arrays with)."""
-    arrays = mine.array_records.get("arrays")
+    arrays = records.record(mine, ArrayRecord, "arrays")
     names = sent_names(spec, cid, model)
     if arrays is None or list(arrays.keys()) == names:
         return mine
