@@ -34,12 +34,16 @@ class PreparedRun:
     layout: Optional[dict] = None
     #: Simulated devices (``fleet=``; :class:`fedadapt.federation.fleet.Fleet`), None without.
     fleet: Optional[object] = None
+    #: The frozen backbone's identity, a hash of its weights
+    #: (:func:`fedadapt.data.cache.backbone_fingerprint`): two runs that name the same weights
+    #: folder but read different files (a backbone pretrained again) tell apart in the summary.
+    backbone_weights: Optional[str] = None
 
 
 def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
     """Load and partition the data, build the backbone and (if used) the feature cache."""
     from fedadapt.backbones import build_backbone
-    from fedadapt.data.cache import cached_features
+    from fedadapt.data.cache import backbone_fingerprint, cached_features
     from fedadapt.data.catalogue import load_card
     from fedadapt.data.loading import prepare_dataset
     from fedadapt.data.partition import cached_partition, format_stats
@@ -98,7 +102,8 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
         "trainable_params": model.count(model.trainable_names()),
         "communicated_params": model.count(model.communicated_names()),
     }
-    prep = PreparedRun(spec=spec, partition=partition, model=model, counts=counts)
+    prep = PreparedRun(spec=spec, partition=partition, model=model, counts=counts,
+                       backbone_weights=backbone_fingerprint(backbone))
     family.prepare(cfg, prep, backbone=backbone, images=images, original=original)
     return prep
 
@@ -235,7 +240,7 @@ def summary_head(cfg: RunConfig, label: str, prep: PreparedRun, *, rounds: int,
     """The fields that say which run a summary is (first in every ``summary.json``)."""
     p = cfg.partition
     return {"method": label, "experiment": cfg.experiment, "dataset": cfg.dataset.name,
-            "backbone": cfg.backbone.name,
+            "backbone": cfg.backbone.name, "backbone_weights": prep.backbone_weights,
             "partition": {"kind": p.kind, "num_clients": prep.spec.num_clients,
                           "alpha": p.alpha, "fraction_fit": p.fraction_fit},
             "seed": cfg.seed, "rounds": rounds, "setting": setting}

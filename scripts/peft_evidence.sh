@@ -14,12 +14,15 @@
 #     of the three at the learning rate with the best seed-0 mean over both alphas; L.W. linear +
 #     PA at 0.005 / 0.05 / 0.2, and seeds 1-2 at 0.05.
 # One report per backbone, with each row's difference to the baseline paired by seed.
-# Offline; about 3 h 45 min on 2 CPU cores.
-#   bash scripts/peft_evidence.sh [OUT]        (default outputs/peft_evidence)
+# Offline. A sweep that finished is not run again: rerun the script to go on after a stop.
+#   bash scripts/peft_evidence.sh [OUT] [OVERRIDE ...]
+#   (default OUT: outputs/peft_evidence; OVERRIDEs go to every run, e.g. federation.backend=inprocess)
 set -euo pipefail
 out=${1:-outputs/peft_evidence}
+extra=("${@:2}")
 export HF_HUB_OFFLINE=1
-sweep() { local name=$1; shift; fedadapt -m "$@" hydra.sweep.dir="$out/$name"; }
+. "$(dirname "$0")/evidence_sweep.sh"  # ensure_small_vit, sweep
+common=()
 
 alphas=partition.alpha=0.1,1000
 seeds=seed=0,1,2
@@ -27,8 +30,7 @@ sweep eff_lora experiment=quickstart compare=[] method=lora method.rank=4,8,16 $
 sweep eff_ffa experiment=quickstart compare=[] method=lora method.ffa=true $alphas $seeds
 sweep eff_other experiment=quickstart compare=[] method=ia3,bitfit,linear_head $alphas $seeds
 
-weights=${FEDADAPT_CACHE:-$HOME/.cache/fedadapt}/pretrained/small_vit-fashion_mnist-s0
-[ -d "$weights" ] || fedadapt-pretrain --epochs 3 dataset=fashion_mnist backbone=small_vit
+ensure_small_vit
 vit=(experiment=acc_offline setting=conventional compare=[])
 sweep vit_lora "${vit[@]}" method=lora method.rank=4,8,16 $alphas
 sweep vit_ffa "${vit[@]}" method=lora method.ffa=true $alphas

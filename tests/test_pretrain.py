@@ -115,3 +115,27 @@ def test_altered_weights_are_refused_naming_the_file(trained, tmp_path):
     cfg = BackboneConfig(name="tiny_vit", family="vit", weights=str(copy), image_size=32)
     with pytest.raises(CacheIntegrityError, match="model.safetensors: content differs"):
         build_backbone(cfg)
+
+
+def test_pretraining_again_gives_the_same_weights(trained):
+    """The same run pretrains the same bytes: a backbone in the cache can be made again."""
+    run, backbone, _ = trained
+    again, _ = train_backbone(run, epochs=1, lr=1e-3, batch_size=64, log=lambda m: None)
+    want, got = backbone.state_dict(), again.state_dict()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_a_run_records_which_weights_it_read(trained, cache_dir):
+    """``backbone_weights`` in the summary is a hash of the weights themselves: the pretrained
+    folder and the random init it started from differ, the same folder read twice does not."""
+    from fedadapt.data.cache import backbone_fingerprint
+    from fedadapt.experiment import prepare_run
+
+    _, backbone, out = trained
+    common = ["method=linear_head", "method.use_cache=false", "partition.num_clients=2"]
+    loaded = prepare_run(tiny_run(cache_dir, *common, f"backbone.weights={out}"), quiet=True)
+    assert loaded.backbone_weights == backbone_fingerprint(backbone)
+    again = prepare_run(tiny_run(cache_dir, *common, f"backbone.weights={out}"), quiet=True)
+    assert again.backbone_weights == loaded.backbone_weights
+    fresh = prepare_run(tiny_run(cache_dir, *common), quiet=True)
+    assert fresh.backbone_weights != loaded.backbone_weights

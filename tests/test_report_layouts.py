@@ -135,8 +135,8 @@ def test_against_pairs_each_seed_with_the_baseline_under_the_same_settings(tmp_p
 
 def test_provenance_names_each_runs_directory_commit_and_config_hash(tmp_path):
     """One row per run, in the table's order, with its directory, commit (``wheel`` without
-    one) and config hash; machine-local keys (output_dir, cache_dir) do not change the hash,
-    the seed does."""
+    one), config hash and backbone weights (``—`` where the summary predates them);
+    machine-local keys (output_dir, cache_dir) do not change the hash, the seed does."""
     from fedadapt.results.report import config_hash, provenance
 
     for name, seed in (("a0", 0), ("a1", 1), ("b0", 0)):
@@ -146,14 +146,15 @@ def test_provenance_names_each_runs_directory_commit_and_config_hash(tmp_path):
     (tmp_path / "a0" / "config.yaml").write_text(yaml.safe_dump(
         {**cfg, "output_dir": "/elsewhere", "cache_dir": "/cache"}))
     summary = json.loads((tmp_path / "a0" / "summary.json").read_text())
-    (tmp_path / "a0" / "summary.json").write_text(json.dumps({**summary,
-                                                              "git_commit": "abc123+dirty"}))
+    (tmp_path / "a0" / "summary.json").write_text(json.dumps({
+        **summary, "git_commit": "abc123+dirty", "backbone_weights": "ViTBackbone:40321b41"}))
     text = provenance(find_runs([str(tmp_path)]))
     rows = [ln for ln in text.splitlines() if ln.startswith("| partition")]
     assert [r.split(" | ")[0] for r in rows] == ["| partition.alpha=0.1, seed=0",
                                                  "| partition.alpha=0.1, seed=1",
                                                  "| partition.alpha=1000.0, seed=0"]
     assert "abc123+dirty" in rows[0] and rows[1].split(" | ")[2] == "wheel"
+    assert rows[0].endswith("| ViTBackbone:40321b41 |") and rows[1].endswith("| — |")
     assert "fedadapt commit abc123+dirty, wheel." in text
     bare = tmp_path / "bare"
     make_run(tmp_path, "bare", label="lw_linear", alpha=0.1, seed=0, accs=[0.5])

@@ -37,6 +37,7 @@ def test_ten_clients_four_rounds_learn(cache_dir, tmp_path):
     assert on_disk["final"]["global_acc"] == summary["final"]["global_acc"] == final
     assert on_disk["params"]["backbone_params"] > 0
     assert on_disk["versions"]["flwr"].startswith("1.41")
+    assert on_disk["backbone_weights"].startswith("SmallCNN:")  # a hash of the weights read
 
 
 WALL_CLOCK = ("round_s", "wall_s")

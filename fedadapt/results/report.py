@@ -109,7 +109,9 @@ def config_hash(run_dir: str) -> str:
 
 def provenance(runs: list[dict]) -> str:
     """Markdown: each run's row label (the keys that vary, seed included), run directory, git
-    commit and config hash; the commits in one line when all runs share one."""
+    commit, config hash and backbone weights (a hash of the weights the run read: the same
+    config over weights pretrained again shows here); the commits in one line when all runs
+    share one."""
     varying = varying_keys(runs) or ["method.name"]
     if "seed" not in varying and any("seed" in r["summary"] for r in runs):
         varying = [*varying, "seed"]
@@ -123,12 +125,15 @@ def provenance(runs: list[dict]) -> str:
 
     lines = [f"Provenance (`fedadapt-report --provenance`): {len(runs)} run(s), fedadapt commit "
              f"{', '.join(sorted({commit(r) for r in runs}))}.", "",
-             "| run | run directory | git commit | config hash |", "|---|---|---|---|"]
+             "| run | run directory | git commit | config hash | backbone weights |",
+             "|---|---|---|---|---|"]
     for run in sorted(runs, key=lambda r: [repr(v) for v in values(r)]):
         label = ", ".join(f"{k}={v}" for k, v in zip(varying, values(run)))
         where = Path(run["dir"]).resolve()
         shown = where.relative_to(Path.cwd()) if where.is_relative_to(Path.cwd()) else where
-        lines.append(f"| {label} | {shown} | {commit(run)[:12]} | {config_hash(run['dir'])} |")
+        weights = run["summary"].get("backbone_weights") or "—"  # not recorded before 2026-11-27
+        lines.append(f"| {label} | {shown} | {commit(run)[:12]} | {config_hash(run['dir'])} "
+                     f"| {weights} |")
     return "\n".join(lines) + "\n"
 
 
