@@ -76,7 +76,7 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
     def source(split: str) -> DataSource:
         if cfg.method.use_cache:
             path = cached_features(backbone, images(split), cfg.cache_dir, device=dev,
-                                   precision=precision)
+                                   precision=precision, weights=weights)
             return DataSource(prepared, split, features_path=path)
         return images(split)
 
@@ -84,6 +84,7 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
     if cfg.original.train_backbone:  # the papers' original model: a server-side phase first
         original = _original_phase(cfg, backbone, images("train"), partition, prepared, dev)
         backbone = build_backbone(original.backbone)  # the trained one: its features are cached
+    weights = backbone_fingerprint(backbone)  # hashed once: the summary and the feature keys
     spec = RunSpec(run_id=uuid.uuid4().hex, method=cfg.method,
                    backbone=original.backbone if original else cfg.backbone,
                    train=cfg.train, seed=cfg.seed, rounds=cfg.rounds,
@@ -103,7 +104,7 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
         "communicated_params": model.count(model.communicated_names()),
     }
     prep = PreparedRun(spec=spec, partition=partition, model=model, counts=counts,
-                       backbone_weights=backbone_fingerprint(backbone))
+                       backbone_weights=weights)
     family.prepare(cfg, prep, backbone=backbone, images=images, original=original)
     return prep
 

@@ -35,8 +35,10 @@ def backbone_fingerprint(backbone) -> str:
 
 
 def feature_key(backbone, prepared: PreparedDataset, split: str, preprocess: Preprocess,
-                precision: str = "fp32") -> str:
-    blob = json.dumps({"backbone": backbone_fingerprint(backbone), "data": prepared.fingerprint,
+                precision: str = "fp32", *, weights: Optional[str] = None) -> str:
+    """``weights``: :func:`backbone_fingerprint` of ``backbone`` where the caller has it."""
+    weights = weights or backbone_fingerprint(backbone)
+    blob = json.dumps({"backbone": weights, "data": prepared.fingerprint,
                        "split": split, "preprocess": repr(preprocess), "precision": precision},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
@@ -67,16 +69,18 @@ def extract_features(backbone, source, *, batch_size: int = 256, device: str = "
 
 
 def cached_features(backbone, source, cache_dir: str, *, device: str = "cpu",
-                    precision: str = "fp32") -> str:
+                    precision: str = "fp32", weights: Optional[str] = None) -> str:
     """Path of the sealed ``.npy`` feature file of ``source``'s images through ``backbone``,
     computed on ``device`` in ``precision`` (keyed by what the matmuls compute in: TF32 on CUDA
-    is not fp32)."""
+    is not fp32). ``weights``: :func:`backbone_fingerprint` of ``backbone`` where the caller has
+    it (the weights are hashed once, not per key)."""
     from fedadapt.data.integrity import save_npy, valid_or_removed
     from fedadapt.devices import compute_precision
 
     prepared, split = source.prepared, source.split
+    weights = weights or backbone_fingerprint(backbone)
     key = feature_key(backbone, prepared, split, source.preprocess,
-                      compute_precision(device, precision))
+                      compute_precision(device, precision), weights=weights)
     folder = Path(cache_dir).expanduser() / "features"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{prepared.name}-{split}-{key}.npy"
@@ -93,7 +97,7 @@ def cached_features(backbone, source, cache_dir: str, *, device: str = "cpu",
     from fedadapt.data.rows import RowCache, gathered_file, row_cache_key
 
     base, rows = origin
-    key = row_cache_key(backbone=backbone_fingerprint(backbone), source=prepared.source_key,
+    key = row_cache_key(backbone=weights, source=prepared.source_key,
                         split=base, preprocess=repr(source.preprocess),
                         precision=compute_precision(device, precision))
     cache = RowCache(folder / f"{prepared.name}-rows-{base}-{key}")
