@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -104,3 +105,27 @@ def test_manifest_must_cover_both_files(tmp_path):
     (folder / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="manifest"):
         load_checkpoint(folder)
+
+
+def test_client_state_of_the_checkpoints_own_round_is_loaded(tmp_path):
+    """Pins ``load_client_state`` asking ``<`` instead of ``<=``: a resume after round 3 loads
+    the tensors the client saved after round 3, not an older file."""
+    for rnd in (1, 3):
+        save_client_state(tmp_path, rnd, {"head.bias": torch.full((2,), float(rnd))})
+    torch.testing.assert_close(load_client_state(tmp_path, 3)["head.bias"], torch.full((2,), 3.))
+    torch.testing.assert_close(load_client_state(tmp_path, 1)["head.bias"], torch.full((2,), 1.))
+
+
+def test_the_strategys_arrays_round_trip_through_the_checkpoint(tmp_path):
+    """Pins a checkpoint written without the strategy's arrays (FedAdam's moments, FedAvgM's
+    momentum): they are loaded back as ``state["strategy_arrays"]``, bit for bit."""
+    momentum = {"momentum.head.weight": np.arange(6, dtype=np.float32).reshape(2, 3) / 7,
+                "m_t.0": np.array([1e-30, -2.5], dtype=np.float64)}
+    folder = save_checkpoint(tmp_path, server_round=2,
+                             arrays={"head.weight": torch.ones(2, 3)}, state={},
+                             config_sha="abc", strategy_arrays=momentum)
+    _, state = load_checkpoint(folder, config_sha="abc")
+    assert sorted(state["strategy_arrays"]) == sorted(momentum)
+    for name, value in momentum.items():
+        assert state["strategy_arrays"][name].dtype == value.dtype
+        np.testing.assert_array_equal(state["strategy_arrays"][name], value)

@@ -346,3 +346,33 @@ def test_an_anytime_clients_exits_are_capped_by_its_device(tmp_path, cache_dir):
                                 "rounds=1", "partition.fraction_fit=1.0"], cache_dir)
     (row,) = read_jsonl(tmp_path / "anytime" / "metrics.jsonl")
     assert row["clients_trained"] + row["sim_late"] == 6 and row["global_acc"] is not None
+
+
+def test_keep_first_ends_the_round_at_the_nth_of_distinct_arrivals():
+    """Pins the fleet's ``keep_first`` off by one (the round ending at the (N+1)-th arrival, or
+    keeping N+1): four clients of one speed with works 10, 20, 30, 40 arrive at 1, 2, 3, 4 s;
+    ``keep_first=2`` keeps the first two and the round lasts 2 s."""
+    fleet = Fleet(FleetConfig(name="tiers", compute=[10.0], keep_first=2), 4, 0,
+                  [30.0, 10.0, 40.0, 20.0])
+    dropped, seconds = fleet.round(0.0, [0, 1, 2, 3], {}, {})
+    assert dropped == {0: "discarded", 2: "discarded"}
+    assert seconds == pytest.approx(2.0)
+    dropped, seconds = fleet.round(5.0, [0, 3], {}, {})  # no more than N: all kept
+    assert dropped == {} and seconds == pytest.approx(3.0)
+
+
+def test_a_client_going_offline_ends_the_round_at_its_time_online_after_the_start():
+    """Pins an offline period ending at ``until`` (an absolute time) instead of ``until -
+    start`` (seconds into the round): a round that starts at t > 0 with a client that goes
+    offline before it finishes lasts ``until - start``."""
+    cfg = FleetConfig(name="tiers", compute=[1.0], mean_on=30.0, mean_off=10.0)
+    probe = Fleet(cfg, 50, 0, [1.0] * 50)
+    start = 100.0
+    cid = probe.available(start)[0]
+    until = probe.online_until(cid, start)
+    assert until > start
+    slow = Fleet(cfg, 50, 0, [2 * (until - start)] * 50)  # twice its time left online
+    dropped, seconds = slow.round(start, [cid], {}, {})
+    assert dropped == {cid: "offline"}
+    assert seconds == pytest.approx(until - start)
+    assert seconds < until - 1  # seconds into the round, not the clock's time

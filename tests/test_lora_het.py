@@ -506,3 +506,45 @@ def test_state_is_checkpointable(cls, flower_task):
     run_round(strategy, global_record(b_zero=True), replies_of(client_factors()))
     state, _ = strategy_state(strategy)
     assert "rank_of" not in str(state) and "_sent_arrays" not in str(state)
+
+
+# -- bugs no other test caught (issue 58) ------------------------------------------------------
+
+def test_hetlora_keeps_sending_a_client_the_rank_it_pruned_itself_to(flower_task):
+    """Pins HetLoRA.client_rank forgetting a client's pruned rank (``return rank`` instead of
+    the smaller pruned one): after client 1 (rank 3) replies at rank 1, every later round
+    sends it rank 1, and a reply of rank 2 from it is refused."""
+    strategy = HetLoRA(**kwargs(prune_gamma=0.5))
+    factors = client_factors()
+    a, b, h, n = factors[1]
+    factors[1] = (a[:1], b[:, :1], h, n)  # client 1 pruned itself from 3 to 1
+    new, _ = run_round(strategy, global_record(), replies_of(factors))
+    assert strategy.client_rank(node_id(1)) == 1
+    assert strategy.client_rank(node_id(0)) == RANKS[0]  # the others keep theirs
+    out = sent(strategy, new)
+    assert {cid: out[cid][A].shape[0] for cid in RANKS} == {0: 2, 1: 1, 2: 4}
+    assert out[1][B].shape == (OUT, 1)
+    again = client_factors(seed=2)
+    again[1] = (again[1][0][:2], again[1][1][:, :2], again[1][2], again[1][3])
+    with pytest.raises(ValueError, match="at most rank 1"):
+        strategy.aggregate_train(2, replies_of(again))
+
+
+def test_flora_draws_the_fresh_a_up_to_peft_kaiming_bound():
+    """Pins FLoRA's fresh ``A`` bound: uniform(-1/sqrt(in), 1/sqrt(in)) as peft initialises it,
+    not 1/in. 64 x 256 draws: their largest magnitude is within 1% of 1/sqrt(in) and their mean
+    magnitude half of it, as a uniform's is."""
+    width, r_max = 256, 64
+    strategy = FLoRA(rank_of=lambda node: r_max, seed=0)
+    a = torch.zeros(r_max, width, dtype=torch.float64)
+    b = torch.zeros(3, r_max, dtype=torch.float64)
+    current = ArrayRecord({"x.lora_A.weight": Array.from_torch_tensor(a),
+                           "x.lora_B.weight": Array.from_torch_tensor(b)})
+    fresh_a, fresh_b, _ = strategy.aggregate_layer(
+        "x.lora_A.weight", current, [torch.randn(2, width).double()],
+        [torch.randn(3, 2).double()], [1.0], [2])
+    bound = 1 / np.sqrt(width)
+    drawn = np.abs(fresh_a.numpy())
+    assert fresh_a.shape == (r_max, width) and not fresh_b.numpy().any()
+    assert 0.99 * bound < drawn.max() <= bound
+    assert drawn.mean() == pytest.approx(bound / 2, rel=0.03)

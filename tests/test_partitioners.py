@@ -132,3 +132,37 @@ def test_flwr_datasets_redraw_notes_are_one_line(capsys):
     assert lines == ["[data] flwr-datasets redrew the Dirichlet partition 5 time(s): a client "
                      "had fewer than partition.min_partition_size=10 samples",
                      "[data] flwr-datasets: sizes do not sum (2 times)"]
+
+
+def test_dirichlet_partition_follows_its_seed():
+    """Pins the Dirichlet partition ignoring its seed (``seed=0`` passed to flwr-datasets, or
+    the seed left out and its default 42 used): seeds 1 and 2 give different partitions, seed 1
+    twice the same; every example is in exactly one client."""
+    ds = labelled(400)
+    cfg = PartitionConfig(kind="dirichlet", num_clients=6, alpha=0.5)
+
+    def members(seed):
+        part = partition_dataset(ds, cfg, CARD, seed=seed)
+        return [np.sort(np.concatenate([c.train, c.val, c.test])) for c in part.clients]
+
+    one, two = members(1), members(2)
+    assert all(np.array_equal(a, b) for a, b in zip(one, members(1)))
+    assert not all(np.array_equal(a, b) for a, b in zip(one, two))
+    assert np.array_equal(np.sort(np.concatenate(one)), np.arange(400))
+
+
+def test_dirichlet_partition_gives_every_client_min_partition_size():
+    """Pins the Dirichlet partition ignoring ``partition.min_partition_size`` (flwr-datasets'
+    default, 10, used instead): with seed 2 its first draw gives a client 20 samples, so
+    ``min_partition_size=30`` must redraw; and 70 clients over 600 samples are possible only
+    with a minimum below 10."""
+    ds = labelled(400)
+    part = partition_dataset(ds, PartitionConfig(kind="dirichlet", num_clients=6, alpha=0.5,
+                                                 min_partition_size=30), CARD, seed=2)
+    assert min(sizes(part)) >= 30 and sum(sizes(part)) == 400
+    loose = partition_dataset(ds, PartitionConfig(kind="dirichlet", num_clients=6, alpha=0.5,
+                                                  min_partition_size=10), CARD, seed=2)
+    assert min(sizes(loose)) < 30  # the same seed without the minimum: the draw it redrew
+    many = partition_dataset(labelled(600), PartitionConfig(kind="dirichlet", num_clients=70,
+                                                            min_partition_size=1), CARD, seed=0)
+    assert len(many.clients) == 70 and sum(sizes(many)) == 600
