@@ -21,7 +21,9 @@ larger one.
 that change as one dense tensor per layer, ``X.base_delta`` (``out x in``, or the conv weight's
 shape), accumulated over the rounds; each client gets it with its LoRA factors and must use
 ``W0 + s * base_delta`` as the layer's frozen weight, ``W0`` the pretrained weight (replace,
-never add to an already folded weight).
+never add to an already folded weight). FlexLoRA's global record holds one too (the part of its
+full-rank ``W`` beyond the rank-``r_max`` factors), for the server's model only: its clients
+are not sent it.
 
 **Scaling.** peft computes ``W x + s B A x`` with ``s = alpha / r`` (``alpha / sqrt(r)`` with
 rsLoRA). Every formula here is on the raw factors and raw products ``B A`` (``base_delta``
@@ -209,7 +211,8 @@ def hetlora_aggregate(As: Sequence[Tensor], Bs: Sequence[Tensor], r_max: int,
 
 def flexlora_aggregate(As: Sequence[Tensor], Bs: Sequence[Tensor], p: Sequence[float],
                        r_max: int) -> tuple[Tensor, Tensor]:
-    """FlexLoRA: ``W = sum_k p_k B_k A_k``, kept as its rank-``r_max`` :func:`svd_split`."""
+    """FlexLoRA's factors: the rank-``r_max`` :func:`svd_split` of ``W = sum_k p_k B_k A_k``
+    (:class:`FlexLoRA` keeps ``W - B A`` beside them, as ``X.base_delta``)."""
     return svd_split(weighted_product_sum(As, Bs, p), r_max)
 
 
@@ -551,18 +554,23 @@ class FlexLoRA(LoRARankStrategy):
         W ~ U_r S_r V_r^T                             (truncated SVD)
         B = U_r S_r^{1/2},   A = S_r^{1/2} V_r^T      (the symmetric split)
 
-    The global record keeps the rank-``r_max`` factors; client k is sent the rank-``r_k``
-    factors of ``W = B A`` (the global factors' product), the best rank-``r_k`` approximation.
-    When ``W`` is zero (round 1: B at its zero initialisation) the SVD would give zero A and B,
-    which never train, so the client is sent the truncation of the global factors instead.
-    Products of raw factors: the client applies its scaling ``alpha / r``. Every other tensor:
-    FedAvg's mean."""
+    The server holds the whole ``W`` (of rank up to ``sum r_k``, above ``r_max``): the global
+    record keeps its rank-``r_max`` factors ``B A`` and the rest, ``X.base_delta = W - B A``,
+    so that the global model the server evaluates and exports, ``W0 + s (base_delta + B A)``
+    (the residual folded into the frozen weight, as FLoRA's and FedEx-LoRA's are), is
+    ``W0 + s W`` exactly. Client k is sent the rank-``r_k`` factors of ``W``, its best
+    rank-``r_k`` approximation, and no ``base_delta`` (its LoRA holds its whole update; its
+    frozen weight stays ``W0``). When ``W`` is zero (round 1: B at its zero initialisation) the
+    SVD would give zero A and B, which never train, so the client is sent the truncation of the
+    global factors instead. Products of raw factors: the client applies its scaling
+    ``alpha / r``. Every other tensor: FedAvg's mean."""
 
     def client_arrays(self, arrays, pairs, rank):
         out = super().client_arrays(arrays, pairs, rank)
         for a_name, b_name in pairs.items():
+            out.pop(base_delta_name(a_name), None)  # the server's: the client's LoRA holds W
             a_now, b_now = arrays[a_name], arrays[b_name]
-            w = _matrix_b(_torch(b_now), b_name) @ _matrix_a(_torch(a_now))
+            w = self._whole(arrays, a_name, b_name)
             if not bool(w.any()):
                 continue  # the truncation, as sent by super()
             a, b = svd_split(w, rank)
@@ -571,9 +579,17 @@ class FlexLoRA(LoRARankStrategy):
             out[b_name] = _array(b, (b_now.shape[0], rank, *b_now.shape[2:]), dtype)
         return out
 
+    def _whole(self, arrays: ArrayRecord, a_name: str, b_name: str) -> Tensor:
+        """The layer's whole ``W = base_delta + B A`` (``out x in``, float64)."""
+        product = _matrix_b(_torch(arrays[b_name]), b_name) @ _matrix_a(_torch(arrays[a_name]))
+        return self._base_delta(arrays, a_name, b_name) + product
+
     def aggregate_layer(self, a_name, current, As, Bs, weights, ranks):
-        a, b = flexlora_aggregate(As, Bs, normalise(weights), current[a_name].shape[0])
-        return a, b, None
+        w = weighted_product_sum(As, Bs, normalise(weights))
+        a, b = svd_split(w, current[a_name].shape[0])
+        b_name = _swap(a_name, LORA_A, LORA_B)
+        # base_delta accumulates its increments: the new one makes it W - B A
+        return a, b, w - b @ a - self._base_delta(current, a_name, b_name)
 
 
 class FLoRA(LoRARankStrategy):

@@ -76,6 +76,9 @@ ASYNC = ("fedbuff",)
 LORA_RANK = ("hetlora", "flexlora", "fedsa_lora", "flora", "fedex_lora")
 #: Of those, the ones that fold an update into the clients' frozen weights (``X.base_delta``).
 LORA_FOLD = ("flora", "fedex_lora")
+#: The ones whose global model holds ``X.base_delta`` (FlexLoRA's for the server's model only:
+#: its whole averaged product beyond the global rank's factors).
+GLOBAL_FOLD = (*LORA_FOLD, "flexlora")
 #: Of those, the ones client-side DP composes with (:func:`lora_dp_refusal`): their new global
 #: model is a public function of what was sent plus the plain mean of the clients' updates.
 LORA_DP = ("fedsa_lora", "hetlora")

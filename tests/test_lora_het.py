@@ -548,3 +548,41 @@ def test_flora_draws_the_fresh_a_up_to_peft_kaiming_bound():
     assert fresh_a.shape == (r_max, width) and not fresh_b.numpy().any()
     assert 0.99 * bound < drawn.max() <= bound
     assert drawn.mean() == pytest.approx(bound / 2, rel=0.03)
+
+
+def test_flexloras_global_model_is_the_whole_weighted_sum_of_products(flower_task):
+    """Issue 58: FlexLoRA's server holds the whole ``W = sum_k p_k B_k A_k`` (the paper's), not
+    its rank-``r_max`` truncation. Ranks 2/4/8 on 20 x 16: ``W`` has rank 14; the global
+    record's ``base_delta + B A`` is ``W`` (the model the server evaluates and exports), its
+    ``B A`` the best rank-8 part; the clients are sent their rank's best approximation of
+    ``W`` and never ``base_delta``; round 2 replaces ``W``, it does not add to it."""
+    out_, in_, ranks = 20, 16, {0: 2, 1: 4, 2: 8}
+    strategy = FlexLoRA(**kwargs(rank_of=lambda node: ranks[node - node_id(0)]))
+    g = torch.Generator().manual_seed(3)
+    arrays = ArrayRecord({A: Array.from_torch_tensor(torch.randn(8, in_, generator=g).double()),
+                          B: Array.from_torch_tensor(torch.zeros(out_, 8).double()),
+                          D: Array.from_torch_tensor(torch.zeros(out_, in_).double())})
+    w = np.zeros((out_, in_))  # round 1's: B = 0
+    for rnd in (1, 2):
+        out = strategy.configure_train(rnd, arrays, ConfigRecord({}), Grid())
+        out = {m.metadata.dst_node_id - node_id(0): m.content["arrays"] for m in out}
+        assert all(D not in out[c] for c in ranks)
+        if rnd == 2:
+            u, s, vh = np.linalg.svd(w, full_matrices=False)
+            for cid, r in ranks.items():
+                np.testing.assert_allclose(out[cid][B].numpy() @ out[cid][A].numpy(),
+                                           (u[:, :r] * s[:r]) @ vh[:r], atol=1e-10)
+        factors = {c: (torch.randn(r, in_, generator=g).double(),
+                       torch.randn(out_, r, generator=g).double(), float(5 + c)) for c, r in
+                   ranks.items()}
+        replies = [reply(c, {A: a, B: b}, n) for c, (a, b, n) in factors.items()]
+        arrays, _ = strategy.aggregate_train(rnd, replies)
+        n = np.array([f[2] for f in factors.values()])
+        w = sum(p * (b.numpy() @ a.numpy()) for p, (a, b, _) in zip(n / n.sum(),
+                                                                     factors.values()))
+        assert np.linalg.matrix_rank(w) == 14
+        product = arrays[B].numpy() @ arrays[A].numpy()
+        np.testing.assert_allclose(arrays[D].numpy() + product, w, atol=1e-10)
+        u, s, vh = np.linalg.svd(w, full_matrices=False)
+        np.testing.assert_allclose(product, (u[:, :8] * s[:8]) @ vh[:8], atol=1e-10)
+        assert np.abs(product - w).max() > 0.1  # the truncation alone is not W

@@ -146,8 +146,9 @@ def test_fedsa_lora_keeps_b_on_the_clients(tmp_path, cache_dir):
 @pytest.mark.slow  # whole runs, in process, and the exports loaded back by peft
 def test_the_largest_rank_adapter_exports_and_loads_in_peft_to_the_runs_accuracy(tmp_path,
                                                                                   cache_dir):
-    """HetLoRA's global LoRA; FLoRA's on top of base/, the base with its updates folded in
-    (and fedadapt's own load_export, which folds folded.safetensors)."""
+    """HetLoRA's global LoRA; FLoRA's and FlexLoRA's on top of base/, the base with their
+    updates folded in (FlexLoRA's: its sum beyond rank 8), and fedadapt's own load_export,
+    which folds folded.safetensors."""
     import torch
     from peft import PeftModel
     from safetensors.torch import load_file
@@ -156,10 +157,10 @@ def test_the_largest_rank_adapter_exports_and_loads_in_peft_to_the_runs_accuracy
     from fedadapt.experiment import prepare_run
     from fedadapt.export import FOLDED, export_run, load_export
 
-    for strategy in ("hetlora", "flora"):
+    for strategy in ("hetlora", "flora", "flexlora"):
         cfg, summary, _ = _run(tmp_path / strategy, [f"strategy={strategy}"], cache_dir)
         out = export_run(tmp_path / strategy, tmp_path / f"exported-{strategy}")
-        assert (out / FOLDED).is_file() == (strategy == "flora")
+        assert (out / FOLDED).is_file() == (strategy != "hetlora")
         base = ViTModel.from_pretrained(out / "base", add_pooling_layer=False)
         tuned = PeftModel.from_pretrained(base, str(out)).eval()
         assert tuned.peft_config["default"].r == 8  # the global LoRA: the largest rank
@@ -290,3 +291,47 @@ def test_fedex_and_flora_clients_fold_side_by_side_as_one_at_a_time(tmp_path, ca
         prep.model.fold({})
         assert any(_client_eval(prep, unfolded, r["client"])[0] != pytest.approx(
             r["loss"], abs=1e-5) for r in per_client if r["round"] == 2)  # folding matters
+
+
+@pytest.mark.slow  # a whole run, in process (the formula itself: tests/test_lora_het.py)
+def test_flexloras_server_evaluates_the_whole_sum_folded_into_the_frozen_weights(tmp_path,
+                                                                                 cache_dir):
+    """Issue 58: FlexLoRA's global model is ``W0 + s W``, ``W = sum_k p_k B_k A_k`` of the
+    round's replies (rank up to 14 for ranks 2/4/8), not its rank-8 truncation: the
+    checkpoint's ``base_delta + B A`` of every layer is ``W``, and the server's global loss is
+    the loss of the model with it folded in (without the fold it differs). The clients get no
+    ``base_delta``."""
+    from fedadapt.federation.checkpoint import latest_checkpoint, load_checkpoint
+    from fedadapt.federation.training import evaluate
+
+    got: dict = {}
+    sent: list = []
+
+    def hook(message, reply, context):
+        sent.extend(message.content.array_records.get("arrays", {}).keys()
+                    if message.content.array_records else [])
+        keep(message, reply, context)
+
+    keep = _replies(got)
+    cfg, _, rows = _run(tmp_path / "flex", ["strategy=flexlora", "method.weighting=uniform"],
+                        cache_dir, on_reply=hook)
+    assert all(r["clients_failed"] == 0 for r in rows)
+    assert not any(n.endswith(".base_delta") for n in sent)
+    arrays, _ = load_checkpoint(latest_checkpoint(tmp_path / "flex"))
+    layers = [n[:-len(".base_delta")] for n in arrays if n.endswith(".base_delta")]
+    assert layers
+    replies = got[2]
+    for layer in layers:
+        a_name = next(n for n in arrays if n.startswith(f"{layer}.lora_A."))
+        b_name = a_name.replace(".lora_A.", ".lora_B.")
+        w = sum(r[b_name].astype(np.float64) @ r[a_name].astype(np.float64)
+                for r in replies.values()) / len(replies)
+        held = arrays[f"{layer}.base_delta"].double() + arrays[b_name].double() @ arrays[
+            a_name].double()
+        np.testing.assert_allclose(held.numpy(), w, atol=1e-5, rtol=0)
+    prep = _tiny_lora(cache_dir, "strategy=flexlora", "method.weighting=uniform")
+    prep.model.load_tensors({n: t for n, t in arrays.items()})
+    loss = evaluate(prep.model, prep.spec.test_source, precision="fp32")[0]
+    assert rows[-1]["global_loss"] == loss  # the same evaluation, to the bit
+    prep.model.fold({})  # the rank-8 factors alone: another model
+    assert evaluate(prep.model, prep.spec.test_source, precision="fp32")[0] != loss

@@ -329,13 +329,14 @@ def _round_hook(cfg: RunConfig, run_dir: Path, config_sha: str, tracker, show: l
 
 
 def folded_updates(cfg: RunConfig, model, arrays: dict) -> dict:
-    """Under FLoRA and FedEx-LoRA (``strategy=flora|fedex_lora``) the global model also holds
+    """Under FLoRA, FedEx-LoRA and FlexLoRA (``strategy=flora|fedex_lora|flexlora``; FlexLoRA's
+    for the server's model only) the global model also holds
     each LoRA layer's folded update ``X.base_delta`` (the frozen weight's shape): ``arrays``'
     own (a checkpoint's), else zero; {} under any other strategy. In float32 whatever the
     frozen weight's precision (bf16 holds it in bf16; what is communicated stays float32)."""
-    from fedadapt.strategies.zoo import LORA_FOLD
+    from fedadapt.strategies.zoo import GLOBAL_FOLD
 
-    if cfg.strategy.name not in LORA_FOLD:
+    if cfg.strategy.name not in GLOBAL_FOLD:
         return {}
     import torch
 
