@@ -15,11 +15,12 @@ empty outside Ray). On the deployment engine a node is one client and a message 
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 
 import numpy as np
-from flwr.app import Array, ConfigRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
 #: The packing record: ``clients`` (partition ids), ``group-size``, ``nodes``, ``timeout``.
 GRID = "fedadapt.grid"
@@ -69,6 +70,26 @@ def view(content: RecordDict, cid: int) -> RecordDict:
     for name, record in content.items():
         if name.startswith(own):
             out[name[len(own):]] = record
+    return out
+
+
+def own(content: RecordDict) -> RecordDict:
+    """A client's own copy of its records, as a ClientApp gets its message off the wire: every
+    record and every value new, so a mod that changes its message in place (``msg.content[
+    "config"]["lr"] *= 0.5``) changes no other client's. An ``Array``'s bytes are immutable and
+    shared (its object is new); a ConfigRecord's or MetricRecord's values are copied deeply
+    (lists in them included)."""
+    out = RecordDict()
+    for name, rec in content.items():
+        if isinstance(rec, ArrayRecord):
+            arrays = ArrayRecord()
+            for key, array in rec.items():
+                fresh = Array.__new__(Array)
+                fresh.__dict__.update(array.__dict__)
+                arrays[key] = fresh
+            out[name] = arrays
+        else:
+            out[name] = copy.deepcopy(rec)
     return out
 
 

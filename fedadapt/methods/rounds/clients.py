@@ -93,19 +93,23 @@ def keep_personal(spec: RunSpec, cid: int, rnd: int, tensors: dict[str, torch.Te
 
 
 def arrays_decoder() -> Callable[[RecordDict], dict[str, torch.Tensor]]:
-    """The global arrays a client received (its records' ``arrays``), each record decoded once:
-    every client of a worker's message holds the same shared record (each copies the tensors
-    into the model and none changes them), so a whole CLIP is not decoded once per client; a
-    deployment client's own record, or one a mod replaced, is decoded for itself."""
-    decoded: dict[int, dict[str, torch.Tensor]] = {}
+    """The global arrays a client received (its records' ``arrays``), each content decoded
+    once: the clients of a worker's message hold the same record, or (with mods) their own
+    copies of it whose ``Array`` objects share its bytes (each client copies the tensors into
+    the model and none changes them), so a whole CLIP is not decoded once per client. A record
+    is known by its names, dtypes, shapes and the identity of its bytes (held here while the
+    decoder lives, so no identity is reused): an array a mod replaced is decoded for itself."""
+    decoded: dict[tuple, tuple[list, dict[str, torch.Tensor]]] = {}
 
     def of(mine: RecordDict) -> dict[str, torch.Tensor]:
         arrays = records.record(mine, ArrayRecord, "arrays")
         if arrays is None:
             return {}
-        if id(arrays) not in decoded:
-            decoded[id(arrays)] = dict(arrays.to_torch_state_dict())
-        return decoded[id(arrays)]
+        items = list(arrays.items())
+        key = tuple((n, a.dtype, tuple(a.shape), a.stype, id(a.data)) for n, a in items)
+        if key not in decoded:
+            decoded[key] = ([a.data for _, a in items], dict(arrays.to_torch_state_dict()))
+        return decoded[key][1]
 
     return of
 
@@ -214,8 +218,10 @@ def train_clients(spec: RunSpec, msg: Message, context: Context) -> RecordDict:
         config = _shared_config(content)
         rnd = int(config.get("server-round", 0))
         contexts, loaded = client_contexts(spec, content, context, rnd - 1)
-        msgs = {cid: mods.as_message(_trained_view(spec, model, cid, mine), msg, cid,
-                                     node_id(cid)) for cid, mine in views.items()}
+        # each client its own message, as a ClientApp gets it: a mod that changes it in
+        # place changes no other client's
+        msgs = {cid: mods.as_message(records.own(_trained_view(spec, model, cid, mine)), msg,
+                                     cid, node_id(cid)) for cid, mine in views.items()}
         replies = mods.around_clients(
             spec.train_mods, msgs, contexts,
             lambda arrived: train_views(spec, model, {c: m.content for c, m in arrived.items()},
@@ -388,7 +394,8 @@ def evaluate_clients(spec: RunSpec, msg: Message, context: Context) -> RecordDic
     rnd = int(_shared_config(content).get("server-round", 0))
     contexts, loaded = client_contexts(spec, content, context, rnd)
     out = for_each_client(content, lambda cid, mine: mods.around_one(
-        spec.evaluate_mods, mods.as_message(mine, msg, cid, node_id(cid)), contexts[cid],
+        spec.evaluate_mods, mods.as_message(records.own(mine), msg, cid, node_id(cid)),
+        contexts[cid],
         lambda m: evaluate_one(spec, cid, m.content, context)))
     keep_contexts(spec, contexts, loaded, rnd, 0)
     return out
