@@ -32,7 +32,6 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import torch
 
 from fedadapt.config import FedadaptError
@@ -83,8 +82,9 @@ def save_checkpoint(run_dir: Path, *, server_round: int, arrays: dict[str, torch
                     ) -> Path:
     """Write the checkpoint of ``server_round`` (``strategy_arrays``: the strategy's numpy
     arrays by name); return its folder."""
-    from safetensors.numpy import save as save_numpy
     from safetensors.torch import save
+
+    from fedadapt.strategies.state import pack_arrays
 
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
@@ -98,8 +98,7 @@ def save_checkpoint(run_dir: Path, *, server_round: int, arrays: dict[str, torch
         _fsync_write(tmp / ARRAYS, save(tensors))
         body = {"round": server_round, "config_sha256": config_sha, **state}
         _fsync_write(tmp / STATE, json.dumps(body).encode())
-        _fsync_write(tmp / STRATEGY_ARRAYS, save_numpy(
-            {k: np.ascontiguousarray(v) for k, v in (strategy_arrays or {}).items()}))
+        _fsync_write(tmp / STRATEGY_ARRAYS, pack_arrays(strategy_arrays or {}))
         manifest = {"round": server_round, "files": {
             name: sha256_file(tmp / name) for name in (ARRAYS, STATE, STRATEGY_ARRAYS)}}
         _fsync_write(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
