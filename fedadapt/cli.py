@@ -35,12 +35,23 @@ from fedadapt.federation.interrupt import (
 )
 from fedadapt.paths import CONF_PATH
 from fedadapt.results import rundir
+from fedadapt.userimport import recorded_files
 
 register_configs()
 
 
 def job_configs(cfg: DictConfig, overrides: list[str]) -> list[tuple[str, RunConfig, str]]:
-    """``(method, RunConfig, resolved yaml)`` for each run of this job, all validated up front."""
+    """``(method, RunConfig, resolved yaml)`` for each run of this job, all validated up front,
+    the user's code of each built and checked (:meth:`fedadapt.methods.Family.check_code`)."""
+    from fedadapt.methods import family_of
+
+    out = _job_configs(cfg, overrides)
+    for _, run, _ in out:
+        family_of(run.method).check_code(run)
+    return out
+
+
+def _job_configs(cfg: DictConfig, overrides: list[str]) -> list[tuple[str, RunConfig, str]]:
     from hydra import compose
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -155,6 +166,14 @@ def read_job(job: Path, resume: str) -> list[str]:
         raise ConfigError(f"resume={resume!r} is invalid: {job} is unreadable ({why}); it holds "
                           f'{{"overrides": [...]}} as `fedadapt` wrote it') from err
     return overrides
+
+
+def user_files(folder: Path) -> list[dict]:
+    """The user's files recorded by the runs under ``folder`` (a job's, or a sweep's points':
+    :data:`fedadapt.userimport.USER_FILES`)."""
+    from fedadapt.userimport import USER_FILES, read_records
+
+    return read_records(sorted({p.parent for p in Path(folder).rglob(USER_FILES)}))
 
 
 def read_summary(path: Path) -> dict:
@@ -368,14 +387,18 @@ def _main(cfg: DictConfig) -> Optional[float]:
                 _remove_if_empty(run_dir, root)
                 job_dir, overrides = resume_target(cfg.resume)
                 cfg = compose(config_name="config", overrides=overrides)
-                with _holding(job_dir, resume=True):
+                # the user's files as the job recorded them, whatever the folder now
+                with _holding(job_dir, resume=True), recorded_files(user_files(job_dir)):
                     return objective_value(cfg, run_job(cfg, job_dir, overrides, resume=True))
-            if cfg.get("objective") is not None and len(job_configs(cfg, overrides)) != 1:
-                objective_value(cfg, [])  # refused before anything runs
-            # a resumed sweep (sweep_resume_argv): a point that had started continues
-            resume = bool(os.environ.get(RESUMING_SWEEP)) and (run_dir / JOB).is_file()
-            with _holding(run_dir, resume=resume):  # before anything is written: one run per
-                return objective_value(cfg, run_job(cfg, run_dir, overrides, resume=resume))
+            # a resumed sweep (sweep_resume_argv): a point that had started continues, and
+            # every point reads the user's files the sweep's points recorded
+            resuming = bool(os.environ.get(RESUMING_SWEEP))
+            with recorded_files(user_files(sweep_dir) if resuming and sweep_dir else []):
+                if cfg.get("objective") is not None and len(job_configs(cfg, overrides)) != 1:
+                    objective_value(cfg, [])  # refused before anything runs
+                resume = resuming and (run_dir / JOB).is_file()
+                with _holding(run_dir, resume=resume):  # before anything is written: one run
+                    return objective_value(cfg, run_job(cfg, run_dir, overrides, resume=resume))
     except RunInterrupted as stop:
         stop_line(stop)
         exit_stopped(stop)
@@ -686,6 +709,13 @@ def sweep_problem(argv: list[str]) -> Optional[str]:
     return f"sweep point {label}: {config_problem(point) or why}"
 
 
+def _unquoted(value: str) -> str:
+    """A Hydra override value as :func:`hydra_value` quoted it, unquoted."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return str(OverridesParser.create().parse_override(f"x={value}").value())
+
+
 def main() -> None:
     """Console-script entry point."""
     if sys.argv[1:2] in (["-h"], ["--help"]):
@@ -694,13 +724,17 @@ def main() -> None:
         print(tool_help(__doc__)
               + "\nHydra's own flags (-m, --cfg job, --multirun, ...): fedadapt --hydra-help.")
         sys.exit(0)
+    sweep = None
     try:  # resume=<a sweep's folder>: the sweep again, its points continued or started
-        sys.argv[1:] = sweep_resume_argv(sys.argv[1:]) or quote_resume(sys.argv[1:])
+        sys.argv[1:] = (sweep := sweep_resume_argv(sys.argv[1:])) or quote_resume(sys.argv[1:])
     except FedadaptError as err:
         print(f"fedadapt: error: {err}", file=sys.stderr)
         sys.exit(2)
-    problem = (missing_launcher(sys.argv[1:]) or config_problem(sys.argv[1:])
-               or sweep_problem(sys.argv[1:]))
+    folder = next((a.partition("=")[2] for a in sweep or [] if a.startswith("hydra.sweep.dir=")),
+                  None)
+    with recorded_files(user_files(Path(_unquoted(folder))) if folder else []):
+        problem = (missing_launcher(sys.argv[1:]) or config_problem(sys.argv[1:])
+                   or sweep_problem(sys.argv[1:]))
     if problem:
         print(f"fedadapt: error: {problem}", file=sys.stderr)
         sys.exit(2)

@@ -12,8 +12,11 @@ FedAvg's family does; a class that combines whole updates is treated like Krum (
 clients send different tensors).
 
 Its state is checkpointed with the built-in strategies' (:mod:`fedadapt.strategies.state`):
-arrays, plain values, numpy and torch generators, or the class's own ``state_dict()`` /
-``load_state_dict()`` when it defines them.
+arrays, torch tensors, plain values, numpy and torch generators, objects with ``state_dict()``,
+or the class's own ``state_dict()`` / ``load_state_dict()`` when it defines them; the run saves
+and loads it once before round 1 (:func:`fedadapt.methods.rounds.run.check_strategy`). A key
+the class passes on through ``**kwargs`` to a constructor that refuses it is named when the
+class is built (:func:`fedadapt.strategies.zoo.build_strategy`).
 """
 
 from __future__ import annotations

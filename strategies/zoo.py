@@ -177,11 +177,16 @@ def check_strategy(strategy: StrategyConfig, dp: DPConfig, *, weighting: str,
         check(dp.noise_multiplier > 0, "dp.noise_multiplier", dp.noise_multiplier,
               "privacy accounting (dp.accounting=true) needs a noise multiplier > 0; "
               "dp.accounting=false runs the mechanism without a privacy guarantee")
-        check(name in ("fedavg", "fedprox", *LORA_DP)
-              or (name == CUSTOM and per_tensor_family(strategy)),
-              "strategy", name,
+        own = ""
+        if name == CUSTOM:
+            cls = strategy_class(strategy)
+            own = (f" ({cls.__name__} does not subclass FedAvg)" if not per_tensor_family(strategy)
+                   else f" ({cls.__name__} overrides aggregate_train)"
+                   if not _fedavg_aggregation(cls) else "")
+        check(name in ("fedavg", "fedprox", *LORA_DP) or (name == CUSTOM and not own),
+              *(("strategy", name) if name != CUSTOM else ("strategy.target", strategy.target)),
               f"dp={dp.name} with accounting needs FedAvg's own aggregation (Flower's accountant "
-              f"accepts only FedAvg.aggregate_train) or one with the same sensitivity: "
+              f"accepts only FedAvg.aggregate_train){own} or one with the same sensitivity: "
               f"strategy=fedavg, fedprox, {' or '.join(LORA_DP)}, or dp.accounting=false")
     check(weighting == "uniform", "method.weighting", weighting,
           f"dp={dp.name} averages the clipped updates with equal weights (the noise is "
@@ -269,6 +274,12 @@ def per_tensor_family(strategy: StrategyConfig) -> bool:
     return strategy.name in PER_TENSOR
 
 
+def _fedavg_aggregation(cls: type) -> bool:
+    """Whether ``cls`` aggregates with FedAvg's own ``aggregate_train`` (what Flower's
+    fixed-clipping accountant requires)."""
+    return cls.aggregate_train is flwr_strategies.FedAvg.aggregate_train
+
+
 def check_every_tensor(strategy: StrategyConfig, dp: DPConfig, why: str) -> None:
     """Refuse a strategy or DP wrapper that needs every client to send every tensor."""
     if not per_tensor_family(strategy) and strategy.name not in (*LORA_RANK, *ASYNC):
@@ -338,8 +349,46 @@ def build_strategy(strategy: StrategyConfig, dp: DPConfig, *, num_clients: int,
     except ValueError as err:  # Flower's own check of a value
         which = f"dp={dp.name}" if dp.name != "none" else f"strategy={strategy.name}"
         raise ConfigError(f"{which} is invalid: {err}") from err
+    except TypeError as err:  # a key the class passes on (**kwargs) to one that refuses it
+        refused = _refused_key(err, keys_of(strategy))
+        if refused is None:
+            raise
+        raise ConfigError(f"strategy.{refused} is not a parameter of {_target(strategy)}: "
+                          f"{str(err).splitlines()[0]} (its parameters: "
+                          f"{', '.join(_parameters(strategy_class(strategy))) or 'none'})"
+                          ) from err
     finally:
         quiet.setLevel(level)
+
+
+def _refused_key(err: TypeError, given: dict) -> Optional[str]:
+    """The key of ``given`` a constructor's ``TypeError`` says it does not take (``got an
+    unexpected keyword argument 'stepp'``), or None."""
+    import re
+
+    found = re.search(r"unexpected keyword argument '([^']+)'", str(err))
+    return found.group(1) if found and found.group(1) in given else None
+
+
+def _target(strategy: StrategyConfig) -> str:
+    return strategy.target if strategy.name == CUSTOM else f"strategy={strategy.name}"
+
+
+def _parameters(cls: type) -> list[str]:
+    """The keyword parameters of ``cls`` and, where it passes ``**kwargs`` on, of its bases
+    (as far as they go), fedadapt's derived ones left out."""
+    out: list[str] = []
+    for klass in cls.__mro__:
+        init = vars(klass).get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters.values()
+        out += [p.name for p in params if p.name != "self" and p.kind not in
+                (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name not in DERIVED
+                and p.name not in out]
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return out
 
 
 def default_delta(num_clients: int) -> float:

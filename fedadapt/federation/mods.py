@@ -69,17 +69,77 @@ def resolve(entry: Any, key: str = "federation.train_mods") -> Callable:
             if isinstance(fn, type) else ""
         raise ConfigError(f"{key}: {entry!r} is not a mod (msg, context, call_next) -> "
                           f"Message{hint}")
+    _check_signature(fn, entry, key)
     return legacy_layout(fn) if _reads_legacy_layout(fn) else fn
+
+
+def _check_signature(fn: Callable, entry: Any, key: str) -> None:
+    """A mod is called ``mod(msg, context, call_next)``: one that cannot take those three
+    arguments is refused now, in one line, not in every client of round 1."""
+    import inspect
+
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: called as it is
+        return
+    try:
+        signature.bind(object(), object(), object())
+    except TypeError as err:
+        raise ConfigError(f"{key}: {_label(entry)} takes {signature}, not a mod's (msg, "
+                          f"context, call_next) ({err})") from err
+
+
+def _label(entry: Any) -> str:
+    """How a mod is named in messages: its name, or its class (``_target_``)."""
+    if isinstance(entry, dict) or hasattr(entry, "keys"):
+        return str(dict(entry).get("_target_"))
+    return str(entry)
+
+
+class ModError(Exception):
+    """A mod that raised or returned something other than a Message; the message names it."""
+
+
+def _checked(mod: Callable, label: str) -> Callable:
+    """``mod`` as the chain calls it: an exception raised inside it (not one that passed
+    through its ``call_next`` from the mods and handler inside it) and a return value that is
+    not a Message become a :class:`ModError` naming the mod, in one line."""
+    from fedadapt.userimport import where_raised
+
+    def checked(msg: Message, context: Context, call_next) -> Message:
+        def inner(m: Message, ctx: Context) -> Message:
+            try:
+                return call_next(m, ctx)
+            except BaseException as err:
+                err.__dict__["_fedadapt_inner"] = True  # not this mod's own
+                raise
+
+        try:
+            out = mod(msg, context, inner)
+        except ModError:
+            raise
+        except Exception as err:
+            if err.__dict__.get("_fedadapt_inner"):
+                raise
+            raise ModError(f"mod {label} raised {type(err).__name__}: "
+                           f"{(str(err).splitlines() or [''])[0]}{where_raised(err)}") from err
+        if not isinstance(out, Message):
+            raise ModError(f"mod {label} returned {type(out).__name__}, not a Message (a mod "
+                           f"returns call_next(msg, context), or a Message of its own)")
+        return out
+
+    return checked
 
 
 _CHAINS: dict[str, list[Callable]] = {}
 
 
 def chain(entries: list) -> list[Callable]:
-    """The mods of ``entries``, made once per process (a mod object keeps its own state)."""
+    """The mods of ``entries``, made once per process (a mod object keeps its own state), each
+    checked (:func:`_checked`)."""
     cache_key = repr(entries)
     if cache_key not in _CHAINS:
-        _CHAINS[cache_key] = [resolve(e) for e in entries]
+        _CHAINS[cache_key] = [_checked(resolve(e), _label(e)) for e in entries]
     return _CHAINS[cache_key]
 
 
@@ -176,10 +236,17 @@ def around_clients(entries: list, msgs: dict[int, Message], contexts: dict[int, 
         if cid in late:
             continue
         if c.failed is not None:
-            out[cid] = records.error(f"mod: {type(c.failed).__name__}: {c.failed}")
+            out[cid] = records.error(_failure(c.failed))
         else:
             out[cid] = _outcome(c.out)
     return out
+
+
+def _failure(err: BaseException) -> str:
+    """A client's failure inside its mod chain, as its error record's reason."""
+    if isinstance(err, ModError):
+        return str(err)
+    return f"mod: {type(err).__name__}: {err}"
 
 
 def around_one(entries: list, msg: Message, context: Context,
@@ -190,7 +257,7 @@ def around_one(entries: list, msg: Message, context: Context,
     try:
         return _outcome(make_ffn(lambda m, _: _reply(handle(m), m), chain(entries))(msg, context))
     except Exception as err:
-        return records.error(f"mod: {type(err).__name__}: {err}")
+        return records.error(_failure(err))
 
 
 # -- Flower's older message layout ------------------------------------------------------------

@@ -43,6 +43,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Result
 
+from fedadapt.config import FedadaptError
 from fedadapt.devices import return_freed_memory
 from fedadapt.federation.faults import RoundFailed, Screened, require_enough, screen_clients
 from fedadapt.federation.grid import ClientGrid, Nodes, handshake, node_id
@@ -51,6 +52,7 @@ from fedadapt.settings import per_tier_accuracy
 from fedadapt.strategies.fedavg import aggregate_client_metrics
 from fedadapt.strategies.state import SeededStreams, load_strategy_state, strategy_state
 from fedadapt.strategies.zoo import privacy_spent
+from fedadapt.userimport import UserCodeError, user_error
 
 __all__ = ["Nodes", "ServerPlan", "ServerState", "execute_plan", "flower_result", "handshake",
            "make_server_app", "run_round_loop"]
@@ -84,6 +86,8 @@ class ServerState:
     started: float = field(default_factory=time.time)
     #: A simulated fleet's clock: the simulated second the last round ended (``sim_time_s``).
     sim_time: float = 0.0
+    #: When the server is (``in round 3``): what an error raised inside the user's code names.
+    stage: str = "before round 1"
 
     def strategy_checkpoint(self) -> tuple[dict, dict]:
         """``(json, arrays)``: the sampling and noise streams and the strategy's attributes."""
@@ -230,13 +234,61 @@ def _inner(strategy):
     return strategy
 
 
-def _check_arrays(strategy, new: ArrayRecord, current: ArrayRecord) -> None:
+def _check_arrays(strategy, new: ArrayRecord, current: ArrayRecord, rnd: int) -> None:
     if list(new.keys()) != list(current.keys()) or any(
             tuple(new[n].shape) != tuple(current[n].shape) for n in new.keys()):
-        raise RuntimeError(f"{type(strategy).__name__}.aggregate_train returned arrays that "
-                           f"are not the global model's ({len(new)} tensors, expected "
-                           f"{len(current)}: {sorted(set(current.keys()) ^ set(new.keys()))[:3]}"
-                           f" differ)")
+        raise UserCodeError(f"{_hook(strategy, 'aggregate_train')} returned arrays in round "
+                            f"{rnd} that are not the global model's ({len(new)} tensors, "
+                            f"expected {len(current)}: "
+                            f"{sorted(set(current.keys()) ^ set(new.keys()))[:3]} differ)", "")
+
+
+def _hook(strategy, name: str) -> str:
+    """``HalfStepFedAvg.aggregate_train``: the class that defines a strategy's hook (under a DP
+    wrapper, the wrapped strategy's when the wrapper's calls it)."""
+    inner = _inner(strategy)
+    for obj in (inner, strategy):
+        for cls in type(obj).__mro__:
+            if name in vars(cls) and not cls.__module__.startswith("fedadapt."):
+                return f"{cls.__name__}.{name}"
+    return f"{type(inner).__name__.removeprefix('PerTensor')}.{name}"
+
+
+def _messages(strategy, hook: str, returned, rnd: int) -> list[Message]:
+    """What ``configure_train`` / ``configure_evaluate`` returned, checked: Messages."""
+    try:
+        messages = list(returned)
+    except TypeError:
+        messages = None
+    if messages is None or not all(isinstance(m, Message) for m in messages):
+        what = type(returned).__name__ if messages is None else next(
+            type(m).__name__ for m in messages if not isinstance(m, Message))
+        raise UserCodeError(f"{_hook(strategy, hook)} returned {what} in round {rnd}, not an "
+                            f"iterable of Messages (Flower's {hook}(server_round, arrays, "
+                            f"config, grid) -> Iterable[Message])", "")
+    return messages
+
+
+def _metrics(strategy, hook: str, returned, rnd: int):
+    if returned is not None and not isinstance(returned, (MetricRecord, dict)):
+        raise UserCodeError(f"{_hook(strategy, hook)} returned {type(returned).__name__} in "
+                            f"round {rnd} where a MetricRecord or None is due", "")
+    return returned
+
+
+def _aggregated(strategy, returned, rnd: int) -> tuple[Optional[ArrayRecord], object]:
+    """What ``aggregate_train`` returned, checked: ``(ArrayRecord | None, MetricRecord |
+    None)``."""
+    if not (isinstance(returned, tuple) and len(returned) == 2
+            and (returned[0] is None or isinstance(returned[0], ArrayRecord))):
+        what = (f"a tuple of {len(returned)}" if isinstance(returned, tuple)
+                else type(returned).__name__)
+        if isinstance(returned, tuple) and len(returned) == 2:
+            what = f"({type(returned[0]).__name__}, {type(returned[1]).__name__})"
+        raise UserCodeError(f"{_hook(strategy, 'aggregate_train')} returned {what} in round "
+                            f"{rnd}, not (ArrayRecord | None, MetricRecord | None) (Flower's "
+                            f"aggregate_train(server_round, replies))", "")
+    return returned[0], _metrics(strategy, "aggregate_train", returned[1], rnd)
 
 
 def _in_dtypes_of(current: ArrayRecord, new: ArrayRecord) -> ArrayRecord:
@@ -282,7 +334,8 @@ def _train_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd: in
         sim["sim_unavailable"] = plan.num_clients - len(grid.only)
     try:
         with state.streams.use("train"):
-            messages = list(strategy.configure_train(rnd, state.arrays, config, grid))
+            messages = _messages(strategy, "configure_train",
+                                 strategy.configure_train(rnd, state.arrays, config, grid), rnd)
     finally:
         grid.only = None
     sent, replies, screened = exchange(grid, messages, plan.timeout, expected, "training",
@@ -301,10 +354,10 @@ def _train_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd: in
     train_loss = (float(aggregate_client_metrics(good, weight)["train_loss"])
                   if good else None)
     with state.streams.use("train"):  # DP noise: numpy's generator
-        new_arrays, train_metrics = strategy.aggregate_train(
-            rnd, [replies[p] for p in sorted(replies)])
+        new_arrays, train_metrics = _aggregated(strategy, strategy.aggregate_train(
+            rnd, [replies[p] for p in sorted(replies)]), rnd)
     if new_arrays is not None:
-        _check_arrays(strategy, new_arrays, state.arrays)
+        _check_arrays(strategy, new_arrays, state.arrays, rnd)
         state.arrays = _in_dtypes_of(state.arrays, new_arrays)
     if fleet is not None and asynchronous:  # the clock: the update's simulated second
         previous, state.sim_time = state.sim_time, max(state.sim_time, _inner(strategy).now)
@@ -377,7 +430,8 @@ def _evaluate_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd:
     row.update(_server_eval(plan, rnd, state.arrays))
     grid.trained = plan.sent_names
     with state.streams.use("evaluate"):
-        messages = list(state.strategy.configure_evaluate(rnd, state.arrays, config, grid))
+        messages = _messages(state.strategy, "configure_evaluate", state.strategy
+                             .configure_evaluate(rnd, state.arrays, config, grid), rnd)
     if not messages:
         return 0
     _, replies, checked = exchange(grid, messages, plan.timeout, None, "evaluation", rnd)
@@ -387,7 +441,8 @@ def _evaluate_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd:
     # fedadapt's own means (example-weighted and per client), whatever the strategy weights by
     metrics = aggregate_client_metrics(contents, "num-examples") if contents else None
     with state.streams.use("evaluate"):
-        returned = state.strategy.aggregate_evaluate(rnd, [replies[p] for p in sorted(replies)])
+        returned = _metrics(state.strategy, "aggregate_evaluate", state.strategy
+                            .aggregate_evaluate(rnd, [replies[p] for p in sorted(replies)]), rnd)
     row.update(_prefixed(STRATEGY_EVALUATE, returned))
     if metrics is not None and "accuracy" in metrics:
         row["client_acc"] = float(metrics["accuracy_client_mean"])
@@ -411,9 +466,11 @@ def _server_eval(plan: ServerPlan, rnd: int, arrays: ArrayRecord) -> dict:
     if plan.evaluate_fn is not None:
         returned = plan.evaluate_fn(rnd, arrays)
         if returned is not None and not isinstance(returned, (MetricRecord, dict)):
-            raise TypeError(f"federation.evaluate_fn returned {type(returned).__name__}, not a "
-                            f"MetricRecord (Flower's evaluate_fn(server_round, arrays) -> "
-                            f"MetricRecord | None)")
+            name = getattr(plan.evaluate_fn, "__qualname__", "evaluate_fn")
+            raise UserCodeError(f"{name} (federation.evaluate_fn) returned "
+                                f"{type(returned).__name__} in round {rnd}, not a MetricRecord "
+                                f"(Flower's evaluate_fn(server_round, arrays) -> MetricRecord "
+                                f"| None)", "")
         out.update(_prefixed(EVALUATE_FN, returned))
         if plan.global_eval is None and returned is not None:
             for key, col in (("accuracy", "global_acc"), ("loss", "global_loss")):
@@ -426,6 +483,7 @@ def _round0(state: ServerState, plan: ServerPlan) -> None:
     """The initial model evaluated on the server: a ``round: 0`` row (as Flower's ``start``
     evaluates before round 1)."""
     t0 = time.time()
+    state.stage = "in round 0 (the initial model's evaluation)"
     row = {"round": 0, "lr": None, "clients_sampled": 0, "clients_trained": 0,
            "clients_failed": 0, "train_loss": None, "global_acc": None, "global_loss": None,
            "client_acc": None, "client_acc_weighted": None, "clients_evaluated": None,
@@ -459,6 +517,7 @@ def run_round_loop(grid: ClientGrid, state: ServerState, plan: ServerPlan) -> Se
         with state.streams.held():
             for rnd in range(state.server_round + 1, state.num_rounds + 1):
                 t0 = time.time()
+                state.stage = f"in round {rnd}"
                 config = {"lr": plan.lr_at(rnd), "checkpoint-round": state.checkpoint_round}
                 row, bytes_down, bytes_up = _train_round(grid, state, plan, rnd,
                                                          ConfigRecord(config))
@@ -503,7 +562,22 @@ def record_phase(state: ServerState, down: int, up: int) -> None:
 
 def execute_plan(grid: Grid, plan: ServerPlan) -> ServerState:
     """Run ``plan`` on ``grid``: handshake once, then the rounds and phases. Used by every
-    launcher."""
+    launcher. An exception raised inside the user's code (their strategy's hooks, their
+    ``evaluate_fn``) becomes a :class:`~fedadapt.userimport.UserCodeError`: one line naming
+    their function and the round, then their frames."""
+    held: list[ServerState] = []  # the state, once there is one: it says when it raised
+    try:
+        return _execute(grid, plan, held)
+    except FedadaptError:
+        raise
+    except Exception as err:
+        raised = user_error(err, held[0].stage if held else "when the strategy was built")
+        if raised is None:
+            raise
+        raise raised from err
+
+
+def _execute(grid: Grid, plan: ServerPlan, held: list) -> ServerState:
     if hasattr(grid, "pull_interval") and not isinstance(grid, StoppableGrid):  # Flower's own
         grid.pull_interval = min(grid.pull_interval, PULL_INTERVAL)  # (deployment engine)
     strategy = plan.make_strategy() if plan.make_strategy is not None else None
@@ -511,7 +585,9 @@ def execute_plan(grid: Grid, plan: ServerPlan) -> ServerState:
     clients = ClientGrid(grid, nodes, plan.num_clients, group_size=plan.group_size)
     state = ServerState(strategy=strategy, arrays=plan.initial_arrays, num_rounds=plan.num_rounds,
                         streams=SeededStreams(plan.seed))
+    held.append(state)
     if plan.resume:
+        state.stage = f"when its checkpoint of round {plan.resume_round} was loaded"
         saved = plan.resume["strategy"]
         state.streams.load_state_dict(saved["streams"])
         load_strategy_state(strategy, saved["attributes"], plan.resume.get("strategy_arrays", {}),
@@ -523,9 +599,11 @@ def execute_plan(grid: Grid, plan: ServerPlan) -> ServerState:
         state.started -= float(plan.resume.get("wall_s", 0.0))
         state.sim_time = next((float(r["sim_time_s"]) for r in reversed(state.history)
                                if "sim_time_s" in r), 0.0)
+    state.stage = f"before round {state.server_round + 1}"
     if strategy is not None and state.server_round < state.num_rounds:
         strategy.summary()  # Flower's own start: logged at INFO (federation.verbose)
     state = run_round_loop(clients, state, plan)
+    state.stage = f"after round {state.num_rounds}"
     for phase in plan.phases:
         phase(clients, state, plan)
     return state

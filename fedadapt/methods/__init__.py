@@ -43,6 +43,11 @@ class Family:
     def check(self, cfg: "RunConfig", card) -> None:
         """Refuse settings this family cannot run (before anything is loaded)."""
 
+    def check_code(self, cfg: "RunConfig") -> None:
+        """Build and check the user's code the config names (their strategy, mods,
+        evaluation) from the config alone, before any data is loaded: a job checks every run
+        with it before its first, a sweep every point before its first."""
+
     def prepare(self, cfg: "RunConfig", prep, *, backbone, images: Callable,
                 original) -> None:
         """Fill the family's fields of the prepared run (``prep.spec``, ``prep.model``: a

@@ -54,6 +54,11 @@ class Rounds(Family):
 
         prep.fleet = build_fleet(cfg, prep.spec, prep.model)  # a deadline nobody meets: now
 
+    def check_code(self, cfg) -> None:
+        from fedadapt.methods.rounds.run import check_code
+
+        check_code(cfg)
+
     def units(self, cfg) -> int:
         return cfg.rounds
 

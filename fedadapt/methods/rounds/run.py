@@ -223,6 +223,7 @@ def run_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, config_yaml:
     num_rounds = 0 if start is not None else cfg.rounds
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(run_dir / "config.yaml", lambda fh: fh.write(config_yaml))
+    record_user_files(cfg, run_dir)
     # the plot after the rounds: importing matplotlib and drawing 1,000 clients took 3.4 s
     # before round 1
     write_partition(run_dir, cfg, prep, plot=False)
@@ -252,7 +253,11 @@ def run_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, config_yaml:
     show = [None]  # the round bar's hook, set once the bar exists (below)
     try:
         plan = _rounds_plan(cfg, prep, ArrayRecord(initial), num_rounds, execute,
-                            on_round=_round_hook(cfg, run_dir, config_sha, tracker, show),
+                            on_round=_round_hook(
+                                cfg, run_dir, config_sha, tracker, show,
+                                # the user's strategy: its state after round 1 checked too
+                                (lambda: make_strategy(cfg, prep))
+                                if cfg.strategy.name == "custom" else None),
                             resume=resume_state)
         with progress.task(f"[{label}] round", total=max(num_rounds, 1), interval=0,
                            for_job=True) as bar:
@@ -301,20 +306,30 @@ def _global_eval(prep: PreparedRun) -> Callable:
     return global_eval
 
 
-def _round_hook(cfg: RunConfig, run_dir: Path, config_sha: str, tracker, show: list) -> Callable:
+def _round_hook(cfg: RunConfig, run_dir: Path, config_sha: str, tracker, show: list,
+                rebuild: Optional[Callable] = None) -> Callable:
     """After each round: the metrics row, progress (``show[0]``, the round bar's hook), the
-    tracker, and every ``checkpoint_every`` rounds (and after the last) a checkpoint."""
+    tracker, and every ``checkpoint_every`` rounds (and after the last) a checkpoint; after
+    the first round this process runs, when it writes no checkpoint, the strategy's state saved
+    and loaded into ``rebuild()`` as a checkpoint would (what a hook made refused then)."""
     from fedadapt.federation.checkpoint import save_checkpoint
     from fedadapt.results.store import METRICS, append_jsonl
 
     every = cfg.federation.checkpoint_every
+    checked = [False]
 
     def on_round(state) -> None:
         append_jsonl(run_dir / METRICS, state.history[-1])
         show[0](state)
         tracker.log_round(state.history[-1])
         rnd = state.server_round
-        if rnd and ((every and rnd % every == 0) or rnd == state.num_rounds):
+        checkpoint = bool(rnd and ((every and rnd % every == 0) or rnd == state.num_rounds))
+        if rnd and not checked[0] and not checkpoint and rebuild is not None:
+            # the state after the first round (attributes a hook made) saved and loaded now,
+            # not at the first checkpoint, rounds later
+            _checked_state(state.strategy, rebuild, state.arrays, f"after round {rnd}")
+        checked[0] = checked[0] or bool(rnd)
+        if checkpoint:
             strategy, strategy_arrays = state.strategy_checkpoint()
             save_checkpoint(run_dir, server_round=rnd,
                             arrays=dict(state.arrays.to_torch_state_dict()),
@@ -414,34 +429,147 @@ def assign_client_ranks(cfg: RunConfig, spec: RunSpec) -> None:
 
 
 def evaluate_fn(cfg: RunConfig) -> Optional[Callable]:
-    """``federation.evaluate_fn``, loaded (Flower's ``evaluate_fn(server_round, arrays)``)."""
+    """``federation.evaluate_fn``, loaded (Flower's ``evaluate_fn(server_round, arrays)``) and
+    its signature checked: one that cannot be called with those two arguments is refused in
+    one line."""
     name = cfg.federation.evaluate_fn
     if not name:
         return None
+    import inspect
+
     from fedadapt.userimport import load
 
     fn = load(name, "federation.evaluate_fn")
     if not callable(fn) or isinstance(fn, type):
         raise ConfigError(f"federation.evaluate_fn={name!r} is not a function "
                           f"evaluate_fn(server_round, arrays) -> MetricRecord | None")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: called as it is
+        return fn
+    try:
+        signature.bind(0, object())
+    except TypeError as err:
+        raise ConfigError(f"federation.evaluate_fn={name!r} takes {signature}, not Flower's "
+                          f"(server_round, arrays) -> MetricRecord | None ({err})") from err
     return fn
 
 
-def make_strategy(cfg: RunConfig, prep: PreparedRun):
-    """The run's Flower strategy (``strategy=``, wrapped by ``dp=``; see
-    :mod:`fedadapt.strategies.zoo`)."""
+def user_code_names(cfg: RunConfig) -> list[tuple[str, str]]:
+    """``(key, name)`` of each object of the user's that the config names: the strategy class,
+    the ``evaluate_fn``, the mods."""
+    out = [("strategy.target", cfg.strategy.target)] if cfg.strategy.name == "custom" else []
+    if cfg.federation.evaluate_fn:
+        out.append(("federation.evaluate_fn", cfg.federation.evaluate_fn))
+    for key, entries in (("federation.train_mods", cfg.federation.train_mods),
+                         ("federation.evaluate_mods", cfg.federation.evaluate_mods)):
+        for entry in entries:
+            name = entry.get("_target_") if hasattr(entry, "keys") else entry
+            if name:
+                out.append((key, str(name)))
+    return out
+
+
+def record_user_files(cfg: RunConfig, run_dir: Path) -> None:
+    """``user_files.json`` in the run directory: each of the user's files the config names, by
+    absolute path and SHA-256 (:func:`fedadapt.userimport.file_record`), which a resume reads
+    (from any folder) before it composes the config again."""
+    from fedadapt.results.store import write_json
+    from fedadapt.userimport import USER_FILES, file_record
+
+    rows = [dict(rec, key=key) for key, name in user_code_names(cfg)
+            if (rec := file_record(name)) is not None]
+    path = run_dir / USER_FILES
+    if rows:
+        write_json(path, {"files": rows})
+    else:
+        path.unlink(missing_ok=True)
+
+
+def check_code(cfg: RunConfig) -> None:
+    """The user's code a run names, built and checked from the config alone (no data): the
+    strategy built with its keys (a key its constructor, or the class it passes ``**kwargs``
+    on to, does not take), its state saved and loaded as a checkpoint does
+    (:func:`fedadapt.strategies.state.check_checkpointable`), the mods made and the
+    ``evaluate_fn`` loaded, their signatures checked. A sweep runs this for every point before
+    the first; :func:`check_strategy` builds the strategy again with the real client count."""
+    evaluate_fn(cfg)
+    client_mods(cfg)
+    if cfg.strategy.name != "custom":
+        return  # fedadapt's and Flower's strategies: checked by check_strategy with the data
+
+    def build():
+        return _built(lambda: _make(cfg, cfg.partition.num_clients))
+
+    try:
+        strategy = build()
+    except ConfigError as err:  # a value Flower's constructors refuse: the count may matter
+        if "is not a parameter of" in str(err):
+            raise
+        return
+    _checked_state(strategy, build)
+
+
+def _built(make: Callable):
+    """``make()``; an exception raised inside the user's constructor in one line naming it,
+    then their frames."""
+    from fedadapt.config import FedadaptError
+    from fedadapt.userimport import user_error
+
+    try:
+        return make()
+    except FedadaptError:
+        raise
+    except Exception as err:
+        raised = user_error(err, "when it was built (before round 1)")
+        if raised is None:
+            raise
+        raise raised from err
+
+
+def _checked_state(strategy, rebuild: Callable, global_arrays=None,
+                   when: str = "before round 1") -> None:
+    """:func:`~fedadapt.strategies.state.check_checkpointable`, an exception raised inside the
+    user's ``state_dict()`` / ``load_state_dict()`` in one line naming it."""
+    from fedadapt.config import FedadaptError
+    from fedadapt.strategies.state import StrategyStateError, check_checkpointable
+    from fedadapt.userimport import user_error
+
+    try:
+        check_checkpointable(strategy, rebuild, global_arrays)
+    except StrategyStateError as err:
+        if when == "before round 1":
+            raise
+        raise StrategyStateError(f"{err} (found {when}; the first checkpoint would have "
+                                 f"refused it)") from err
+    except FedadaptError:
+        raise
+    except Exception as err:
+        raised = user_error(err, f"when its state was saved and loaded ({when})")
+        if raised is None:
+            raise
+        raise raised from err
+
+
+def _make(cfg: RunConfig, num_clients: int, federated: bool = True, ranks=None):
     from fedadapt.federation.grid import NODE_BASE
     from fedadapt.strategies.zoo import build_strategy
 
     p = cfg.partition
     global_rank = getattr(cfg.method, "global_rank", None)
-    ranks = prep.spec.client_ranks or [global_rank] * prep.spec.num_clients
-    return build_strategy(cfg.strategy, cfg.dp, num_clients=prep.spec.num_clients,
+    ranks = ranks or [global_rank] * num_clients
+    return build_strategy(cfg.strategy, cfg.dp, num_clients=num_clients,
                           fraction_train=p.fraction_fit, fraction_evaluate=p.fraction_evaluate,
                           weighting=cfg.method.weighting, lr=cfg.train.lr,
-                          federated=prep.model.federated,
+                          federated=federated,
                           rank_of=lambda node: ranks[node - NODE_BASE], seed=cfg.seed,
                           sample_available=cfg.fleet.name != "none")
+
+
+def make_strategy(cfg: RunConfig, prep: PreparedRun):
+    """The run's Flower strategy (``strategy=``, wrapped by ``dp=``; see
+    :mod:`fedadapt.strategies.zoo`)."""
+    return _make(cfg, prep.spec.num_clients, prep.model.federated, prep.spec.client_ranks)
 
 
 def check_strategy(cfg: RunConfig, prep: PreparedRun) -> None:
@@ -495,9 +623,9 @@ def check_strategy(cfg: RunConfig, prep: PreparedRun) -> None:
                                                  f"{partial[0]} trains "
                                                  f"{len(sent_names(spec, partial[0], model))} of "
                                                  f"the {len(every)} communicated tensors")
-    from fedadapt.strategies.state import strategy_state
-
-    strategy_state(make_strategy(cfg, prep))  # an attribute no checkpoint can hold fails now
+    # a checkpoint's save and load, done now: what the first checkpoint would refuse fails here
+    _checked_state(_built(lambda: make_strategy(cfg, prep)),
+                   lambda: _built(lambda: make_strategy(cfg, prep)))
 
 
 def _finish_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, state, *, label: str,
