@@ -33,22 +33,25 @@ class Outcome:
 
 
 def run(overrides: list[str], run_dir: str | Path, *, execute=None) -> Outcome:
-    """Compose ``overrides`` as the ``fedadapt`` command does (one method: a compare job's
-    ``compare`` is refused), run it into ``run_dir`` and return its :class:`Outcome`.
-    ``execute``: the federation's launcher (default: Flower's simulation engine)."""
-    from omegaconf import OmegaConf
-
-    from fedadapt.entry import compose_config, to_run_config
+    """Compose ``overrides`` as the ``fedadapt`` command does (the quickstart experiment unless
+    they name another; ``method=NAME`` runs that method of an experiment that compares several,
+    and one that compares several without it is refused), run it into ``run_dir`` and return
+    its :class:`Outcome`. ``execute``: the federation's launcher (default: Flower's simulation
+    engine, or ``federation.backend``'s)."""
+    from fedadapt.cli import job_configs
+    from fedadapt.entry import compose_config
     from fedadapt.experiment import run_experiment
 
-    composed = compose_config(list(overrides))
-    cfg = to_run_config(composed)
-    if cfg.compare:
-        raise ConfigError(f"compare={cfg.compare} is invalid here: fedadapt.api.run runs one "
-                          f"method (add compare=[] and method=NAME)")
+    overrides = list(overrides)
+    composed = compose_config(overrides, default_experiment="quickstart")
+    named = any(o.split("=")[0].lstrip("+~") == "method" for o in overrides)
+    if composed.get("compare") and not named:
+        raise ConfigError(f"experiment={composed.experiment} compares "
+                          f"{list(composed.compare)}: fedadapt.api.run runs one method, name it "
+                          f"with method=NAME")
+    [(label, cfg, yaml)] = job_configs(composed, overrides)
     run_dir = Path(run_dir)
-    summary = run_experiment(cfg, run_dir, config_yaml=OmegaConf.to_yaml(composed, resolve=True),
-                             execute=execute)
+    summary = run_experiment(cfg, run_dir, config_yaml=yaml, label=label, execute=execute)
     return Outcome(run_dir, summary, load_result(run_dir))
 
 

@@ -162,6 +162,7 @@ class Bar:
         self.started = time.time()
         self._first: Optional[tuple[float, int]] = None  # (time, completed) at the first unit
         self._printed = 0.0
+        self._printed_done: Optional[int] = None  # units done at the last plain line
         self._id = None
 
     # -- the caller's API --------------------------------------------------------------------
@@ -234,9 +235,10 @@ class Bar:
         now = time.time()
         finished = self.total is not None and self.completed >= self.total
         if final or finished or now - self._printed >= self.interval:
-            if final and self._printed and finished:
-                return  # the last advance already printed the final line
-            self._printed = now
+            if final and self._printed and self._printed_done == self.completed:
+                return  # the last line printed says what the loop did (a stopped run's last
+                # round too)
+            self._printed, self._printed_done = now, self.completed
             _emit(self.line())
 
 
