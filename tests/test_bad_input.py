@@ -3,8 +3,10 @@ half-written (each fails before any data is prepared; docs/reliability.md gives 
 seed=-1, a garbled checkpoints/LATEST, a garbled job.json (or one without overrides), an empty
 dataset.path or one of non-images, a read-only output_dir, a full disk at the first
 checkpoint, a sweep with a bad value at any point, a compare entry that is no method, resume= of
-a folder that is neither a job nor a sweep, the hub offline without HF_HUB_OFFLINE, and
-fedadapt-export / fedadapt-report given what is not a run or not an option."""
+a folder that is neither a job nor a sweep, the hub offline without HF_HUB_OFFLINE,
+fedadapt-export / fedadapt-report given what is not a run or not an option, and the
+researcher's own code given a key, a signature or a DP wrapper it cannot take; a stopped
+loop's last progress line is printed once."""
 
 import errno
 import json
@@ -343,3 +345,54 @@ def test_report_bad_input_is_one_line(argv, says, tmp_path, capsys):
         main(argv)
     err = capsys.readouterr().err
     assert done.value.code == 2 and err.startswith(says) and err.count("\n") == 1, err
+
+
+# -- the researcher's own code ----------------------------------------------------------------
+
+@pytest.mark.slow  # the command, once per case (each fails before any data is prepared)
+def test_user_code_errors_through_the_command_are_one_line(tmp_path, cache_dir):
+    """A misspelt key that a strategy passes on through ``**kwargs``, an ``evaluate_fn`` of
+    another signature, a mod that takes two arguments, and ``dp=server_fixed`` with accounting
+    on a FedAvg subclass with its own ``aggregate_train``: one line each, naming the key."""
+    from test_user_code import docs_example
+
+    cwd = tmp_path / "work"
+    cwd.mkdir()
+    (cwd / "halfstep.py").write_text(docs_example("halfstep.py"))
+    (cwd / "mine.py").write_text("def evaluate(server_round, arrays, extra):\n    pass\n\n\n"
+                                 "def mod(msg, context):\n    return msg\n")
+    custom = ["strategy=custom", "strategy.target=halfstep.py:HalfStepFedAvg"]
+    cases = [
+        ([*custom, "strategy.stepp=0.5"],
+         "strategy.stepp is not a parameter of halfstep.py:HalfStepFedAvg: FedAvg.__init__() "
+         "got an unexpected keyword argument 'stepp'"),
+        (["federation.evaluate_fn=mine.py:evaluate"],
+         "federation.evaluate_fn='mine.py:evaluate' takes (server_round, arrays, extra)"),
+        (["federation.train_mods=[mine.py:mod]"],
+         "federation.train_mods: mine.py:mod takes (msg, context), not a mod's"),
+        ([*custom, "dp=server_fixed", "method.weighting=uniform"],
+         "(HalfStepFedAvg overrides aggregate_train) or one with the same sensitivity"),
+    ]
+    for args, needle in cases:
+        res = fedadapt(["method=linear_head", *args, f"output_dir={tmp_path / 'out'}"],
+                       cache_dir, cwd)
+        line = one_line(res, needle)
+        assert res.returncode == 2, line
+    assert not list((tmp_path / "out").rglob("job.json"))  # nothing was started
+
+
+def test_a_stopped_loop_prints_its_last_line_once(monkeypatch, capsys):
+    """The round bar of a run stopped after round 2 of 5 (plain lines): each round's line once,
+    not round 2's again as the bar closes."""
+    from fedadapt import progress
+
+    monkeypatch.setattr(progress._STATE, "interactive", False)
+    monkeypatch.setattr(progress._STATE, "job", None)
+    with pytest.raises(KeyboardInterrupt):
+        with progress.task("[linear_head] round", total=5, interval=0, for_job=True) as bar:
+            bar.update(completed=1, info="loss 2.0")
+            bar.update(completed=2, info="loss 1.5")
+            raise KeyboardInterrupt
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert [ln.split(" | ")[0] for ln in lines] == ["[linear_head] round 1/5",
+                                                   "[linear_head] round 2/5"], lines
