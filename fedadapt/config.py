@@ -292,6 +292,11 @@ class FederationConfig:
     #: Clients a worker trains side by side (``auto``: what fits the GPU's measured memory; on
     #: the CPU up to 1,024 images a step); 1 = one after another. See fedadapt.federation.sizing.
     clients_per_worker: str = "auto"
+    #: Capture the step of clients side by side with ``torch.compile`` (fixed shapes: every
+    #: client's last batch padded; on a GPU ``mode="reduce-overhead"``, CUDA graphs): ``auto``
+    #: = on a GPU, not on the CPU (each new shape compiles for tens of seconds there);
+    #: ``true``; ``false``. See fedadapt.federation.grouped.
+    compile: str = "auto"
     #: CPUs per worker; None = the machine's CPUs split over the workers.
     num_cpus: Optional[float] = None
     #: GPUs per Ray worker (fractional); 0 = CPU only, CUDA is never touched; None = use a GPU
@@ -498,6 +503,8 @@ KNOWN_WEIGHTINGS = ("examples", "uniform")
 KNOWN_SELECTIONS = ("last", "best_val")
 #: ``federation.backend``: Flower's simulation engine on Ray, or every worker in this process.
 BACKENDS = ("simulation", "inprocess")
+#: ``federation.compile``: capture the grouped step (auto: on a GPU).
+COMPILE_CHOICES = ("auto", "true", "false")
 #: ``train.precision`` (see :mod:`fedadapt.devices`).
 PRECISIONS = ("auto", "fp32", "bf16")
 #: ``faults.kinds`` (see :mod:`fedadapt.federation.faults`).
@@ -660,6 +667,8 @@ def _validate_federation(f: FederationConfig, method: MethodConfig) -> None:
           "every worker in this process)")
     check(f.num_cpus is None or f.num_cpus > 0, "federation.num_cpus", f.num_cpus,
           "must be > 0 or null")
+    check(str(f.compile).strip().lower() in COMPILE_CHOICES, "federation.compile", f.compile,
+          f"one of {COMPILE_CHOICES}")
     for key, value in (("federation.workers", f.workers),
                        ("federation.clients_per_worker", f.clients_per_worker)):
         text = str(value).strip().lower()

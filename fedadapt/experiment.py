@@ -96,6 +96,7 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
                    class_text=class_text,
                    evaluate_val=cfg.federation.select == "best_val" or cfg.objective is not None,
                    device=dev, precision=precision,
+                   compile=resolve_compile(cfg.federation.compile, dev),
                    client_threads=max(1, int(cfg.federation.num_cpus or 1)))
     model = build_run_model(spec, backbone)
     counts = {
@@ -258,6 +259,30 @@ def summary_tail(prep: PreparedRun) -> dict:
             "reproducibility": reproducibility(prep.spec)}
 
 
+def side_by_side(model, compile: bool) -> dict:
+    """How a worker's clients train side by side, said once and recorded in the layout:
+    through the grouped forms (one batch of every client's rows; captured by torch.compile
+    with ``federation.compile``), or through vmap and why."""
+    from fedadapt.federation.grouped import engine_of
+
+    engine, why = engine_of(model)
+    if engine == "forms":
+        how = "grouped forms: the frozen backbone once on every client's rows, each client's " \
+              "trained modules as batched products" + (", captured by torch.compile"
+                                                     if compile else "")
+    else:
+        how = f"vmap over each client's step ({why})"
+    log(f"[federation] clients side by side through {how}")
+    return {"side_by_side": engine, "side_by_side_why": why,
+            "compiled": bool(compile and engine == "forms")}
+
+
+def resolve_compile(value: str, device: str) -> bool:
+    """``federation.compile``: ``auto`` captures the grouped step on a GPU only."""
+    text = str(value).strip().lower()
+    return device == "cuda" if text == "auto" else text == "true"
+
+
 def reproducibility(spec) -> dict:
     """What, besides the config and seed, decides a run's numbers to the last bit: the CPU
     kernels torch dispatches to (its instruction set), torch's thread counts (the server's
@@ -305,6 +330,8 @@ def node_layout(cfg: RunConfig, prep: PreparedRun, execute: Optional[Callable],
     prep.layout = {"workers": sizing.workers, "clients_per_worker": sizing.group_size,
                    "num_cpus": sizing.num_cpus, "num_gpus": sizing.num_gpus,
                    "note": sizing.note}
+    if sizing.group_size > 1 and probe is not None:
+        prep.layout.update(side_by_side(prep.model, spec.compile))
     spec.client_threads = max(1, int(sizing.num_cpus))  # each worker's torch threads
     return {"nodes": "workers", "num_nodes": sizing.workers, "group_size": sizing.group_size,
             "resources": {"num_cpus": sizing.num_cpus, "num_gpus": sizing.num_gpus}}

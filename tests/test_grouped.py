@@ -129,7 +129,7 @@ def test_attai_and_finetune(cache_dir):
 
 
 def test_dropout_masks_are_each_clients_own_alone_or_grouped(cache_dir):
-    """Dropout draws from the client's own step keys (fedadapt.federation.dropout), so a
+    """Dropout draws from the client's own step keys (fedadapt.grouping.dropout), so a
     client's masks, and its result, do not depend on its group: K = 8 equals one at a time,
     anytime exits and FedProx included; and the masks are live (dropout 0.5 trains otherwise
     than dropout 0, and two seeds draw different masks)."""
@@ -148,7 +148,7 @@ def test_dropout_masks_are_each_clients_own_alone_or_grouped(cache_dir):
 
 
 def test_dropout_keeps_one_minus_p_and_rescales():
-    from fedadapt.federation import dropout
+    from fedadapt.grouping import dropout
 
     layer = torch.nn.Dropout(0.3).train()
     dropout.install(layer)
@@ -315,3 +315,127 @@ def test_plain_sgd_updates_in_one_call_and_leaves_unreached_slices_as_they_were(
     expected = torch.where(used.view(3, 1, 1), before - 0.1 * d, before)
     torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-7)
     assert torch.equal(p.detach()[1], before[1])
+
+
+# -- the grouped forms (fedadapt.grouping.forms) ----------------------------------------------
+
+
+def _built(method, backbone=None, class_text=None):
+    from fedadapt.adapters.registry import build_model
+    from fedadapt.backbones import build_backbone
+
+    return build_model(method, build_backbone(backbone or TINY_VIT), 5, with_backbone=True,
+                       class_text=class_text)
+
+
+def test_every_client_trained_method_of_the_presets_has_grouped_forms():
+    """The methods the presets train on clients run side by side as one batch through their
+    grouped forms; full fine-tuning, a module without a form (the docs' cosine head) and
+    FedCLIP's text adapter (per client on the prompts) take vmap, and say why."""
+    from fedadapt.adapters.bitfit import BitfitConfig
+    from fedadapt.adapters.cosine_head import CosineHeadConfig
+    from fedadapt.adapters.ia3 import Ia3MethodConfig
+    from fedadapt.adapters.lora import DoraMethodConfig, LoraMethodConfig
+    from fedadapt.federation.grouped import engine_of
+
+    forms_methods = [LinearHeadConfig(), MlpHeadConfig(), LocalOnlyConfig(), LwLinearConfig(),
+                     LwMlpConfig(), AccumulatorConfig(), AccumulatorConfig(parallel_adapter=True),
+                     LwLinearConfig(parallel_adapter=True), LoraMethodConfig(),
+                     LoraMethodConfig(ffa=True), LoraMethodConfig(ranks=[2, 4]),
+                     LoraMethodConfig(exits=True, lora_dropout=0.1), DoraMethodConfig(),
+                     Ia3MethodConfig(), BitfitConfig()]
+    for method in forms_methods:
+        assert engine_of(_built(method)) == ("forms", None), method
+    assert engine_of(_built(LoraMethodConfig(), TINY_CLIP)) == ("forms", None)
+    engine, why = engine_of(_built(FinetuneConfig()))
+    assert engine == "vmap" and "ViTEmbeddings" in why
+    engine, why = engine_of(_built(CosineHeadConfig()))
+    assert engine == "vmap" and "CosineClassifier (head.weight)" in why
+
+
+def test_fedclip_has_grouped_forms_but_its_text_adapter_takes_vmap(cache_dir):
+    from fedadapt.federation.grouped import engine_of
+
+    prep = prepared(cache_dir, FedClipConfig(), backbone=TINY_CLIP)
+    assert engine_of(prep.model) == ("forms", None)
+    text = prepared(cache_dir, FedClipConfig(text_adapter=True), backbone=TINY_CLIP)
+    engine, why = engine_of(text.model)
+    assert engine == "vmap" and "text adapter" in why
+    assert_same(text, jobs_for(text, 3), lr=1e-3)  # through vmap, as one at a time
+
+
+def test_clients_at_different_exits_share_one_forward_per_step(cache_dir, monkeypatch):
+    """Anytime clients of a step run as one batch: the embedding once per step for every
+    client (not once per exit drawn), each deeper block on the clients that go deeper."""
+    prep = prepared(cache_dir, AccumulatorConfig(head_hidden=[16], parallel_adapter=True,
+                                                 adapter_bottleneck=4),
+                    backbone=TINY_VIT, setting=SettingConfig(name="anytime"))
+    backbone = prep.model.backbone
+    rows_per_block, embeds = [], [0]
+    embed = type(backbone).embed
+
+    def counted_embed(self, images):
+        embeds[0] += 1
+        return embed(self, images)
+
+    from fedadapt.federation.grouped import UsedTensors
+
+    jobs = [replace(j, indices=j.indices[:8]) for j in jobs_for(prep, 8, exits=[0, 1, 2])
+            if len(j.indices) >= 8]
+    used = UsedTensors(prep.model, prep.spec.train_source, int(jobs[0].indices[0]),
+                       precision="fp32")
+    for e in (0, 1, 2):
+        used(e)  # found once per run in a worker, before any group trains
+    monkeypatch.setattr(type(backbone), "embed", counted_embed)
+    hooks = [block.register_forward_pre_hook(
+        lambda m, args, i=i: rows_per_block.append((i, len(args[0]))))
+        for i, block in enumerate(backbone.blocks)]
+    train = replace(prep.spec.train, batch_size=8)
+    train_group(prep.model, prep.spec.train_source, jobs, train, lr=0.05, precision="fp32",
+                used=used)
+    for hook in hooks:
+        hook.remove()
+    assert embeds[0] == 1  # one step: one batch of every client's 8 rows
+    by_block = dict(rows_per_block)
+    assert by_block[0] == 8 * len(jobs) >= by_block[1] >= by_block[2]
+    assert by_block[2] < by_block[0]  # some client left before the last block
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_captured_step_equals_the_eager_one(cache_dir, k):
+    """``federation.compile``: the grouped step through torch.compile (inductor on the CPU;
+    fixed shapes, the clients' last batches padded) trains what the eager step trains."""
+    prep = prepared(cache_dir, MlpHeadConfig(hidden_dim=16), optimizer="adam")
+    jobs = jobs_for(prep, k)
+    spec = prep.spec
+    eager = train_group(prep.model, spec.train_source, jobs, spec.train, lr=0.01,
+                        precision="fp32")
+    captured = train_group(prep.model, spec.train_source, jobs, spec.train, lr=0.01,
+                           precision="fp32", compile=True)
+    for e, c in zip(eager, captured):
+        assert (c.seen, c.loss) == (e.seen, pytest.approx(e.loss, rel=1e-5))
+        for n in e.tensors:
+            torch.testing.assert_close(c.tensors[n], e.tensors[n], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_captured_accumulator_step_equals_one_client_at_a_time(cache_dir):
+    """The Accumulator + PA on the small ViT, clients of unequal sizes, clipping and FedProx:
+    captured (inductor), equal to one client at a time; a second group reuses the graph."""
+    import torch._dynamo.utils as dynamo_utils
+
+    prep = prepared(cache_dir, AccumulatorConfig(head_hidden=[16], parallel_adapter=True,
+                                                 adapter_bottleneck=4),
+                    backbone=TINY_VIT, clip_grad_norm=0.5)
+    jobs = jobs_for(prep, 3)
+    spec = prep.spec
+    alone = sequential(prep, jobs, lr=0.05, mu=0.1)
+    for _ in range(2):
+        before = dynamo_utils.counters["stats"]["unique_graphs"]
+        grouped = train_group(prep.model, spec.train_source, jobs, spec.train, lr=0.05,
+                              precision="fp32", proximal_mu=0.1, compile=True)
+        for g, (tensors, loss, seen) in zip(grouped, alone):
+            assert g.seen == seen and g.loss == pytest.approx(loss, rel=1e-4)
+            for n in tensors:
+                torch.testing.assert_close(g.tensors[n], tensors[n], atol=2e-5, rtol=1e-4)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == before  # no recompile

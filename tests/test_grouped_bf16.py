@@ -97,23 +97,27 @@ def test_grouped_equals_alone_in_bf16(cache_dir, bf16, device, case):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_bf16_computes_in_bf16_grouped_as_alone(cache_dir, bf16, device):
+@pytest.mark.parametrize("engine", ["forms", "vmap"])
+def test_bf16_computes_in_bf16_grouped_as_alone(cache_dir, bf16, device, engine, monkeypatch):
     """The grouped step's convolutions, matmuls and attention run in bf16, as autocast runs
-    them for one client (autocast alone does not reach them inside ``vmap``); fp32 is fp32.
-    Attention takes the math kernel alone, in both (the fused kernels fail or err under
-    ``vmap`` on CUDA: ``attention_for_vmap``)."""
+    them for one client; fp32 is fp32. Through the grouped forms the frozen backbone is plain
+    PyTorch under autocast, and the per-client products (``bmm`` / ``baddbmm``) are cast by
+    autocast too; through ``vmap`` (where autocast does not reach) by ``VmapAutocast``, and
+    attention takes the math kernel alone (the fused kernels fail or err under ``vmap`` on
+    CUDA: ``attention_for_vmap``)."""
     from torch.overrides import TorchFunctionMode
 
     from fedadapt.federation import grouped
 
     seen: dict[str, set] = {}
     kernels: set[tuple] = set()
+    watched_ops = ("conv2d", "linear", "scaled_dot_product_attention", "bmm", "baddbmm")
 
     class Dtypes(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             name = getattr(func, "__name__", "")
-            if name in ("conv2d", "linear", "scaled_dot_product_attention"):
+            if name in watched_ops:
                 seen.setdefault(name, set()).add(out.dtype)
             if name == "scaled_dot_product_attention":  # the kernels sdpa may choose from
                 b = torch.backends.cuda
@@ -121,23 +125,26 @@ def test_bf16_computes_in_bf16_grouped_as_alone(cache_dir, bf16, device):
                              b.mem_efficient_sdp_enabled(), b.cudnn_sdp_enabled()))
             return out
 
-    original = grouped._bucket_losses
-
-    def watched(*a, **kw):
-        with Dtypes():
-            return original(*a, **kw)
-
+    if engine == "vmap":
+        monkeypatch.setattr(grouped, "engine_of", lambda model: ("vmap", "this test"))
     for precision, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         seen.clear()
+        kernels.clear()
         prep = prepared(cache_dir, LoraMethodConfig(rank=4), backbone=TINY_VIT,
                         precision=precision, device=device)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(grouped, "_bucket_losses", watched)
-            grouped.train_group(prep.model, prep.spec.train_source, jobs_for(prep, 2),
-                                prep.spec.train, lr=0.05, precision=precision)
-        assert seen == {"conv2d": {dtype}, "linear": {dtype},
-                        "scaled_dot_product_attention": {dtype}}, precision
-        assert kernels == {(True, False, False, False)}, precision  # math only
+        jobs = jobs_for(prep, 2)
+        used = grouped.UsedTensors(prep.model, prep.spec.train_source, int(jobs[0].indices[0]),
+                                   precision=precision)
+        used(None)  # the probe of which tensors train runs alone, before the group
+        with Dtypes():
+            grouped.train_group(prep.model, prep.spec.train_source, jobs, prep.spec.train,
+                                lr=0.05, precision=precision, used=used)
+        expected = {"conv2d", "linear", "scaled_dot_product_attention"} | (
+            {"bmm"} if engine == "forms" else set())
+        assert set(seen) >= expected, (precision, seen)
+        assert all(v == {dtype} for v in seen.values()), (precision, seen)
+        if engine == "vmap":
+            assert kernels == {(True, False, False, False)}, precision  # math only
 
 
 def test_an_op_cast_by_hand_runs_as_autocast_runs_it(monkeypatch):

@@ -160,7 +160,7 @@ def test_lora_with_exits_anytime_grouped(cache_dir):
 
 def test_lora_dropout_and_the_heads_dropout_are_each_clients_own_grouped(cache_dir):
     """peft's lora_dropout and the MLP head's dropout draw from the client's own keys, so
-    grouped equals one at a time with dropout on (fedadapt.federation.dropout)."""
+    grouped equals one at a time with dropout on (fedadapt.grouping.dropout)."""
     prep = prepared(cache_dir, LoraMethodConfig(rank=4, lora_dropout=0.3, head="mlp",
                                                 hidden_dim=16, dropout=0.3), backbone=TINY_VIT)
     assert_same(prep, jobs_for(prep, 8), atol=1e-5)

@@ -38,6 +38,7 @@ from fedadapt.adapters.heads import check_dropout
 from fedadapt.adapters.model import AdaptedModel
 from fedadapt.adapters.registry import register_method
 from fedadapt.config import ConfigError, MethodConfig
+from fedadapt.grouping import dropout, forms
 
 
 @dataclass
@@ -175,6 +176,22 @@ class LayerwiseHeads(nn.Module):
             return [self.heads[last_exit](tokens[-1])]
         return [head(t) for head, t in zip(self.heads, tokens)]
 
+    def run_slots(self, backbone, images: torch.Tensor, exits: list[int], rows: int
+                  ) -> torch.Tensor:
+        """Grouped clients at different exits (:meth:`ExitModel.slot_logits`): each slot's
+        logits at its own exit, ``[len(exits) * rows, C]``."""
+        out: list[torch.Tensor] = []
+
+        def at_exit(k: int, hidden: torch.Tensor, lo: int) -> None:
+            token = hidden[:, 0]
+            if self.final_norm:
+                token = backbone.final_norm(token)
+            with forms.offset(lo), dropout.branch():
+                out.append(self.heads[k](token))
+
+        backbone.forward_slots(images, exits, rows, at_exit=at_exit)
+        return torch.cat(out[::-1])
+
 
 class Accumulator(nn.Module):
     """A small transformer over the CLS-token history, with a client token and a shared head.
@@ -211,8 +228,10 @@ class Accumulator(nn.Module):
     def accumulate(self, history: list[torch.Tensor]) -> torch.Tensor:
         """``[client, c_0 + p'_0, ..., c_k + p'_k]`` -> ``[B, k + 2, D]``."""
         cls = torch.stack(history, dim=1)  # [B, k+1, D]
-        seq = torch.cat([self.client_token.expand(cls.shape[0], -1, -1),
-                         cls + self.layer_embed[:, : cls.shape[1]]], dim=1)
+        rows = cls.shape[0]  # clients side by side: each row its own client's tensors
+        token = forms.per_row(self, "client_token", rows)
+        embed = forms.per_row(self, "layer_embed", rows)
+        seq = torch.cat([token.expand(rows, -1, -1), cls + embed[:, : cls.shape[1]]], dim=1)
         return self.blocks(seq)
 
     def predict(self, h: torch.Tensor, cls: torch.Tensor) -> torch.Tensor:
@@ -236,6 +255,36 @@ class Accumulator(nn.Module):
         history.append(tokens[-1])  # the last exit's own token
         logits.append(self.predict(self.accumulate(history), history[-1]))
         return logits
+
+    def run_slots(self, backbone, images: torch.Tensor, exits: list[int], rows: int
+                  ) -> torch.Tensor:
+        """Grouped clients at different exits (:meth:`ExitModel.slot_logits`): each slot's
+        logits at its own exit, as :meth:`run` with ``all_exits=False`` gives them alone."""
+        history: list[torch.Tensor] = []
+        logits: list[torch.Tensor] = []
+
+        def hook(k: int, hidden: torch.Tensor) -> torch.Tensor:  # the slots still going
+            if history and len(history[0]) != len(hidden):  # some slots left at exit k-1
+                history[:] = [c[:len(hidden)] for c in history]
+            history.append(hidden[:, 0])
+            h = self.accumulate(history)
+            if self.token_replace:
+                hidden = torch.cat([h[:, k + 1: k + 2], hidden[:, 1:]], dim=1)
+            return hidden
+
+        def at_exit(k: int, hidden: torch.Tensor, lo: int) -> None:  # slots lo.. leave here
+            start = lo * rows
+            own = [c[start:start + len(hidden)] for c in history] + [hidden[:, 0]]
+            with forms.offset(lo), dropout.branch():
+                logits.append(self.predict(self.accumulate(own), hidden[:, 0]))
+
+        backbone.forward_slots(images, exits, rows, cls_hook=hook, at_exit=at_exit)
+        return torch.cat(logits[::-1])
+
+
+#: The Accumulator reads its client token and layer embeddings per row itself (forms.per_row);
+#: its blocks, head and the parallel adapters have torch's grouped forms.
+forms.register_form(Accumulator, own=True)
 
 
 class ExitModel(AdaptedModel):
@@ -269,6 +318,14 @@ class ExitModel(AdaptedModel):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:  # [B,3,H,W] -> [B, C]
         return self.exit_logits(images, all_exits=False)[-1]
+
+    def slot_logits(self, images: torch.Tensor, exits: list[int]) -> torch.Tensor:
+        """Clients side by side (:mod:`fedadapt.grouping.forms`), slot ``s`` at exit
+        ``exits[s]`` (non-increasing): the blocks every slot runs once for all, each deeper
+        block on the slots that go deeper only; each slot's logits at its own exit."""
+        if exits[0] == exits[-1]:  # one exit for all
+            return self.exit_logits(images, last_exit=exits[0], all_exits=False)[-1]
+        return self.head.run_slots(self.backbone, images, exits, forms.active().rows)
 
     def train(self, mode: bool = True) -> "ExitModel":
         nn.Module.train(self, mode)

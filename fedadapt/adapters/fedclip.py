@@ -32,9 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedadapt.adapters.model import AdaptedModel
+from fedadapt.adapters.model import AdaptedModel, weighted_slots
 from fedadapt.adapters.registry import register_method
 from fedadapt.config import ConfigError, MethodConfig, check
+from fedadapt.grouping import forms
 
 CLASSIFIERS = ("prompts", "linear")
 LOSSES = ("contrastive", "ce")
@@ -127,6 +128,18 @@ class PromptHead(nn.Module):
                                 self.logit_scale if scale is None else scale)
 
 
+def _text_adapter_guard(head: PromptHead):
+    """Clients side by side: a trainable text adapter runs on the class prompts, once per
+    client, not on a client's rows: no grouped form (those runs train through vmap)."""
+    adapter = head.text_adapter
+    if adapter is not None and any(p.requires_grad for p in adapter.parameters()):
+        return "a trainable text adapter (per client, on the class prompts, not on its rows)"
+    return None
+
+
+forms.register_form(PromptHead, guard=_text_adapter_guard)
+
+
 def contrastive_loss(image: torch.Tensor, text: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """CLIP's symmetric loss between paired, normalised ``image[i]`` and ``text[i]``:
     ``(CE(s I T^T, diag) + CE(s T I^T, diag)) / 2``."""
@@ -166,6 +179,29 @@ class FedClipModel(AdaptedModel):
     def training_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         feats, text, scale = self._inputs(x)
         return self.head.loss(feats, y, self.loss_kind, text, scale)
+
+    def slot_losses(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                    exits=None) -> torch.Tensor:
+        """:meth:`AdaptedModel.slot_losses`; the contrastive loss within each slot's own rows
+        (its batch), its padding rows left out of both directions' softmax."""
+        feats, text, scale = self._inputs(x)
+        head = self.head
+        if self.loss_kind == "ce" or head.classifier is not None:
+            return weighted_slots(F.cross_entropy(head(feats, text, scale), y,
+                                                  reduction="none"), weight)
+        scale = head.logit_scale if scale is None else scale
+        image = head.image_features(feats)
+        paired = head.class_features(text)[y]
+        rows = forms.active().rows
+        n = len(image) // rows
+        # scaled before the product, as contrastive_loss computes it (bf16 rounds alike)
+        logits = torch.bmm((scale * image).view(n, rows, -1), paired.view(n, rows, -1).mT)
+        real = (weight > 0).view(n, rows)
+        logits = logits.masked_fill(~(real.unsqueeze(2) & real.unsqueeze(1)), -1e4)
+        target = torch.arange(rows, device=x.device).repeat(n)
+        both = (F.cross_entropy(logits.reshape(-1, rows), target, reduction="none")
+                + F.cross_entropy(logits.mT.reshape(-1, rows), target, reduction="none"))
+        return 0.5 * weighted_slots(both, weight)
 
 
 def _check(cfg: FedClipConfig, class_text) -> None:

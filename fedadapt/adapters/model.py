@@ -23,6 +23,13 @@ torch.nn.modules.module.register_module_module_registration_hook(_structure_chan
 T = TypeVar("T")
 
 
+def weighted_slots(per_row: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``[n * B]`` per-row losses weighted and summed per slot of ``B`` rows: ``[n]``."""
+    from fedadapt.grouping.forms import active
+
+    return (per_row * weight).view(-1, active().rows).sum(1)
+
+
 def structure_cached(module: nn.Module, name: str, make: Callable[[], T]) -> T:
     """``make()``, kept on ``module`` under ``name`` until a parameter or a submodule is next
     registered anywhere: a listing of a model's parameters or layers still holds until then."""
@@ -104,6 +111,23 @@ class AdaptedModel(nn.Module):
     def training_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The loss one training step minimises (cross-entropy unless a method says otherwise)."""
         return F.cross_entropy(self(x), y)
+
+    def slot_losses(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                    exits: Optional[list[int]] = None) -> torch.Tensor:
+        """Clients side by side (:mod:`fedadapt.grouping.forms`): ``x`` is ``n`` client slots of
+        ``B`` rows; each slot's loss (``[n]``) is its rows' :meth:`training_loss`, the rows
+        weighted by ``weight`` (``1 / b`` for a slot's ``b`` real rows, 0 for its padding).
+        ``exits``: the exit each slot trains (early-exit models), None for the own forward."""
+        logits = self(x) if exits is None else self.slot_logits(x, exits)
+        return weighted_slots(F.cross_entropy(logits, y, reduction="none"), weight)
+
+    def slot_losses_unsupported(self) -> Optional[str]:
+        """Why this model's loss has no per-slot form (None: it has)."""
+        cls = type(self)
+        if (cls.training_loss is not AdaptedModel.training_loss
+                and cls.slot_losses is AdaptedModel.slot_losses):
+            return f"{cls.__name__} has its own training_loss and no slot_losses"
+        return None
 
     # -- what trains, what travels -------------------------------------------------------
     def named_params(self) -> list[tuple[str, nn.Parameter]]:

@@ -23,12 +23,14 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fedadapt.adapters.exits import ExitModel, LayerwiseHeads, mlp
 from fedadapt.adapters.heads import check_head, make_head
 from fedadapt.adapters.model import AdaptedModel
 from fedadapt.config import ConfigError, MethodConfig
+from fedadapt.grouping import forms
 
 
 @dataclass
@@ -230,6 +232,66 @@ def inject(model: AdaptedModel, peft_config) -> None:
 def _is_tuner_tensor(name: str) -> bool:
     return any(part in name for part in (".lora_A.", ".lora_B.", ".lora_magnitude_vector.",
                                          ".ia3_l."))
+
+
+# -- clients side by side (fedadapt.grouping.forms) ----------------------------------------------
+# LoRA (and FFA-LoRA, ranks) needs no form of its own: peft's layer computes
+# ``lora_B(lora_A(dropout(x))) * scaling``, whose linear layers and dropout have theirs. DoRA's
+# magnitude and (IA)^3's vectors are read by peft's layers directly: their forms follow peft's
+# own equations (peft 0.21: ``DoraLinearLayer.forward``, ``ia3.Linear.forward``), per slot.
+
+
+def _dora(m, prefix: str, slots: forms.Slots, x: torch.Tensor, *, lora_A, lora_B, scaling,
+          base_layer, base_result=None, adapter_name="default") -> torch.Tensor:
+    """peft's DoRA output beside the base layer's, per slot: ``(m / ||W + s B A||_c - 1) *
+    base + m / ||W + s B A||_c * s * B A x`` with the norm detached (DoRA, Sec. 4.3)."""
+    n = x.shape[0] // slots.rows
+    magnitude = slots.take(prefix + ".weight", n)  # [n, 1, out]
+    a = slots.take(lora_A.__dict__["_grouping_prefix"] + ".weight", n)  # [n, in, r]
+    b = slots.take(lora_B.__dict__["_grouping_prefix"] + ".weight", n)  # [n, r, out]
+    if magnitude is None or a is None or b is None:
+        raise NotImplementedError("grouped DoRA trains its magnitude, A and B")
+    weight = base_layer.weight.to(x.dtype)  # [out, in]
+    lora_t = torch.bmm(a, b).to(x.dtype)  # (B A)^T per slot: [n, in, out]
+    norm = torch.linalg.norm(weight.t() + scaling * lora_t.detach(), dim=1).to(weight.dtype)
+    scale = magnitude / norm.detach().unsqueeze(1)  # [n, 1, out]
+    lora = lora_B(lora_A(x))
+    if base_result is not None:
+        if base_layer.bias is not None:
+            base_result = base_result - base_layer.bias
+    else:
+        base_result = F.linear(x, weight)
+    out = lora.shape[-1]
+    result = ((scale - 1) * base_result.view(n, -1, out)
+              + scale * lora.view(n, -1, out) * scaling)
+    return result.view(*base_result.shape[:-1], out)
+
+
+def _ia3(m, prefix: str, slots: forms.Slots, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """peft's (IA)^3 linear layer per slot: the input (feedforward) or the output scaled by the
+    slot's vector."""
+    n = x.shape[0] // slots.rows
+    vectors = [slots.take(f"{prefix}.ia3_l.{a}", n) for a in m.active_adapters
+               if a in m.ia3_l.keys()]
+    if m.disable_adapters or m.merged or not vectors or any(v is None for v in vectors):
+        if any(v is not None for v in vectors):
+            raise NotImplementedError("grouped (IA)^3 with frozen vectors beside trained ones")
+        return type(m).forward(m, x, *args, **kwargs)
+    scaling = vectors[0]
+    for v in vectors[1:]:
+        scaling = scaling * v  # [n, 1, features]
+    previous = x.dtype
+    if m.is_feedforward:
+        interm = (x.to(scaling.dtype).view(n, -1, x.shape[-1]) * scaling).view(x.shape)
+        return m.base_layer(interm.to(previous), *args, **kwargs)
+    result = m.base_layer(x, *args, **kwargs)
+    return (result.view(n, -1, result.shape[-1]) * scaling).view(result.shape).to(result.dtype)
+
+
+forms.register_form("peft.tuners.lora.dora.DoraLinearLayer", _dora,
+                    layouts={"weight": forms.ROW_VECTOR})
+forms.register_form("peft.tuners.ia3.layer.Linear", _ia3, covers=("ia3_l",),
+                    layouts={"ia3_l.*": forms.ROW_VECTOR})
 
 
 __all__ = ["TunerConfig", "Tuned", "TunedModel", "TunedExitModel", "build_tuned", "inject",

@@ -10,6 +10,7 @@ inserted beside each block's MLP.
 
 from __future__ import annotations
 
+from itertools import islice
 from typing import Callable, Optional
 
 import torch
@@ -116,12 +117,38 @@ class ViTBackbone(Backbone):
             raise ValueError(f"last_exit={last} outside 0..{self.num_layers - 1}")
         h = self.embed(images)
         tokens = []
-        for i, block in enumerate(self.blocks[: last + 1]):
+        # islice, not self.blocks[:n]: a sliced ModuleList is a new module, whose registration
+        # would count as a change of the model's structure (adapters.model.structure_cached)
+        for i, block in enumerate(islice(self.blocks, last + 1)):
             if cls_hook is not None:
                 h = cls_hook(i, h)
             h = block(h)
             tokens.append(h[:, 0])
         return tokens
+
+    def forward_slots(self, images: torch.Tensor, exits: list[int], rows: int, *,
+                      at_exit: Callable[[int, torch.Tensor, int], None],
+                      cls_hook: Optional[ClsHook] = None) -> None:
+        """Clients side by side at different exits: slot ``s`` (rows ``s*rows ..``) runs blocks
+        ``0..exits[s]`` (``exits`` non-increasing, so the slots still going are always the
+        first ones); the blocks all slots need run once on all of them. After block ``k``,
+        ``at_exit(k, hidden, lo)`` gets the hidden states ``[.., T, D]`` of the slots leaving
+        there, the first of which is slot ``lo``."""
+        h = self.embed(images)
+        going = len(exits)
+        for k, block in enumerate(islice(self.blocks, exits[0] + 1)):
+            while exits[going - 1] < k:
+                going -= 1
+            if going * rows < len(h):
+                h = h[: going * rows]
+            if cls_hook is not None:
+                h = cls_hook(k, h)
+            h = block(h)
+            lo = going
+            while lo and exits[lo - 1] == k:
+                lo -= 1
+            if lo < going:
+                at_exit(k, h[lo * rows:], lo)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:  # [B,3,H,W] -> [B,D]
         h = self.embed(images)

@@ -74,6 +74,9 @@ class RunSpec:
     #: resolved once in the driver (:mod:`fedadapt.devices`).
     device: str = "cpu"
     precision: str = "fp32"
+    #: Clients side by side run a step captured by ``torch.compile`` (``federation.compile``,
+    #: resolved in the driver).
+    compile: bool = False
     #: torch's intra-op threads in each client process (``federation.num_cpus``, at least 1),
     #: set explicitly: CPU results depend on it, and Ray sets it (through OMP_NUM_THREADS)
     #: only where the environment does not.
@@ -264,7 +267,7 @@ def batches_of(indices: np.ndarray, batch_size: int, epochs: int, gen: torch.Gen
 #: by side (:func:`fedadapt.federation.grouped.train_group`), so a client's result never depends
 #: on its group: its batches come from ``seed`` itself, the exit each step trains from
 #: ``derive_seed(seed, EXIT_STREAM)``, its dropout masks from
-#: :func:`fedadapt.federation.dropout.step_key` (``DROPOUT_STREAM``) and its crops from the
+#: :func:`fedadapt.grouping.dropout.step_key` (``DROPOUT_STREAM``) and its crops from the
 #: ``crop_seed`` its caller derives.
 EXIT_STREAM = 0xE817
 
@@ -304,7 +307,7 @@ def train_local(
     ``precision`` (``fp32`` / ``bf16``, the run's :attr:`RunSpec.precision`) is the forward's.
     """
     from fedadapt.devices import autocast, seed_torch
-    from fedadapt.federation import dropout
+    from fedadapt.grouping import dropout
 
     dev = next(model.parameters()).device
     masks = dropout.install(model)  # the client's own masks, as when it trains in a group

@@ -177,7 +177,8 @@ def _run_group(spec: RunSpec, model, jobs: list[ClientJob], lr: float, mu: float
         if folded:  # FLoRA / FedEx-LoRA: the group's frozen weights (one per group: _groups)
             model.fold(folded)
         return train_group(model, spec.train_source, jobs, train, lr=lr,
-                           precision=spec.precision, proximal_mu=mu, used=used_tensors(spec))
+                           precision=spec.precision, proximal_mu=mu, used=used_tensors(spec),
+                           compile=spec.compile)
     (job,) = jobs
     model.load_tensors(job.tensors)
     loss, seen = train_local(model, job.source or spec.train_source, job.indices, train, lr=lr,

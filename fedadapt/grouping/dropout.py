@@ -1,11 +1,12 @@
 """Dropout whose masks are the client's own, alone or side by side with other clients.
 
-torch's dropout draws from the one global generator, and under ``vmap`` (grouped clients,
-:mod:`fedadapt.federation.grouped`) every client of the group draws from it too, so a client's
-masks would depend on which clients share its group. Here a mask is a counter-based hash of
-(the client's key for this step, the dropout call's place in the forward, the element's index):
-a client draws the same masks in :func:`~fedadapt.federation.training.train_local` and in any
-group, and the key can be a batched tensor (one key per client) inside ``vmap``.
+torch's dropout draws from the one global generator, so among clients trained side by side a
+client's masks would depend on which clients share its group. Here a mask is a counter-based
+hash of (the client's key for this step, the dropout call's place in the forward, the element's
+index within the client's batch): a client draws the same masks in
+:func:`~fedadapt.federation.training.train_local` and in any group. The key is one integer
+(one client), one per client slot of a grouped batch (:mod:`fedadapt.grouping.forms`: slot
+``s`` owns rows ``s*B .. s*B+B-1``), or a batched tensor inside ``vmap``.
 
 :func:`install` points every ``nn.Dropout`` of a model (the MLP heads', peft's ``lora_dropout``)
 at :func:`_forward`; inside :func:`keyed` they use the key, elsewhere (evaluation, server-side
@@ -37,7 +38,8 @@ def step_key(seed: int, step: int) -> int:
 
 @contextmanager
 def keyed(key: torch.Tensor):
-    """Dropout in this forward draws from ``key`` (an int64 scalar; batched under ``vmap``)."""
+    """Dropout in this forward draws from ``key``: an int64 scalar (batched under ``vmap``), or
+    ``[S]`` keys, one per client slot of a grouped batch."""
     _STATE.update(key=key, calls=0)
     try:
         yield
@@ -45,11 +47,37 @@ def keyed(key: torch.Tensor):
         _STATE.update(key=None, calls=0)
 
 
+@contextmanager
+def branch():
+    """A part of a forward that only some slots take (the clients leaving at an exit): the calls
+    it makes are not counted for what follows, so every client's n-th dropout call is its n-th
+    alone, whatever branches other clients took in between."""
+    calls = _STATE["calls"]
+    try:
+        yield
+    finally:
+        _STATE["calls"] = calls
+
+
 def uniform(key: torch.Tensor, call: int, shape: torch.Size, device) -> torch.Tensor:
     """``shape`` floats in [0, 1): a 31-bit integer hash of (key, call, element index); every
     product stays below 2^62, so int64 never overflows."""
     idx = torch.arange(shape.numel(), dtype=torch.int64, device=device).view(shape)
-    h = (idx + key * 0x2545F491 + call * 0x61C88647) & _M31
+    return _hash(idx + key * 0x2545F491 + call * 0x61C88647)
+
+
+def uniform_slots(keys: torch.Tensor, call: int, shape: torch.Size, device) -> torch.Tensor:
+    """:func:`uniform` for a grouped batch of ``len(keys)`` equal slots: slot ``s`` draws what
+    ``uniform(keys[s], call, its own rows' shape)`` draws (the element index counts from the
+    slot's first row), so a client's mask is its mask alone."""
+    n = len(keys)
+    per = shape.numel() // n
+    idx = torch.arange(per, dtype=torch.int64, device=device).view(1, per)
+    return _hash(idx + keys.view(n, 1) * 0x2545F491 + call * 0x61C88647).view(shape)
+
+
+def _hash(h: torch.Tensor) -> torch.Tensor:
+    h = h & _M31
     for _ in range(2):
         h = (((h >> 16) ^ h) * 0x45D9F3B) & _M31
     h = (h >> 16) ^ h
@@ -62,7 +90,16 @@ def _forward(module: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x, module.p, module.training, module.inplace)
     call = _STATE["calls"]
     _STATE["calls"] = call + 1
-    keep = uniform(key, call, x.shape, x.device) >= module.p
+    if key.dim() == 1:  # one key per client slot (fedadapt.grouping.forms)
+        from fedadapt.grouping.forms import active
+
+        slots = active()
+        n = x.shape[0] // slots.rows
+        keys = key[slots.lo:slots.lo + n]
+        u = uniform_slots(keys, call, x.shape, x.device)
+    else:
+        u = uniform(key, call, x.shape, x.device)
+    keep = u >= module.p
     return x * keep.to(x.dtype) * (1.0 / (1.0 - module.p))
 
 
