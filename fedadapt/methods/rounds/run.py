@@ -477,8 +477,14 @@ def record_user_files(cfg: RunConfig, run_dir: Path) -> None:
     from fedadapt.results.store import write_json
     from fedadapt.userimport import USER_FILES, file_record
 
-    rows = [dict(rec, key=key) for key, name in user_code_names(cfg)
-            if (rec := file_record(name)) is not None]
+    rows = []
+    for key, name in user_code_names(cfg):
+        try:
+            rec = file_record(name)
+        except Exception:  # noqa: BLE001 - a record the run cannot make never stops it
+            rec = None
+        if rec is not None:
+            rows.append(dict(rec, key=key))
     path = run_dir / USER_FILES
     if rows:
         write_json(path, {"files": rows})
