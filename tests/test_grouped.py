@@ -333,7 +333,6 @@ def test_every_client_trained_method_of_the_presets_has_grouped_forms():
     grouped forms; full fine-tuning, a module without a form (the docs' cosine head) and
     FedCLIP's text adapter (per client on the prompts) take vmap, and say why."""
     from fedadapt.adapters.bitfit import BitfitConfig
-    from fedadapt.adapters.cosine_head import CosineHeadConfig
     from fedadapt.adapters.ia3 import Ia3MethodConfig
     from fedadapt.adapters.lora import DoraMethodConfig, LoraMethodConfig
     from fedadapt.federation.grouped import engine_of
@@ -349,8 +348,30 @@ def test_every_client_trained_method_of_the_presets_has_grouped_forms():
     assert engine_of(_built(LoraMethodConfig(), TINY_CLIP)) == ("forms", None)
     engine, why = engine_of(_built(FinetuneConfig()))
     assert engine == "vmap" and "ViTEmbeddings" in why
-    engine, why = engine_of(_built(CosineHeadConfig()))
-    assert engine == "vmap" and "CosineClassifier (head.weight)" in why
+    own = _built(LinearHeadConfig())
+    own.head = _Scaled(own.head)  # a user's module without a grouped form
+    engine, why = engine_of(own)
+    assert engine == "vmap" and "test_grouped._Scaled (head.gain)" in why
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.gain = inner, torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return self.gain * self.inner(x)
+
+
+@pytest.mark.parametrize("learn_scale", [False, True])
+def test_the_cosine_heads_own_grouped_form_equals_one_client_at_a_time(cache_dir, learn_scale):
+    """docs/adding-a-method.md's worked example registers a grouped form for its head."""
+    from fedadapt.adapters.cosine_head import CosineHeadConfig
+    from fedadapt.federation.grouped import engine_of
+
+    prep = prepared(cache_dir, CosineHeadConfig(learn_scale=learn_scale))
+    assert engine_of(prep.model) == ("forms", None)
+    assert_same(prep, jobs_for(prep, 3))
 
 
 def test_fedclip_has_grouped_forms_but_its_text_adapter_takes_vmap(cache_dir):

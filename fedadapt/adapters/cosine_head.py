@@ -17,6 +17,7 @@ from torch import nn
 from fedadapt.adapters.model import AdaptedModel
 from fedadapt.adapters.registry import register_method
 from fedadapt.config import ConfigError, MethodConfig
+from fedadapt.grouping import forms
 
 
 @dataclass
@@ -44,6 +45,24 @@ class CosineClassifier(nn.Module):
 
     def forward(self, feats: torch.Tensor) -> torch.Tensor:
         return self.scale * F.linear(F.normalize(feats, dim=-1), F.normalize(self.weight, dim=-1))
+
+
+def grouped_forward(m: CosineClassifier, prefix: str, slots: forms.Slots, feats: torch.Tensor
+                    ) -> torch.Tensor:
+    """Clients side by side (:mod:`fedadapt.grouping.forms`): ``feats`` holds ``n`` clients'
+    rows, ``slots.rows`` each; every client's rows against its own weights (and scale)."""
+    n = len(feats) // slots.rows
+    weight = slots.take(prefix + ".weight", n)  # [n, C, D], or None where it does not train
+    if weight is None:
+        return CosineClassifier.forward(m, feats)
+    scale = slots.take(prefix + ".scale", n)  # [n] when learned
+    scale = m.scale if scale is None else scale.view(n, 1, 1)
+    rows = F.normalize(feats, dim=-1).view(n, slots.rows, -1)  # [n, B, D]
+    logits = scale * torch.bmm(rows, F.normalize(weight, dim=-1).mT)  # [n, B, C]
+    return logits.view(len(feats), -1)
+
+
+forms.register_form(CosineClassifier, grouped_forward)
 
 
 @register_method("cosine_head", CosineHeadConfig)
