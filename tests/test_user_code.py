@@ -835,6 +835,34 @@ def test_an_exception_in_the_users_constructor_shows_their_frames_under_one_line
     assert files and all(str(code_dir / "boom.py") in ln for ln in files), frames
 
 
+def test_an_exception_in_the_users_evaluate_fn_names_the_key_and_keeps_their_frames(
+        code_dir, monkeypatch):
+    """What the server makes of an exception that passed through fedadapt's frames from the
+    user's evaluate_fn: their function and the key, the round, their frames only."""
+    from fedadapt import userimport
+    from fedadapt.userimport import load, user_error
+
+    monkeypatch.setattr(userimport, "_NAMED", {})  # this test file named no object here
+
+    (code_dir / "evals_raise.py").write_text(
+        "def evaluate(server_round, arrays):\n    return {'acc': 1 / 0}\n")
+    fn = load("evals_raise.py:evaluate", "federation.evaluate_fn")
+
+    def fedadapt_frame():  # stands for the server's own call
+        return fn(3, None)
+
+    try:
+        fedadapt_frame()
+    except ZeroDivisionError as err:
+        raised = user_error(err, "in round 3")
+    header, *frames = str(raised).splitlines()
+    assert header == ("evaluate (federation.evaluate_fn=evals_raise.py:evaluate) raised in "
+                      "round 3: ZeroDivisionError: division by zero")
+    files = [ln.strip() for ln in frames if ln.strip().startswith("File ")]
+    assert len(files) == 1 and str(code_dir / "evals_raise.py") in files[0]
+    assert user_error(ValueError("not theirs"), "in round 1") is None
+
+
 def test_wrong_return_types_of_the_users_hooks_are_one_line_naming_hook_and_round():
     from types import SimpleNamespace
 
