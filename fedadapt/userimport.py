@@ -249,7 +249,7 @@ class UserCodeError(FedadaptError):
     """An exception raised inside the researcher's own code: one line naming their object and
     when it raised, then their traceback frames only (fedadapt's left out)."""
 
-    def __init__(self, header: str, frames: str) -> None:
+    def __init__(self, header: str, frames: str = "") -> None:
         super().__init__(f"{header}\n{frames}" if frames else header)
         self.header, self.frames = header, frames
 
