@@ -137,3 +137,34 @@ def flower_task():
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
     yield
     TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+def accuracy_of(prep, arrays: dict, indices=None, source=None) -> float:
+    """The accuracy of ``prep.model`` holding ``arrays`` on the global test split (or on
+    ``indices`` of ``source``, e.g. a client's test rows of the training source), computed
+    here from its logits (for a model with exits, the mean over every exit, the run's
+    headline): the known value a run's reported accuracy is checked against."""
+    import numpy as np
+    import torch
+
+    model, spec = prep.model, prep.spec
+    model.load_tensors({n: torch.as_tensor(t) for n, t in dict(arrays).items()})
+    model.eval()
+    source = spec.test_source if source is None else source
+    idx = np.arange(len(source.labels())) if indices is None else np.asarray(indices)
+    hits = None
+    with torch.no_grad():
+        for i in range(0, len(idx), 256):
+            x, y = source.get(idx[i:i + 256], spec.device)
+            outs = (model.exit_logits(x, last_exit=spec.num_exits - 1) if spec.num_exits
+                    else [model(x)])
+            got = [int((o.argmax(1) == y).sum()) for o in outs]
+            hits = got if hits is None else [a + b for a, b in zip(hits, got)]
+    return float(np.mean([h / len(idx) for h in hits]))
+
+
+def final_checkpoint(run_dir) -> dict:
+    """The global tensors of a finished run's last checkpoint (after its last round)."""
+    from fedadapt.federation.checkpoint import latest_checkpoint, load_checkpoint
+
+    return load_checkpoint(latest_checkpoint(run_dir))[0]

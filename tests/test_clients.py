@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_run
+from conftest import accuracy_of, tiny_run
 from fedadapt.clients.app import PERSONAL_KEY, make_client_app
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 
@@ -153,7 +153,9 @@ def test_personal_tensors_stay_in_context_state(cache_dir, flower_task):
     assert not torch.equal(again["head.weight"], personal["head.weight"])
     assert len(out2.array_records["arrays"]) == 0
     ev = call(app, prep, "evaluate", ctx, {}, clients=(1,), rnd=2)[1]
-    assert 0.0 <= ev.metric_records["metrics"]["accuracy"] <= 1.0
+    # the client's own head after its two visits, on its own test rows, recomputed here
+    want = accuracy_of(prep, again, prep.spec.clients[1].test, prep.spec.train_source)
+    assert ev.metric_records["metrics"]["accuracy"] == pytest.approx(want, rel=1e-6, abs=0)
 
 
 def test_any_worker_continues_a_client_from_its_saved_state(cache_dir, flower_task, tmp_path):
