@@ -37,18 +37,32 @@ def run(args, tmp_path, cache_dir, timeout=300):
 
 
 @pytest.mark.parametrize("override,needle", [
-    ("partition.alpha=0", "partition.alpha=0.0 is invalid"),
-    ("rounds=-1", "rounds=-1 is invalid"),
-    ("partition.num_clients=100000", "partition.num_clients=100000 is invalid"),
     ("dataset=no_such_dataset", "dataset=no_such_dataset is not an option of dataset"),
     ("method.hiden_dim=3", "hiden_dim"),
-    ("partition.fraction_fit=1.5", "partition.fraction_fit"),
     ("train.lr=fast", "train.lr"),
     ("method=linear_head_schema", "method=linear_head_schema is not an option of method"),
     ("strategy.etaa=0.1", "strategy.etaa is not a key of strategy=fedavg"),
+])
+def test_a_command_line_that_does_not_compose_is_refused_in_one_line(override, needle,
+                                                                      tmp_path):
+    """In process: the check ``fedadapt`` runs on its command line before Hydra starts (one
+    line, then exit 2; the command itself: the subprocess cases below)."""
+    from fedadapt.cli import config_problem, missing_launcher, sweep_problem
 
+    argv = [override, f"output_dir={tmp_path}/out"]
+    problem = missing_launcher(argv) or config_problem(argv) or sweep_problem(argv)
+    assert problem is not None and needle in problem and "\n" not in problem
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("partition.alpha=0", "partition.alpha=0.0 is invalid"),
+    ("rounds=-1", "rounds=-1 is invalid"),
+    ("partition.num_clients=100000", "partition.num_clients=100000 is invalid"),
+    ("partition.fraction_fit=1.5", "partition.fraction_fit"),
     ("partition=size", "partition.sizes=None is invalid"),
     ("objective=val_acc", "needs one method per job"),  # the quickstart compares four
+    ("method.hiden_dim=3", "hiden_dim"),  # one of the above, through the command too
 ])
 @pytest.mark.slow
 def test_bad_input_fails_fast_naming_the_key(override, needle, tmp_path, cache_dir):
