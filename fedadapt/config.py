@@ -284,8 +284,10 @@ class FederationConfig:
     #: ``simulation``: Flower's simulation engine (Ray backend, ``flwr.simulation.run_simulation``),
     #: the workers Ray actors. ``inprocess``: the same server code, ClientApp and workers in this
     #: one process, no Ray (one machine; the workers' messages handled in turn): the same
-    #: numbers, less start-up and memory (docs/speed.md).
-    backend: str = "simulation"
+    #: numbers, less start-up and memory (docs/speed.md). ``auto``: in process when one worker
+    #: on the CPU serves the run, Flower's simulation engine for several workers, a GPU or a Ray
+    #: cluster (the run's layout line says which).
+    backend: str = "auto"
     #: Simulated workers (Ray actors that each hold the frozen backbone once and train the
     #: clients a message names): ``auto`` = one per GPU, on the CPU one per two cores; or N.
     workers: str = "auto"
@@ -502,7 +504,7 @@ KNOWN_OPTIMIZERS = ("sgd", "adam", "adamw")
 KNOWN_WEIGHTINGS = ("examples", "uniform")
 KNOWN_SELECTIONS = ("last", "best_val")
 #: ``federation.backend``: Flower's simulation engine on Ray, or every worker in this process.
-BACKENDS = ("simulation", "inprocess")
+BACKENDS = ("auto", "simulation", "inprocess")
 #: ``federation.compile``: capture the grouped step (auto: on a GPU).
 COMPILE_CHOICES = ("auto", "true", "false")
 #: ``train.precision`` (see :mod:`fedadapt.devices`).

@@ -225,10 +225,40 @@ def open_tracker(cfg: RunConfig, run_dir: Path, config_yaml: str, label: str,
                         output_dir=cfg.output_dir, tags=tags, resume_round=resume_round)
 
 
+def resolve_backend(fed, device: str) -> tuple[str, str]:
+    """``federation.backend``, ``auto`` resolved: ``(inprocess | simulation, why)``. In process
+    when one worker on the CPU serves the run (Ray would add its start-up, its workers' memory
+    and its end for nothing: docs/speed.md, beside pfl-research); Flower's simulation engine
+    for several workers, a GPU or a Ray cluster."""
+    if fed.backend != "auto":
+        return fed.backend, f"federation.backend={fed.backend}"
+    from fedadapt.federation import cluster
+    from fedadapt.federation.sizing import parse_count, plan_workers
+
+    if fed.ray_address is not None:
+        return "simulation", "a Ray cluster (federation.ray_address)"
+    if device == "cuda":
+        return "simulation", "a GPU"
+    workers = parse_count(fed.workers, "federation.workers")
+    if workers is None:
+        workers = plan_workers(fed, device, cluster.node_resources(fed, device))[0]
+    if workers > 1:
+        return "simulation", f"{workers} workers"
+    return "inprocess", "one worker on the CPU"
+
+
 def simulation(cfg: RunConfig) -> Callable:
-    """The default ``execute``: Flower's simulation engine with ``cfg.federation``, or with
-    ``federation.backend=inprocess`` the workers in this process."""
-    if cfg.federation.backend == "inprocess":
+    """The default ``execute``: Flower's simulation engine with ``cfg.federation``, or the
+    workers in this process (``federation.backend``, ``auto`` resolved by
+    :func:`resolve_backend`), said in one line."""
+    from fedadapt.devices import run_device
+
+    backend, why = resolve_backend(cfg.federation, run_device(cfg.federation.num_gpus))
+    if cfg.federation.backend == "auto":
+        log(f"[federation] federation.backend=auto: "
+            f"{'in process' if backend == 'inprocess' else 'Flower simulation engine (Ray)'} "
+            f"({why})")
+    if backend == "inprocess":
         from fedadapt.federation.inprocess import in_process
 
         return in_process(nodes="workers")
@@ -320,16 +350,19 @@ def node_layout(cfg: RunConfig, prep: PreparedRun, execute: Optional[Callable],
     backbone_trained = prep.model.count([n for n in prep.model.trainable_names()
                                          if n.startswith("backbone.")])
     fed = cfg.federation
-    if fed.backend == "inprocess" and str(fed.workers).strip().lower() == "auto":
+    backend = resolve_backend(fed, spec.device)[0] if execute is None else \
+        getattr(execute, "backend", "inprocess" if getattr(execute, "nodes", "") == "workers"
+                else "simulation")
+    if backend == "inprocess" and str(fed.workers).strip().lower() == "auto":
         fed = dataclasses.replace(fed, workers="1")  # its workers take turns: one has every CPU
     sizing = size_simulation(fed, spec.device, sampled, cfg.train.batch_size,
                              probe, trains_whole=backbone_trained
                              >= prep.counts["backbone_params"] / 2,
                              features=spec.train_source.kind == "features")
     announce(sizing)
-    prep.layout = {"workers": sizing.workers, "clients_per_worker": sizing.group_size,
-                   "num_cpus": sizing.num_cpus, "num_gpus": sizing.num_gpus,
-                   "note": sizing.note}
+    prep.layout = {"backend": backend, "workers": sizing.workers,
+                   "clients_per_worker": sizing.group_size, "num_cpus": sizing.num_cpus,
+                   "num_gpus": sizing.num_gpus, "note": sizing.note}
     if sizing.group_size > 1 and probe is not None:
         prep.layout.update(side_by_side(prep.model, spec.compile))
     spec.client_threads = max(1, int(sizing.num_cpus))  # each worker's torch threads

@@ -2,6 +2,8 @@
 planned worker fits on a node as Flower's actor pool counts it, every node is used, a request no
 node can hold is refused naming the key, and K never exceeds what a worker gets."""
 
+from dataclasses import replace
+
 import pytest
 
 from fedadapt.config import ConfigError, FederationConfig
@@ -130,3 +132,24 @@ def test_a_run_whose_grouped_step_fails_finishes_one_client_at_a_time(cache_dir,
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["layout"]["clients_per_worker"] == 1
     assert summary["client_failures"] == 0 and summary["final"]["round"] == 2
+
+
+def test_the_default_backend_is_in_process_where_one_worker_serves_the_run():
+    """``federation.backend=auto``: in process for one worker on the CPU; Flower's simulation
+    engine (Ray) for several workers, a GPU or a Ray cluster; an explicit backend as given."""
+    from fedadapt.config import FederationConfig
+    from fedadapt.experiment import resolve_backend
+
+    auto = FederationConfig()
+    assert auto.backend == "auto"
+    assert resolve_backend(replace(auto, workers="1"), "cpu") == (
+        "inprocess", "one worker on the CPU")
+    assert resolve_backend(replace(auto, workers="3"), "cpu") == ("simulation", "3 workers")
+    assert resolve_backend(replace(auto, workers="1"), "cuda")[0] == "simulation"
+    assert resolve_backend(replace(auto, ray_address="10.0.0.1:6379"), "cpu")[0] == "simulation"
+    assert resolve_backend(replace(auto, workers="auto", ray_num_cpus=2), "cpu")[0] == \
+        "inprocess"  # one worker per two cores
+    assert resolve_backend(replace(auto, workers="auto", ray_num_cpus=8), "cpu") == (
+        "simulation", "4 workers")
+    assert resolve_backend(replace(auto, backend="simulation", workers="1"), "cpu")[0] == \
+        "simulation"
