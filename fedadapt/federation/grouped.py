@@ -193,6 +193,74 @@ class StackedOptimizer:
         return base - (self.lr / bias1) * exp_avg / denom
 
 
+class FlatOptimizer:
+    """:class:`StackedOptimizer`'s update rules over one flat buffer: every client's every
+    trainable tensor is a view of ``flat`` (slot-major within each tensor), their gradients
+    views of one flat gradient (set before the backward, which accumulates into them in place),
+    so each step is a handful of operations whatever the number of tensors. ``used[i, k]``
+    (whether client k's step reached tensor i) becomes an element mask by one
+    ``repeat_interleave``; a step leaves what a client did not reach, and its state, as torch's
+    optimisers leave a tensor without a gradient."""
+
+    def __init__(self, flat: torch.Tensor, stored: dict[str, torch.Tensor], train: TrainConfig,
+                 lr: float) -> None:
+        self.flat, self.train, self.lr = flat, train, lr
+        self.grad = torch.zeros_like(flat)
+        counts = []
+        for p in stored.values():
+            at = p.storage_offset() - flat.storage_offset()
+            p.grad = self.grad[at:at + p.numel()].view(p.shape)
+            counts += [p.numel() // p.shape[0]] * p.shape[0]
+        self.counts = torch.tensor(counts, dtype=torch.int64, device=flat.device)
+        self.state: dict[str, torch.Tensor] = {}
+
+    def zero_grad(self) -> None:
+        self.grad.zero_()
+
+    def _mask(self, used: torch.Tensor) -> torch.Tensor:
+        """``[tensors, K]`` -> an element mask of the flat buffer."""
+        return used.reshape(-1).repeat_interleave(self.counts, output_size=self.flat.numel())
+
+    @torch.no_grad()
+    def step(self, used: torch.Tensor, active=None) -> None:
+        t, p, g = self.train, self.flat, self.grad
+        if t.optimizer == "sgd" and not t.momentum and not t.weight_decay:
+            p.add_(g, alpha=-self.lr)  # an unreached slice's gradient is zero: left as it was
+            return
+        m = self._mask(used)
+        if t.optimizer == "sgd":
+            d_p = g if not t.weight_decay else g + t.weight_decay * p
+            if t.momentum:
+                st = self.state
+                if "buf" not in st:
+                    st["buf"], st["started"] = torch.zeros_like(p), torch.zeros_like(m)
+                buf = torch.where(st["started"], st["buf"] * t.momentum + d_p, d_p)
+                st["buf"] = torch.where(m, buf, st["buf"])
+                st["started"] = st["started"] | m
+                d_p = buf
+            p.copy_(torch.where(m, p - self.lr * d_p, p))
+            return
+        beta1, beta2 = t.betas
+        st = self.state
+        if "exp_avg" not in st:
+            st.update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p),
+                      step=torch.zeros(len(self.counts), device=p.device))
+        st["step"] = st["step"] + used.reshape(-1).to(st["step"].dtype)
+        step = st["step"].repeat_interleave(self.counts, output_size=p.numel())
+        grad, base = g, p
+        if t.weight_decay and t.optimizer == "adamw":
+            base = p * (1 - self.lr * t.weight_decay)
+        elif t.weight_decay:
+            grad = grad + t.weight_decay * p
+        st["exp_avg"] = torch.where(m, st["exp_avg"].lerp(grad, 1 - beta1), st["exp_avg"])
+        st["exp_avg_sq"] = torch.where(m, st["exp_avg_sq"] * beta2 + (1 - beta2) * grad * grad,
+                                       st["exp_avg_sq"])
+        safe = step.clamp(min=1)
+        bias1, bias2 = 1 - beta1 ** safe, 1 - beta2 ** safe
+        denom = st["exp_avg_sq"].sqrt() / bias2.sqrt() + t.eps
+        p.copy_(torch.where(m, base - (self.lr / bias1) * st["exp_avg"] / denom, p))
+
+
 def _clip(stacked: dict[str, torch.Tensor], max_norm: float) -> None:
     """Each client's gradient norm over all its tensors clipped to ``max_norm``, as
     ``torch.nn.utils.clip_grad_norm_`` does for one client."""
@@ -479,7 +547,8 @@ def _train_forms(model: nn.Module, source: DataSource, jobs: list[ClientJob],
     # which tensors each going client's step trains (a finished slot's: none)
     host_masks = _masks([(t, list(range(plan.going[t]))) for t in range(steps)], plan.scheds,
                         names, used, every=start is not None)
-    opt = StackedOptimizer(stored, train, lr)
+    opt = FlatOptimizer(flat, stored, train, lr) if flat is not None \
+        else StackedOptimizer(stored, train, lr)
     masks = torch.from_numpy(host_masks).to(dev)
     active = host_masks.any(axis=2)
     perms_host = [p for p in plan.perms if p is not None]
