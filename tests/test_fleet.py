@@ -376,3 +376,41 @@ def test_a_client_going_offline_ends_the_round_at_its_time_online_after_the_star
     assert dropped == {cid: "offline"}
     assert seconds == pytest.approx(until - start)
     assert seconds < until - 1  # seconds into the round, not the clock's time
+
+
+def test_a_client_late_at_the_simulated_deadline_is_in_late_clients_and_sends_nothing(
+        tmp_path, cache_dir):
+    """A client the fleet's clock drops at the deadline is listed in ``late_clients`` (as a real
+    timeout's is) and its upload, which never arrives, is not in ``bytes_up``; it did download
+    the model (``bytes_down``)."""
+    import json
+
+    fleet = ["fleet=tiers", "fleet.compute=[1e3,1e6]", "partition.fraction_fit=1.0", "rounds=1"]
+    _run(tmp_path / "all", fleet, cache_dir)
+    (ref,) = read_jsonl(tmp_path / "all" / "metrics.jsonl")
+    described = json.loads((tmp_path / "all" / "fleet.json").read_text())["clients"]
+    assert ref["clients_trained"] == 6 and ref["sim_late"] == 0
+    up = ref["bytes_up"] / 6  # each client sends the same tensors
+    fast_s = max(c["train_flops"] / c["compute"] for c in described if c["tier"] == 1)
+    slow_s = min(c["train_flops"] / c["compute"] for c in described if c["tier"] == 0)
+    _run(tmp_path / "late", [*fleet, f"federation.round_timeout={math.sqrt(fast_s * slow_s)}"],
+         cache_dir)
+    (row,) = read_jsonl(tmp_path / "late" / "metrics.jsonl")
+    slow = sorted(c["client"] for c in described if c["tier"] == 0)
+    assert row["sim_late"] == len(slow) > 0 and row["late_clients"] == slow
+    assert row["clients_trained"] == 6 - len(slow)
+    assert row["bytes_up"] == up * (6 - len(slow))  # the late clients' uploads never arrive
+    assert row["bytes_down"] == ref["bytes_down"]  # every sampled client downloaded the model
+
+
+def test_fedbuffs_train_loss_is_the_buffer_it_applied(tmp_path, cache_dir):
+    """With more clients in flight than a buffer holds, a round's ``train_loss`` is the mean
+    loss of the updates the server applied (``strategy/train/train_loss``), not of the clients
+    that started in that round."""
+    buff = ["fleet=tiers", "fleet.compute=[1e6,1e7]", "partition.fraction_fit=0.5",
+            "strategy=fedbuff", "strategy.buffer_size=2", "strategy.concurrency=3", "rounds=3",
+            "federation.eval_every=3"]
+    _run(tmp_path / "buff", buff, cache_dir)
+    rows = read_jsonl(tmp_path / "buff" / "metrics.jsonl")
+    assert all(r["clients_sampled"] > 0 for r in rows)
+    assert [r["train_loss"] for r in rows] == [r["strategy/train/train_loss"] for r in rows]

@@ -356,6 +356,9 @@ def _train_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd: in
     with state.streams.use("train"):  # DP noise: numpy's generator
         new_arrays, train_metrics = _aggregated(strategy, strategy.aggregate_train(
             rnd, [replies[p] for p in sorted(replies)]), rnd)
+    if asynchronous:  # the loss of the updates applied, not of the clients started now
+        loss = (train_metrics or {}).get("train_loss")
+        train_loss = float(loss) if loss is not None else None
     if new_arrays is not None:
         _check_arrays(strategy, new_arrays, state.arrays, rnd)
         state.arrays = _in_dtypes_of(state.arrays, new_arrays)
@@ -365,7 +368,8 @@ def _train_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd: in
     row = {"round": rnd, "lr": plan.lr_at(rnd), "clients_sampled": len(sent),
            "clients_trained": len(screened.good), "clients_failed": len(screened.dropped),
            "failures": screened.counts(),
-           "late_clients": sorted(c for c, kind, _ in screened.dropped if kind == "timeout"),
+           "late_clients": sorted(c for c, kind, _ in screened.dropped
+                                  if kind in ("timeout", "sim_late")),
            "train_loss": train_loss,
            "global_acc": None, "global_loss": None, "client_acc": None,
            "client_acc_weighted": None, "clients_evaluated": None, **_privacy_row(strategy),
@@ -382,12 +386,14 @@ SIM_DROPS = {"offline": "went offline before it finished",
              "discarded": "beyond fleet.keep_first"}
 
 
-def _drop_simulated(screened: Screened, replies: dict, sent: dict,
+def _drop_simulated(screened: Screened, replies: dict, sent: dict, up: dict,
                     dropped: dict[int, str]) -> dict:
     """The clients the clock drops (``{client: why}``) leave ``screened.good`` and get an error
-    reply as a real timeout's or disconnection's would; returns the row's ``sim_<why>``
+    reply as a real timeout's or disconnection's would; what they would have sent never
+    arrives, so it leaves ``up`` (the round's ``bytes_up``). Returns the row's ``sim_<why>``
     counts."""
     for cid, why in sorted(dropped.items()):
+        up.pop(cid, None)
         screened.dropped.append((cid, f"sim_{why}", SIM_DROPS[why]))
         replies[cid] = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
                                      reason=f"sim_{why}: {SIM_DROPS[why]}"), reply_to=sent[cid])
@@ -403,7 +409,7 @@ def _simulated_round(fleet, start: float, state: ServerState, screened: Screened
     ``keep_first``) are dropped (:func:`_drop_simulated`); the clock moves to the round's end;
     returns the row's ``sim_*`` keys."""
     dropped, seconds = fleet.round(start, [cid for cid, _ in screened.good], down, up)
-    counts = _drop_simulated(screened, replies, sent, dropped)
+    counts = _drop_simulated(screened, replies, sent, up, dropped)
     previous, state.sim_time = state.sim_time, start + seconds
     return {"sim_round_s": state.sim_time - previous, "sim_time_s": state.sim_time, **counts}
 
@@ -420,7 +426,7 @@ def _arrivals(fleet, start: float, strategy, screened: Screened, replies: dict, 
             offline[cid] = "offline"
         else:
             strategy.arrivals[cid] = (start, seconds)
-    return _drop_simulated(screened, replies, sent, offline)
+    return _drop_simulated(screened, replies, sent, up, offline)
 
 
 def _evaluate_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd: int,
