@@ -208,6 +208,32 @@ def write_partition(run_dir: Path, cfg: RunConfig, prep: PreparedRun, *, stats: 
                          class_names=list(source.prepared.class_names))
 
 
+class Background:
+    """``fn()`` in a thread from now, for work a run needs at its end but not before (a plot of
+    its partition): it overlaps the rounds, whose time is mostly the workers' (other processes
+    on Ray; torch's native kernels in process). :meth:`join` waits and raises what ``fn``
+    raised."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        import threading
+
+        self.error: Optional[BaseException] = None
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as err:  # noqa: BLE001 - raised again in join()
+                self.error = err
+
+        self.thread = threading.Thread(target=run, name="fedadapt-background", daemon=True)
+        self.thread.start()
+
+    def join(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
 def open_tracker(cfg: RunConfig, run_dir: Path, config_yaml: str, label: str,
                   resume_round: int = 0):
     """The run's :class:`fedadapt.tracking.Tracker` (no-op unless ``tracking.*`` is on)."""

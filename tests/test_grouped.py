@@ -497,3 +497,25 @@ def test_the_flat_optimizer_steps_as_the_per_tensor_one(opt):
         for n in plain:
             torch.testing.assert_close(flat_leaves[n].detach(), plain[n].detach(), rtol=1e-6,
                                        atol=1e-7, msg=f"{opt} step {step} {n}")
+
+
+def test_clients_of_different_tiers_train_in_one_group_as_alone(cache_dir):
+    """Multi-tier (and ``tiers_from=fleet``): a worker no longer splits its clients by tier;
+    a group of clients at exits 0, 1 and 2 (each its own tier: its exit every step, or anytime
+    below its device's cap) equals each client alone."""
+    prep = prepared(cache_dir, AccumulatorConfig(head_hidden=[16], parallel_adapter=True,
+                                                 adapter_bottleneck=4),
+                    backbone=TINY_VIT, setting=SettingConfig(name="multitier"))
+    tiers = [replace(j, exits=[i % 3]) for i, j in enumerate(jobs_for(prep, 6))]
+    assert_same(prep, tiers)
+    capped = [replace(j, exits=list(range(i % 3 + 1))) for i, j in enumerate(jobs_for(prep, 6))]
+    assert_same(prep, capped)
+
+
+def test_a_worker_groups_clients_across_tiers():
+    from fedadapt.federation.worker import _groups
+
+    jobs = [ClientJob(cid=i, indices=np.arange(3), tensors={}, seed=i, exits=[i % 3])
+            for i in range(7)]
+    groups = _groups(jobs, 4, {i: (0.1, 0.0) for i in range(7)})
+    assert [[j.cid for j in g] for _, g in groups] == [[0, 1, 2, 3], [4, 5, 6]]

@@ -189,13 +189,14 @@ def _run_group(spec: RunSpec, model, jobs: list[ClientJob], lr: float, mu: float
 
 def _groups(jobs: list[ClientJob], size: int, rates: dict[int, tuple[float, float]]
             ) -> list[tuple[tuple[float, float], list[ClientJob]]]:
-    """Clients with the same exits (a tier), the same ``(lr, mu)`` and the same folded frozen
-    weights (FLoRA's and FedEx-LoRA's ``base_delta``: the same received tensors) train
-    together, ``size`` at a time."""
+    """Clients with the same ``(lr, mu)`` and the same folded frozen weights (FLoRA's and
+    FedEx-LoRA's ``base_delta``: the same received tensors) train together, ``size`` at a
+    time, whatever exits they train (tiers share a group: each deeper block runs on the
+    clients that go deeper)."""
     by_key: dict[tuple, list[ClientJob]] = {}
     for job in jobs:
         folded = tuple(sorted((n, id(t)) for n, t in _folded(job).items()))
-        by_key.setdefault((tuple(job.exits or ()), rates[job.cid], folded), []).append(job)
+        by_key.setdefault((rates[job.cid], folded), []).append(job)
     return [(key[1], group[i:i + size]) for key, group in by_key.items()
             for i in range(0, len(group), max(1, size))]
 
