@@ -456,7 +456,8 @@ def _plan_slots(jobs: list[ClientJob], scheds: list[_Schedule], rows: int,
         width.append(m)
         perms.append(perm)
         exits.append(None if drawn[0] is None else [drawn[k] for k in ks])
-        batch_rows.append(np.concatenate([_padded(_batch(sch[k], t), rows) for k in ks]))
+        batch_rows.append(np.concatenate([_padded(_batch(sch[k], t, sch[0]), rows)
+                                          for k in ks]))
         sources.append(ks)
         for k in ks:
             b = len(sch[k].batches[t]) if t < len(sch[k].batches) else 0
@@ -469,10 +470,12 @@ def _plan_slots(jobs: list[ClientJob], scheds: list[_Schedule], rows: int,
                  sizes=np.asarray(sizes, dtype=np.float64))
 
 
-def _batch(sched: _Schedule, t: int) -> np.ndarray:
+def _batch(sched: _Schedule, t: int, first: _Schedule) -> np.ndarray:
     """The slot's batch at step ``t``; a finished slot's padding (its last batch's first
-    index, whose rows weigh 0)."""
-    return sched.batches[t] if t < len(sched.batches) else sched.batches[-1][:1]
+    index, or the first slot's for a client without data: rows that weigh 0)."""
+    if t < len(sched.batches):
+        return sched.batches[t]
+    return (sched.batches or first.batches)[-1][:1]
 
 
 def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -683,7 +686,7 @@ def _slot_stream(source: DataSource, slot_jobs: list[ClientJob], plan: _Plan,
     from fedadapt.data.sources import stream_parts
 
     return stream_parts([[(slot_jobs[k].source or source,
-                           _padded(_batch(plan.scheds[k], t), rows)) for k in ks]
+                           _padded(_batch(plan.scheds[k], t, plan.scheds[0]), rows)) for k in ks]
                          for t, ks in enumerate(plan.sources)], dev, crops)
 
 
