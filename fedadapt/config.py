@@ -376,8 +376,9 @@ class FleetConfig:
     round's deadline in simulated seconds. ``none`` (the default) changes nothing."""
 
     #: ``none``, ``tiers`` (``compute[i]`` for a seeded share ``fractions[i]`` of the clients),
-    #: ``lognormal`` (compute and bandwidths drawn log-normally around their medians) or
-    #: ``trace`` (as ``tiers``, availability read from the CSV ``trace``).
+    #: ``lognormal`` (compute and bandwidths drawn log-normally around their medians),
+    #: ``trace`` (as ``tiers``, availability read from the CSV ``trace``) or ``fedscale``
+    #: (FedScale's device traces: speeds from ``capacity``, availability from ``behaviour``).
     name: str = "none"
     #: tiers / trace: each tier's compute in FLOP/s, slowest first.
     compute: list[float] = field(default_factory=lambda: [1e9, 3e9, 1e10])
@@ -401,6 +402,13 @@ class FleetConfig:
     #: Over-selection: keep only the first N clients to arrive (the others are discarded, as
     #: FedScale's over-commitment); null: every client that arrives in time.
     keep_first: Optional[int] = None
+    #: fedscale: FedScale's ``client_device_capacity`` pickle (client id -> ``{'computation': ms
+    #: per sample, 'communication': kbit/s}``), read as FedScale's simulator reads it.
+    capacity: Optional[str] = None
+    #: fedscale: FedScale's ``client_behave_trace`` pickle (client id -> ``{'active': [s],
+    #: 'inactive': [s], 'finish_time': s, ...}``, cycling every ``finish_time``); null: every
+    #: device always available.
+    behaviour: Optional[str] = None
 
 
 @dataclass
@@ -554,7 +562,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     check(cfg.setting.tiers_from != "fleet" or (cfg.fleet.name != "none"
                                                and cfg.federation.round_timeout is not None),
           "setting.tiers_from", cfg.setting.tiers_from,
-          "'fleet' needs a fleet (fleet=tiers|lognormal|trace) and its deadline "
+          "'fleet' needs a fleet (fleet=tiers|lognormal|trace|fedscale) and its deadline "
           "(federation.round_timeout, in simulated seconds)")
     check(cfg.backbone.image_size >= 8, "backbone.image_size", cfg.backbone.image_size,
           "must be >= 8")
@@ -710,7 +718,11 @@ def _validate_faults(fl: FaultConfig, f: FederationConfig) -> None:
            "a 'straggler' fault needs faults.delay_s > 0 (how many seconds late it replies)")
 
 
-FLEETS = ("none", "tiers", "lognormal", "trace")
+FLEETS = ("none", "tiers", "lognormal", "trace", "fedscale")
+#: Where FedScale publishes its device traces (said when ``fleet.capacity`` is missing).
+FEDSCALE_TRACES = ("FedScale publishes client_device_capacity and client_behave_trace in "
+                   "https://github.com/SymbioticLab/FedScale under "
+                   "benchmark/dataset/data/device_info/")
 
 
 def _validate_fleet(fl: FleetConfig, p: PartitionConfig) -> None:
@@ -742,6 +754,14 @@ def _validate_fleet(fl: FleetConfig, p: PartitionConfig) -> None:
           "other fleets take none")
     check(fl.name != "trace" or fl.mean_on is None, "fleet.mean_on", fl.mean_on,
           "fleet=trace reads availability from its CSV: leave fleet.mean_on null")
+    check((fl.name == "fedscale") == (fl.capacity is not None), "fleet.capacity", fl.capacity,
+          f"fleet=fedscale reads each device's speeds from fleet.capacity (FedScale's "
+          f"client_device_capacity pickle; {FEDSCALE_TRACES}); the other fleets take none")
+    check(fl.name == "fedscale" or fl.behaviour is None, "fleet.behaviour", fl.behaviour,
+          "only fleet=fedscale reads FedScale's client_behave_trace")
+    check(fl.name != "fedscale" or fl.mean_on is None, "fleet.mean_on", fl.mean_on,
+          "fleet=fedscale takes its availability from fleet.behaviour (null: always "
+          "available): leave fleet.mean_on null")
     check(fl.keep_first is None or fl.keep_first >= 1, "fleet.keep_first", fl.keep_first,
           "must be >= 1 or null")
 

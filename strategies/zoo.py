@@ -483,7 +483,7 @@ def markdown_table() -> str:
     for name, schema in strategy_schemas().items():
         cls = STRATEGIES[name]
         where = ("all (per-tensor mean under its own update)" if name in PER_TENSOR else
-                 "a fleet (fleet=tiers|lognormal|trace): asynchronous on its clock, each "
+                 "a fleet (fleet=tiers|lognormal|trace|fedscale): asynchronous on its clock, each "
                  "tensor over its senders; no dp=, no federation.round_timeout; see fleet.md"
                  if name in ASYNC else
                  "method=lora (plain LoRA for flora and fedex_lora), with or without "

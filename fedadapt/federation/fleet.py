@@ -1,13 +1,18 @@
-"""Simulated devices (``fleet=tiers|lognormal|trace``): a seeded profile per client and a
-simulated clock for the rounds; nothing sleeps.
+"""Simulated devices (``fleet=tiers|lognormal|trace|fedscale``): a seeded profile per client
+and a simulated clock for the rounds; nothing sleeps.
 
 * **Profiles** (:func:`profiles`): compute in FLOP/s, downlink and uplink in bytes/s. ``tiers``
   gives tier i's ``compute[i]`` to a seeded share ``fractions[i]`` of the clients (equal shares
   by default) and every client the same bandwidths; ``lognormal`` draws each client's compute
-  and bandwidths from log-normals around the medians (seeded per client).
+  and bandwidths from log-normals around the medians (seeded per client); ``fedscale`` gives
+  each client an entry of FedScale's ``client_device_capacity`` by a seeded draw, read as
+  FedScale's simulator reads it (3 x its ms per sample per training example, its kbit/s both
+  ways; :func:`read_capacity`, through :class:`TraceUnpickler`, which runs no code).
 * **Availability**: a two-state on/off process per client (exponential periods of means
   ``mean_on`` / ``mean_off``, the first state drawn from the stationary split), or the intervals
-  of a CSV trace (``client,start,end`` in simulated seconds), or always on.
+  of a CSV trace (``client,start,end`` in simulated seconds), or those of an entry of FedScale's
+  ``client_behave_trace`` repeating every ``finish_time`` (:func:`read_behaviour`), or always
+  on.
 * **A client's time in a round** (:meth:`Fleet.seconds`): its local training FLOPs (the model's
   FLOPs per training example at the client's exit, measured once with
   ``torch.utils.flop_counter``, times its examples and local epochs) / its FLOP/s, plus the
@@ -29,16 +34,26 @@ from __future__ import annotations
 
 import csv
 import math
-from dataclasses import asdict, dataclass
+import pickle
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 
-from fedadapt.config import ConfigError, FleetConfig
+from fedadapt.config import FEDSCALE_TRACES, ConfigError, FleetConfig
 
-#: The seed streams of the profiles and of each client's availability.
-PROFILE_STREAM, AVAILABILITY_STREAM = 0xF1EE7, 0xA7A1
+#: The seed streams of the profiles and of each client's availability (and of the draw of a
+#: FedScale behaviour entry per client).
+PROFILE_STREAM, AVAILABILITY_STREAM, BEHAVIOUR_STREAM = 0xF1EE7, 0xA7A1, 0xBE4A
+#: FedScale's completion time counts a training example as 3 forward passes (forward, and a
+#: backward of about twice its cost) of its measured per-sample latency.
+FEDSCALE_AUGMENTATION = 3.0
+#: FedScale's sizes are kbit of 1,024 bits (``bytes / 1024 * 8``) over bandwidths in kbit/s:
+#: one kbit/s carries this many bytes a second.
+KBPS_BYTES = 1024 / 8
+
+TraceId = Union[int, str]
 
 
 @dataclass(frozen=True)
@@ -49,11 +64,37 @@ class Profile:
     downlink: float  # bytes/s
     uplink: float  # bytes/s
     tier: Optional[int] = None  # tiers / trace: its index in fleet.compute (0: slowest)
+    #: fedscale: the client_device_capacity entry it was given, its milliseconds per sample
+    #: (one forward) and its kbit/s (both ways), as the file holds them.
+    capacity_id: Optional[TraceId] = None
+    ms_per_sample: Optional[float] = None
+    kbps: Optional[float] = None
+    #: fedscale with fleet.behaviour: the client_behave_trace entry it was given.
+    behaviour_id: Optional[TraceId] = None
 
 
-def profiles(cfg: FleetConfig, num_clients: int, seed: int) -> list[Profile]:
-    """Each client's seeded :class:`Profile`."""
+def profiles(cfg: FleetConfig, num_clients: int, seed: int,
+             reference_flops: float = 1.0) -> list[Profile]:
+    """Each client's seeded :class:`Profile`. ``fedscale``: each client is given a
+    ``fleet.capacity`` entry by a seeded draw (:func:`draw_entries`), its compute the FLOP/s at
+    which one training example of ``reference_flops`` (the run's model's own training step)
+    takes FedScale's time, 3 x its milliseconds per sample; its bandwidths its kbit/s both
+    ways (the default ``reference_flops`` of 1 keeps only the devices' order)."""
     rng = np.random.default_rng([int(seed), PROFILE_STREAM])
+    if cfg.name == "fedscale":
+        capacity = read_capacity(cfg.capacity)
+        out = []
+        for key in draw_entries(list(capacity), num_clients, rng):
+            ms, kbps = capacity[key]
+            out.append(Profile(reference_flops / (FEDSCALE_AUGMENTATION * ms / 1000.0),
+                               kbps * KBPS_BYTES, kbps * KBPS_BYTES, capacity_id=key,
+                               ms_per_sample=ms, kbps=kbps))
+        if cfg.behaviour is not None:
+            behaviour = read_behaviour(cfg.behaviour)
+            keys = draw_entries(list(behaviour), num_clients,
+                                np.random.default_rng([int(seed), BEHAVIOUR_STREAM]))
+            out = [replace(p, behaviour_id=k) for p, k in zip(out, keys)]
+        return out
     if cfg.name == "lognormal":
         c = cfg.compute_median * np.exp(cfg.compute_sigma * rng.standard_normal(num_clients))
         d = cfg.downlink * np.exp(cfg.bandwidth_sigma * rng.standard_normal(num_clients))
@@ -111,19 +152,200 @@ def read_trace(path: str, num_clients: int) -> list[list[tuple[float, float]]]:
     return out
 
 
+# -- FedScale's device traces ------------------------------------------------------------------
+
+def draw_entries(keys: list, num_clients: int, rng: np.random.Generator) -> list:
+    """The trace entry of each of ``num_clients`` clients, drawn (seeded) from ``keys``:
+    distinct entries while there are enough; with more clients than entries, every entry is
+    used as evenly as can be (each in one seeded pass over them, then the next)."""
+    keys = sorted(keys, key=lambda k: (isinstance(k, str), k))
+    if num_clients <= len(keys):
+        return [keys[i] for i in rng.choice(len(keys), num_clients, replace=False)]
+    passes = math.ceil(num_clients / len(keys))
+    order = np.concatenate([rng.permutation(len(keys)) for _ in range(passes)])
+    return [keys[i] for i in order[:num_clients]]
+
+
+def _numeric_dtype(obj, align=False, copy=False):
+    """numpy's ``dtype`` for a number's dtype only (a numpy scalar in a pickle names it)."""
+    if not isinstance(obj, str) or np.dtype(obj).kind not in "biuf":
+        raise pickle.UnpicklingError(f"it names numpy.dtype({obj!r}); only numbers are read")
+    return np.dtype(obj)
+
+
+def _numeric_scalar(dtype, data=None):
+    """A numpy number in a pickle (``numpy.core.multiarray.scalar``), as a Python number."""
+    if not (isinstance(dtype, np.dtype) and dtype.kind in "biuf" and isinstance(data, bytes)
+            and len(data) == dtype.itemsize):
+        raise pickle.UnpicklingError("it holds a numpy scalar that is not a number")
+    return np.frombuffer(data, dtype=dtype)[0].item()
+
+
+_NUMPY_SCALARS = {("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar")}
+
+
+class TraceUnpickler(pickle.Unpickler):
+    """An unpickler that builds dicts, lists, tuples, numbers (numpy's too), strings and None
+    only: a pickle that names any other class or function (``os.system``, a ``__reduce__``
+    payload) is refused before anything runs."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _NUMPY_SCALARS:
+            return _numeric_scalar
+        if (module, name) == ("numpy", "dtype"):
+            return _numeric_dtype
+        raise pickle.UnpicklingError(f"it names {module}.{name}; a trace holds only dicts, "
+                                     f"lists, tuples, numbers, strings and None")
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("it holds a persistent id")
+
+
+#: The traces read, by (path, size, modification time): the profiles are asked for more than
+#: once while a run is prepared (tiers, ranks, the fleet), and FedScale's files are large.
+_TRACES: dict[tuple, object] = {}
+
+
+def _load_trace(path: str, key: str, what: str) -> tuple[str, dict]:
+    """``(where, data)``: the pickle at ``path`` (``key``: the config key that names it) read
+    by :class:`TraceUnpickler`; :class:`ConfigError` naming the key, in one line, for a file
+    that is missing, not such a pickle, or not a non-empty dict."""
+    where = f"{key}={path!r}"
+    file = Path(path).expanduser()
+    try:
+        stat = file.stat()
+    except OSError:
+        raise ConfigError(f"{where} is invalid: no such file ({FEDSCALE_TRACES})") from None
+    cache = (str(file.resolve()), stat.st_size, stat.st_mtime_ns)
+    if cache not in _TRACES:
+        try:
+            with open(file, "rb") as fh:
+                data = TraceUnpickler(fh).load()
+        except pickle.UnpicklingError as err:
+            raise ConfigError(f"{where} is invalid: refused, {_one_line(err)}") from None
+        except Exception as err:  # a truncated or foreign file
+            raise ConfigError(f"{where} is invalid: not a pickle FedScale's simulator reads "
+                              f"({type(err).__name__}: {_one_line(err)})") from None
+        if len(_TRACES) >= 4:
+            _TRACES.clear()
+        _TRACES[cache] = data
+    data = _TRACES[cache]
+    if not isinstance(data, dict) or not data:
+        raise ConfigError(f"{where} is invalid: {what} (it holds "
+                          f"{'an empty dict' if isinstance(data, dict) else type(data).__name__})")
+    for cid in data:
+        if isinstance(cid, bool) or not isinstance(cid, (int, str)):
+            raise ConfigError(f"{where} is invalid: client id {cid!r} is not an integer or a "
+                              f"string ({what})")
+    return where, data
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def read_capacity(path: str) -> dict[TraceId, tuple[float, float]]:
+    """FedScale's ``client_device_capacity``: ``{client id: (ms per sample, kbit/s)}`` from its
+    ``{'computation': ms, 'communication': kbit/s}``; :class:`ConfigError` naming
+    ``fleet.capacity`` and the entry's key for a wrong shape or a speed that is not > 0."""
+    what = ("a pickled dict of client id -> {'computation': ms per sample, 'communication': "
+            "kbit/s} (FedScale's client_device_capacity)")
+    where, data = _load_trace(path, "fleet.capacity", what)
+    out = {}
+    for cid, entry in data.items():
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{where} is invalid: client {cid!r}'s entry is "
+                              f"{type(entry).__name__}, not a dict with 'computation' and "
+                              f"'communication' ({what})")
+        speeds = []
+        for name in ("computation", "communication"):
+            value = entry.get(name)
+            if not _number(value):
+                raise ConfigError(f"{where} is invalid: client {cid!r} has "
+                                  f"{'no' if value is None else repr(value)} {name!r}: a "
+                                  f"number is needed ({what})")
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{where} is invalid: client {cid!r}'s {name!r} is {value}: "
+                                  f"a speed must be > 0")
+            speeds.append(float(value))
+        out[cid] = (speeds[0], speeds[1])
+    return out
+
+
+def read_behaviour(path: str) -> dict[TraceId, tuple[float, list[tuple[float, float]]]]:
+    """FedScale's ``client_behave_trace``: ``{client id: (finish_time, [(active, inactive),
+    ...])}``, the intervals (seconds into a cycle of ``finish_time``) sorted, merged and cut at
+    ``finish_time`` (FedScale reads the clock modulo ``finish_time``: nothing later is ever
+    reached); ``duration`` and ``model`` are not used. :class:`ConfigError` naming
+    ``fleet.behaviour`` and the entry's key for a wrong shape, or an interval that ends before
+    it starts."""
+    what = ("a pickled dict of client id -> {'active': [s], 'inactive': [s], 'finish_time': s, "
+            "...} (FedScale's client_behave_trace)")
+    where, data = _load_trace(path, "fleet.behaviour", what)
+    out = {}
+    for cid, entry in data.items():
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{where} is invalid: client {cid!r}'s entry is "
+                              f"{type(entry).__name__}, not a dict ({what})")
+        finish = entry.get("finish_time")
+        if not (_number(finish) and math.isfinite(finish) and finish > 0):
+            raise ConfigError(f"{where} is invalid: client {cid!r}'s 'finish_time' is "
+                              f"{finish!r}: a cycle of > 0 seconds is needed ({what})")
+        lists = [entry.get(name) for name in ("active", "inactive")]
+        for name, values in zip(("active", "inactive"), lists):
+            if not (isinstance(values, (list, tuple)) and all(
+                    _number(v) and math.isfinite(v) for v in values)):
+                raise ConfigError(f"{where} is invalid: client {cid!r}'s {name!r} is not a list "
+                                  f"of numbers ({what})")
+        if len(lists[0]) != len(lists[1]):
+            raise ConfigError(f"{where} is invalid: client {cid!r} has {len(lists[0])} "
+                              f"'active' and {len(lists[1])} 'inactive' times: one of each per "
+                              f"interval")
+        spans = []
+        for i, (a, b) in enumerate(zip(*lists)):
+            if not 0 <= a <= b:
+                raise ConfigError(f"{where} is invalid: client {cid!r}'s interval {i} has "
+                                  f"'active' {a} and 'inactive' {b}: it needs 0 <= active <= "
+                                  f"inactive")
+            if a < finish and a < b:
+                spans.append((float(a), float(min(b, finish))))
+        spans.sort()
+        merged: list[tuple[float, float]] = []
+        for a, b in spans:
+            if merged and a <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        out[cid] = (float(finish), merged)
+    return out
+
+
 class Fleet:
     """The run's devices and their availability; :meth:`seconds` is a client's time in a
     round. ``work[cid]``: the FLOPs of the client's local training in one round."""
 
     def __init__(self, cfg: FleetConfig, num_clients: int, seed: int, work: list[float],
-                 deadline: Optional[float] = None) -> None:
+                 deadline: Optional[float] = None, reference_flops: float = 1.0) -> None:
         if len(work) != num_clients:
             raise ValueError(f"work for {len(work)} clients, the run has {num_clients}")
         self.cfg, self.seed, self.work = cfg, int(seed), [float(w) for w in work]
         self.deadline = deadline
         self.keep_first = cfg.keep_first
-        self.profiles = profiles(cfg, num_clients, seed)
+        self.reference_flops = float(reference_flops)
+        self.profiles = profiles(cfg, num_clients, seed, reference_flops)
         self._trace = read_trace(cfg.trace, num_clients) if cfg.name == "trace" else None
+        #: fedscale with fleet.behaviour: each client's (finish_time, intervals in a cycle);
+        #: None for one available all through its cycle
+        self._cycles: Optional[list[Optional[tuple[float, list[tuple[float, float]]]]]] = None
+        if cfg.name == "fedscale" and cfg.behaviour is not None:
+            behaviour = read_behaviour(cfg.behaviour)
+            self._cycles = [None if behaviour[p.behaviour_id][1] == [
+                (0.0, behaviour[p.behaviour_id][0])] else behaviour[p.behaviour_id]
+                for p in self.profiles]
         self._spans: list[list[tuple[float, float]]] = [[] for _ in range(num_clients)]
         self._until = [0.0] * num_clients  # how far each client's on/off process is drawn
         self._rngs: dict[int, np.random.Generator] = {}
@@ -148,10 +370,17 @@ class Fleet:
         return self.work[cid] / p.compute + bytes_down / p.downlink + bytes_up / p.uplink
 
     # -- availability -----------------------------------------------------------------------
+    def _always(self) -> bool:
+        """Every client always available (no on/off, trace or behaviour)."""
+        return self._trace is None and self._cycles is None and self.cfg.mean_on is None
+
     def _intervals(self, cid: int, t: float) -> list[tuple[float, float]]:
-        """The client's available intervals, drawn (on/off) at least up to ``t``."""
+        """The client's available intervals, drawn (on/off) or repeated (FedScale's cycles) at
+        least up to ``t``."""
         if self._trace is not None:
             return self._trace[cid]
+        if self._cycles is not None:
+            return self._cycled(cid, t)
         if self.cfg.mean_on is None:
             return [(0.0, math.inf)]
         rng = self._rngs.get(cid)
@@ -167,6 +396,26 @@ class Fleet:
             if self._on[cid]:
                 spans.append((start, end))
             self._until[cid], self._on[cid] = end, not self._on[cid]
+        return spans
+
+    def _cycled(self, cid: int, t: float) -> list[tuple[float, float]]:
+        """FedScale's availability: the entry's intervals in every cycle of ``finish_time``
+        seconds (FedScale reads its clock modulo ``finish_time``), repeated two cycles past
+        ``t``: an interval that reaches a cycle's end joins one at the next cycle's start, and
+        as a cycle has a gap (one without is always available), no joined interval is longer
+        than two cycles."""
+        if self._cycles[cid] is None:
+            return [(0.0, math.inf)]
+        finish, base = self._cycles[cid]
+        spans = self._spans[cid]
+        while base and self._until[cid] <= t + 2 * finish:
+            k0 = self._until[cid]
+            for a, b in base:
+                if spans and k0 + a <= spans[-1][1]:
+                    spans[-1] = (spans[-1][0], max(spans[-1][1], k0 + b))
+                else:
+                    spans.append((k0 + a, k0 + b))
+            self._until[cid] = k0 + finish
         return spans
 
     def online_until(self, cid: int, t: float) -> Optional[float]:
@@ -189,14 +438,18 @@ class Fleet:
 
     def _next_start(self, cid: int, t: float) -> Optional[float]:
         """When the client's next available interval after ``t`` starts (None: never)."""
-        if self._trace is None and self.cfg.mean_on is None:
+        if self._always():
             return None  # always available
+        if self._cycles is not None and self._cycles[cid] is None:
+            return None  # available all through its cycle
+        if self._cycles is not None and not self._cycles[cid][1]:
+            return None  # a FedScale entry without an interval: never available
         horizon = t
         while True:
             later = [a for a, _ in self._intervals(cid, horizon) if a > t]
             if later or self._trace is not None:
                 return later[0] if later else None
-            horizon = self._until[cid]  # draw the next period
+            horizon = self._until[cid]  # draw (or repeat) the next period
 
     def next_available(self, t: float) -> Optional[float]:
         """The first time >= ``t`` at which some client is available (None: never again)."""
@@ -233,11 +486,39 @@ class Fleet:
             end = max(end, arrived[-1][0])
         return dropped, end
 
+    def notes(self) -> list[str]:
+        """What a user should be told about the fleet (a FedScale trace with fewer entries
+        than the run has clients)."""
+        out = []
+        if self.cfg.name != "fedscale":
+            return out
+        for key, path, field in (("fleet.capacity", self.cfg.capacity, "capacity_id"),
+                                 ("fleet.behaviour", self.cfg.behaviour, "behaviour_id")):
+            if path is None:
+                continue
+            entries = len(read_capacity(path) if field == "capacity_id" else read_behaviour(path))
+            if entries < self.num_clients:
+                most = max(np.unique([str(getattr(p, field)) for p in self.profiles],
+                                     return_counts=True)[1])
+                out.append(f"fleet=fedscale: {self.num_clients} clients and {entries} entries "
+                           f"in {key}: entries are reused (a seeded draw; each by at most "
+                           f"{most} clients)")
+        return out
+
     def describe(self) -> dict:
-        """What ``fleet.json`` holds: the config, each client's profile and work."""
+        """What ``fleet.json`` holds: the config, each client's profile and work (fedscale:
+        the trace entries it was given, as the files hold them, and its availability's cycle),
+        and the notes."""
+        clients = []
+        for c, p in enumerate(self.profiles):
+            row = {k: v for k, v in asdict(p).items() if v is not None or k == "tier"}
+            if self._cycles is not None and self._cycles[c] is not None:
+                row["cycle_s"], row["available"] = self._cycles[c][0], self._cycles[c][1]
+            clients.append({"client": c, **row, "train_flops": self.work[c]})
         return {"config": asdict(self.cfg), "seed": self.seed, "deadline_s": self.deadline,
-                "clients": [{"client": c, **asdict(p), "train_flops": self.work[c]}
-                            for c, p in enumerate(self.profiles)]}
+                **({"reference_flops": self.reference_flops} if self.cfg.name == "fedscale"
+                   else {}),
+                "notes": self.notes(), "clients": clients}
 
 
 
@@ -308,7 +589,9 @@ def tiers_from_fleet(cfg, spec, model) -> list[int]:
     flops = {e: _flops_at(spec, model, [d for d in exits if d <= e] if anytime else [e])
              for e in exits}
     out = []
-    for client, p in zip(spec.clients, profiles(cfg.fleet, spec.num_clients, cfg.seed)):
+    reference = _flops_at(spec, model, None) if cfg.fleet.name == "fedscale" else 1.0
+    for client, p in zip(spec.clients, profiles(cfg.fleet, spec.num_clients, cfg.seed,
+                                                reference)):
         work = len(client.train) * cfg.train.local_epochs / p.compute
         fits = [e for e in exits if flops[e] * work <= cfg.federation.round_timeout]
         out.append(fits[-1] if fits else exits[0])
@@ -322,11 +605,19 @@ def build_fleet(cfg, spec, model) -> Optional[Fleet]:
 
     if cfg.fleet.name == "none":
         return None
+    from fedadapt.log import log
+
     work = [_flops_at(spec, model, client_exits(spec, cid)) * len(client.train)
             * cfg.train.local_epochs for cid, client in enumerate(spec.clients)]
-    return Fleet(cfg.fleet, spec.num_clients, cfg.seed, work,
-                 deadline=cfg.federation.round_timeout)
+    fleet = Fleet(cfg.fleet, spec.num_clients, cfg.seed, work,
+                  deadline=cfg.federation.round_timeout,
+                  reference_flops=(_flops_at(spec, model, None) if cfg.fleet.name == "fedscale"
+                                   else 1.0))
+    for note in fleet.notes():
+        log(note)
+    return fleet
 
 
-__all__ = ["Fleet", "Profile", "build_fleet", "profiles", "read_trace", "tiers_from_fleet",
+__all__ = ["Fleet", "Profile", "TraceUnpickler", "build_fleet", "draw_entries", "profiles",
+           "read_behaviour", "read_capacity", "read_trace", "tiers_from_fleet",
            "train_flops_per_example"]

@@ -602,7 +602,7 @@ def check_strategy(cfg: RunConfig, prep: PreparedRun) -> None:
                           f"clients of different ranks)")
     if name == "fedbuff" and cfg.fleet.name == "none":
         raise ConfigError("strategy=fedbuff is invalid without a fleet: its clients arrive on a "
-                          "simulated clock (fleet=tiers|lognormal|trace)")
+                          "simulated clock (fleet=tiers|lognormal|trace|fedscale)")
     if name == "fedbuff" and cfg.federation.round_timeout is not None:
         raise ConfigError(f"federation.round_timeout={cfg.federation.round_timeout} is invalid "
                           f"with strategy=fedbuff: it has no rounds to time out (the server "
