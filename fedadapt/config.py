@@ -409,6 +409,10 @@ class FleetConfig:
     #: 'inactive': [s], 'finish_time': s, ...}``, cycling every ``finish_time``); null: every
     #: device always available.
     behaviour: Optional[str] = None
+    #: A client that cannot finish by the deadline (``federation.round_timeout``) trains the
+    #: share of its examples it can in time and sends that (its weight scaled by its work)
+    #: instead of being dropped; ``sim_partial`` counts them per round.
+    partial_work: bool = False
 
 
 @dataclass
@@ -564,6 +568,11 @@ def validate(cfg: RunConfig) -> RunConfig:
           "setting.tiers_from", cfg.setting.tiers_from,
           "'fleet' needs a fleet (fleet=tiers|lognormal|trace|fedscale) and its deadline "
           "(federation.round_timeout, in simulated seconds)")
+    check(not cfg.fleet.partial_work or (cfg.fleet.name != "none"
+                                         and cfg.federation.round_timeout is not None),
+          "fleet.partial_work", cfg.fleet.partial_work,
+          "true needs a fleet and its deadline federation.round_timeout (simulated seconds), "
+          "at which a client's work is cut (not strategy=fedbuff, which has no deadline)")
     check(cfg.backbone.image_size >= 8, "backbone.image_size", cfg.backbone.image_size,
           "must be >= 8")
     _check_domains(cfg)

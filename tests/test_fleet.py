@@ -414,3 +414,90 @@ def test_fedbuffs_train_loss_is_the_buffer_it_applied(tmp_path, cache_dir):
     rows = read_jsonl(tmp_path / "buff" / "metrics.jsonl")
     assert all(r["clients_sampled"] > 0 for r in rows)
     assert [r["train_loss"] for r in rows] == [r["strategy/train/train_loss"] for r in rows]
+
+
+# -- fleet.partial_work ------------------------------------------------------------------------
+
+def test_a_client_that_cannot_finish_trains_the_examples_it_can_by_the_deadline():
+    """Worked by hand: 20 examples, 1 FLOP each, 300 bytes down at 100 B/s and 100 up at
+    50 B/s (5 s), a deadline of 10 s. The 1 FLOP/s device has 5 s left to train: 5 examples,
+    arriving at 10 s. The 10 FLOP/s device trains all 20 (2 s + 5 s)."""
+    cfg = FleetConfig(name="tiers", compute=[1.0, 10.0], downlink=100.0, uplink=50.0,
+                      partial_work=True)
+    fleet = Fleet(cfg, 4, 0, [20.0] * 4, deadline=10.0, examples=[20] * 4)
+    slow = [c for c, p in enumerate(fleet.profiles) if p.tier == 0]
+    fast = [c for c in range(4) if c not in slow]
+    assert [fleet.partial_examples(c, 300, 100) for c in slow] == [5] * len(slow)
+    assert [fleet.partial_examples(c, 300, 100) for c in fast] == [20] * len(fast)
+    assert fleet.partial_examples(slow[0], 1000, 0) == 0  # its bytes alone take the deadline
+    trained = {c: 5 for c in slow}
+    dropped, seconds = fleet.round(0.0, [0, 1, 2, 3], {c: 300 for c in range(4)},
+                                   {c: 100 for c in range(4)}, trained)
+    assert dropped == {} and seconds == pytest.approx(10.0)
+    assert fleet.seconds(slow[0], 300, 100, 5) == pytest.approx(10.0)
+    without = _fleet([20.0] * 4, deadline=10.0)
+    assert without.round(0.0, [0, 1, 2, 3], {c: 300 for c in range(4)},
+                         {c: 100 for c in range(4)})[0] == {c: "late" for c in slow}
+    # partial work: a deadline is met when one example fits in it
+    Fleet(cfg, 4, 0, [20.0] * 4, deadline=1.5, examples=[20] * 4)
+    with pytest.raises(ConfigError, match="fastest needs 0.1 simulated seconds to train one"):
+        Fleet(cfg, 4, 0, [20.0] * 4, deadline=0.05, examples=[20] * 4)
+
+
+#: (client, train-examples in its config, num-examples and unit-weight in its reply) per
+#: trained client, recorded by :func:`recording_mod`.
+SEEN: list[tuple] = []
+
+
+def recording_mod(msg, context, call_next):
+    reply = call_next(msg, context)
+    metrics = reply.content["metrics"]
+    SEEN.append((int(context.node_config["partition-id"]),
+                 msg.content["config"].get("train-examples"), int(metrics["num-examples"]),
+                 float(metrics["unit-weight"])))
+    return reply
+
+
+def test_partial_work_sends_what_was_trained_by_the_deadline_weighted_by_it(tmp_path,
+                                                                           cache_dir):
+    """fleet.partial_work=true with a deadline between the tiers: the slow clients train a
+    share of their examples and arrive in time (``sim_partial``, none late), their replies
+    weighted by the examples they trained; with a generous deadline nothing is cut and the run
+    is the run without partial work, to the digit."""
+    import json
+
+    from fedadapt.entry import compose_config, to_run_config
+    from fedadapt.experiment import prepare_run
+
+    fleet = ["fleet=tiers", "fleet.compute=[1e3,1e6]", "partition.fraction_fit=1.0", "rounds=2",
+             "federation.train_mods=[test_fleet:recording_mod]"]
+    _run(tmp_path / "ref", [*fleet, "federation.round_timeout=1e9"], cache_dir)
+    SEEN.clear()
+    _run(tmp_path / "generous", [*fleet, "federation.round_timeout=1e9", "fleet.partial_work=true"],
+         cache_dir)
+    ref, generous = (read_jsonl(tmp_path / d / "metrics.jsonl") for d in ("ref", "generous"))
+    keys = ("global_loss", "global_acc", "train_loss", "sim_time_s", "bytes_up", "client_acc")
+    assert [[r[k] for k in keys] for r in generous] == [[r[k] for k in keys] for r in ref]
+    assert [r["sim_partial"] for r in generous] == [0, 0] and "sim_partial" not in ref[0]
+    assert all(cut is None and share == 1.0 for _, cut, _, share in SEEN)
+
+    described = json.loads((tmp_path / "ref" / "fleet.json").read_text())["clients"]
+    slow = sorted(c["client"] for c in described if c["tier"] == 0)
+    fast_s = max(c["train_flops"] / c["compute"] for c in described if c["tier"] == 1)
+    slow_s = min(c["train_flops"] / c["compute"] for c in described if c["tier"] == 0)
+    deadline = math.sqrt(fast_s * slow_s)
+    SEEN.clear()
+    overrides = [*fleet, f"federation.round_timeout={deadline}", "fleet.partial_work=true"]
+    _run(tmp_path / "cut", overrides, cache_dir)
+    rows = read_jsonl(tmp_path / "cut" / "metrics.jsonl")
+    assert all(r["sim_partial"] == len(slow) and r["sim_late"] == 0 and r["late_clients"] == []
+               and r["clients_trained"] == 6 and r["sim_round_s"] <= deadline for r in rows)
+    assert rows[0]["bytes_up"] == ref[0]["bytes_up"]  # every client's update arrived
+    sizes = [len(c.train) for c in prepare_run(to_run_config(compose_config(
+        [*TINY, *overrides, f"cache_dir={cache_dir}"])), quiet=True).spec.clients]
+    assert len(SEEN) == 12
+    for cid, cut, sent, share in SEEN:
+        if cid in slow:  # trained the examples it could: so many in its reply, and its share
+            assert 0 < cut < sizes[cid] and sent == cut and share == cut / sizes[cid]
+        else:
+            assert cut is None and sent == sizes[cid] and share == 1.0

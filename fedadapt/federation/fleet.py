@@ -329,11 +329,18 @@ class Fleet:
     round. ``work[cid]``: the FLOPs of the client's local training in one round."""
 
     def __init__(self, cfg: FleetConfig, num_clients: int, seed: int, work: list[float],
-                 deadline: Optional[float] = None, reference_flops: float = 1.0) -> None:
+                 deadline: Optional[float] = None, reference_flops: float = 1.0,
+                 examples: Optional[list[int]] = None) -> None:
         if len(work) != num_clients:
             raise ValueError(f"work for {len(work)} clients, the run has {num_clients}")
         self.cfg, self.seed, self.work = cfg, int(seed), [float(w) for w in work]
         self.deadline = deadline
+        #: Each client's training examples (``work`` is for all of them); needed to cut a
+        #: client's work at the deadline (``fleet.partial_work``).
+        self.examples = None if examples is None else [int(n) for n in examples]
+        self.partial_work = bool(cfg.partial_work)
+        if self.partial_work and (self.examples is None or deadline is None):
+            raise ValueError("fleet.partial_work needs each client's examples and a deadline")
         self.keep_first = cfg.keep_first
         self.reference_flops = float(reference_flops)
         self.profiles = profiles(cfg, num_clients, seed, reference_flops)
@@ -351,23 +358,46 @@ class Fleet:
         self._rngs: dict[int, np.random.Generator] = {}
         self._on = [False] * num_clients
         if self.deadline is not None and self.work:
-            fastest = min(self.seconds(c, 0, 0) for c in range(num_clients))
+            least = 1 if self.partial_work else None  # partial work: one example will do
+            fastest = min(self.seconds(c, 0, 0, least) for c in range(num_clients))
             if fastest > self.deadline:
                 raise ConfigError(
                     f"federation.round_timeout={self.deadline} is invalid with fleet="
                     f"{cfg.name}: no client can meet it (the fastest needs {fastest:.4g} "
-                    f"simulated seconds to train, before any bytes travel)")
+                    f"simulated seconds to train{' one example' if least else ''}, before any "
+                    f"bytes travel)")
 
     @property
     def num_clients(self) -> int:
         return len(self.profiles)
 
     # -- time -------------------------------------------------------------------------------
-    def seconds(self, cid: int, bytes_down: int, bytes_up: int) -> float:
+    def seconds(self, cid: int, bytes_down: int, bytes_up: int,
+                examples: Optional[int] = None) -> float:
         """Client ``cid``'s simulated seconds in a round: its training FLOPs / its FLOP/s, plus
-        ``bytes_down`` / its downlink and ``bytes_up`` / its uplink."""
+        ``bytes_down`` / its downlink and ``bytes_up`` / its uplink. ``examples``: it trains
+        that many of its examples (``fleet.partial_work``), its FLOPs their share."""
         p = self.profiles[cid]
-        return self.work[cid] / p.compute + bytes_down / p.downlink + bytes_up / p.uplink
+        work = self.work[cid]
+        if examples is not None and self.examples is not None and self.examples[cid]:
+            work *= examples / self.examples[cid]
+        return work / p.compute + bytes_down / p.downlink + bytes_up / p.uplink
+
+    def partial_examples(self, cid: int, bytes_down: int, bytes_up: int) -> int:
+        """``fleet.partial_work``: how many of its examples client ``cid`` trains in a round so
+        that it arrives by the deadline, its bytes included (all of them: it finishes; 0: not
+        even one, or its bytes alone miss the deadline: it is late)."""
+        n = self.examples[cid]
+        if self.seconds(cid, bytes_down, bytes_up) <= self.deadline or n == 0:
+            return n
+        p = self.profiles[cid]
+        left = self.deadline - bytes_down / p.downlink - bytes_up / p.uplink
+        if left <= 0:
+            return 0
+        k = min(n, int(math.floor(left * p.compute / (self.work[cid] / n))))
+        while k > 0 and self.seconds(cid, bytes_down, bytes_up, k) > self.deadline:
+            k -= 1  # a rounding past the deadline
+        return k
 
     # -- availability -----------------------------------------------------------------------
     def _always(self) -> bool:
@@ -460,12 +490,16 @@ class Fleet:
 
     # -- the round --------------------------------------------------------------------------
     def round(self, start: float, sampled: list[int], sent: dict[int, int],
-              received: dict[int, int]) -> tuple[dict[int, str], float]:
+              received: dict[int, int], trained: Optional[dict[int, int]] = None
+              ) -> tuple[dict[int, str], float]:
         """The simulated round that starts at ``start`` with the clients ``sampled`` (those
-        that replied; ``sent`` / ``received``: the bytes each got and sent): ``({client: why}``
-        of the clients dropped (``offline``, ``late``, ``discarded``), the round's simulated
+        that replied; ``sent`` / ``received``: the bytes each got and sent; ``trained``: the
+        examples of those whose work was cut at the deadline): ``({client: why}`` of the
+        clients dropped (``offline``, ``late``, ``discarded``), the round's simulated
         seconds)."""
-        times = {c: self.seconds(c, sent.get(c, 0), received.get(c, 0)) for c in sampled}
+        trained = trained or {}
+        times = {c: self.seconds(c, sent.get(c, 0), received.get(c, 0), trained.get(c))
+                 for c in sampled}
         dropped: dict[int, str] = {}
         end = 0.0
         for c, t in times.items():
@@ -612,7 +646,8 @@ def build_fleet(cfg, spec, model) -> Optional[Fleet]:
     fleet = Fleet(cfg.fleet, spec.num_clients, cfg.seed, work,
                   deadline=cfg.federation.round_timeout,
                   reference_flops=(_flops_at(spec, model, None) if cfg.fleet.name == "fedscale"
-                                   else 1.0))
+                                   else 1.0),
+                  examples=[len(client.train) for client in spec.clients])
     for note in fleet.notes():
         log(note)
     return fleet

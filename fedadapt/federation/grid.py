@@ -191,6 +191,21 @@ class ClientGrid(Grid):
         self._down, self._up = {}, {}
         return out
 
+    def bytes_of(self, cid: int, content: RecordDict) -> tuple[int, int]:
+        """``(down, up)``: the bytes client ``cid`` receives of a message's ``content`` (as
+        :meth:`take_bytes` counts them), and sends back if it returns the tensors it trains as
+        it received them (at most that: a LoRA client of HetLoRA may send fewer)."""
+        from fedadapt.strategies.lora_het import is_base_delta
+
+        down = up = 0
+        for record in content.values():
+            if isinstance(record, ArrayRecord):
+                counted = self._counted(record, cid)
+                down += counted.count_bytes()
+                up += sum(len(a.data) + len(n) for n, a in counted.items()
+                          if not is_base_delta(n))
+        return down, up
+
     def take_nodes(self) -> dict[str, int]:
         """``{Ray node: clients whose replies it sent}`` since the last call (a worker tags
         its reply with its node; empty outside Ray)."""

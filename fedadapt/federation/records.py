@@ -32,6 +32,9 @@ NODE = "node"
 ERROR = "error"
 #: Train replies carry this metric (1 per client) for ``method.weighting=uniform``.
 UNIFORM_KEY = "unit-weight"
+#: The config key that tells a client how many of its training examples to train in a round
+#: (``fleet.partial_work``: its work cut at the simulated deadline); absent: all of them.
+TRAIN_EXAMPLES = "train-examples"
 
 
 def record(content: RecordDict, kind: type, name: str | None = None):

@@ -45,6 +45,7 @@ from flwr.serverapp.strategy import Result
 
 from fedadapt.config import FedadaptError
 from fedadapt.devices import return_freed_memory
+from fedadapt.federation import records
 from fedadapt.federation.faults import RoundFailed, Screened, require_enough, screen_clients
 from fedadapt.federation.grid import ClientGrid, Nodes, handshake, node_id
 from fedadapt.federation.interrupt import StoppableGrid
@@ -338,14 +339,18 @@ def _train_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd: in
                                  strategy.configure_train(rnd, state.arrays, config, grid), rnd)
     finally:
         grid.only = None
+    asynchronous = getattr(_inner(strategy), "asynchronous", False)
+    # fleet.partial_work: a client that cannot finish by the deadline trains what it can
+    cut = (_cut_work(fleet, grid, messages) if getattr(fleet, "partial_work", False)
+           and not asynchronous else {})
     sent, replies, screened = exchange(grid, messages, plan.timeout, expected, "training",
                                         rnd)
     down, up = grid.take_bytes()
-    asynchronous = getattr(_inner(strategy), "asynchronous", False)
     if fleet is not None and asynchronous:  # FedBuff: when each started client will arrive
         sim.update(_arrivals(fleet, start, _inner(strategy), screened, replies, sent, down, up))
     elif fleet is not None:  # the round on the simulated clock
-        sim.update(_simulated_round(fleet, start, state, screened, replies, sent, down, up))
+        sim.update(_simulated_round(fleet, start, state, screened, replies, sent, down, up,
+                                    cut))
     require_enough(screened, len(sent), plan.min_reply_fraction, rnd)
     served = grid.take_nodes()
     weight = getattr(_inner(strategy), "weighted_by_key", "num-examples")
@@ -402,14 +407,42 @@ def _drop_simulated(screened: Screened, replies: dict, sent: dict, up: dict,
     return {f"sim_{why}": whys.count(why) for why in SIM_DROPS}
 
 
+def _cut_work(fleet, grid: ClientGrid, messages: list[Message]) -> dict[int, int]:
+    """``fleet.partial_work``: each client that cannot finish by the deadline is told to
+    train the examples it can train in time (:meth:`Fleet.partial_examples
+    <fedadapt.federation.fleet.Fleet.partial_examples>`, its bytes counted as the grid will
+    count them), in its own copy of the message's config record (``train-examples``; the
+    other records stay shared). Returns ``{client: examples}`` of those clients; one that
+    cannot train even one example in time is left as it is, and is late."""
+    cut = {}
+    for msg in messages:
+        cid = grid.partition_of(msg.metadata.dst_node_id)
+        n = fleet.partial_examples(cid, *grid.bytes_of(cid, msg.content))
+        if not 0 < n < fleet.examples[cid]:
+            continue
+        content = RecordDict(dict(msg.content.items()))
+        name = "config" if isinstance(content.get("config"), ConfigRecord) else next(
+            (k for k, r in content.items() if isinstance(r, ConfigRecord)), "config")
+        content[name] = ConfigRecord({**dict(content.get(name) or {}),
+                                      records.TRAIN_EXAMPLES: n})
+        msg.content = content
+        cut[cid] = n
+    return cut
+
+
 def _simulated_round(fleet, start: float, state: ServerState, screened: Screened,
-                     replies: dict, sent: dict, down: dict, up: dict) -> dict:
+                     replies: dict, sent: dict, down: dict, up: dict,
+                     cut: Optional[dict[int, int]] = None) -> dict:
     """The round on the fleet's clock (:meth:`~fedadapt.federation.fleet.Fleet.round`): the
     clients it drops (offline before they finish, later than the deadline, beyond
     ``keep_first``) are dropped (:func:`_drop_simulated`); the clock moves to the round's end;
-    returns the row's ``sim_*`` keys."""
-    dropped, seconds = fleet.round(start, [cid for cid, _ in screened.good], down, up)
+    returns the row's ``sim_*`` keys (``sim_partial``, with ``fleet.partial_work``: the
+    clients kept whose work was cut at the deadline, ``cut``)."""
+    cut = cut or {}
+    dropped, seconds = fleet.round(start, [cid for cid, _ in screened.good], down, up, cut)
     counts = _drop_simulated(screened, replies, sent, up, dropped)
+    if getattr(fleet, "partial_work", False):
+        counts["sim_partial"] = sum(1 for cid, _ in screened.good if cid in cut)
     previous, state.sim_time = state.sim_time, start + seconds
     return {"sim_round_s": state.sim_time - previous, "sim_time_s": state.sim_time, **counts}
 

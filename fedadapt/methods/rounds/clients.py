@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
@@ -240,6 +241,7 @@ def train_views(spec: RunSpec, model, views: dict[int, RecordDict], deadline: De
     that was late."""
     replies: dict[int, RecordDict] = {}
     jobs, faults, rates, configs, received = [], {}, {}, {}, arrays_decoder()
+    examples: dict[int, int] = {}  # how many of its examples each client trains
     for cid, mine in views.items():
         try:
             config = configs[cid] = records.record(mine, ConfigRecord, "config")
@@ -252,7 +254,9 @@ def train_views(spec: RunSpec, model, views: dict[int, RecordDict], deadline: De
         except Exception as err:
             replies[cid] = records.error(reason_of(err))
             continue
-        jobs.append(ClientJob(cid=cid, indices=spec.clients[cid].train, tensors=tensors,
+        indices = _work_share(spec, cid, rnd, config.get(records.TRAIN_EXAMPLES))
+        examples[cid] = len(indices)
+        jobs.append(ClientJob(cid=cid, indices=indices, tensors=tensors,
                               seed=derive_seed(spec.seed, rnd, cid),
                               crop_seed=(derive_seed(spec.seed, rnd, cid, 7)
                                          if spec.train.crop_scale is not None else None),
@@ -281,12 +285,36 @@ def train_views(spec: RunSpec, model, views: dict[int, RecordDict], deadline: De
             arrays[n] = records.to_array(sent.pop(n))
         return RecordDict({
             "arrays": arrays,
-            "metrics": MetricRecord({"num-examples": len(spec.clients[cid].train),
-                                     records.UNIFORM_KEY: 1.0, "train_loss": res.loss})})
+            "metrics": MetricRecord({"num-examples": examples[cid],
+                                     records.UNIFORM_KEY: _share(spec, cid, examples[cid]),
+                                     "train_loss": res.loss})})
 
     made = train_groups(spec, model, jobs, size, rates, finish=reply)
     replies.update({cid: r for cid, r in made.items() if r is not None})
     return replies
+
+
+#: The seed stream of the examples a client trains when its work is cut at the deadline.
+WORK_SHARE_STREAM = 0x9A27
+
+
+def _work_share(spec: RunSpec, cid: int, rnd: int, cut) -> "np.ndarray":
+    """The training examples client ``cid`` trains in round ``rnd``: all of them, or with
+    ``train-examples`` = k below their number (``fleet.partial_work``: its work cut at the
+    simulated deadline) a seeded k of them, kept in their order, over its local epochs (the
+    share k / n of its work)."""
+    indices = spec.clients[cid].train
+    if cut is None or not 0 < int(cut) < len(indices):
+        return indices
+    rng = np.random.default_rng([derive_seed(spec.seed, rnd, cid), WORK_SHARE_STREAM])
+    return indices[np.sort(rng.permutation(len(indices))[:int(cut)])]
+
+
+def _share(spec: RunSpec, cid: int, trained: int) -> float:
+    """A client's uniform weight (``method.weighting=uniform``): 1, times the share of its
+    examples it trained when its work was cut."""
+    total = len(spec.clients[cid].train)
+    return 1.0 if trained >= total else trained / total
 
 
 def personalize_clients(spec: RunSpec, content: RecordDict, context: Context) -> RecordDict:
