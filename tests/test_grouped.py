@@ -519,5 +519,6 @@ def test_a_worker_groups_clients_across_tiers():
 
     jobs = [ClientJob(cid=i, indices=np.arange(3), tensors={}, seed=i, exits=[i % 3])
             for i in range(7)]
-    groups = _groups(jobs, 4, {i: (0.1, 0.0) for i in range(7)})
-    assert [[j.cid for j in g] for _, g in groups] == [[0, 1, 2, 3], [4, 5, 6]]
+    groups = _groups(jobs, 4, {i: (0.1, 0.01 * (i % 2)) for i in range(7)})
+    assert [(rates, [j.cid for j in g]) for rates, g in groups] == [
+        ((0.1, 0.0), [0, 2, 4, 6]), ((0.1, 0.01), [1, 3, 5])]  # by (lr, mu), not by tier

@@ -197,7 +197,7 @@ def _groups(jobs: list[ClientJob], size: int, rates: dict[int, tuple[float, floa
     for job in jobs:
         folded = tuple(sorted((n, id(t)) for n, t in _folded(job).items()))
         by_key.setdefault((rates[job.cid], folded), []).append(job)
-    return [(key[1], group[i:i + size]) for key, group in by_key.items()
+    return [(key[0], group[i:i + size]) for key, group in by_key.items()
             for i in range(0, len(group), max(1, size))]
 
 
