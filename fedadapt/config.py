@@ -413,6 +413,14 @@ class FleetConfig:
     #: share of its examples it can in time and sends that (its weight scaled by its work)
     #: instead of being dropped; ``sim_partial`` counts them per round.
     partial_work: bool = False
+    #: Each device's memory in bytes, smallest first: the clients, ordered by their device's
+    #: compute, take the values in the shares ``memory_fractions`` (the slowest the smallest).
+    #: A client whose training (measured per exit) does not fit is not sampled
+    #: (``sim_no_memory``), or with ``setting.tiers_from=fleet`` trains the deepest exit that
+    #: fits. null: no cap.
+    memory: Optional[list[float]] = None
+    #: The share of the clients with each entry of ``memory``; null: equal shares.
+    memory_fractions: Optional[list[float]] = None
 
 
 @dataclass
@@ -736,6 +744,9 @@ FEDSCALE_TRACES = ("FedScale publishes client_device_capacity and client_behave_
 
 def _validate_fleet(fl: FleetConfig, p: PartitionConfig) -> None:
     check(fl.name in FLEETS, "fleet.name", fl.name, f"one of {FLEETS}")
+    check(fl.name != "none" or fl.memory is None, "fleet.memory", fl.memory,
+          "a memory cap needs a fleet (fleet=tiers|lognormal|trace|fedscale): it is each "
+          "device's")
     if fl.name == "none":
         return
     for key in ("compute_median", "downlink", "uplink"):
@@ -768,6 +779,17 @@ def _validate_fleet(fl: FleetConfig, p: PartitionConfig) -> None:
           f"client_device_capacity pickle; {FEDSCALE_TRACES}); the other fleets take none")
     check(fl.name == "fedscale" or fl.behaviour is None, "fleet.behaviour", fl.behaviour,
           "only fleet=fedscale reads FedScale's client_behave_trace")
+    if fl.memory is not None:
+        mem = list(fl.memory)
+        check(bool(mem) and all(math.isfinite(m) and m > 0 for m in mem), "fleet.memory", mem,
+              "each device's memory in bytes must be > 0")
+        check(mem == sorted(mem), "fleet.memory", mem,
+              "smallest first (the slowest devices take the first entry)")
+    if fl.memory_fractions is not None:
+        fr = list(fl.memory_fractions)
+        check(fl.memory is not None and len(fr) == len(fl.memory) and all(f >= 0 for f in fr)
+              and abs(sum(fr) - 1) < 1e-6, "fleet.memory_fractions", fr,
+              "one share >= 0 per entry of fleet.memory, summing to 1")
     check(fl.name != "fedscale" or fl.mean_on is None, "fleet.mean_on", fl.mean_on,
           "fleet=fedscale takes its availability from fleet.behaviour (null: always "
           "available): leave fleet.mean_on null")

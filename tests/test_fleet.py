@@ -501,3 +501,120 @@ def test_partial_work_sends_what_was_trained_by_the_deadline_weighted_by_it(tmp_
             assert 0 < cut < sizes[cid] and sent == cut and share == cut / sizes[cid]
         else:
             assert cut is None and sent == sizes[cid] and share == 1.0
+
+
+# -- fleet.memory ------------------------------------------------------------------------------
+
+def test_training_memory_is_weights_gradients_optimizer_state_and_activations():
+    """By hand. A linear head on 16 features, 10 classes (680 bytes of fp32 weights), SGD with
+    momentum: the weights, their gradients and momentum (3 x 680), the 0-d total weight
+    cross-entropy keeps (4); per example the features the weight's gradient needs (16 x 4),
+    the log-softmax output (10 x 4) and the label (8). A frozen first layer adds its weights
+    only, and the step keeps its ReLU's output (32 x 4) instead of the input."""
+    import torch
+
+    from fedadapt.federation.fleet import train_memory_bytes
+
+    class Source:
+        def get(self, idx, device):
+            return torch.randn(len(idx), 16), torch.zeros(len(idx), dtype=torch.long)
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(16, 10)
+
+        def training_loss(self, x, y):
+            return torch.nn.functional.cross_entropy(self.fc(x), y)
+
+    class Frozen(Head):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(16, 16).requires_grad_(False)
+
+        def training_loss(self, x, y):
+            return super().training_loss(torch.relu(self.a(x)), y)
+
+    at = dict(device="cpu", precision="fp32")
+    head = 4 * (16 * 10 + 10)
+    assert train_memory_bytes(Head(), Source(), 0, None, optimizer_states=1, **at) == (
+        3 * head + 4, 4 * 16 + 4 * 10 + 8)
+    assert train_memory_bytes(Head(), Source(), 0, None, optimizer_states=2, **at)[0] == (
+        4 * head + 4)  # Adam: two moments
+    frozen = 4 * (16 * 16 + 16)
+    assert train_memory_bytes(Frozen(), Source(), 0, None, optimizer_states=0, **at) == (
+        frozen + 2 * head + 4, 4 * 16 + 4 * 10 + 8)
+
+
+def test_memory_goes_with_compute_and_a_device_too_small_is_never_sampled():
+    from fedadapt.federation.fleet import assign_memory
+
+    cfg = FleetConfig(name="tiers", compute=[1.0, 10.0], memory=[1e3, 5e3, 9e3],
+                      memory_fractions=[0.25, 0.5, 0.25])
+    assert assign_memory(cfg, [5.0, 1.0, 9.0, 2.0]) == [5e3, 1e3, 9e3, 5e3]
+    cfg = FleetConfig(name="tiers", compute=[1.0, 10.0], memory=[1e3, 9e3])
+    fleet = Fleet(cfg, 4, 0, [1.0] * 4, train_memory=[2e3] * 4)
+    slow = [c for c, p in enumerate(fleet.profiles) if p.tier == 0]
+    assert [p.memory for p in fleet.profiles] == [1e3 if c in slow else 9e3 for c in range(4)]
+    assert fleet.fits == [c not in slow for c in range(4)]
+    assert fleet.describe()["clients"][slow[0]]["fits"] is False
+    with pytest.raises(ConfigError) as err:
+        Fleet(cfg, 4, 0, [1.0] * 4, train_memory=[1e4] * 4)
+    text = str(err.value)
+    assert text.startswith("fleet.memory=[1000.0, 9000.0] is invalid: no device can hold")
+    assert "\n" not in text
+    # a client that does not fit is not waited for: the next start is a fitting one's
+    trace = FleetConfig(name="tiers", compute=[1.0, 10.0], memory=[1e3, 9e3], mean_on=30.0,
+                        mean_off=10.0)
+    onoff = Fleet(trace, 40, 0, [1.0] * 40, train_memory=[2e3] * 40)
+    t = onoff.next_available(0.0)
+    assert any(onoff.fits[c] for c in onoff.available(t))
+
+
+def test_a_client_whose_training_does_not_fit_is_not_sampled(tmp_path, cache_dir):
+    import json
+
+    from fedadapt.entry import compose_config, to_run_config
+    from fedadapt.experiment import prepare_run
+
+    fleet = ["fleet=tiers", "fleet.compute=[1e6,1e7]", "partition.fraction_fit=1.0",
+             "rounds=1"]
+    prep = prepare_run(to_run_config(compose_config(
+        [*TINY, *fleet, "fleet.memory=[1e12]", f"cache_dir={cache_dir}"])), quiet=True)
+    need = prep.fleet.train_memory
+    assert len(set(need)) >= 1 and min(need) > 0
+    cap = min(need) / 2
+    _run(tmp_path / "cap", [*fleet, f"fleet.memory=[{cap},1e12]"], cache_dir)
+    (row,) = read_jsonl(tmp_path / "cap" / "metrics.jsonl")
+    described = json.loads((tmp_path / "cap" / "fleet.json").read_text())["clients"]
+    small = [c["client"] for c in described if c["memory"] == cap]
+    assert small == [c["client"] for c in described if c["tier"] == 0]  # the slowest
+    assert all(not c["fits"] for c in described if c["client"] in small)
+    assert row["sim_no_memory"] == len(small) == 3 and row["clients_sampled"] == 3
+    with pytest.raises(ConfigError) as err:
+        prepare_run(to_run_config(compose_config([*TINY, *fleet, f"fleet.memory=[{cap}]",
+                                                  f"cache_dir={cache_dir}"])), quiet=True)
+    assert str(err.value).startswith(f"fleet.memory=[{cap}] is invalid: no device can hold")
+
+
+def test_tiers_from_the_fleet_take_the_deepest_exit_that_fits_in_memory(cache_dir):
+    from fedadapt.entry import compose_config, to_run_config
+    from fedadapt.experiment import prepare_run
+    from fedadapt.federation.fleet import _batch_of, _memory_at
+
+    base = ["method=lw_linear", "backbone=tiny_vit", "dataset.max_samples=300",
+            "partition.num_clients=6", "setting=multitier", "setting.tiers_from=fleet",
+            "fleet=tiers", "fleet.compute=[1e6,1e9]", "federation.round_timeout=1e9",
+            f"cache_dir={cache_dir}"]
+    prep = prepare_run(to_run_config(compose_config(base)), quiet=True)
+    spec = prep.spec
+    assert set(spec.client_exits) == {1}  # a generous deadline, no cap: all the way
+    at = [[_memory_at(spec, prep.model, [e], _batch_of(spec, c)) for c in spec.clients]
+          for e in (0, 1)]
+    assert max(at[0]) < min(at[1])  # the deeper exit holds more
+    prep = prepare_run(to_run_config(compose_config(
+        [*base, f"fleet.memory=[{max(at[0])},1e12]"])), quiet=True)
+    tiers = [p.tier for p in prep.fleet.profiles]
+    assert prep.spec.client_exits == [1 if t == 1 else 0 for t in tiers]
+    assert all(prep.fleet.fits)  # each at an exit its device holds
+    assert prep.fleet.train_memory == [at[e][c] for c, e in enumerate(prep.spec.client_exits)]

@@ -71,9 +71,42 @@ class Profile:
     kbps: Optional[float] = None
     #: fedscale with fleet.behaviour: the client_behave_trace entry it was given.
     behaviour_id: Optional[TraceId] = None
+    #: fleet.memory: the device's memory in bytes (None: no cap).
+    memory: Optional[float] = None
 
 
 def profiles(cfg: FleetConfig, num_clients: int, seed: int,
+             reference_flops: float = 1.0) -> list[Profile]:
+    """Each client's seeded :class:`Profile` (:func:`_devices`), with ``fleet.memory``'s
+    memory by compute (:func:`assign_memory`)."""
+    out = _devices(cfg, num_clients, seed, reference_flops)
+    if cfg.memory is None:
+        return out
+    return [replace(p, memory=m) for p, m in
+            zip(out, assign_memory(cfg, [p.compute for p in out]))]
+
+
+def _share_bounds(fractions: list[float], n: int) -> np.ndarray:
+    """Where each share of ``n`` items ends (as the tiers are cut)."""
+    return np.round(np.cumsum([0.0, *fractions]) * n).astype(int)
+
+
+def assign_memory(cfg: FleetConfig, compute: list[float]) -> list[float]:
+    """``fleet.memory``: the clients ordered by their compute (the slowest first; a tie by
+    client) take the memory values, smallest first, in the shares ``memory_fractions`` (equal
+    by default); so with ``fleet=tiers`` and shares as the tiers', tier i gets ``memory[i]``."""
+    values = list(cfg.memory)
+    fractions = list(cfg.memory_fractions or [1 / len(values)] * len(values))
+    order = sorted(range(len(compute)), key=lambda c: (compute[c], c))
+    out = [0.0] * len(compute)
+    bounds = _share_bounds(fractions, len(compute))
+    for value, lo, hi in zip(values, bounds, bounds[1:]):
+        for c in order[lo:hi]:
+            out[c] = float(value)
+    return out
+
+
+def _devices(cfg: FleetConfig, num_clients: int, seed: int,
              reference_flops: float = 1.0) -> list[Profile]:
     """Each client's seeded :class:`Profile`. ``fedscale``: each client is given a
     ``fleet.capacity`` entry by a seeded draw (:func:`draw_entries`), its compute the FLOP/s at
@@ -102,7 +135,7 @@ def profiles(cfg: FleetConfig, num_clients: int, seed: int,
         return [Profile(float(a), float(b), float(e)) for a, b, e in zip(c, d, u)]
     tiers = len(cfg.compute)
     fractions = list(cfg.fractions or [1 / tiers] * tiers)
-    bounds = np.round(np.cumsum([0.0, *fractions]) * num_clients).astype(int)
+    bounds = _share_bounds(fractions, num_clients)
     tier_of = np.zeros(num_clients, dtype=int)
     order = rng.permutation(num_clients)
     for t, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
@@ -330,7 +363,8 @@ class Fleet:
 
     def __init__(self, cfg: FleetConfig, num_clients: int, seed: int, work: list[float],
                  deadline: Optional[float] = None, reference_flops: float = 1.0,
-                 examples: Optional[list[int]] = None) -> None:
+                 examples: Optional[list[int]] = None,
+                 train_memory: Optional[list[float]] = None) -> None:
         if len(work) != num_clients:
             raise ValueError(f"work for {len(work)} clients, the run has {num_clients}")
         self.cfg, self.seed, self.work = cfg, int(seed), [float(w) for w in work]
@@ -344,6 +378,20 @@ class Fleet:
         self.keep_first = cfg.keep_first
         self.reference_flops = float(reference_flops)
         self.profiles = profiles(cfg, num_clients, seed, reference_flops)
+        #: fleet.memory: the bytes each client's training needs (measured at its exits), and
+        #: whether its device holds them; a client that does not fit is never sampled.
+        self.memory_capped = cfg.memory is not None
+        if self.memory_capped and train_memory is None:
+            raise ValueError("fleet.memory needs each client's training memory")
+        self.train_memory = None if train_memory is None else [float(m) for m in train_memory]
+        self.fits = [not self.memory_capped or self.train_memory[c] <= p.memory
+                     for c, p in enumerate(self.profiles)]
+        if self.memory_capped and not any(self.fits):
+            least = min(self.train_memory)
+            raise ConfigError(
+                f"fleet.memory={list(cfg.memory)} is invalid: no device can hold its client's "
+                f"training (the least a client needs is {least / 2**20:.4g} MiB, the largest "
+                f"device has {max(cfg.memory) / 2**20:.4g} MiB)")
         self._trace = read_trace(cfg.trace, num_clients) if cfg.name == "trace" else None
         #: fedscale with fleet.behaviour: each client's (finish_time, intervals in a cycle);
         #: None for one available all through its cycle
@@ -359,7 +407,8 @@ class Fleet:
         self._on = [False] * num_clients
         if self.deadline is not None and self.work:
             least = 1 if self.partial_work else None  # partial work: one example will do
-            fastest = min(self.seconds(c, 0, 0, least) for c in range(num_clients))
+            fastest = min(self.seconds(c, 0, 0, least) for c in range(num_clients)
+                          if self.fits[c])
             if fastest > self.deadline:
                 raise ConfigError(
                     f"federation.round_timeout={self.deadline} is invalid with fleet="
@@ -463,7 +512,8 @@ class Fleet:
         return until if until is not None and start + seconds > until else None
 
     def available(self, t: float) -> list[int]:
-        """The clients available at simulated time ``t``."""
+        """The clients available at simulated time ``t`` (whether or not they fit in their
+        device's memory: :attr:`fits`)."""
         return [c for c in range(self.num_clients) if self.online_until(c, t) is not None]
 
     def _next_start(self, cid: int, t: float) -> Optional[float]:
@@ -482,10 +532,12 @@ class Fleet:
             horizon = self._until[cid]  # draw (or repeat) the next period
 
     def next_available(self, t: float) -> Optional[float]:
-        """The first time >= ``t`` at which some client is available (None: never again)."""
-        if self.available(t):
+        """The first time >= ``t`` at which some client that fits in its device's memory is
+        available (None: never again)."""
+        if any(self.fits[c] for c in self.available(t)):
             return t
-        starts = [s for c in range(self.num_clients) if (s := self._next_start(c, t)) is not None]
+        starts = [s for c in range(self.num_clients)
+                  if self.fits[c] and (s := self._next_start(c, t)) is not None]
         return min(starts) if starts else None
 
     # -- the round --------------------------------------------------------------------------
@@ -548,6 +600,8 @@ class Fleet:
             row = {k: v for k, v in asdict(p).items() if v is not None or k == "tier"}
             if self._cycles is not None and self._cycles[c] is not None:
                 row["cycle_s"], row["available"] = self._cycles[c][0], self._cycles[c][1]
+            if self.memory_capped:
+                row["train_memory"], row["fits"] = self.train_memory[c], self.fits[c]
             clients.append({"client": c, **row, "train_flops": self.work[c]})
         return {"config": asdict(self.cfg), "seed": self.seed, "deadline_s": self.deadline,
                 **({"reference_flops": self.reference_flops} if self.cfg.name == "fedscale"
@@ -609,6 +663,112 @@ def _flops_at(spec, model, exits: Optional[list[int]]) -> float:
     return float(np.mean([_FLOPS[(spec.run_id, e)] for e in exits or [None]]))
 
 
+def train_memory_bytes(model, source, index: int, exit_: Optional[int], *, device: str,
+                       precision: str, optimizer_states: int) -> tuple[float, float]:
+    """``(fixed, per_example)``: the bytes one training step of the model at ``exit_`` (None:
+    its own forward) holds, as ``fixed + per_example x batch``, measured on the run's device in
+    its precision:
+
+    * the weights (parameters and buffers) the step reads, measured by a dispatch mode that
+      sees every tensor an operation reads;
+    * for those the optimiser updates (trainable and read), their gradients and
+      ``optimizer_states`` optimiser tensors of the same size each (SGD with momentum 1, Adam
+      2, plain SGD 0);
+    * the tensors autograd saves for the backward (the activations: every storage a
+      ``saved_tensors_hooks`` pack sees, once, the weights left out), measured at batches of 2
+      and 3 copies of example ``index``: their difference is one example's, linear in the
+      batch.
+
+    What the step frees as it goes (the backward's transient buffers, the allocator's slack)
+    is not counted: it is the training state a device must hold, not a peak of any one
+    allocator."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from fedadapt.devices import autocast
+    from fedadapt.federation.grouped import StepLoss
+
+    def ptr(t) -> int:
+        return t.untyped_storage().data_ptr()
+
+    held = {ptr(t): t for t in (*model.parameters(), *model.buffers())}
+    call = StepLoss(model)
+
+    def measure(batch: int) -> tuple[float, set]:
+        read: set[int] = set()
+        saved: dict[int, int] = {}
+
+        class Reads(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                for leaf in tree_leaves((args, kwargs or {})):
+                    if isinstance(leaf, torch.Tensor):
+                        read.add(ptr(leaf))
+                return func(*args, **(kwargs or {}))
+
+        def pack(t):
+            if isinstance(t, torch.Tensor) and ptr(t) not in held:
+                saved[ptr(t)] = t.untyped_storage().nbytes()
+            return t
+
+        x, y = source.get(np.array([index] * batch), device)
+        model.zero_grad(set_to_none=True)
+        with Reads(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with autocast(device, precision):
+                loss = call(x, y, exit_)
+            if loss.requires_grad:
+                loss.backward()
+        return float(sum(saved.values())), read & set(held)
+
+    was_training = model.training
+    model.train()
+    try:
+        two, read = measure(2)
+        three, _ = measure(3)
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+    weights = sum(held[p].untyped_storage().nbytes() for p in read)
+    trainable = sum(held[p].untyped_storage().nbytes() for p in read
+                    if held[p].requires_grad)
+    per_example = max(three - two, 0.0)
+    fixed = weights + trainable * (1 + optimizer_states) + (two - 2 * per_example)
+    return float(fixed), float(per_example)
+
+
+#: Training memory ``(fixed, per example)`` by ``(run, exit)``, each exit measured once per
+#: run (as the FLOPs are).
+_MEMORY: dict[tuple, tuple[float, float]] = {}
+
+
+def optimizer_states(train) -> int:
+    """Optimiser tensors per trainable tensor: Adam's two moments, SGD's momentum buffer."""
+    if train.optimizer in ("adam", "adamw"):
+        return 2
+    return 1 if train.momentum else 0
+
+
+def _memory_at(spec, model, exits: Optional[list[int]], batch: int) -> float:
+    """The bytes a client's training at ``exits`` holds at batches of ``batch`` (its steps draw
+    any of the exits: the largest of theirs), each exit measured once per run."""
+    from fedadapt.federation.worker import first_train_index
+
+    if any(key[0] != spec.run_id for key in _MEMORY):
+        _MEMORY.clear()  # another run's model
+    for e in exits or [None]:
+        if (spec.run_id, e) not in _MEMORY:
+            _MEMORY[(spec.run_id, e)] = train_memory_bytes(
+                model, spec.train_source, first_train_index(spec), e, device=spec.device,
+                precision=spec.precision, optimizer_states=optimizer_states(spec.train))
+    return max(fixed + per * batch for fixed, per in
+               (_MEMORY[(spec.run_id, e)] for e in exits or [None]))
+
+
+def _batch_of(spec, client) -> int:
+    """The largest batch a client trains: ``train.batch_size``, or all its examples."""
+    return max(1, min(spec.train.batch_size, len(client.train)))
+
+
 def tiers_from_fleet(cfg, spec, model) -> list[int]:
     """``setting.tiers_from=fleet``: each client's exit, the deepest whose local training its
     device finishes within ``federation.round_timeout`` simulated seconds (compute only: FLOPs
@@ -627,7 +787,10 @@ def tiers_from_fleet(cfg, spec, model) -> list[int]:
     for client, p in zip(spec.clients, profiles(cfg.fleet, spec.num_clients, cfg.seed,
                                                 reference)):
         work = len(client.train) * cfg.train.local_epochs / p.compute
-        fits = [e for e in exits if flops[e] * work <= cfg.federation.round_timeout]
+        fits = [e for e in exits if flops[e] * work <= cfg.federation.round_timeout
+                and (p.memory is None or _memory_at(
+                    spec, model, [d for d in exits if d <= e] if anytime else [e],
+                    _batch_of(spec, client)) <= p.memory)]
         out.append(fits[-1] if fits else exits[0])
     return out
 
@@ -647,12 +810,16 @@ def build_fleet(cfg, spec, model) -> Optional[Fleet]:
                   deadline=cfg.federation.round_timeout,
                   reference_flops=(_flops_at(spec, model, None) if cfg.fleet.name == "fedscale"
                                    else 1.0),
-                  examples=[len(client.train) for client in spec.clients])
+                  examples=[len(client.train) for client in spec.clients],
+                  train_memory=([_memory_at(spec, model, client_exits(spec, cid),
+                                            _batch_of(spec, client))
+                                 for cid, client in enumerate(spec.clients)]
+                                if cfg.fleet.memory is not None else None))
     for note in fleet.notes():
         log(note)
     return fleet
 
 
-__all__ = ["Fleet", "Profile", "TraceUnpickler", "build_fleet", "draw_entries", "profiles",
-           "read_behaviour", "read_capacity", "read_trace", "tiers_from_fleet",
-           "train_flops_per_example"]
+__all__ = ["Fleet", "Profile", "TraceUnpickler", "assign_memory", "build_fleet", "draw_entries",
+           "profiles", "read_behaviour", "read_capacity", "read_trace", "tiers_from_fleet",
+           "train_flops_per_example", "train_memory_bytes"]

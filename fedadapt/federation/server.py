@@ -331,8 +331,13 @@ def _train_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd: in
         if start is None:
             raise RoundFailed(f"round {rnd}: no client of the fleet is ever available again "
                               f"after simulated second {state.sim_time:.1f} (fleet.trace)")
-        grid.only = set(fleet.available(start))
-        sim["sim_unavailable"] = plan.num_clients - len(grid.only)
+        available = fleet.available(start)
+        # fleet.memory: a client whose training does not fit in its device is not sampled
+        fits = getattr(fleet, "fits", None)
+        grid.only = {c for c in available if fits is None or fits[c]}
+        sim["sim_unavailable"] = plan.num_clients - len(available)
+        if getattr(fleet, "memory_capped", False):
+            sim["sim_no_memory"] = len(available) - len(grid.only)
     try:
         with state.streams.use("train"):
             messages = _messages(strategy, "configure_train",
