@@ -35,6 +35,10 @@ DERIVED = {
     "num_sampled_clients": "partition.fraction_fit",
     "accountant": "dp.accounting",
     "rank_of": "method.ranks (each client's LoRA rank)",
+    "local_momentum": "train.momentum",
+    "local_batch_size": "train.batch_size",
+    "local_epochs": "train.local_epochs",
+    "examples_of": "each client's training examples",
 }
 #: Defaults for the wrappers' parameters that Flower leaves without one.
 DP_DEFAULTS = {"noise_multiplier": 1.0, "clipping_norm": 1.0}

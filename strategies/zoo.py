@@ -32,7 +32,7 @@ import inspect
 import logging
 from typing import Any, Callable, Optional
 
-from fedadapt.strategies import fedbuff, lora_het
+from fedadapt.strategies import fedbuff, fednova, lora_het
 from fedadapt.strategies.custom import CUSTOM
 from fedadapt.strategies.schema import (  # noqa: F401
     DERIVED,
@@ -68,7 +68,11 @@ STRATEGIES: dict[str, type] = {
     "fedex_lora": lora_het.FedExLoRA,
     # asynchronous, on a simulated fleet's clock (fedadapt's)
     "fedbuff": fedbuff.FedBuff,
+    # normalised averaging of clients with different local steps (fedadapt's, on FedAvg)
+    "fednova": fednova.FedNova,
 }
+#: Strategies of fedadapt that average each tensor over its senders in their own way.
+NORMALISED = ("fednova",)
 #: Strategies that aggregate asynchronously on a fleet's clock (each tensor over its senders).
 ASYNC = ("fedbuff",)
 #: The strategies that aggregate LoRA of different ranks (each layer over the clients that
@@ -169,6 +173,10 @@ def check_strategy(strategy: StrategyConfig, dp: DPConfig, *, weighting: str,
                                          f"tier's tensors only")
     if dp.name == "none":
         return
+    if name in NORMALISED:
+        raise ConfigError(f"dp={dp.name} is invalid with strategy={name}: its noise is "
+                          f"calibrated to FedAvg's mean of the clipped updates, and FedNova "
+                          f"rescales each update by its client's steps")
     if name in LORA_RANK:
         refusal = lora_dp_refusal(strategy, dp)
         if refusal:
@@ -282,7 +290,8 @@ def _fedavg_aggregation(cls: type) -> bool:
 
 def check_every_tensor(strategy: StrategyConfig, dp: DPConfig, why: str) -> None:
     """Refuse a strategy or DP wrapper that needs every client to send every tensor."""
-    if not per_tensor_family(strategy) and strategy.name not in (*LORA_RANK, *ASYNC):
+    if not per_tensor_family(strategy) and strategy.name not in (*LORA_RANK, *ASYNC,
+                                                                  *NORMALISED):
         raise ConfigError(f"strategy={strategy.name} is invalid here: it combines whole "
                           f"updates, and {why} (strategies that average each tensor over its "
                           f"senders: {', '.join(PER_TENSOR)})")
@@ -302,7 +311,8 @@ def build_strategy(strategy: StrategyConfig, dp: DPConfig, *, num_clients: int,
                    fraction_train: float, fraction_evaluate: float, weighting: str, lr: float,
                    federated: bool = True, mods: Optional[list] = None,
                    rank_of: Optional[Callable[[int], int]] = None, seed: int = 0,
-                   sample_available: bool = False):
+                   sample_available: bool = False, train=None,
+                   examples_of: Optional[Callable[[int], int]] = None):
     """The Flower strategy of ``strategy=`` (per-tensor for FedAvg's family), wrapped by
     ``dp=``; :class:`~fedadapt.strategies.fedavg.LocalOnly` for a method that is not
     federated. Flower's own ``ValueError`` on a bad value becomes a :class:`ConfigError`."""
@@ -323,7 +333,9 @@ def build_strategy(strategy: StrategyConfig, dp: DPConfig, *, num_clients: int,
     cls = strategy_class(strategy)
     wanted = accepted_params(cls)
     derived = {"eta_l": lr, "client_learning_rate": lr, "rank_of": rank_of, "seed": seed,
-               "num_clients": num_clients}
+               "num_clients": num_clients, "examples_of": examples_of,
+               **({"local_momentum": train.momentum, "local_batch_size": train.batch_size,
+                   "local_epochs": train.local_epochs} if train is not None else {})}
     kwargs = {**{k: v for k, v in common.items() if k in wanted},
               **{k: v for k, v in derived.items() if k in wanted}, **keys_of(strategy)}
     if per_tensor_family(strategy) and dp.name == "none":
@@ -490,6 +502,9 @@ def markdown_table() -> str:
                  "method.ranks; each layer over the clients that sent it (multitier too); "
                  "dp=client_fixed|client_adaptive with fedsa_lora, and with hetlora without "
                  "its sparsity weights and pruning; see peft.md" if name in LORA_RANK else
+                 "all (each tensor over its senders), train.optimizer=sgd; clients of "
+                 "different local steps (their data, or fleet.partial_work); no dp=; see "
+                 "fleet.md" if name in NORMALISED else
                  "where every client sends every tensor; refused in multitier and "
                  "personalization, and for a method whose clients train part of what it sends")
         lines.append(f"| `{name}` | `{cls.__name__}` | {keys(schema)} | {where} |")

@@ -559,7 +559,8 @@ def _checked_state(strategy, rebuild: Callable, global_arrays=None,
         raise raised from err
 
 
-def _make(cfg: RunConfig, num_clients: int, federated: bool = True, ranks=None):
+def _make(cfg: RunConfig, num_clients: int, federated: bool = True, ranks=None,
+          sizes: Optional[list[int]] = None):
     from fedadapt.federation.grid import NODE_BASE
     from fedadapt.strategies.zoo import build_strategy
 
@@ -571,13 +572,16 @@ def _make(cfg: RunConfig, num_clients: int, federated: bool = True, ranks=None):
                           weighting=cfg.method.weighting, lr=cfg.train.lr,
                           federated=federated,
                           rank_of=lambda node: ranks[node - NODE_BASE], seed=cfg.seed,
-                          sample_available=cfg.fleet.name != "none")
+                          sample_available=cfg.fleet.name != "none", train=cfg.train,
+                          examples_of=(None if sizes is None else
+                                       lambda node: sizes[node - NODE_BASE]))
 
 
 def make_strategy(cfg: RunConfig, prep: PreparedRun):
     """The run's Flower strategy (``strategy=``, wrapped by ``dp=``; see
     :mod:`fedadapt.strategies.zoo`)."""
-    return _make(cfg, prep.spec.num_clients, prep.model.federated, prep.spec.client_ranks)
+    return _make(cfg, prep.spec.num_clients, prep.model.federated, prep.spec.client_ranks,
+                 [len(client.train) for client in prep.spec.clients])
 
 
 def check_strategy(cfg: RunConfig, prep: PreparedRun) -> None:
@@ -600,6 +604,10 @@ def check_strategy(cfg: RunConfig, prep: PreparedRun) -> None:
         raise ConfigError(f"strategy={name} is invalid for method={cfg.method.name}: it "
                           f"aggregates LoRA factors (method=lora, with method.ranks for "
                           f"clients of different ranks)")
+    if name == "fednova" and cfg.train.optimizer != "sgd":
+        raise ConfigError(f"train.optimizer={cfg.train.optimizer} is invalid with "
+                          f"strategy=fednova: its normalisation counts SGD steps (with or "
+                          f"without momentum)")
     if name == "fedbuff" and cfg.fleet.name == "none":
         raise ConfigError("strategy=fedbuff is invalid without a fleet: its clients arrive on a "
                           "simulated clock (fleet=tiers|lognormal|trace|fedscale)")
