@@ -618,3 +618,40 @@ def test_tiers_from_the_fleet_take_the_deepest_exit_that_fits_in_memory(cache_di
     assert prep.spec.client_exits == [1 if t == 1 else 0 for t in tiers]
     assert all(prep.fleet.fits)  # each at an exit its device holds
     assert prep.fleet.train_memory == [at[e][c] for c, e in enumerate(prep.spec.client_exits)]
+
+
+def test_fleet_json_describes_each_clients_device_and_work():
+    """``fleet.json``: the config, the seed, the deadline, and per client its profile and its
+    training FLOPs, as the fleet uses them."""
+    cfg = FleetConfig(name="tiers", compute=[1.0, 10.0], downlink=100.0, uplink=50.0)
+    fleet = Fleet(cfg, 3, 7, [5.0, 6.0, 7.0], deadline=9.0)
+    got = fleet.describe()
+    assert got["seed"] == 7 and got["deadline_s"] == 9.0 and got["config"]["compute"] == [1.0, 10.0]
+    assert got["clients"] == [{"client": c, "compute": p.compute, "downlink": 100.0,
+                               "uplink": 50.0, "tier": p.tier, "train_flops": w}
+                              for c, (p, w) in enumerate(zip(fleet.profiles, [5.0, 6.0, 7.0]))]
+
+
+def test_a_clients_work_is_its_flops_per_example_times_examples_and_epochs(cache_dir):
+    """``build_fleet``: client c's training FLOPs in a round are the FLOPs per example at its
+    exit x its training examples x the local epochs (2 here, so a product is told from a
+    quotient)."""
+    from fedadapt.entry import compose_config, to_run_config
+    from fedadapt.experiment import prepare_run
+    from fedadapt.federation.fleet import train_flops_per_example
+    from fedadapt.federation.worker import first_train_index
+
+    prep = prepare_run(to_run_config(compose_config([
+        "method=lw_linear", "backbone=tiny_vit", "dataset.max_samples=300",
+        "partition.num_clients=6", "setting=multitier", "setting.tiers=[0,1,0,1,0,1]",
+        "fleet=tiers", "fleet.compute=[1e6,1e9]", "train.local_epochs=2",
+        f"cache_dir={cache_dir}"])), quiet=True)
+    spec = prep.spec
+    at = dict(device=spec.device, precision=spec.precision)
+    per_exit = {e: train_flops_per_example(prep.model, spec.train_source,
+                                           first_train_index(spec), [e], **at) for e in (0, 1)}
+    assert per_exit[0] < per_exit[1]
+    assert prep.fleet.work == pytest.approx(
+        [per_exit[spec.client_exits[c]] * len(client.train) * 2
+         for c, client in enumerate(spec.clients)], rel=1e-12)
+    assert len({len(c.train) for c in spec.clients}) > 1  # sizes differ: per client, not mean
