@@ -230,7 +230,7 @@ class TraceUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it names {module}.{name}; a trace holds only dicts, "
                                      f"lists, tuples, numbers, strings and None")
 
-    def persistent_load(self, pid):
+    def persistent_load(self, persistent_id):
         raise pickle.UnpicklingError("it holds a persistent id")
 
 
