@@ -655,3 +655,37 @@ def test_a_clients_work_is_its_flops_per_example_times_examples_and_epochs(cache
         [per_exit[spec.client_exits[c]] * len(client.train) * 2
          for c, client in enumerate(spec.clients)], rel=1e-12)
     assert len({len(c.train) for c in spec.clients}) > 1  # sizes differ: per client, not mean
+
+
+@pytest.mark.parametrize("kwargs,says", [
+    (dict(buffer_size=0), "strategy.buffer_size=0 is invalid: an integer >= 1"),
+    (dict(buffer_size=2.0), "strategy.buffer_size=2.0 is invalid: an integer >= 1"),
+    (dict(buffer_size=True), "strategy.buffer_size=True is invalid"),
+    (dict(concurrency=-1), "strategy.concurrency=-1 is invalid: an integer >= 0"),
+    (dict(concurrency=1.5), "strategy.concurrency=1.5 is invalid"),
+    (dict(server_lr=0.0), "strategy.server_lr=0.0 is invalid: must be > 0"),
+    (dict(server_lr=float("inf")), "strategy.server_lr=inf is invalid"),
+    (dict(server_lr="1"), "strategy.server_lr='1' is invalid"),
+    (dict(staleness="hinge"), "strategy.staleness='hinge' is invalid: one of ('sqrt', "
+                              "'constant')"),
+    (dict(buffer_size=4, concurrency=3), "strategy.concurrency=3 is invalid: below "
+                                         "strategy.buffer_size=4"),
+])
+def test_fedbuffs_settings_are_checked_naming_the_key(kwargs, says):
+    from fedadapt.strategies.fedbuff import FedBuff
+
+    with pytest.raises(ConfigError) as err:
+        FedBuff(**kwargs)
+    assert str(err.value).startswith(says), str(err.value)
+
+
+def test_fedbuffs_concurrency_defaults_to_the_clients_a_round_samples():
+    """``concurrency=0``: the clients a round would sample (``fraction_train`` of them), at
+    least ``buffer_size``; FedBuff starts with nothing in flight, version 0, no arrivals."""
+    from fedadapt.strategies.fedbuff import FedBuff
+
+    assert FedBuff(buffer_size=2, num_clients=10, fraction_train=0.5).concurrency == 5
+    assert FedBuff(buffer_size=3, num_clients=10, fraction_train=0.2).concurrency == 3
+    assert FedBuff(buffer_size=2, concurrency=7, num_clients=10).concurrency == 7
+    fresh = FedBuff(buffer_size=1)
+    assert (fresh.version, fresh.now, fresh.in_flight, fresh.arrivals) == (0, 0.0, [], {})

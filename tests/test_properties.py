@@ -287,9 +287,11 @@ def test_fedex_lora_global_model_is_exactly_the_mean_of_the_clients_models(case,
 def test_fedbuff_applies_the_earliest_arrivals_weighted_by_staleness(
         clients, data, seed, staleness, server_lr, rounds, flower_task):
     """Nguyen et al.: ``x <- x + lr sum_k p_k s(tau_k) (y_k - x_{v_k})`` over the ``buffer_size``
-    earliest arrivals, ``p_k`` the weights normalised over the buffer, ``s(tau) =
-    1/sqrt(1+tau)`` (or 1), ``tau_k`` the updates since client k started from ``x_{v_k}``. The
-    reference below keeps its own clients in flight."""
+    earliest arrivals, per tensor over the clients that sent it (``p_k`` their weights
+    normalised), ``s(tau) = 1/sqrt(1+tau)`` (or 1), ``tau_k`` the updates since client k
+    started from ``x_{v_k}``; a tensor nobody in the buffer sent keeps its value and every
+    tensor its dtype; the row's loss is the buffer's weighted mean loss. The reference below
+    keeps its own clients in flight."""
     import random
 
     from fedadapt.federation.grid import NODE_BASE
@@ -300,46 +302,66 @@ def test_fedbuff_applies_the_earliest_arrivals_weighted_by_staleness(
                        staleness=staleness, weighted_by_key="num-examples")
     rng = np.random.default_rng(seed)
     random.seed(seed)
-    x = rng.standard_normal(3)
-    flight: list[dict] = []  # the reference's: client, version, finish, weight, delta
+    dtypes = {"x": np.float64, "w": np.float32}
+    x = {n: rng.standard_normal(3).astype(d) for n, d in dtypes.items()}
+    flight: list[dict] = []  # the reference's: client, version, finish, weight, loss, delta
     version, now = 0, 0.0
     for rnd in range(1, rounds + 1):
-        record = ArrayRecord({"x": arr(x)})
+        record = ArrayRecord({n: arr(v) for n, v in x.items()})
         started = list(strategy.configure_train(rnd, record, ConfigRecord({}),
                                                 Grid(clients)))
+        assert all(m.content["config"]["server-round"] == rnd for m in started)
         cids = [m.metadata.dst_node_id - NODE_BASE for m in started]
         busy = {f["client"] for f in flight}
         assert not set(cids) & busy and len(cids) == min(concurrency - len(flight),
                                                          clients - len(busy))
         seconds = rng.uniform(0.5, 10.0, len(cids))
         strategy.arrivals = {c: (now, float(s)) for c, s in zip(cids, seconds)}
-        ys = [rng.standard_normal(3) for _ in cids]
-        ws = rng.uniform(0.5, 5.0, len(cids))
+        sends = [data.draw(st.sets(st.sampled_from(sorted(dtypes)), min_size=1))
+                 for _ in cids]
+        ys = [{n: rng.standard_normal(3).astype(dtypes[n]) for n in names} for names in sends]
+        ws, losses = rng.uniform(0.5, 5.0, len(cids)), rng.uniform(0.1, 3.0, len(cids))
         replies = []
-        for msg, y, w in zip(started, ys, ws):
+        for msg, y, w, loss in zip(started, ys, ws, losses):
             msg.metadata.__dict__["_message_id"] = f"m{rnd}-{msg.metadata.dst_node_id}"
-            replies.append(Message(RecordDict({"arrays": ArrayRecord({"x": arr(y)}),
-                                               "metrics": MetricRecord({"num-examples": float(w),
-                                                                        "train_loss": 1.0})}),
-                                   reply_to=msg))
-        for c, s, y, w in zip(cids, seconds, ys, ws):
+            replies.append(Message(RecordDict({
+                "arrays": ArrayRecord({n: arr(v) for n, v in y.items()}),
+                "metrics": MetricRecord({"num-examples": float(w), "train_loss": float(loss)})}),
+                reply_to=msg))
+        for c, s, y, w, loss in zip(cids, seconds, ys, ws, losses):
             flight.append({"client": c, "version": version, "finish": now + float(s),
-                           "weight": float(w), "delta": y - x})
-        new, _ = strategy.aggregate_train(rnd, replies)
+                           "weight": float(w), "loss": float(loss),
+                           "delta": {n: v.astype(np.float64) - x[n].astype(np.float64)
+                                     for n, v in y.items()}})
+        new, metrics = strategy.aggregate_train(rnd, replies)
+        assert strategy.arrivals == {}
         k = buffer_size if len(flight) >= buffer_size else (0 if cids else len(flight))
         if k == 0:
-            assert new is None
+            assert new is None and metrics is None
             continue
         flight.sort(key=lambda f: (f["finish"], f["client"]))
         buffer, flight = flight[:k], flight[k:]
-        total = sum(f["weight"] for f in buffer)
         s_of = (lambda tau: 1 / math.sqrt(1 + tau)) if staleness == "sqrt" else (lambda tau: 1.0)
-        x = x + server_lr * sum(f["weight"] / total * s_of(version - f["version"]) * f["delta"]
-                                for f in buffer)
+        for name, dtype in dtypes.items():
+            holders = [f for f in buffer if name in f["delta"]]
+            want = x[name].astype(np.float64)
+            if holders:
+                total = sum(f["weight"] for f in holders)
+                want = want + server_lr * sum(f["weight"] / total * s_of(version - f["version"])
+                                              * f["delta"][name] for f in holders)
+            got = new[name].numpy()
+            assert got.dtype == dtype
+            np.testing.assert_allclose(got, want.astype(dtype),
+                                       rtol=1e-12 if dtype == np.float64 else 1e-6)
+        taus = [version - f["version"] for f in buffer]
+        weight = sum(f["weight"] for f in buffer)
+        assert metrics["staleness_max"] == max(taus)
+        assert metrics["staleness_mean"] == pytest.approx(np.mean(taus))
+        assert metrics["train_loss"] == pytest.approx(
+            sum(f["loss"] * f["weight"] for f in buffer) / weight, rel=1e-12)
         version, now = version + 1, max(now, buffer[-1]["finish"])
-        np.testing.assert_allclose(new["x"].numpy(), x, rtol=1e-12, atol=1e-12)
         assert strategy.version == version and strategy.now == now
-        x = new["x"].numpy()
+        x = {n: new[n].numpy() for n in dtypes}
 
 
 # -- partitions -------------------------------------------------------------------------------
