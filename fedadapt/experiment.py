@@ -323,9 +323,8 @@ def side_by_side(model, compile: bool) -> dict:
 
     engine, why = engine_of(model)
     if engine == "forms":
-        how = "grouped forms: the frozen backbone once on every client's rows, each client's " \
-              "trained modules as batched products" + (", captured by torch.compile"
-                                                     if compile else "")
+        how = "grouped forms: one batch of every client's rows, each client's trained " \
+              "modules as batched products" + (", captured by torch.compile" if compile else "")
     else:
         how = f"vmap over each client's step ({why})"
     log(f"[federation] clients side by side through {how}")

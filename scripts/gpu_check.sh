@@ -4,22 +4,25 @@
 #
 #   bash scripts/gpu_check.sh [--small] [OUT_DIR]      # default: outputs/gpu_check-<time>
 #
-# Offline. Builds its own CIFAR-100-shaped data set (scripts/synthetic_cifar100.py: 50,000 +
-# 10,000 synthetic 32x32 images, 100 classes) and runs the Accumulator paper's Table 1 shape on
-# it: DeiT-S at 224 px built from its architecture (backbone.weights=null), the Accumulator +
-# parallel adapters, the paper's crops, batch 10; precision as a run chooses it (bf16 on a GPU).
+# Offline: it builds its own data (scripts/synthetic_cifar100.py: a CIFAR-100-shaped set of
+# 50,000 + 10,000 synthetic 32x32 images, 100 classes, and a PACS-shaped one, 2,000 images over
+# 4 domains and 7 classes) and every backbone from its architecture (backbone.weights=null).
 # Steps, each under its own timeout (a step that hangs cannot eat the others' time; the report
-# says which failed and why): the versions; the data set; attention kernels under vmap
-# (scripts/vmap_attention.py); the fast tests (pytest -n 12); experiment=acc_conventional for 5
-# rounds with defaults (s/round, GPU busy %, peak memory, the K it chose); the throughput table
-# in one process (fedadapt-bench --throughput --rows: 1 x 10, 1 x 64, 10 x 10, 32 x 10 and
-# LoRA 10 x 10 in bf16, 10 x 10 in fp32); the 10 x 10 bf16 row's loops under torch.profiler
-# (--profile, 2 steps); experiment=acc_anytime for 3 rounds; experiment=acc_conventional
-# method=lora for 3 rounds. FLASH_ROWS=10:10:bf16:accumulator_pa (rows as --rows takes them)
-# adds an experiment: flash attention under vmap in bf16 (FEDADAPT_VMAP_ATTENTION=flash), the
-# CUDA cases of tests/test_grouped_bf16.py and those rows with it.
-# --small shrinks it to a CPU rehearsal (small_vit at 32 px, 5,000 + 500 images, a few tests),
-# so the script itself is tested where no GPU is. PYTEST_ARGS replaces the test selection.
+# says which failed and why):
+#   versions; data; the fast tests (pytest -n 12, CUDA visible);
+#   the throughput table in one process (fedadapt-bench --throughput --rows: 1 x 10 and 10 x 10,
+#   32 x 10 side by side, LoRA 10 x 10, bf16), eager, then captured (federation.compile=true,
+#   against a bare step captured the same way);
+#   the 10 x 10 row's loops under torch.profiler (2 steps);
+#   a few rounds of each paper preset at its paper shape: the Accumulator's Table 1
+#   (experiment=acc_conventional, DeiT-S at 224 px, 100 clients, 10 a round, captured by
+#   default on a GPU, and once eager), anytime, multi-tier, LoRA; FedCLIP on CLIP ViT-B/32
+#   (fedclip_pacs); ICIIA (iciia_cifar100), DUET and CDC-MMPG (sessions_cifar100), trained on the
+#   server for 1-2 epochs; each with its s/round (or s/epoch), GPU busy % and peak memory.
+# The AST speech presets are not in it: they need audio data this script does not make yet.
+# --small shrinks it to a CPU rehearsal (small models, 5,000 + 500 images, a few tests), so the
+# script itself is tested where no GPU is. PYTEST_ARGS replaces the test selection (none: no
+# tests); RUNS and THROUGHPUT select runs (by name) and rows (clients:batch:precision:method).
 set -uo pipefail
 small=0
 if [ "${1:-}" = "--small" ]; then small=1; shift; fi
@@ -29,38 +32,59 @@ out=$(cd "$out" && pwd)
 here=$(cd "$(dirname "$0")" && pwd)
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 FLWR_TELEMETRY_ENABLED=0 PYTHONUNBUFFERED=1
 export FEDADAPT_CACHE=${FEDADAPT_CACHE:-$out/cache}
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$FEDADAPT_CACHE/inductor}
 data=$out/cifar100-synthetic
+pacs=$out/pacs-synthetic
 : > "$out/steps.tsv"
 
 if [ $small = 1 ]; then
   sizes=(--train 5000 --test 500)
-  model=(backbone=small_vit)
-  tests=(tests/test_grouped_bf16.py tests/test_sizing.py -q -p no:cacheprovider)
-  steps=4; t_tests=300; t_run=300; t_tp=400
-  small_run=(partition.num_clients=10 partition.fraction_fit=0.5)  # 100 classes, few images
+  vit=(backbone=small_vit)
+  cnn=(backbone=small_cnn)
+  clip=(backbone.weights=null)
+  pacs_size=(--train 200)
+  tests=(tests/test_grouped.py tests/test_sizing.py -q -p no:cacheprovider -m "not slow")
+  steps=4; t_tests=300; t_run=300; t_tp=900  # inductor compiles a shape in 1-3 min here
+  # 100 classes, few images: 3 clients a round of about 150 images each
+  few=(partition.num_clients=10 partition.fraction_fit=0.3 dataset.max_samples=1500)
+  precision=auto
 else
   sizes=()
-  model=(backbone=deit_small backbone.weights=null)
+  vit=(backbone=deit_small backbone.weights=null)
+  cnn=(backbone.weights=null)  # the preset's EfficientNet from its architecture
+  clip=(backbone.weights=null)
+  pacs_size=(--train 2000)
   tests=(-m "not slow" -n 12 -q -p no:cacheprovider --durations=15)
-  steps=8; t_tests=120; t_run=150; t_tp=150
-  small_run=()
+  steps=8; t_tests=120; t_run=120; t_tp=150
+  few=()
+  precision=bf16
 fi
-# PYTEST_ARGS: the tests' arguments, as a shell would split them (quotes kept); none: no tests.
 if [ "${PYTEST_ARGS:-}" = none ]; then tests=()
 elif [ -n "${PYTEST_ARGS:-}" ]; then eval "tests=($PYTEST_ARGS)"; fi
-# RUNS and THROUGHPUT: which runs (name:preset:rounds:method) and throughput rows
-# (clients:batch:precision:method) to measure; by default all of them.
-runs=${RUNS:-conventional:acc_conventional:5:accumulator_pa anytime:acc_anytime:3:accumulator_pa \
-lora:acc_conventional:3:lora}
-rows=${THROUGHPUT:-1:10:bf16:accumulator_pa 1:64:bf16:accumulator_pa 10:10:bf16:accumulator_pa \
-10:10:fp32:accumulator_pa 32:10:bf16:accumulator_pa 10:10:bf16:lora}
-profile_row=10:10:bf16:accumulator_pa
-if [ $small = 1 ]; then rows=${rows//:bf16:/:auto:}; profile_row=10:10:auto:accumulator_pa; fi
-flash_rows=${FLASH_ROWS-}
-paper=(dataset=cifar100 "dataset.path=$data" "${model[@]}")
+rows=${THROUGHPUT:-1:10:P:accumulator_pa 10:10:P:accumulator_pa 32:10:P:accumulator_pa \
+10:10:P:lora}
+rows=${rows//:P:/:$precision:}
+captured_rows=${THROUGHPUT_CAPTURED:-$rows}
+[ $small = 1 ] && captured_rows=${THROUGHPUT_CAPTURED:-10:10:$precision:accumulator_pa}  # inductor on 2 cores: minutes a shape
+profile_row=10:10:$precision:accumulator_pa
+cifar=(dataset=cifar100 "dataset.path=$data")
 # fedadapt-bench's rows: the paper's shape, 10 clients to draw images from
-bench=("${paper[@]}" partition.num_clients=10 "train.crop_scale=[0.05,1.0]" train.lr=0.005
-       train.momentum=0.0)
+bench=("${cifar[@]}" "${vit[@]}" partition.num_clients=10 "train.crop_scale=[0.05,1.0]"
+       train.lr=0.005 train.momentum=0.0)
+
+# The runs: NAME|ROUNDS|OVERRIDES (the rounds run with evaluation at the last one only).
+all_runs=(
+  "conventional|5|experiment=acc_conventional method=accumulator_pa ${cifar[*]} ${vit[*]} ${few[*]}"
+  "conventional-eager|3|experiment=acc_conventional method=accumulator_pa federation.compile=false ${cifar[*]} ${vit[*]} ${few[*]}"
+  "anytime|3|experiment=acc_anytime method=accumulator_pa ${cifar[*]} ${vit[*]} ${few[*]}"
+  "multitier|3|experiment=acc_multitier method=accumulator_pa ${cifar[*]} ${vit[*]} ${few[*]}"
+  "lora|3|experiment=acc_conventional method=lora ${cifar[*]} ${vit[*]} ${few[*]}"
+  "fedclip|3|experiment=fedclip_pacs method=fedclip dataset.path=$pacs ${clip[*]}"
+  "iciia|1|experiment=iciia_cifar100 method=iciia_b method.max_epochs=2 method.classifier_epochs=2 method.finetune_epochs=0 ${cifar[*]} ${cnn[*]}"
+  "duet|1|experiment=sessions_cifar100 method=duet method.max_epochs=2 method.classifier_epochs=2 ${cifar[*]} ${cnn[*]}"
+  "cdc_mmpg|1|experiment=sessions_cifar100 method=cdc_mmpg method.adr_epochs=1 method.max_epochs=1 ${cifar[*]} ${cnn[*]}"
+)
+selected=${RUNS:-conventional conventional-eager anytime multitier lora fedclip iciia duet cdc_mmpg}
 
 # step NAME SECONDS COMMAND...: runs COMMAND under its timeout, its output in NAME.log; records
 # NAME, exit code and seconds in steps.tsv, then rewrites the report from what is there so far.
@@ -86,27 +110,26 @@ watch_gpu() {
 
 step versions 30 python "$here/gpu_check_report.py" --versions
 step data 60 python "$here/synthetic_cifar100.py" "$data" "${sizes[@]}"
-step attention 45 python "$here/vmap_attention.py" --out "$out/attention.md"
+step data-pacs 60 python "$here/synthetic_cifar100.py" "$pacs" --like pacs "${pacs_size[@]}"
 [ "${#tests[@]}" -gt 0 ] && step tests "$t_tests" python -m pytest "${tests[@]}"
 
-for run in $runs; do
-  IFS=: read -r name preset rounds method <<< "$run"
+if [ -n "$rows" ]; then
+  step throughput "$t_tp" fedadapt-bench --throughput --rows "${rows// /,}" \
+    --steps "$steps" --repeats 3 --out "$out" "${bench[@]}" federation.compile=false
+  step throughput-captured "$t_tp" fedadapt-bench --throughput --rows "${captured_rows// /,}" \
+    --steps "$steps" --repeats 3 --out "$out/captured" "${bench[@]}" federation.compile=true
+  step profile 90 fedadapt-bench --throughput --rows "${profile_row}" --profile --steps 2 \
+    --repeats 1 --out "$out/profile" "${bench[@]}" federation.compile=false
+fi
+
+for run in "${all_runs[@]}"; do
+  IFS='|' read -r name rounds overrides <<< "$run"
+  [[ " $selected " == *" $name "* ]] || continue
   smi=$(watch_gpu "run-$name")
-  step "run-$name" "$t_run" fedadapt "experiment=$preset" "${paper[@]}" "method=$method" \
-    "rounds=$rounds" "federation.eval_every=$rounds" "output_dir=$out/runs/$name" "${small_run[@]}"
+  # shellcheck disable=SC2086  # the overrides are words
+  step "run-$name" "$t_run" fedadapt $overrides "rounds=$rounds" "federation.eval_every=$rounds" \
+    "output_dir=$out/runs/$name"
   [ -n "$smi" ] && kill "$smi" 2> /dev/null
-  if [ "$name" = conventional ] && [ -n "$rows" ]; then  # the table, after the run that matters most
-    step throughput "$t_tp" fedadapt-bench --throughput --rows "${rows// /,}" \
-      --steps "$steps" --repeats 3 --out "$out" "${bench[@]}"
-    step profile 90 fedadapt-bench --throughput --rows "${profile_row}" --profile --steps 2 \
-      --repeats 1 --out "$out/profile" "${bench[@]}"
-  fi
-  if [ "$name" = anytime ] && [ -n "$flash_rows" ]; then  # the candidate kernel, checked and timed
-    FEDADAPT_VMAP_ATTENTION=flash step flash-tests 60 python -m pytest \
-      tests/test_grouped_bf16.py -k "cuda and equals_alone" -q -p no:cacheprovider
-    FEDADAPT_VMAP_ATTENTION=flash step flash-throughput 75 fedadapt-bench --throughput \
-      --rows "$flash_rows" --profile --steps "$steps" --repeats 3 --out "$out/flash" "${bench[@]}"
-  fi
 done
 python "$here/gpu_check_report.py" "$out"
 echo "[gpu_check] report: $out/report.md" >&2

@@ -122,6 +122,10 @@ def _run(out: Path, name: str, total_rounds: int) -> list[str]:
     summaries = glob.glob(str(out / "runs" / name / "**" / "summary.json"), recursive=True)
     if not summaries:
         return ["(no finished run: see its log below)"]
+    if not (Path(summaries[0]).parent / "metrics.jsonl").exists():  # trained once, on the server
+        summary = json.loads(Path(summaries[0]).read_text())
+        return [f"- run directory: `{Path(summaries[0]).parent.relative_to(out)}`; wall "
+                f"{summary.get('wall_s', '—')} s; final: {summary.get('final')}"]
     run_dir = Path(summaries[0]).parent
     summary = json.loads(Path(summaries[0]).read_text())
     rounds = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -136,7 +140,10 @@ def _run(out: Path, name: str, total_rounds: int) -> list[str]:
     lines = [f"- run directory: `{run_dir.relative_to(out)}`; device {summary.get('device')}, "
              f"precision {summary.get('precision')}",
              f"- clients side by side: K = {layout.get('clients_per_worker')} on "
-             f"{layout.get('workers')} worker(s) ({layout.get('note') or 'explicit'})",
+             f"{layout.get('workers')} worker(s) ({layout.get('note') or 'explicit'}); "
+             f"through {layout.get('side_by_side', '—')}"
+             f"{', captured' if layout.get('compiled') else ''}; backend "
+             f"{layout.get('backend', '—')}",
              f"- seconds per round: {', '.join(f'{s:.2f}' for s in secs)} (round "
              f"{', '.join(map(str, evaluated)) or '—'} with the global evaluation); median "
              f"without round 1 and evaluation: {med:.2f} s",
@@ -150,6 +157,19 @@ def _run(out: Path, name: str, total_rounds: int) -> list[str]:
              f"- final global accuracy (synthetic data: a check that it learns, not a result): "
              f"{summary['final'].get('global_acc')}"]
     return lines
+
+
+#: The runs of ``scripts/gpu_check.sh``: name, what it is, the rounds of its paper's row (for the
+#: projected time; 1 for the server-trained methods, which train once).
+RUNS = (("conventional", "experiment=acc_conventional (Table 1's shape), defaults", 500),
+        ("conventional-eager", "the same, federation.compile=false", 500),
+        ("anytime", "experiment=acc_anytime", 1500),
+        ("multitier", "experiment=acc_multitier", 500),
+        ("lora", "experiment=acc_conventional method=lora", 500),
+        ("fedclip", "experiment=fedclip_pacs (CLIP ViT-B/32, PACS-shaped data)", 200),
+        ("iciia", "experiment=iciia_cifar100 method=iciia_b", 1),
+        ("duet", "experiment=sessions_cifar100 method=duet", 1),
+        ("cdc_mmpg", "experiment=sessions_cifar100 method=cdc_mmpg", 1))
 
 
 def report(out: Path) -> str:
@@ -181,18 +201,16 @@ def report(out: Path) -> str:
     if profiles:
         parts += ["", "## Where the time goes (`--profile`: one more call of each loop under "
                   "torch.profiler; tables in the `.profile.txt` file)", "", *profiles]
-    flash = _throughput(out / "flash")
-    if len(flash) > 2 or (out / "flash-tests.log").exists():
-        parts += ["", "## Flash attention under vmap in bf16 (`FEDADAPT_VMAP_ATTENTION=flash`, "
-                  "an experiment)", "", "The CUDA cases of `tests/test_grouped_bf16.py` (grouped "
-                  "against one at a time) with flash:", "", "```",
-                  _tail(out / "flash-tests.log", 1), "```", "", *flash, "",
-                  *_profiles(out / "flash", out)]
-    for name, title, total in (("conventional", "acc_conventional", 500),
-                               ("anytime", "acc_anytime", 1500),
-                               ("lora", "acc_conventional method=lora", 500)):
+    captured = _throughput(out / "captured")
+    if len(captured) > 2:
+        parts += ["", "## The same rows captured (`federation.compile=true`)", "",
+                  "fedadapt's grouped step through torch.compile (CUDA graphs on a GPU), against "
+                  "the faster of the bare step eager and the bare step captured the same way "
+                  "(a row's JSON has both). The first call of each shape compiles; the repeats "
+                  "after the warm-up are timed.", "", *captured]
+    for name, title, total in RUNS:
         if f"run-{name}" in steps:
-            parts += ["", f"## `experiment={title}`, defaults", "", *_run(out, name, total)]
+            parts += ["", f"## `{title}`", "", *_run(out, name, total)]
     bad = [n for n, (rc, _, _) in steps.items() if rc != 0]
     for name in bad:
         parts += ["", f"## Log of the step that failed: {name}", "", "```",

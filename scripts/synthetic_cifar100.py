@@ -3,12 +3,18 @@ the hub cannot be reached (a lent GPU machine has no network).
 
     python scripts/synthetic_cifar100.py OUT [--train 50000] [--test 10000] [--seed 0]
     fedadapt experiment=acc_conventional backbone.weights=null dataset.path=OUT ...
+    python scripts/synthetic_cifar100.py OUT --like pacs [--train 2000]
+    fedadapt experiment=fedclip_pacs backbone.weights=null dataset.path=OUT ...
 
 A ``DatasetDict(train, test)`` folder (``save_to_disk``) with CIFAR-100's columns (``img``: 32x32
 RGB PNG, ``fine_label``: 100 classes, ``coarse_label``: 20), as ``uoft-cs/cifar100`` has them,
 so ``dataset=cifar100 dataset.path=OUT`` loads it as it would the real one. Each class is a
 seeded colour and stripe pattern plus noise: a model can learn it, and nothing it reports is a
 CIFAR-100 result. Timing only.
+
+``--like pacs``: PACS's shape instead (``--train`` images over its 4 domains and 7 classes,
+64x64 PNGs in ``OUT/<domain>/<class>/``, the DomainBed layout ``dataset=pacs dataset.path``
+reads), for timing FedCLIP's preset.
 """
 
 from __future__ import annotations
@@ -58,7 +64,10 @@ def main() -> None:
     parser.add_argument("--train", type=int, default=50_000)
     parser.add_argument("--test", type=int, default=10_000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--like", choices=("cifar100", "pacs"), default="cifar100")
     args = parser.parse_args()
+    if args.like == "pacs":
+        return pacs(args.out, args.train, args.seed)
     if args.train < 1 or args.test < 1:
         sys.exit("synthetic_cifar100: --train and --test must be >= 1")
     import datasets
@@ -82,6 +91,30 @@ def main() -> None:
     shutil.rmtree(args.out, ignore_errors=True)
     os.replace(tmp, args.out)  # whole or not at all
     print(f"synthetic_cifar100: {args.train:,} + {args.test:,} images in {args.out} "
+          f"({time.perf_counter() - t0:.1f} s)")
+
+
+PACS_DOMAINS = ("art_painting", "cartoon", "photo", "sketch")
+PACS_CLASSES = ("dog", "elephant", "giraffe", "guitar", "horse", "house", "person")
+
+
+def pacs(out: str, n: int, seed: int) -> None:
+    """``n`` images in ``out/<domain>/<class>/<i>.png``, written whole or not at all."""
+    from PIL import Image
+
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(seed)
+    tmp = f"{out}.tmp-{os.getpid()}"
+    labels = rng.integers(0, len(PACS_CLASSES), n)
+    domains = rng.integers(0, len(PACS_DOMAINS), n)
+    for i, (data, c, d) in enumerate(zip(encoded(labels * 7, seed), labels, domains)):
+        folder = os.path.join(tmp, PACS_DOMAINS[d], PACS_CLASSES[c])
+        os.makedirs(folder, exist_ok=True)
+        small = Image.open(io.BytesIO(data)).resize((64, 64))
+        small.save(os.path.join(folder, f"{i}.png"), compress_level=1)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    print(f"synthetic_cifar100 --like pacs: {n:,} images in {out} "
           f"({time.perf_counter() - t0:.1f} s)")
 
 
