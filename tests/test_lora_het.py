@@ -18,6 +18,7 @@ from fedadapt.strategies.lora_het import (
     check_rank,
     flora_stack,
     lora_pairs,
+    normalise,
     pad_rank,
     self_prune,
     sparsity_weights,
@@ -586,3 +587,138 @@ def test_flexloras_global_model_is_the_whole_weighted_sum_of_products(flower_tas
         u, s, vh = np.linalg.svd(w, full_matrices=False)
         np.testing.assert_allclose(product, (u[:, :8] * s[:8]) @ vh[:8], atol=1e-10)
         assert np.abs(product - w).max() > 0.1  # the truncation alone is not W
+
+
+# -- from the mutation run's survivors (scripts/mutation.sh, docs/reliability.md) --------------
+
+A2, B2 = "enc.v.lora_A.default.weight", "enc.v.lora_B.default.weight"
+
+
+@pytest.mark.parametrize("cls", [HetLoRA, FlexLoRA, FLoRA, FedSALoRA, FedExLoRA])
+def test_two_layers_in_float32_each_aggregated_as_alone_in_the_records_dtype(cls, flower_task):
+    """Every LoRA layer of the record is aggregated (not only the first), each as it is alone,
+    and the new record, what each client is sent and ``X.base_delta`` keep the record's
+    float32."""
+    g = torch.Generator().manual_seed(4)
+    fold = cls in (FlexLoRA, FLoRA, FedExLoRA)
+
+    def layer(a_name, b_name):
+        out = {a_name: torch.randn(R_MAX, IN, generator=g),
+               b_name: torch.zeros(OUT, R_MAX) if cls is FLoRA else torch.randn(OUT, R_MAX,
+                                                                                 generator=g)}
+        if fold:
+            out[base_delta_name(a_name)] = torch.randn(OUT, IN, generator=g)
+        return out
+
+    q, v = layer(A, B), layer(A2, B2)
+    factors = {cid: {n: torch.randn(r, IN, generator=g) if "lora_A" in n else
+                     torch.randn(OUT, r, generator=g) for n in (A, B, A2, B2)}
+               for cid, r in RANKS.items()}
+
+    def run(tensors, names):
+        arrays = ArrayRecord({n: Array.from_torch_tensor(t.float()) for n, t in tensors.items()})
+        strategy = cls(**kwargs(**({"seed": 3} if cls is FLoRA else {})))
+        out = sent(strategy, arrays)
+        replies = [reply(cid, {n: f[n] for n in names}, 10.0 * (cid + 1))
+                   for cid, f in factors.items()]
+        for r in replies:  # float32 replies, as clients send them
+            r.content["arrays"] = ArrayRecord({n: Array.from_torch_tensor(t.float()) for n, t
+                                               in r.content["arrays"].to_torch_state_dict()
+                                               .items()})
+        return out, strategy.aggregate_train(1, replies)[0]
+
+    both_sent, both = run({**q, **v}, [A, B, A2, B2])
+    for tensors, names in ((q, [A, B]), (v, [A2, B2])):
+        alone_sent, alone = run(tensors, names)
+        for name in tensors:
+            if cls is FLoRA and "lora_A" in name:
+                continue  # a fresh draw: the generator's stream goes on from the other layer
+            assert both[name].dtype == alone[name].dtype == "float32", name
+            np.testing.assert_allclose(both[name].numpy(), alone[name].numpy(), atol=1e-6)
+        for cid in RANKS:
+            for name in alone_sent[cid].keys():
+                assert both_sent[cid][name].dtype == "float32"
+                np.testing.assert_allclose(both_sent[cid][name].numpy(),
+                                           alone_sent[cid][name].numpy(), atol=1e-6)
+
+
+def test_the_helpers_refuse_what_they_cannot_do_naming_it():
+    with pytest.raises(ValueError, match=r"weights \[0.0, 0.0\] do not sum to a positive"):
+        normalise([0.0, 0.0])
+    assert normalise([1.0, 3.0]) == [0.25, 0.75]
+    with pytest.raises(ValueError, match="rank 4 cannot be padded to the smaller rank 2"):
+        pad_rank(torch.zeros(4, IN), None, 2)
+    a, b = truncate_rank(torch.ones(4, IN), None, 2)
+    assert a.shape == (2, IN) and b is None
+    from fedadapt.strategies.lora_het import _matrix_b
+
+    for shape in ((6,), (6, 2, 3, 1)):
+        with pytest.raises(ValueError, match=rf"'x.lora_B' has shape \({shape[0]},"
+                                             rf".*\): a LoRA B is out x r"):
+            _matrix_b(torch.zeros(shape), "x.lora_B")
+    assert _matrix_b(torch.ones(6, 2, 1, 1)).shape == (6, 2)
+    with pytest.raises(ValueError, match="two LoRA adapters on one layer"):
+        lora_pairs(["x.lora_A.a.weight", "x.lora_B.a.weight", "x.lora_A.b.weight",
+                    "x.lora_B.b.weight"])
+    for gamma in (True, "0.1", -0.1, float("nan")):
+        with pytest.raises(ConfigError, match="gamma="):
+            self_prune(torch.ones(2, IN), torch.ones(OUT, 2), gamma)
+        with pytest.raises(ConfigError, match=r"prune_gamma=.* is invalid: a finite number >= 0"):
+            HetLoRA(**kwargs(prune_gamma=gamma))
+
+
+def test_the_aggregators_own_formulas_on_their_own():
+    """hetlora_aggregate without sparsity weights (uniform, or by ``base``), the sparsity
+    weights of small products (norms below 1), flexlora_aggregate, self-pruning by the last
+    component's own norm."""
+    from fedadapt.strategies.lora_het import flexlora_aggregate, hetlora_aggregate
+
+    g = torch.Generator().manual_seed(9)
+    As = [torch.randn(r, IN, generator=g).double() for r in (2, 4)]
+    Bs = [torch.randn(OUT, r, generator=g).double() for r in (2, 4)]
+    for base, w in ((None, [0.5, 0.5]), ([1.0, 3.0], [0.25, 0.75])):
+        a, b, got = hetlora_aggregate(As, Bs, 4, base, sparsity=False)
+        assert got == w
+        torch.testing.assert_close(a, w[0] * pad_rank(As[0], None, 4)[0] + w[1] * As[1])
+    assert hetlora_aggregate(As, Bs, 4)[2] == sparsity_weights(As, Bs)  # sparsity by default
+    tiny = [1e-3 * b for b in Bs]  # products of norm < 1: still weighted by their norms
+    norms = [float(torch.linalg.matrix_norm(b @ a)) for a, b in zip(As, tiny)]
+    np.testing.assert_allclose(sparsity_weights(As, tiny), np.array(norms) / sum(norms))
+    a, b = flexlora_aggregate(As, Bs, [0.25, 0.75], 3)
+    w = 0.25 * Bs[0] @ As[0] + 0.75 * Bs[1] @ As[1]
+    want_a, want_b = svd_split(w, 3)
+    torch.testing.assert_close((a, b), (want_a, want_b))
+    # the last component alone is small, the one before it large: pruned by the last's norm
+    a = torch.ones(3, IN).double()
+    b = torch.cat([torch.ones(OUT, 1), 100 * torch.ones(OUT, 1), 1e-4 * torch.ones(OUT, 1)],
+                  1).double()
+    assert self_prune(a, b, 0.01)[0].shape[0] == 2
+
+
+def test_hetlora_sends_its_prune_gamma_only_when_it_prunes(flower_task):
+    arrays = global_record()
+    for gamma, key in ((0.0, False), (0.5, True)):
+        msgs = HetLoRA(**kwargs(prune_gamma=gamma)).configure_train(
+            1, arrays, ConfigRecord({"lr": 0.1}), Grid())
+        for m in msgs:
+            config = m.content["config"]
+            assert ("prune-gamma" in config) == key and config["lr"] == 0.1
+            if key:
+                assert config["prune-gamma"] == 0.5
+
+
+def test_fedsa_lora_pairs_a_global_record_without_b(flower_task):
+    """FedSA-LoRA's global model may hold no B at all (each client keeps its own): every A is
+    paired with its B's name, aggregated, and the clients are sent A only."""
+    factors = client_factors()
+    arrays = global_record()
+    no_b = ArrayRecord({n: a for n, a in arrays.items() if n != B})
+    strategy = FedSALoRA(**kwargs())
+    assert strategy.pairs(no_b.keys()) == {A: B}
+    out = sent(strategy, no_b)
+    assert all(set(out[c].keys()) == {A, "head.weight", "head.bias"} for c in RANKS)
+    new, _ = strategy.aggregate_train(1, replies_of(factors, shares_b=False))
+    want = sum(p * torch.cat([a, torch.zeros(R_MAX - a.shape[0], IN)])
+               for p, (a, *_) in zip(weights(factors), factors.values()))
+    np.testing.assert_allclose(new[A].numpy(), want.numpy(), **TOL)
+    assert B not in new
