@@ -11,12 +11,13 @@
 # says which failed and why):
 #   versions; data; the fast tests (pytest -n 12, CUDA visible);
 #   the throughput table in one process (fedadapt-bench --throughput --rows: 1 x 10 and 10 x 10,
-#   32 x 10 side by side, LoRA 10 x 10, bf16), eager, then captured (federation.compile=true,
-#   against a bare step captured the same way);
-#   the 10 x 10 row's loops under torch.profiler (2 steps);
+#   32 x 10 side by side, LoRA 10 x 10, bf16), eager, then the 10 x 10 rows captured
+#   (federation.compile=true, against a bare step captured the same way);
+#   with PROFILE=1, the 10 x 10 row's loops under torch.profiler (2 steps);
 #   a few rounds of each paper preset at its paper shape: the Accumulator's Table 1
 #   (experiment=acc_conventional, DeiT-S at 224 px, 100 clients, 10 a round, captured by
-#   default on a GPU, and once eager), anytime, multi-tier, LoRA; FedCLIP on CLIP ViT-B/32
+#   default on a GPU; RUNS=conventional-eager adds it eager), anytime, multi-tier, LoRA; FedCLIP
+#   on CLIP ViT-B/32
 #   (fedclip_pacs); ICIIA (iciia_cifar100), DUET and CDC-MMPG (sessions_cifar100), trained on the
 #   server for 1-2 epochs; each with its s/round (or s/epoch), GPU busy % and peak memory.
 # The AST speech presets are not in it: they need audio data this script does not make yet.
@@ -55,7 +56,7 @@ else
   clip=(backbone.weights=null)
   pacs_size=(--train 2000)
   tests=(-m "not slow" -n 12 -q -p no:cacheprovider --durations=15)
-  steps=8; t_tests=120; t_run=120; t_tp=150
+  steps=8; t_tests=120; t_run=90; t_tp=150
   few=()
   precision=bf16
 fi
@@ -64,8 +65,10 @@ elif [ -n "${PYTEST_ARGS:-}" ]; then eval "tests=($PYTEST_ARGS)"; fi
 rows=${THROUGHPUT:-1:10:P:accumulator_pa 10:10:P:accumulator_pa 32:10:P:accumulator_pa \
 10:10:P:lora}
 rows=${rows//:P:/:$precision:}
-captured_rows=${THROUGHPUT_CAPTURED:-$rows}
-[ $small = 1 ] && captured_rows=${THROUGHPUT_CAPTURED:-10:10:$precision:accumulator_pa}  # inductor on 2 cores: minutes a shape
+# captured: each row compiles its own shape (about a minute each on a GPU machine's CPUs, one
+# to three on 2 cores), so fewer rows
+captured_rows=${THROUGHPUT_CAPTURED:-10:10:$precision:accumulator_pa 10:10:$precision:lora}
+[ $small = 1 ] && captured_rows=${THROUGHPUT_CAPTURED:-10:10:$precision:accumulator_pa}
 profile_row=10:10:$precision:accumulator_pa
 cifar=(dataset=cifar100 "dataset.path=$data")
 # fedadapt-bench's rows: the paper's shape, 10 clients to draw images from
@@ -84,7 +87,8 @@ all_runs=(
   "duet|1|experiment=sessions_cifar100 method=duet method.max_epochs=2 method.classifier_epochs=2 ${cifar[*]} ${cnn[*]}"
   "cdc_mmpg|1|experiment=sessions_cifar100 method=cdc_mmpg method.adr_epochs=1 method.max_epochs=1 ${cifar[*]} ${cnn[*]}"
 )
-selected=${RUNS:-conventional conventional-eager anytime multitier lora fedclip iciia duet cdc_mmpg}
+# conventional-eager is left out by default (the throughput rows compare eager and captured)
+selected=${RUNS:-conventional anytime multitier lora fedclip iciia duet cdc_mmpg}
 
 # step NAME SECONDS COMMAND...: runs COMMAND under its timeout, its output in NAME.log; records
 # NAME, exit code and seconds in steps.tsv, then rewrites the report from what is there so far.
@@ -118,8 +122,10 @@ if [ -n "$rows" ]; then
     --steps "$steps" --repeats 3 --out "$out" "${bench[@]}" federation.compile=false
   step throughput-captured "$t_tp" fedadapt-bench --throughput --rows "${captured_rows// /,}" \
     --steps "$steps" --repeats 3 --out "$out/captured" "${bench[@]}" federation.compile=true
-  step profile 90 fedadapt-bench --throughput --rows "${profile_row}" --profile --steps 2 \
-    --repeats 1 --out "$out/profile" "${bench[@]}" federation.compile=false
+  if [ -n "${PROFILE:-}" ]; then  # PROFILE=1: the 10 x 10 row's loops under torch.profiler
+    step profile 90 fedadapt-bench --throughput --rows "${profile_row}" --profile --steps 2 \
+      --repeats 1 --out "$out/profile" "${bench[@]}" federation.compile=false
+  fi
 fi
 
 for run in "${all_runs[@]}"; do
