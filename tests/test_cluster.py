@@ -56,7 +56,8 @@ def test_resources_are_checked(key, value, needle, cache_dir):
 
 
 @pytest.mark.parametrize("backend,address,needle", [
-    ("ray", None, "federation.backend='ray' is invalid: one of ('auto', 'simulation', 'inprocess')"),
+    ("ray", None, "federation.backend='ray' is invalid: one of ('auto', 'simulation', "
+                  "'inprocess')"),
     ("inprocess", "10.0.0.1:6379", "federation.ray_address='10.0.0.1:6379' is invalid: a Ray "
                                    "cluster needs federation.backend=simulation"),
 ])
