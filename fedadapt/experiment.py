@@ -211,13 +211,14 @@ def write_partition(run_dir: Path, cfg: RunConfig, prep: PreparedRun, *, stats: 
 class Background:
     """``fn()`` in a thread from now, for work a run needs at its end but not before (a plot of
     its partition): it overlaps the rounds, whose time is mostly the workers' (other processes
-    on Ray; torch's native kernels in process). :meth:`join` waits and raises what ``fn``
-    raised."""
+    on Ray; torch's native kernels in process). :meth:`join` waits; if ``fn`` raised there
+    (an import beside the rounds' own can meet Python's import-lock deadlock detection), it
+    runs ``fn()`` once more in the caller's thread, whose error is the run's."""
 
     def __init__(self, fn: Callable[[], None]) -> None:
         import threading
 
-        self.error: Optional[BaseException] = None
+        self.fn, self.error = fn, None
 
         def run() -> None:
             try:
@@ -231,7 +232,7 @@ class Background:
     def join(self) -> None:
         self.thread.join()
         if self.error is not None:
-            raise self.error
+            self.fn()
 
 
 def open_tracker(cfg: RunConfig, run_dir: Path, config_yaml: str, label: str,

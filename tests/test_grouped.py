@@ -522,3 +522,20 @@ def test_a_worker_groups_clients_across_tiers():
     groups = _groups(jobs, 4, {i: (0.1, 0.01 * (i % 2)) for i in range(7)})
     assert [(rates, [j.cid for j in g]) for rates, g in groups] == [
         ((0.1, 0.0), [0, 2, 4, 6]), ((0.1, 0.01), [1, 3, 5])]  # by (lr, mu), not by tier
+
+
+def test_work_beside_the_rounds_is_done_again_in_the_caller_when_it_failed():
+    from fedadapt.experiment import Background
+
+    calls = []
+
+    def flaky():
+        calls.append(len(calls))
+        if len(calls) == 1:
+            raise ImportError("deadlock detected by _ModuleLock")
+
+    Background(flaky).join()
+    assert calls == [0, 1]
+    failing = Background(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failing.join()
