@@ -151,7 +151,8 @@ def test_run_with_20_percent_faulty_clients_learns_as_the_clean_one(cache_dir, t
     def run(faults: FaultConfig, name: str, timeout):
         cfg = learning_run(cache_dir, LinearHeadConfig(), faults=faults, seed=7,
                            federation=FederationConfig(round_timeout=timeout, eval_every=4,
-                                                       min_reply_fraction=0.5))
+                                                       min_reply_fraction=0.5,
+                                                       backend="simulation"))
         summary = run_experiment(cfg, tmp_path / name, config_yaml=f"{name}\n")
         return summary, read_jsonl(tmp_path / name / "metrics.jsonl")
 

@@ -15,6 +15,10 @@ from test_resume import ROUNDS, TINY, fedadapt, metrics, same, straight_through
 from fedadapt.federation.checkpoint import latest_checkpoint, load_checkpoint
 from fedadapt.federation.interrupt import STOP, RunStopped, StoppableGrid
 
+#: Flower's simulation engine on Ray: what these stops must end cleanly (the default,
+#: federation.backend=auto, runs a one-worker job in process, without Ray)
+RAY = ["federation.backend=simulation"]
+
 
 def started(out: Path, rounds: int, proc, timeout: float = 300) -> Path:
     """The run directory once ``rounds`` rounds are in its metrics.jsonl."""
@@ -60,7 +64,7 @@ def one_line(err: str, sig: str) -> str:
 @pytest.mark.slow
 def test_sigint_at_round_3_exits_130_and_resumes_to_the_same_metrics(tmp_path, cache_dir):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "FEDADAPT_CACHE": cache_dir}
-    args = ["method=linear_head", *TINY, "partition.fraction_fit=0.5"]
+    args = ["method=linear_head", *TINY, *RAY, "partition.fraction_fit=0.5"]
     victim = fedadapt(args + [f"output_dir={tmp_path}/stopped"], env)
     run_dir = started(tmp_path / "stopped", 3, victim)
     rc, err = stop(victim, signal.SIGINT, group=True)  # Ctrl-C: the whole group
@@ -81,7 +85,7 @@ def test_sigint_at_round_3_exits_130_and_resumes_to_the_same_metrics(tmp_path, c
 @pytest.mark.slow
 def test_sigterm_to_the_process_exits_143_with_one_line(tmp_path, cache_dir):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "FEDADAPT_CACHE": cache_dir}
-    proc = fedadapt(["method=linear_head", *TINY, f"output_dir={tmp_path}/out"], env)
+    proc = fedadapt(["method=linear_head", *TINY, *RAY, f"output_dir={tmp_path}/out"], env)
     run_dir = started(tmp_path / "out", 2, proc)
     rc, err = stop(proc, signal.SIGTERM, group=False)  # `kill PID`, `timeout`, ...
     assert rc == 143, (rc, err[-3000:])
@@ -113,7 +117,7 @@ def test_sigterm_to_the_group_while_ray_starts_ends_with_the_stop_line_and_no_lo
     no traceback (this once hung after a handler's exception was swallowed by a garbage
     collector callback, or while the main thread waited inside ray.init)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "FEDADAPT_CACHE": cache_dir}
-    proc = fedadapt(["method=linear_head", *TINY, f"output_dir={tmp_path}/out"], env)
+    proc = fedadapt(["method=linear_head", *TINY, *RAY, f"output_dir={tmp_path}/out"], env)
     deadline = time.time() + 300  # a guard against a run that never starts Ray, not a timing
     while not ray_starting(proc.pid):  # the data is prepared; Ray's first process is up
         assert time.time() < deadline and proc.poll() is None, "Ray never started"
@@ -171,7 +175,7 @@ def test_a_sigkill_of_the_driver_alone_leaves_no_ray_process(tmp_path, cache_dir
     the driver's to handle); when the driver dies without a word, even by SIGKILL, the reaper
     kills them, the agents the raylet started included."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "FEDADAPT_CACHE": cache_dir}
-    proc = fedadapt(["method=linear_head", *TINY, f"output_dir={tmp_path}/out"], env)
+    proc = fedadapt(["method=linear_head", *TINY, *RAY, f"output_dir={tmp_path}/out"], env)
     started(tmp_path / "out", 2, proc)
     ray = descendants(proc.pid)
     assert len(ray) >= 3  # GCS, raylet, a worker at least

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.slow  # Ray: Flower's simulation engine
 def test_ten_clients_four_rounds_learn(cache_dir, tmp_path):
     cfg = learning_run(cache_dir, LinearHeadConfig())
     cfg.federation.eval_every = 1
+    cfg.federation.backend = "simulation"  # Ray (auto would run this one-worker job in process)
     summary = run_experiment(cfg, tmp_path / "run", config_yaml="test: true\n")
     run = tmp_path / "run"
     for name in ("config.yaml", "partition.json", "partition.png", "metrics.jsonl", "summary.json",
