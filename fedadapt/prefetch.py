@@ -46,7 +46,7 @@ def _hub_detail(card) -> str:
 
 
 def _main(argv: list[str]) -> int:
-    from fedadapt.backbones.base import MissingAssetError
+    from fedadapt.assets import MissingAssetError
     from fedadapt.entry import compose_config, to_run_config
 
     run = to_run_config(compose_config(argv))

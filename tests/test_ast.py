@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fedadapt.assets import MissingAssetError
 from fedadapt.backbones import build_backbone
-from fedadapt.backbones.base import MissingAssetError
 from fedadapt.config import BackboneConfig
 
 TINY_AST = BackboneConfig(name="tiny_ast", family="ast", image_size=128, arch=dict(

@@ -4,8 +4,8 @@ import pytest
 import torch
 from conftest import TINY_CLIP, needs_efficientnet_weights
 
+from fedadapt.assets import MissingAssetError
 from fedadapt.backbones import build_backbone
-from fedadapt.backbones.base import MissingAssetError
 from fedadapt.config import BackboneConfig, ConfigError
 
 TINY_VIT = BackboneConfig(name="t", family="vit", image_size=32, arch=dict(

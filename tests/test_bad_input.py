@@ -293,7 +293,7 @@ def test_the_hub_offline_without_hf_hub_offline_is_one_line(monkeypatch, caplog,
     import datasets.config
     import huggingface_hub.constants as hub
 
-    from fedadapt.backbones.base import MissingAssetError
+    from fedadapt.assets import MissingAssetError
     from fedadapt.data import loading
     from fedadapt.data.catalogue import load_card
 

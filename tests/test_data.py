@@ -123,7 +123,7 @@ def test_digits_ship_with_scikit_learn(cache_dir):
 
 def test_missing_hub_data_names_the_prefetch_command(cache_dir):
     """Offline, a hub data set that is not cached fails with what is missing and the command."""
-    from fedadapt.backbones.base import MissingAssetError
+    from fedadapt.assets import MissingAssetError
 
     with pytest.raises(MissingAssetError, match="fedadapt-prefetch dataset=cifar100"):
         prepare_dataset(DatasetConfig(name="cifar100"), cache_dir, seed=0)

@@ -7,7 +7,7 @@ import pytest
 from PIL import Image as PILImage
 
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Image, Value
-from fedadapt.backbones.base import MissingAssetError
+from fedadapt.assets import MissingAssetError
 from fedadapt.config import ConfigError, DatasetConfig, PartitionConfig
 from fedadapt.data import loading
 from fedadapt.data.catalogue import DatasetCard, available, load_card

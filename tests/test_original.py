@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import tiny_run
 
+from fedadapt.assets import MissingAssetError
 from fedadapt.backbones import build_backbone
-from fedadapt.backbones.base import MissingAssetError
 from fedadapt.config import (
     BackboneConfig,
     ConfigError,

@@ -9,7 +9,7 @@ batch of normalised images ``[B, 3, H, W]`` to pooled features ``[B, D]``, froze
 
 from __future__ import annotations
 
-from fedadapt.backbones.base import FAMILIES, Backbone, MissingAssetError, register_backbone_family
+from fedadapt.backbones.base import FAMILIES, Backbone, register_backbone_family
 from fedadapt.config import BackboneConfig, ConfigError
 
 #: The modules that define backbone families.
@@ -52,7 +52,7 @@ def build_backbone(cfg: BackboneConfig, *, load_weights: bool = True) -> Backbon
     return backbone.freeze()
 
 
-__all__ = ["Backbone", "MissingAssetError", "build_backbone", "register_backbone_family"]
+__all__ = ["Backbone", "build_backbone", "register_backbone_family"]
 
 
 def _check_sealed_weights(cfg: BackboneConfig, load_weights: bool) -> None:

@@ -42,7 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedadapt.backbones.base import MissingAssetError, prefetch_hint, register_backbone_family
+from fedadapt.assets import MissingAssetError, prefetch_hint
+from fedadapt.backbones.base import register_backbone_family
 from fedadapt.backbones.vit import ViTBackbone
 from fedadapt.config import BackboneConfig, ConfigError
 

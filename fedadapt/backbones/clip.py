@@ -20,12 +20,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from fedadapt.backbones.base import (
-    Backbone,
-    MissingAssetError,
-    prefetch_hint,
-    register_backbone_family,
-)
+from fedadapt.assets import MissingAssetError, prefetch_hint
+from fedadapt.backbones.base import Backbone, register_backbone_family
 from fedadapt.config import BackboneConfig, ConfigError
 from fedadapt.log import log
 

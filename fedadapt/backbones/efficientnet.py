@@ -15,7 +15,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from fedadapt.backbones.base import Backbone, MissingAssetError, register_backbone_family
+from fedadapt.assets import MissingAssetError
+from fedadapt.backbones.base import Backbone, register_backbone_family
 from fedadapt.config import BackboneConfig
 
 

@@ -15,12 +15,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fedadapt.assets import MissingAssetError, prefetch_hint
 from fedadapt.backbones.base import (
     Backbone,
-    MissingAssetError,
     file_weights_id,
     load_state_file,
-    prefetch_hint,
     register_backbone_family,
 )
 from fedadapt.config import BackboneConfig, ConfigError

@@ -3,7 +3,7 @@ cannot be had (offline and not cached)."""
 
 from __future__ import annotations
 
-from fedadapt.backbones.base import MissingAssetError, prefetch_hint
+from fedadapt.assets import MissingAssetError, prefetch_hint
 from fedadapt.config import ConfigError
 from fedadapt.data.catalogue import DatasetCard
 

@@ -26,7 +26,7 @@ from typing import Optional
 
 import numpy as np
 
-from fedadapt.backbones.base import MissingAssetError
+from fedadapt.assets import MissingAssetError
 from fedadapt.config import ConfigError, DatasetConfig, FedadaptError
 from fedadapt.data.catalogue import DatasetCard, load_card
 from fedadapt.data.hub import load_hub
