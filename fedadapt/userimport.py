@@ -153,13 +153,10 @@ def _own(path: str) -> bool:
 @functools.lru_cache(maxsize=1)
 def _own_roots() -> tuple[str, ...]:
     """fedadapt's own source folders (the library, and its strategies and clients packages,
-    which install from their own folders)."""
-    import fedadapt
-    import fedadapt.clients
-    import fedadapt.strategies
-
-    return tuple(sorted({os.path.realpath(os.path.dirname(m.__file__))
-                         for m in (fedadapt, fedadapt.clients, fedadapt.strategies)}))
+    which install from their own folders), found without importing them."""
+    return tuple(sorted({os.path.realpath(folder) for name in
+                         ("fedadapt", "fedadapt.clients", "fedadapt.strategies")
+                         for folder in importlib.util.find_spec(name).submodule_search_locations}))
 
 
 @functools.lru_cache(maxsize=1)
