@@ -25,6 +25,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 import fedadapt  # noqa: F401  (torchvision shim first)
+from fedadapt import rundir
 from fedadapt.config import ConfigError, FedadaptError, RunConfig
 from fedadapt.entry import register_configs, to_run_config, with_method_train
 from fedadapt.federation.interrupt import (
@@ -34,7 +35,6 @@ from fedadapt.federation.interrupt import (
     stop_on_signals,
 )
 from fedadapt.paths import CONF_PATH
-from fedadapt.results import rundir
 from fedadapt.userimport import recorded_files
 
 register_configs()
@@ -326,7 +326,7 @@ def method_costs(jobs, prepared: dict, dirs: dict[str, Path]
 
 @contextmanager
 def _holding(run_dir: Path, *, resume: bool = False) -> Iterator[None]:
-    """Hold ``run_dir``'s lock for the job (see :mod:`fedadapt.results.rundir`). A signal
+    """Hold ``run_dir``'s lock for the job (see :mod:`fedadapt.rundir`). A signal
     that lands while the lock is being taken still releases it (unlocking leaves a lock that
     is not this process's)."""
     try:

@@ -28,7 +28,7 @@ from fedadapt.experiment import PreparedRun, prepare_run, run_experiment
 from fedadapt.federation.server import execute_plan
 from fedadapt.federation.training import RunSpec
 from fedadapt.log import log
-from fedadapt.results.rundir import claim_new_dir
+from fedadapt.rundir import claim_new_dir
 
 #: Run config keys (``[tool.flwr.app.config]``; ``flwr run --run-config 'overrides="..."'``).
 OVERRIDES_KEY = "overrides"

@@ -60,10 +60,10 @@ def register_configs() -> None:
 
 def register_resolvers() -> None:
     """OmegaConf resolvers of the shipped config: ``${unique_dir:PATH}`` claims a new run or
-    sweep folder (see :mod:`fedadapt.results.rundir`); cached, so a sweep claims one.
+    sweep folder (see :mod:`fedadapt.rundir`); cached, so a sweep claims one.
     ``${point_dir:NUM,OVERRIDES}`` names a sweep point's folder, cut to a length every file
     system takes."""
-    from fedadapt.results.rundir import claim_new_dir, point_dir
+    from fedadapt.rundir import claim_new_dir, point_dir
 
     if not OmegaConf.has_resolver("unique_dir"):
         OmegaConf.register_new_resolver("unique_dir", claim_new_dir, use_cache=True)

@@ -52,7 +52,7 @@ FOLDED = "folded.safetensors"
 def read_run(run_dir: Path):
     """``(RunConfig, summary)`` of a finished run directory; ConfigError naming what is missing."""
     from fedadapt.entry import run_config_from
-    from fedadapt.results.rundir import JOB, resume_command
+    from fedadapt.rundir import JOB, resume_command
 
     summary_path, config_path = run_dir / "summary.json", run_dir / "config.yaml"
     if not run_dir.is_dir():
@@ -123,7 +123,7 @@ def export_run(run_dir, out=None, *, merge: bool = False, quiet: bool = True) ->
     tmp.mkdir(parents=True)
     try:
         kind, base_class = _write(model, cfg, tmp, merge)
-        from fedadapt.strategies.lora_het import is_base_delta
+        from fedadapt.adapters.lora import is_base_delta
 
         folded = {n: t.contiguous() for n, t in arrays.items() if is_base_delta(n)}
         if folded:  # FLoRA / FedEx-LoRA: the updates folded into base/'s weights, for fedadapt

@@ -1,4 +1,4 @@
-"""Every run gets its own directory (fedadapt.results.rundir), and the Hydra launchers: the
+"""Every run gets its own directory (fedadapt.rundir), and the Hydra launchers: the
 joblib launcher's parallel sweep gives the metrics of the same runs done alone, the slurm
 preset composes, a launcher whose plugin is missing names the pip package."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fedadapt.results import rundir
+from fedadapt import rundir
 
 TINY = ["method=linear_head", "backbone=small_cnn", "backbone.image_size=16",
         "dataset.max_samples=300", "partition.num_clients=3", "partition.fraction_fit=1.0",
@@ -197,7 +197,7 @@ def test_joblib_sweep_gives_the_metrics_of_runs_done_alone(two_at_once, tmp_path
 def test_a_sweep_points_folder_name_stays_within_what_file_systems_take(tmp_path):
     from omegaconf import OmegaConf, open_dict
 
-    from fedadapt.results.rundir import POINT_NAME_MAX, point_dir
+    from fedadapt.rundir import POINT_NAME_MAX, point_dir
 
     assert point_dir(3, "seed=0,strategy=hetlora") == "3_seed=0,strategy=hetlora"  # as Hydra's
     long = ",".join(f"key{i}.setting=value{i}" for i in range(20))
