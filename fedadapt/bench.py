@@ -338,7 +338,7 @@ def write_profile(path: Path, loops: dict, dev: torch.device, images: int) -> No
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from fedadapt.results.store import atomic_write
+    from fedadapt.files import atomic_write
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     parts = []

@@ -214,9 +214,10 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
     from fedadapt import progress
     from fedadapt.experiment import prepare_run, run_experiment
     from fedadapt.federation.cluster import check_reachable
+    from fedadapt.files import atomic_write
     from fedadapt.methods import family_of
     from fedadapt.results.plots import plot_curves
-    from fedadapt.results.store import SUMMARY, atomic_write, read_jsonl, write_json
+    from fedadapt.results.store import SUMMARY, read_jsonl, write_json
     from fedadapt.results.tables import run_tables
 
     jobs = job_configs(cfg, overrides)

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import yaml
 
+from fedadapt.files import atomic_write
 from fedadapt.results.report import find_runs, provenance
-from fedadapt.results.store import atomic_write
 
 ROOT = Path(__file__).resolve().parents[1]
 REGISTRY = ROOT / "docs" / "tables.yaml"

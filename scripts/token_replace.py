@@ -185,7 +185,7 @@ def main() -> None:
 
 def finish(results: dict, out: Path) -> None:
     """``<out>.json``, ``<out>.png`` and a Markdown table of the last round on stdout."""
-    from fedadapt.results.store import atomic_write
+    from fedadapt.files import atomic_write
 
     atomic_write(out.with_suffix(".json"), lambda fh: json.dump(results, fh, indent=1))
     plot(results, out.with_suffix(".png"))

@@ -56,7 +56,7 @@ def seal(path: str | Path) -> None:
 
 
 def _write_record(content: Path, path: Path) -> None:
-    from fedadapt.results.store import atomic_write
+    from fedadapt.files import atomic_write
 
     record = {"size": content.stat().st_size, "sha256": digest(content)}
     atomic_write(sidecar(path), lambda fh: json.dump(record, fh))
@@ -174,7 +174,7 @@ SEAL = "fedadapt_seal.json"
 def seal_folder(folder: str | Path) -> None:
     """Record the size and digest of every file below ``folder`` in ``<folder>/SEAL`` (written
     last, atomically); call it on the finished folder before renaming it into place."""
-    from fedadapt.results.store import atomic_write
+    from fedadapt.files import atomic_write
 
     folder = Path(folder)
     files = {str(f.relative_to(folder)): {"size": f.stat().st_size, "sha256": digest(f)}

@@ -232,7 +232,7 @@ def serve_clients(cfg: RunConfig, run_dir: Path, prep: PreparedRun, config_yaml:
 
     from fedadapt.clients.app import make_client_app
     from fedadapt.federation.server import ServerPlan
-    from fedadapt.results.store import atomic_write
+    from fedadapt.files import atomic_write
 
     spec = prep.spec
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -253,7 +253,8 @@ def finish_server_run(cfg: RunConfig, run_dir: Path, prep: PreparedRun, state, *
                        client_acc: Optional[dict]) -> dict:
     """The summary of a server-trained method's run (``results``: its result sections), its
     ``table.md``, and ``summary.json`` last."""
-    from fedadapt.results.store import SUMMARY, atomic_write, write_json
+    from fedadapt.files import atomic_write
+    from fedadapt.results.store import SUMMARY, write_json
     from fedadapt.results.tables import run_tables
 
     summary = {

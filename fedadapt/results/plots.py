@@ -13,7 +13,7 @@ def plot_curves(runs: dict[str, list[dict]], path: str | Path, title: str = "") 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fedadapt.results.store import atomic_write
+    from fedadapt.files import atomic_write
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -63,7 +63,7 @@ def plot_partition(partition, labels, path: str | Path, *, class_names: list[str
     from flwr_datasets.visualization import plot_label_distributions
 
     from datasets import ClassLabel, Dataset, Features
-    from fedadapt.results.store import atomic_write
+    from fedadapt.files import atomic_write
 
     class Fixed(Partitioner):
         """The partition already made, as a flwr-datasets Partitioner."""
@@ -122,7 +122,7 @@ def plot_accuracy_vs_time(groups: dict[str, list[list[dict]]], path: str | Path)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fedadapt.results.store import atomic_write
+    from fedadapt.files import atomic_write
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]

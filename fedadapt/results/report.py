@@ -27,9 +27,10 @@ from pathlib import Path
 
 import yaml
 
+from fedadapt.files import atomic_write
 from fedadapt.results.domain_tables import domain_tables
 from fedadapt.results.stats import CONVENTION, describe, fmt, fmt_values
-from fedadapt.results.store import SUMMARY, atomic_write
+from fedadapt.results.store import SUMMARY
 from fedadapt.results.tables import at_chance, delay_markdown, fmt_bytes, fmt_count, markdown
 
 IGNORED = ("seed", "output_dir", "cache_dir", "compare", "hydra")

@@ -1,4 +1,4 @@
-"""Run directories: atomic file writes, per-round metrics, the summary.
+"""Run directories: per-round metrics, the summary, written whole (:mod:`fedadapt.files`).
 
 A run directory holds ``config.yaml`` (resolved), ``partition.json``, ``metrics.jsonl`` (one line
 per round, appended as rounds finish; not fsynced: a crash of the process loses no row, and the
@@ -13,36 +13,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import platform
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+
+from fedadapt.files import atomic_write
 
 SUMMARY = "summary.json"
 METRICS = "metrics.jsonl"
-
-
-def atomic_write(path: str | Path, write: Callable[[Any], None], mode: str = "w") -> None:
-    """Write via ``write(fileobj)`` to a temporary file in the same folder, fsync, rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, mode) as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except OSError as err:  # a failed write names no file (a full disk): name it
-        Path(tmp).unlink(missing_ok=True)
-        if err.filename is None:
-            raise OSError(err.errno, err.strerror, str(path)) from err
-        raise
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def check_writable(folder: str | Path, key: str) -> None:

@@ -213,7 +213,8 @@ def run_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, config_yaml:
     from flwr.app import ArrayRecord
 
     from fedadapt.clients.app import make_client_app
-    from fedadapt.results.store import METRICS, atomic_write, write_jsonl
+    from fedadapt.files import atomic_write
+    from fedadapt.results.store import METRICS, write_jsonl
 
     t0 = time.time() if t0 is None else t0
     spec, model = prep.spec, prep.model
@@ -648,8 +649,9 @@ def _finish_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, state, *, l
                    t0: float, num_rounds: int, resume_state: Optional[dict]) -> dict:
     """The run directory of a client-trained run after its rounds: per-client metrics,
     personalization, the summary and its table and curves (``summary.json`` last)."""
+    from fedadapt.files import atomic_write
     from fedadapt.results.plots import plot_curves
-    from fedadapt.results.store import SUMMARY, atomic_write, write_json, write_jsonl
+    from fedadapt.results.store import SUMMARY, write_json, write_jsonl
     from fedadapt.results.tables import run_tables
 
     spec, history = prep.spec, state.history
