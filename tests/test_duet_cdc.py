@@ -28,16 +28,15 @@ from fedadapt.methods.sessions.duet import (
     weighted_session_ce,
 )
 from fedadapt.methods.sessions.train import (
-    RATES_MB_S,
     SessionBatch,
     binary_auc,
-    delay_table,
     kl_weight,
     split_context,
     tensor_bytes,
     train_adr,
     upload_of,
 )
+from fedadapt.results.tables import RATES_MB_S, delay_table
 
 DIM, HIDDEN, CLASSES, K = 16, [8, 6], 5, 4
 

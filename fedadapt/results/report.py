@@ -31,7 +31,14 @@ from fedadapt.files import atomic_write
 from fedadapt.results.domain_tables import domain_tables
 from fedadapt.results.stats import CONVENTION, describe, fmt, fmt_values
 from fedadapt.results.store import SUMMARY
-from fedadapt.results.tables import at_chance, delay_markdown, fmt_bytes, fmt_count, markdown
+from fedadapt.results.tables import (
+    at_chance,
+    delay_markdown,
+    delay_table,
+    fmt_bytes,
+    fmt_count,
+    markdown,
+)
 
 IGNORED = ("seed", "output_dir", "cache_dir", "compare", "hydra")
 #: MLflow's stores (``tracking.mlflow``) hold copies of run directories as artifacts: not runs.
@@ -464,8 +471,6 @@ def sessions_table(runs: list[dict]) -> str:
                      fmt_bytes(median(rs, "down_bytes_median")),
                      "—" if gen_ms is None else f"{gen_ms:.2f}"])
         if gen_ms is not None:
-            from fedadapt.methods.sessions.train import delay_table
-
             delays.append((label, delay_table({
                 "up_bytes_median": median(rs, "up_bytes_median"),
                 "down_bytes_median": median(rs, "down_bytes_median"),

@@ -200,9 +200,26 @@ def sessions_table(summaries: list[dict]) -> str:
     return out + ("\n" + delay_markdown(delays) if delays else "")
 
 
+#: Link speeds of DUET's Table 3 and CDC-MMPG's Table 6, in MB/s (1 MB = 10^6 bytes).
+RATES_MB_S = (5, 15, 50, 100)
+
+
+def delay_table(payload: dict) -> list[dict]:
+    """Per link speed: upload and download time of the median session's measured payload (the
+    serialized ArrayRecord, as Flower counts it), and the total with the server's median
+    generation time (ms)."""
+    rows = []
+    for rate in RATES_MB_S:
+        up_ms = 1000 * payload["up_bytes_median"] / (rate * 1e6)
+        down_ms = 1000 * (payload["down_bytes_median"] or 0) / (rate * 1e6)
+        rows.append({"rate_MB_s": rate, "up_ms": up_ms, "down_ms": down_ms,
+                     "total_ms": up_ms + payload["generate_ms_median"] + down_ms})
+    return rows
+
+
 def delay_markdown(rows: list[tuple[str, list[dict]]]) -> str:
     """The delay table (DUET Table 3, CDC-MMPG Table 6): per method, per link speed, upload /
-    download / total ms (``fedadapt.methods.sessions.train.delay_table`` rows)."""
+    download / total ms (:func:`delay_table` rows)."""
     rates = [d["rate_MB_s"] for d in rows[0][1]]
     body = [[label, *(f"↑ {d['up_ms']:.3f} / ↓ {d['down_ms']:.3f} / total {d['total_ms']:.2f}"
                       for d in delay)] for label, delay in rows]

@@ -29,7 +29,8 @@ Serving (:func:`fedadapt.methods.sessions.run.converse`), per client, in two mes
    with metrics.
 
 The server records each session's upload and download bytes (``ArrayRecord.count_bytes``) and
-its generation time; :func:`delay_table` turns them into DUET's Table 3 / CDC-MMPG's Table 6.
+its generation time; :func:`fedadapt.results.tables.delay_table` turns them into DUET's
+Table 3 / CDC-MMPG's Table 6.
 Baselines in every run, scored on the same samples: the original model, and fine-tuning (the
 original classifier trained on the labels of the context; with ``context=session``, of the
 client's previous session, since the session's own labels are what is scored). A session
@@ -69,9 +70,7 @@ from fedadapt.methods.sessions.duet import (
     dynamic_layers,
     weighted_session_ce,
 )
-
-#: Link speeds of DUET's Table 3 and CDC-MMPG's Table 6, in MB/s (1 MB = 10^6 bytes).
-RATES_MB_S = (5, 15, 50, 100)
+from fedadapt.results.tables import delay_table
 
 
 def build_generator(spec: RunSpec) -> nn.Module:
@@ -614,16 +613,3 @@ def generator_summary(method, generator: nn.Module) -> dict:
         out["swa"] = {"temperature": method.temperature, "generators": method.generators,
                       "depends_on_session": False, "p": generator.swa_weights()}
     return out
-
-
-def delay_table(payload: dict) -> list[dict]:
-    """Per link speed: upload and download time of the median session's measured payload (the
-    serialized ArrayRecord, as Flower counts it), and the total with the server's median
-    generation time (ms)."""
-    rows = []
-    for rate in RATES_MB_S:
-        up_ms = 1000 * payload["up_bytes_median"] / (rate * 1e6)
-        down_ms = 1000 * (payload["down_bytes_median"] or 0) / (rate * 1e6)
-        rows.append({"rate_MB_s": rate, "up_ms": up_ms, "down_ms": down_ms,
-                     "total_ms": up_ms + payload["generate_ms_median"] + down_ms})
-    return rows
