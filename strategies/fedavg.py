@@ -26,10 +26,10 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from fedadapt.federation.records import UNIFORM_KEY, as_numpy, record, to_array
+from fedadapt.codec import as_numpy, record, to_array
 
-__all__ = ["UNIFORM_KEY", "LocalOnly", "PerTensorFedAvg", "aggregate_client_metrics",
-           "average_by_tensor", "per_tensor"]
+__all__ = ["LocalOnly", "PerTensorFedAvg", "aggregate_client_metrics", "average_by_tensor",
+           "per_tensor"]
 
 
 def aggregate_client_metrics(replies: list[RecordDict], weight_key: str) -> MetricRecord:

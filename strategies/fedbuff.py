@@ -43,8 +43,8 @@ from flwr.app import (
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
+from fedadapt.codec import as_numpy, to_array
 from fedadapt.config import ConfigError
-from fedadapt.federation.records import as_numpy, to_array
 
 STALENESS = ("sqrt", "constant")
 

@@ -34,8 +34,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
+from fedadapt.codec import UNIFORM_KEY, as_numpy, to_array
 from fedadapt.config import ConfigError
-from fedadapt.federation.records import UNIFORM_KEY, as_numpy, to_array
 
 
 def step_weights(steps: int, momentum: float = 0.0) -> float:

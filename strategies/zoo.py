@@ -32,7 +32,7 @@ import inspect
 import logging
 from typing import Any, Callable, Optional
 
-from fedadapt.strategies import fedbuff, fednova, lora_het
+from fedadapt.strategies import fedbuff, fedex_lora, fednova, fedsa_lora, flexlora, flora, hetlora
 from fedadapt.strategies.custom import CUSTOM
 from fedadapt.strategies.schema import (  # noqa: F401
     DERIVED,
@@ -43,8 +43,8 @@ from fedadapt.strategies.schema import (  # noqa: F401
 )
 from flwr.serverapp import strategy as flwr_strategies
 
+from fedadapt.codec import UNIFORM_KEY
 from fedadapt.config import ConfigError, DPConfig, StrategyConfig, check
-from fedadapt.federation.records import UNIFORM_KEY
 
 #: ``strategy=`` name -> Flower class.
 STRATEGIES: dict[str, type] = {
@@ -61,11 +61,11 @@ STRATEGIES: dict[str, type] = {
     "multikrum": flwr_strategies.MultiKrum,
     "bulyan": flwr_strategies.Bulyan,
     # LoRA of different ranks across clients (fedadapt's, on Flower's FedAvg)
-    "hetlora": lora_het.HetLoRA,
-    "flexlora": lora_het.FlexLoRA,
-    "fedsa_lora": lora_het.FedSALoRA,
-    "flora": lora_het.FLoRA,
-    "fedex_lora": lora_het.FedExLoRA,
+    "hetlora": hetlora.HetLoRA,
+    "flexlora": flexlora.FlexLoRA,
+    "fedsa_lora": fedsa_lora.FedSALoRA,
+    "flora": flora.FLoRA,
+    "fedex_lora": fedex_lora.FedExLoRA,
     # asynchronous, on a simulated fleet's clock (fedadapt's)
     "fedbuff": fedbuff.FedBuff,
     # normalised averaging of clients with different local steps (fedadapt's, on FedAvg)

@@ -9,9 +9,9 @@ import pytest
 import torch
 from flwr.app import Array
 
+from fedadapt.codec import as_numpy, to_array
 from fedadapt.data.loading import column
 from fedadapt.devices import heap_free_bytes, return_freed_memory, seed_torch
-from fedadapt.federation.records import as_numpy, to_array
 
 
 @pytest.mark.parametrize("value", [
@@ -229,7 +229,7 @@ def test_the_per_tensor_average_equals_the_float64_torch_formula():
 def test_records_read_without_the_typed_views_equal_them():
     from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-    from fedadapt.federation.records import record
+    from fedadapt.codec import record
 
     content = RecordDict({"config": ConfigRecord({"a": 1}), "m2": MetricRecord({"x": 1.0}),
                           "arrays": ArrayRecord(), "metrics": MetricRecord({"y": 2.0})})

@@ -8,11 +8,11 @@ one line naming the key."""
 import numpy as np
 import pytest
 import torch
-from fedadapt.strategies.fedavg import UNIFORM_KEY
 from fedadapt.strategies.zoo import build_strategy, check_strategy
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp.mod import adaptiveclipping_mod, fixedclipping_mod
 
+from fedadapt.codec import UNIFORM_KEY
 from fedadapt.config import ConfigError
 from fedadapt.entry import compose_config, to_run_config
 from fedadapt.federation.grid import node_id

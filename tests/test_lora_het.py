@@ -1,4 +1,5 @@
-"""LoRA of different ranks across clients (strategies/lora_het.py): each paper's aggregation
+"""LoRA of different ranks across clients (strategies/lora_rank.py and one module per paper:
+hetlora.py, flexlora.py, flora.py, fedsa_lora.py, fedex_lora.py): each paper's aggregation
 against its formula on small random float64 tensors, the same-rank cases that are FedAvg, what
 configure_train sends each rank, and bad input."""
 
@@ -7,21 +8,16 @@ import inspect
 import numpy as np
 import pytest
 import torch
-from fedadapt.strategies.fedavg import UNIFORM_KEY, PerTensorFedAvg, aggregate_client_metrics
-from fedadapt.strategies.lora_het import (
-    FedExLoRA,
-    FedSALoRA,
-    FlexLoRA,
-    FLoRA,
-    HetLoRA,
-    base_delta_name,
+from fedadapt.strategies.fedavg import PerTensorFedAvg, aggregate_client_metrics
+from fedadapt.strategies.fedex_lora import FedExLoRA
+from fedadapt.strategies.fedsa_lora import FedSALoRA
+from fedadapt.strategies.flexlora import FlexLoRA
+from fedadapt.strategies.flora import FLoRA, flora_stack
+from fedadapt.strategies.hetlora import HetLoRA, self_prune, sparsity_weights
+from fedadapt.strategies.lora_rank import (
     check_rank,
-    flora_stack,
-    lora_pairs,
     normalise,
     pad_rank,
-    self_prune,
-    sparsity_weights,
     svd_split,
     truncate_rank,
     weighted_product_sum,
@@ -38,6 +34,8 @@ from flwr.app import (
 )
 from flwr.serverapp.strategy import FedAvg
 
+from fedadapt.adapters.lora import base_delta_name, lora_pairs
+from fedadapt.codec import UNIFORM_KEY
 from fedadapt.config import ConfigError
 from fedadapt.federation.grid import node_id
 
@@ -650,7 +648,7 @@ def test_the_helpers_refuse_what_they_cannot_do_naming_it():
         pad_rank(torch.zeros(4, IN), None, 2)
     a, b = truncate_rank(torch.ones(4, IN), None, 2)
     assert a.shape == (2, IN) and b is None
-    from fedadapt.strategies.lora_het import _matrix_b
+    from fedadapt.strategies.lora_rank import matrix_b as _matrix_b
 
     for shape in ((6,), (6, 2, 3, 1)):
         with pytest.raises(ValueError, match=rf"'x.lora_B' has shape \({shape[0]},"
@@ -671,7 +669,8 @@ def test_the_aggregators_own_formulas_on_their_own():
     """hetlora_aggregate without sparsity weights (uniform, or by ``base``), the sparsity
     weights of small products (norms below 1), flexlora_aggregate, self-pruning by the last
     component's own norm."""
-    from fedadapt.strategies.lora_het import flexlora_aggregate, hetlora_aggregate
+    from fedadapt.strategies.flexlora import flexlora_aggregate
+    from fedadapt.strategies.hetlora import hetlora_aggregate
 
     g = torch.Generator().manual_seed(9)
     As = [torch.randn(r, IN, generator=g).double() for r in (2, 4)]

@@ -14,7 +14,11 @@ import numpy as np
 import pytest
 from fedadapt.strategies.fedavg import PerTensorFedAvg
 from fedadapt.strategies.fedbuff import FedBuff
-from fedadapt.strategies.lora_het import FedExLoRA, FedSALoRA, FlexLoRA, FLoRA, HetLoRA
+from fedadapt.strategies.fedex_lora import FedExLoRA
+from fedadapt.strategies.fedsa_lora import FedSALoRA
+from fedadapt.strategies.flexlora import FlexLoRA
+from fedadapt.strategies.flora import FLoRA
+from fedadapt.strategies.hetlora import HetLoRA
 from flwr.app import (
     Array,
     ArrayRecord,

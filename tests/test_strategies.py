@@ -7,7 +7,6 @@ import random
 import numpy as np
 import pytest
 from fedadapt.strategies.fedavg import (
-    UNIFORM_KEY,
     LocalOnly,
     PerTensorFedAvg,
     aggregate_client_metrics,
@@ -26,6 +25,7 @@ from flwr.app import (
 )
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM
 
+from fedadapt.codec import UNIFORM_KEY
 from fedadapt.federation.grid import ClientGrid, Nodes, node_id
 
 

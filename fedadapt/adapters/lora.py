@@ -22,20 +22,158 @@ and trains them inside the process's largest-rank model with the other component
 stay zero (their gradients are zero), so clients of different ranks train side by side. Every
 client's update is scaled by ``alpha / max(ranks)``: a rank-r client's LoRA has ``alpha *
 r / max(ranks)``, the same scale for every rank, as the heterogeneous-rank aggregators
-(``strategy=hetlora|flexlora|fedsa_lora``, :mod:`fedadapt.strategies.lora_het`) assume.
+(``strategy=hetlora|flexlora|fedsa_lora``, :mod:`fedadapt.strategies.lora_rank`) assume.
 ``method.share=a`` keeps each client's ``B`` on the client (FedSA-LoRA; set by
 ``strategy=fedsa_lora``).
+
+**Tensor names** are peft's: a LoRA layer ``X`` trains ``X.lora_A.weight`` (``r x in``) and
+``X.lora_B.weight`` (``out x r``); an adapter name may sit between (``X.lora_A.default.weight``).
+A and B are paired by swapping the ``lora_A`` name component for ``lora_B``
+(:func:`lora_pairs`). A layer's folded update (FLoRA's and FedEx-LoRA's, FlexLoRA's for the
+server's model) is ``X.base_delta`` (:data:`BASE_DELTA`): the model folds it into the layer's
+frozen weight when it loads it (:meth:`Folding.fold`). The strategies
+(:mod:`fedadapt.strategies.lora_rank` and its five papers), the grid, the workers and the export
+read these names from here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Optional
 
-from fedadapt.adapters.model import AdaptedModel
+import torch
+from torch import nn
+
+from fedadapt.adapters.model import AdaptedModel, structure_cached
 from fedadapt.adapters.registry import register_method
-from fedadapt.adapters.tuners import TunerConfig, build_tuned, inject, resolve_targets
+from fedadapt.adapters.tuners import (
+    TunedExitModel,
+    TunedModel,
+    TunerConfig,
+    build_tuned,
+    inject,
+    resolve_targets,
+)
 from fedadapt.config import ConfigError
+
+#: The name components of a LoRA layer's factors.
+LORA_A, LORA_B = "lora_A", "lora_B"
+#: Last name component of a layer's folded update (``X.base_delta``).
+BASE_DELTA = "base_delta"
+
+
+# -- tensor names -------------------------------------------------------------------------------
+
+def _swap(name: str, old: str, new: str) -> str:
+    parts = name.split(".")
+    parts[parts.index(old)] = new
+    return ".".join(parts)
+
+
+def is_lora_a(name: str) -> bool:
+    """Whether ``name`` is a LoRA layer's A (``lora_A`` a name component)."""
+    return LORA_A in name.split(".")
+
+
+def pair_of(a_name: str) -> str:
+    """``X.lora_B[.adapter].weight`` for ``X.lora_A[.adapter].weight``."""
+    return _swap(a_name, LORA_A, LORA_B)
+
+
+def lora_pairs(names: Iterable[str]) -> dict[str, str]:
+    """``{A name: B name}`` of every LoRA layer among ``names`` (``lora_A`` -> ``lora_B`` as a
+    name component); ValueError naming a LoRA tensor without its pair, or two adapters of one
+    layer (they would share ``X.base_delta``)."""
+    names = list(names)
+    present = set(names)
+    pairs: dict[str, str] = {}
+    for name in names:
+        parts = name.split(".")
+        if LORA_A in parts:
+            b = _swap(name, LORA_A, LORA_B)
+            if b not in present:
+                raise ValueError(f"{name!r} is a LoRA A without its B {b!r}")
+            pairs[name] = b
+        elif LORA_B in parts and _swap(name, LORA_B, LORA_A) not in present:
+            raise ValueError(f"{name!r} is a LoRA B without its A "
+                             f"{_swap(name, LORA_B, LORA_A)!r}")
+    layers = [base_delta_name(a) for a in pairs]
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"two LoRA adapters on one layer ({sorted(pairs)}): one adapter per "
+                         f"layer is supported")
+    return pairs
+
+
+def base_delta_name(a_name: str) -> str:
+    """``X.base_delta`` for ``X.lora_A[.adapter].weight``."""
+    parts = a_name.split(".")
+    return ".".join(parts[:parts.index(LORA_A)] + [BASE_DELTA])
+
+
+def is_base_delta(name: str) -> bool:
+    """Whether ``name`` is a LoRA layer's folded update (``X.base_delta``)."""
+    return name.rsplit(".", 1)[-1] == BASE_DELTA
+
+
+# -- folded updates (FLoRA, FedEx-LoRA) ---------------------------------------------------------
+
+class Folding:
+    """What a model with peft's LoRA adds to a tuned model: each LoRA layer's frozen weight
+    set from a folded update ``X.base_delta`` among the tensors it loads."""
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """:meth:`AdaptedModel.load_tensors`, and each ``X.base_delta`` among ``tensors``
+        folded into the frozen weight of LoRA layer ``X`` (:meth:`fold`)."""
+        deltas = {n: t for n, t in tensors.items() if is_base_delta(n)}
+        if deltas:
+            self.fold(deltas)
+            tensors = {n: t for n, t in tensors.items() if n not in deltas}
+        super().load_tensors(tensors)
+
+    def fold(self, deltas: dict[str, torch.Tensor]) -> None:
+        """Set each LoRA layer's frozen weight to ``W0 + s * D``: ``W0`` its pretrained weight,
+        ``s`` its LoRA scaling, ``D`` = ``deltas["X.base_delta"]`` (``out x in``, or the conv
+        weight's shape) for layer ``X``; a layer without a delta gets ``W0`` back. The weight is
+        replaced, never added to, so a client folds the global ``D`` it receives whatever it
+        folded before (:mod:`fedadapt.strategies.flora`, :mod:`fedadapt.strategies.fedex_lora`)."""
+        layers = self.lora_layers()
+        unknown = sorted(set(deltas) - set(layers))
+        if unknown:
+            raise KeyError(f"unknown tensor names: {unknown[:5]} (no LoRA layer of that name)")
+        with torch.no_grad():
+            for name, layer in layers.items():
+                weight = layer.get_base_layer().weight
+                if not hasattr(layer, "fedadapt_w0"):
+                    if name not in deltas:
+                        continue  # never folded: the pretrained weight as it is
+                    layer.fedadapt_w0 = weight.detach().clone()
+                w0 = layer.fedadapt_w0
+                if name not in deltas:
+                    weight.copy_(w0)
+                    continue
+                d = deltas[name]
+                if d.numel() != w0.numel():
+                    raise ValueError(f"{name}: {d.numel()} numbers for a weight of shape "
+                                     f"{tuple(w0.shape)}")
+                (scale,) = {float(s) for s in layer.scaling.values()}
+                weight.copy_(w0 + scale * d.reshape(w0.shape).to(w0.device, w0.dtype))
+
+    def lora_layers(self) -> dict[str, nn.Module]:
+        """``{"X.base_delta": peft LoRA layer X}`` of every LoRA layer (the name a folded
+        update of layer ``X`` has)."""
+        from peft.tuners.lora import LoraLayer
+
+        return structure_cached(self, "_lora_layers_cache", lambda: {
+            f"{n}.{BASE_DELTA}": m for n, m in self.named_modules() if isinstance(m, LoraLayer)})
+
+
+class LoraModel(Folding, TunedModel):
+    """A frozen backbone with peft's LoRA inside, and a head."""
+
+
+class LoraExitModel(Folding, TunedExitModel):
+    """A frozen ViT with peft's LoRA inside, and one head per exit."""
 
 
 @dataclass
@@ -118,7 +256,8 @@ def _build(cfg: LoraMethodConfig, backbone, num_classes: int, with_backbone: boo
     from peft import LoraConfig
 
     cfg.check()
-    model = build_tuned(cfg, backbone, num_classes, with_backbone)
+    model = build_tuned(cfg, backbone, num_classes, with_backbone,
+                        (LoraModel, LoraExitModel))
     targets = resolve_targets(cfg, backbone, "lora")
     inject(model, LoraConfig(r=cfg.global_rank, lora_alpha=float(cfg.alpha),
                              lora_dropout=float(cfg.lora_dropout), target_modules=targets,

@@ -83,57 +83,6 @@ class Tuned:
                 m.train(mode)
         return self
 
-    # -- folded updates (FLoRA, FedEx-LoRA) -------------------------------------------------
-    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        """:meth:`AdaptedModel.load_tensors`, and each ``X.base_delta`` among ``tensors``
-        folded into the frozen weight of LoRA layer ``X`` (:meth:`fold`)."""
-        from fedadapt.strategies.lora_het import is_base_delta
-
-        deltas = {n: t for n, t in tensors.items() if is_base_delta(n)}
-        if deltas:
-            self.fold(deltas)
-            tensors = {n: t for n, t in tensors.items() if n not in deltas}
-        super().load_tensors(tensors)
-
-    def fold(self, deltas: dict[str, torch.Tensor]) -> None:
-        """Set each LoRA layer's frozen weight to ``W0 + s * D``: ``W0`` its pretrained weight,
-        ``s`` its LoRA scaling, ``D`` = ``deltas["X.base_delta"]`` (``out x in``, or the conv
-        weight's shape) for layer ``X``; a layer without a delta gets ``W0`` back. The weight is
-        replaced, never added to, so a client folds the global ``D`` it receives whatever it
-        folded before (:mod:`fedadapt.strategies.lora_het`: FLoRA, FedEx-LoRA)."""
-        layers = self.lora_layers()
-        unknown = sorted(set(deltas) - set(layers))
-        if unknown:
-            raise KeyError(f"unknown tensor names: {unknown[:5]} (no LoRA layer of that name)")
-        with torch.no_grad():
-            for name, layer in layers.items():
-                weight = layer.get_base_layer().weight
-                if not hasattr(layer, "fedadapt_w0"):
-                    if name not in deltas:
-                        continue  # never folded: the pretrained weight as it is
-                    layer.fedadapt_w0 = weight.detach().clone()
-                w0 = layer.fedadapt_w0
-                if name not in deltas:
-                    weight.copy_(w0)
-                    continue
-                d = deltas[name]
-                if d.numel() != w0.numel():
-                    raise ValueError(f"{name}: {d.numel()} numbers for a weight of shape "
-                                     f"{tuple(w0.shape)}")
-                (scale,) = {float(s) for s in layer.scaling.values()}
-                weight.copy_(w0 + scale * d.reshape(w0.shape).to(w0.device, w0.dtype))
-
-    def lora_layers(self) -> dict[str, nn.Module]:
-        """``{"X.base_delta": peft LoRA layer X}`` of every LoRA layer (the name a folded
-        update of layer ``X`` has)."""
-        from peft.tuners.lora import LoraLayer
-
-        from fedadapt.adapters.model import structure_cached
-        from fedadapt.strategies.lora_het import BASE_DELTA
-
-        return structure_cached(self, "_lora_layers_cache", lambda: {
-            f"{n}.{BASE_DELTA}": m for n, m in self.named_modules() if isinstance(m, LoraLayer)})
-
 
 class TunedModel(Tuned, AdaptedModel):
     """A frozen backbone with PEFT tuners inside, and a head."""
@@ -179,9 +128,10 @@ def _layer_summary(backbone) -> str:
     return ", ".join(leaves[:12]) + (", ..." if len(leaves) > 12 else "") if leaves else "none"
 
 
-def build_tuned(cfg: TunerConfig, backbone, num_classes: int, with_backbone: bool
-                ) -> AdaptedModel:
-    """The frozen backbone and the head (or one head per exit), before any tuner is added."""
+def build_tuned(cfg: TunerConfig, backbone, num_classes: int, with_backbone: bool,
+                kinds: tuple[type, type] = (TunedModel, TunedExitModel)) -> AdaptedModel:
+    """The frozen backbone and the head (or one head per exit), before any tuner is added:
+    a ``kinds[0]`` (one head) or a ``kinds[1]`` (one head per exit)."""
     check_head(cfg.head, cfg.hidden_dim, cfg.dropout)
     if not with_backbone or backbone is None or not hasattr(backbone, "tuning_module"):
         raise ConfigError(f"method={cfg.name} adapts the backbone: it needs images, not cached "
@@ -198,11 +148,11 @@ def build_tuned(cfg: TunerConfig, backbone, num_classes: int, with_backbone: boo
         else:
             heads = LayerwiseHeads([mlp(dim, [cfg.hidden_dim], num_classes, norm=True,
                                         dropout=cfg.dropout) for _ in range(n)])
-        model: AdaptedModel = TunedExitModel(backbone=backbone, heads=heads,
-                                             parallel_adapter=False, adapter_bottleneck=1)
+        model: AdaptedModel = kinds[1](backbone=backbone, heads=heads,
+                                       parallel_adapter=False, adapter_bottleneck=1)
     else:
         head = make_head(cfg.head, backbone.embed_dim, num_classes, cfg.hidden_dim, cfg.dropout)
-        model = TunedModel(head=head, backbone=backbone)
+        model = kinds[0](head=head, backbone=backbone)
     module = backbone.tuning_module()
     model.tuned_prefix = next(n for n, m in model.named_modules() if m is module)
     if cfg.personal:

@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import numpy as np
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
+from fedadapt.codec import as_numpy, record
 from fedadapt.config import FAULT_KINDS, FedadaptError
 from fedadapt.federation import records
 
@@ -124,7 +125,7 @@ def _fits(shape: tuple, expected: tuple) -> bool:
 
 
 def _check_arrays(content: RecordDict, expected: dict[str, tuple]) -> tuple[str, str] | None:
-    arrays = records.record(content, ArrayRecord, "arrays")
+    arrays = record(content, ArrayRecord, "arrays")
     if arrays is None:
         return "wrong_keys", "no 'arrays' record"
     names = set(arrays.keys())
@@ -135,10 +136,10 @@ def _check_arrays(content: RecordDict, expected: dict[str, tuple]) -> tuple[str,
         if not _fits(tuple(arr.shape), tuple(expected[name])):
             return "wrong_shape", f"{name}: {tuple(arr.shape)} != {tuple(expected[name])}"
     for name, arr in arrays.items():
-        values = records.as_numpy(arr)
+        values = as_numpy(arr)
         if np.issubdtype(values.dtype, np.floating) and not np.isfinite(values).all():
             return "nonfinite", f"{name} has NaN/Inf"
-    metrics = records.record(content, MetricRecord, "metrics")
+    metrics = record(content, MetricRecord, "metrics")
     if metrics is None or "num-examples" not in metrics:
         return "wrong_keys", "no num-examples metric"
     return None

@@ -195,7 +195,7 @@ class ClientGrid(Grid):
         """``(down, up)``: the bytes client ``cid`` receives of a message's ``content`` (as
         :meth:`take_bytes` counts them), and sends back if it returns the tensors it trains as
         it received them (at most that: a LoRA client of HetLoRA may send fewer)."""
-        from fedadapt.strategies.lora_het import is_base_delta
+        from fedadapt.adapters.lora import is_base_delta
 
         down = up = 0
         for record in content.values():
@@ -217,7 +217,7 @@ class ClientGrid(Grid):
         of its frozen weights (FLoRA's and FedEx-LoRA's ``X.base_delta``)."""
         if self.trained is None:
             return record
-        from fedadapt.strategies.lora_het import is_base_delta
+        from fedadapt.adapters.lora import is_base_delta
 
         names = [*self.trained(cid), *(n for n in record.keys() if is_base_delta(n))]
         return ArrayRecord({n: record[n] for n in names if n in record})

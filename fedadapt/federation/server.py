@@ -43,9 +43,9 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Result
 
+from fedadapt.codec import TRAIN_EXAMPLES
 from fedadapt.config import FedadaptError
 from fedadapt.devices import return_freed_memory
-from fedadapt.federation import records
 from fedadapt.federation.faults import RoundFailed, Screened, require_enough, screen_clients
 from fedadapt.federation.grid import ClientGrid, Nodes, handshake, node_id
 from fedadapt.federation.interrupt import StoppableGrid
@@ -429,7 +429,7 @@ def _cut_work(fleet, grid: ClientGrid, messages: list[Message]) -> dict[int, int
         name = "config" if isinstance(content.get("config"), ConfigRecord) else next(
             (k for k, r in content.items() if isinstance(r, ConfigRecord)), "config")
         content[name] = ConfigRecord({**dict(content.get(name) or {}),
-                                      records.TRAIN_EXAMPLES: n})
+                                      TRAIN_EXAMPLES: n})
         msg.content = content
         cut[cid] = n
     return cut

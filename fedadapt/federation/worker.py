@@ -25,6 +25,7 @@ from typing import Callable, Optional
 import torch
 from flwr.app import Context, RecordDict
 
+from fedadapt.adapters.lora import is_base_delta
 from fedadapt.federation import records
 from fedadapt.federation.checkpoint import load_client_context, save_client_context
 from fedadapt.federation.faults import injected_fault
@@ -33,7 +34,6 @@ from fedadapt.federation.grouped import ClientJob, ClientResult, UsedTensors, tr
 from fedadapt.federation.training import RunSpec, cached_model, train_local
 from fedadapt.log import log
 from fedadapt.settings import step_exits
-from fedadapt.strategies.lora_het import is_base_delta
 
 _USED: dict[str, UsedTensors] = {}
 #: :func:`sent_names` per (run, exits): a round asks it several times for each client.

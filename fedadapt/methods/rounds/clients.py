@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
+from fedadapt.adapters.lora import is_base_delta
+from fedadapt.codec import TRAIN_EXAMPLES, UNIFORM_KEY, record, to_array
 from fedadapt.devices import return_freed_memory
 from fedadapt.federation import mods, records
 from fedadapt.federation.checkpoint import client_rounds, load_client_state, save_client_state
@@ -48,7 +50,6 @@ from fedadapt.federation.worker import (
     train_groups,
 )
 from fedadapt.settings import only_training, part_names
-from fedadapt.strategies.lora_het import is_base_delta
 
 #: ``context.state`` key of a deployment client's personal tensors.
 PERSONAL_KEY = "personal"
@@ -103,7 +104,7 @@ def arrays_decoder() -> Callable[[RecordDict], dict[str, torch.Tensor]]:
     decoded: dict[tuple, tuple[list, dict[str, torch.Tensor]]] = {}
 
     def of(mine: RecordDict) -> dict[str, torch.Tensor]:
-        arrays = records.record(mine, ArrayRecord, "arrays")
+        arrays = record(mine, ArrayRecord, "arrays")
         if arrays is None:
             return {}
         items = list(arrays.items())
@@ -166,13 +167,14 @@ def _at_client_rank(sent: dict[str, torch.Tensor], rank: Optional[int], gamma: f
                     ) -> dict[str, torch.Tensor]:
     """What a client of LoRA rank ``rank`` sends: its factors' first ``rank`` components; with
     HetLoRA's ``gamma`` > 0 fewer, the trailing components every layer can spare
-    (:func:`fedadapt.strategies.lora_het.self_prune`, one rank for all the client's layers:
+    (:func:`fedadapt.strategies.hetlora.self_prune`, one rank for all the client's layers:
     the largest any layer keeps)."""
     if rank is None:
         return sent
     keep = rank
     if gamma > 0:
-        from fedadapt.strategies.lora_het import lora_pairs, self_prune
+        from fedadapt.adapters.lora import lora_pairs
+        from fedadapt.strategies.hetlora import self_prune
 
         pairs = lora_pairs(n for n in sent if _rank_axis(n) is not None)
         kept = [self_prune(sent[a].narrow(0, 0, rank), sent[b].narrow(1, 0, rank), gamma)[0]
@@ -189,14 +191,14 @@ def _shared_config(content: RecordDict) -> ConfigRecord:
     cids = records.clients_of(content)
     if not cids:
         return ConfigRecord({})
-    config = records.record(records.view(content, cids[0]), ConfigRecord, "config")
+    config = record(records.view(content, cids[0]), ConfigRecord, "config")
     return config if config is not None else ConfigRecord({})
 
 
 def _trained_view(spec: RunSpec, model, cid: int, mine: RecordDict) -> RecordDict:
     """The client's records with its arrays cut to the tensors it trains (what a deployment
     client receives, and what a mod compares the reply's arrays with)."""
-    arrays = records.record(mine, ArrayRecord, "arrays")
+    arrays = record(mine, ArrayRecord, "arrays")
     names = sent_names(spec, cid, model)
     if arrays is None or list(arrays.keys()) == names:
         return mine
@@ -244,7 +246,7 @@ def train_views(spec: RunSpec, model, views: dict[int, RecordDict], deadline: De
     examples: dict[int, int] = {}  # how many of its examples each client trains
     for cid, mine in views.items():
         try:
-            config = configs[cid] = records.record(mine, ConfigRecord, "config")
+            config = configs[cid] = record(mine, ConfigRecord, "config")
             if config is None:
                 raise KeyError("config")
             rnd = int(config["server-round"])
@@ -254,7 +256,7 @@ def train_views(spec: RunSpec, model, views: dict[int, RecordDict], deadline: De
         except Exception as err:
             replies[cid] = records.error(reason_of(err))
             continue
-        indices = _work_share(spec, cid, rnd, config.get(records.TRAIN_EXAMPLES))
+        indices = _work_share(spec, cid, rnd, config.get(TRAIN_EXAMPLES))
         examples[cid] = len(indices)
         jobs.append(ClientJob(cid=cid, indices=indices, tensors=tensors,
                               seed=derive_seed(spec.seed, rnd, cid),
@@ -282,11 +284,11 @@ def train_views(spec: RunSpec, model, views: dict[int, RecordDict], deadline: De
             return None
         arrays = ArrayRecord()  # filled in place: ArrayRecord(dict) costs 4x as much
         for n in list(sent):
-            arrays[n] = records.to_array(sent.pop(n))
+            arrays[n] = to_array(sent.pop(n))
         return RecordDict({
             "arrays": arrays,
             "metrics": MetricRecord({"num-examples": examples[cid],
-                                     records.UNIFORM_KEY: _share(spec, cid, examples[cid]),
+                                     UNIFORM_KEY: _share(spec, cid, examples[cid]),
                                      "train_loss": res.loss})})
 
     made = train_groups(spec, model, jobs, size, rates, finish=reply)
@@ -405,7 +407,7 @@ def evaluate_one(spec: RunSpec, cid: int, content: RecordDict, context: Context)
     exits = client_exits(spec, cid)
     loss, acc, n = local_accuracy(model, spec, spec.clients[cid].test, exits)
     # the same keys from every client (Flower checks that); NaN when there is no test data
-    metrics = {"num-examples": n, records.UNIFORM_KEY: 1.0, "accuracy": acc, "loss": loss}
+    metrics = {"num-examples": n, UNIFORM_KEY: 1.0, "accuracy": acc, "loss": loss}
     if spec.evaluate_val:  # model selection by validation accuracy (federation.select)
         metrics["val_accuracy"] = local_accuracy(model, spec, spec.clients[cid].val, exits)[1]
     if spec.client_exits:
