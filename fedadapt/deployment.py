@@ -24,10 +24,11 @@ from flwr.serverapp import Grid, ServerApp
 from omegaconf import DictConfig, OmegaConf
 
 from fedadapt.clients.app import make_client_app
-from fedadapt.experiment import PreparedRun, prepare_run, run_experiment
+from fedadapt.experiment import prepare_run, run_experiment
 from fedadapt.federation.server import execute_plan
 from fedadapt.federation.training import RunSpec
 from fedadapt.log import log
+from fedadapt.methods.run import PreparedRun
 from fedadapt.rundir import claim_new_dir
 
 #: Run config keys (``[tool.flwr.app.config]``; ``flwr run --run-config 'overrides="..."'``).

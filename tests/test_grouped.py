@@ -525,7 +525,7 @@ def test_a_worker_groups_clients_across_tiers():
 
 
 def test_work_beside_the_rounds_is_done_again_in_the_caller_when_it_failed():
-    from fedadapt.experiment import Background
+    from fedadapt.methods.run import Background
 
     calls = []
 

@@ -138,7 +138,7 @@ def test_the_default_backend_is_in_process_where_one_worker_serves_the_run():
     """``federation.backend=auto``: in process for one worker on the CPU; Flower's simulation
     engine (Ray) for several workers, a GPU or a Ray cluster; an explicit backend as given."""
     from fedadapt.config import FederationConfig
-    from fedadapt.experiment import resolve_backend
+    from fedadapt.methods.run import resolve_backend
 
     auto = FederationConfig()
     assert auto.backend == "auto"

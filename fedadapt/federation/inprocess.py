@@ -4,7 +4,7 @@ the real ones; messages are copied on the way there and back, as a transport wou
 exchange can be watched (``on_reply``).
 
 ``federation.backend=inprocess`` runs a simulation this way
-(:func:`fedadapt.experiment.simulation`): the simulation's layout, its workers taking turns in
+(:func:`fedadapt.methods.run.simulation`): the simulation's layout, its workers taking turns in
 this process (one worker with every CPU unless ``federation.workers`` says otherwise), with no
 Ray start-up, no actor processes and no engine polling between the server and the workers
 (docs/speed.md).

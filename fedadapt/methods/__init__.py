@@ -51,7 +51,7 @@ class Family:
     def prepare(self, cfg: "RunConfig", prep, *, backbone, images: Callable,
                 original) -> None:
         """Fill the family's fields of the prepared run (``prep.spec``, ``prep.model``: a
-        :class:`fedadapt.experiment.PreparedRun`) once the model exists (``images(split)``: the
+        :class:`fedadapt.methods.run.PreparedRun`) once the model exists (``images(split)``: the
         split's raw images; ``original``: the original-model phase's result or None)."""
 
     def units(self, cfg: "RunConfig") -> int:

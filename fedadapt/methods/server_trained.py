@@ -23,7 +23,9 @@ from torch import nn
 from fedadapt.config import ConfigError, RunConfig
 from fedadapt.data.partition import ClientSplit
 from fedadapt.data.sources import DataSource
-from fedadapt.experiment import (
+from fedadapt.federation.training import RunSpec, SpecRef
+from fedadapt.log import log
+from fedadapt.methods.run import (
     PreparedRun,
     node_layout,
     open_tracker,
@@ -32,8 +34,6 @@ from fedadapt.experiment import (
     summary_tail,
     write_partition,
 )
-from fedadapt.federation.training import RunSpec, SpecRef
-from fedadapt.log import log
 
 
 @dataclass

@@ -10,9 +10,9 @@ from typing import Callable, Optional
 from flwr.app import ConfigRecord, MessageType, RecordDict
 
 from fedadapt.config import RunConfig
-from fedadapt.experiment import PreparedRun
 from fedadapt.federation.server import ask_every_client, record_phase
 from fedadapt.log import log
+from fedadapt.methods.run import PreparedRun
 from fedadapt.methods.server_trained import finish_server_run, serve_clients
 
 

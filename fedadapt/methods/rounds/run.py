@@ -15,7 +15,9 @@ from fedadapt import progress
 from fedadapt.adapters import AdaptedModel
 from fedadapt.config import ConfigError, RunConfig
 from fedadapt.data.partition import Partition
-from fedadapt.experiment import (
+from fedadapt.federation.training import RunSpec, SpecRef
+from fedadapt.log import log
+from fedadapt.methods.run import (
     Background,
     PreparedRun,
     node_layout,
@@ -25,8 +27,6 @@ from fedadapt.experiment import (
     summary_tail,
     write_partition,
 )
-from fedadapt.federation.training import RunSpec, SpecRef
-from fedadapt.log import log
 
 
 def client_mods(cfg: RunConfig) -> tuple[list, list]:
