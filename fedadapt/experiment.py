@@ -17,7 +17,7 @@ from typing import Callable, Optional
 from fedadapt.adapters import method_spec
 from fedadapt.config import ConfigError, RunConfig
 from fedadapt.data.partition import Partition
-from fedadapt.federation.training import RunSpec
+from fedadapt.federation.training import RunSpec, SpecRef
 from fedadapt.log import log
 from fedadapt.methods import family_of
 from fedadapt.methods.run import PreparedRun
@@ -168,10 +168,13 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
     client. With ``resume``, a run in rounds continues from the run directory's last checkpoint
     (or starts over when it has none).
     """
+    from fedadapt.clients.app import make_client_app
+
     label = label or cfg.method.name
     t0 = time.time()
     prep = prepared or prepare_run(cfg)
     return family_of(cfg.method).run(cfg, run_dir, prep, config_yaml=config_yaml, label=label,
+                                     client_app=make_client_app(SpecRef(prep.spec)),
                                      execute=execute, resume=resume, t0=t0)
 
 

@@ -59,8 +59,10 @@ class Family:
         return 1
 
     def run(self, cfg: "RunConfig", run_dir: "Path", prep, *, config_yaml: str, label: str,
-            execute: Optional[Callable], resume: bool, t0: float) -> dict:
-        """Train and serve, write the run directory (``summary.json`` last); the summary."""
+            client_app, execute: Optional[Callable], resume: bool, t0: float) -> dict:
+        """Train and serve, write the run directory (``summary.json`` last); the summary.
+        ``client_app`` is the run's ClientApp (:func:`fedadapt.clients.app.make_client_app`),
+        which ``execute(plan, client_app)`` runs on the nodes."""
         raise NotImplementedError
 
     def warm_up(self, spec, model) -> None:

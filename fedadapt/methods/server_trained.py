@@ -13,7 +13,7 @@ import copy
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 import torch
@@ -23,7 +23,7 @@ from torch import nn
 from fedadapt.config import ConfigError, RunConfig
 from fedadapt.data.partition import ClientSplit
 from fedadapt.data.sources import DataSource
-from fedadapt.federation.training import RunSpec, SpecRef
+from fedadapt.federation.training import RunSpec
 from fedadapt.log import log
 from fedadapt.methods.run import (
     PreparedRun,
@@ -34,6 +34,9 @@ from fedadapt.methods.run import (
     summary_tail,
     write_partition,
 )
+
+if TYPE_CHECKING:  # pragma: no cover
+    from flwr.clientapp import ClientApp
 
 
 @dataclass
@@ -224,13 +227,12 @@ def accuracy_over_clients(rows: list[dict], key: str, count: str = "num-examples
 
 
 def serve_clients(cfg: RunConfig, run_dir: Path, prep: PreparedRun, config_yaml: str,
-                execute: Optional[Callable], **plan_extra):
+                  execute: Optional[Callable], client_app: "ClientApp", **plan_extra):
     """A server-trained method after its training: write the run directory's config and
-    partition, then run its one phase with every client (``plan_extra``: what the server sends
-    them); returns the final server state."""
+    partition, then run its one phase with every client, served by ``client_app``
+    (``plan_extra``: what the server sends them); returns the final server state."""
     from flwr.app import ArrayRecord
 
-    from fedadapt.clients.app import make_client_app
     from fedadapt.federation.server import ServerPlan
     from fedadapt.files import atomic_write
 
@@ -245,7 +247,7 @@ def serve_clients(cfg: RunConfig, run_dir: Path, prep: PreparedRun, config_yaml:
         global_eval=None, counts={}, timeout=cfg.federation.round_timeout,
         min_reply_fraction=cfg.federation.min_reply_fraction,
         **node_layout(cfg, prep, execute, spec.num_clients), **plan_extra)
-    return (execute or simulation(cfg))(plan, make_client_app(SpecRef(spec)))
+    return (execute or simulation(cfg))(plan, client_app)
 
 
 def finish_server_run(cfg: RunConfig, run_dir: Path, prep: PreparedRun, state, *, label: str,

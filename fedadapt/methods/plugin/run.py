@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from flwr.app import ConfigRecord, MessageType, RecordDict
 
@@ -14,6 +14,9 @@ from fedadapt.federation.server import ask_every_client, record_phase
 from fedadapt.log import log
 from fedadapt.methods.run import PreparedRun
 from fedadapt.methods.server_trained import finish_server_run, serve_clients
+
+if TYPE_CHECKING:  # pragma: no cover
+    from flwr.clientapp import ClientApp
 
 
 def deliver(arrays_for: Callable) -> Callable:
@@ -47,8 +50,8 @@ def recognize(spec, msg, context) -> RecordDict:
 
 
 def run_plugin(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, config_yaml: str,
-               label: str, execute: Optional[Callable] = None, resume: bool = False,
-               t0: Optional[float] = None) -> dict:
+               label: str, client_app: "ClientApp", execute: Optional[Callable] = None,
+               resume: bool = False, t0: Optional[float] = None) -> dict:
     """A server-trained plug-in (ICIIA): train it on the server from the clients' cached
     features, deliver it to every client in one Flower round, collect their recognition
     accuracies; write the run directory like any run (``summary.json`` last)."""
@@ -62,7 +65,7 @@ def run_plugin(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, config_yaml:
     log(f"[{label}] training on the server from {spec.num_clients} clients' cached features")
     trained = train_on_server(spec)
     log(f"[{label}] delivering the module to {spec.num_clients} clients (one Flower round)")
-    state = serve_clients(cfg, run_dir, prep, config_yaml, execute, phases=[deliver(
+    state = serve_clients(cfg, run_dir, prep, config_yaml, execute, client_app, phases=[deliver(
         lambda cid: ArrayRecord(client_arrays(trained, cid)))])
     rows = sorted(state.delivered, key=lambda r: r["client"])
     write_json(run_dir / "recognition.json", rows)

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from fedadapt import progress
 from fedadapt.adapters import AdaptedModel
 from fedadapt.config import ConfigError, RunConfig
 from fedadapt.data.partition import Partition
-from fedadapt.federation.training import RunSpec, SpecRef
+from fedadapt.federation.training import RunSpec
 from fedadapt.log import log
 from fedadapt.methods.run import (
     Background,
@@ -27,6 +27,9 @@ from fedadapt.methods.run import (
     summary_tail,
     write_partition,
 )
+
+if TYPE_CHECKING:  # pragma: no cover
+    from flwr.clientapp import ClientApp
 
 
 def client_mods(cfg: RunConfig) -> tuple[list, list]:
@@ -203,16 +206,15 @@ def _resume_point(run_dir: Path, config_yaml: str, config_sha: str
 
 
 def run_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, config_yaml: str, label: str,
-               execute: Optional[Callable] = None, resume: bool = False,
-               t0: Optional[float] = None) -> dict:
-    """Federate ``cfg`` in rounds driven by its Flower strategy and write the run directory;
-    return the summary. With ``resume``, the run continues from the run directory's last
-    checkpoint (or starts over when it has none)."""
+               client_app: "ClientApp", execute: Optional[Callable] = None,
+               resume: bool = False, t0: Optional[float] = None) -> dict:
+    """Federate ``cfg`` in rounds driven by its Flower strategy, its clients served by
+    ``client_app``, and write the run directory; return the summary. With ``resume``, the run
+    continues from the run directory's last checkpoint (or starts over when it has none)."""
     import hashlib
 
     from flwr.app import ArrayRecord
 
-    from fedadapt.clients.app import make_client_app
     from fedadapt.files import atomic_write
     from fedadapt.results.store import METRICS, write_jsonl
 
@@ -267,7 +269,7 @@ def run_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, config_yaml:
             # the partition's plot beside the rounds (importing matplotlib and drawing 1,000
             # clients took 3.4 s before round 1, 2.3 s after the last for 10 clients)
             plot = Background(lambda: write_partition(run_dir, cfg, prep, stats=False))
-            state = (execute or simulation(cfg))(plan, make_client_app(SpecRef(spec)))
+            state = (execute or simulation(cfg))(plan, client_app)
         from fedadapt.federation.worker import release_process_caches
 
         release_process_caches()  # in process, the workers' model and mappings: not for plots

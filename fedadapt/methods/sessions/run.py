@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 
@@ -20,10 +20,13 @@ from fedadapt.log import log
 from fedadapt.methods.run import PreparedRun
 from fedadapt.methods.server_trained import finish_server_run, serve_clients
 
+if TYPE_CHECKING:  # pragma: no cover
+    from flwr.clientapp import ClientApp
+
 
 def run_sessions(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, config_yaml: str,
-                 label: str, execute: Optional[Callable] = None, resume: bool = False,
-                 t0: Optional[float] = None) -> dict:
+                 label: str, client_app: "ClientApp", execute: Optional[Callable] = None,
+                 resume: bool = False, t0: Optional[float] = None) -> dict:
     """A session plug-in (DUET, CDC-MMPG): train the generator on the server from the clients'
     cached features, then converse with every client (uploads up, generated parameters down,
     metrics back); write the run directory like any run (``summary.json`` last)."""
@@ -41,7 +44,8 @@ def run_sessions(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, config_yam
     trained = train_generator(spec)
     server = SessionServer(spec, trained)
     log(f"[{label}] serving every test session of {spec.num_clients} clients")
-    state = serve_clients(cfg, run_dir, prep, config_yaml, execute, phases=[converse(server)])
+    state = serve_clients(cfg, run_dir, prep, config_yaml, execute, client_app,
+                          phases=[converse(server)])
     rows = sorted(state.delivered, key=lambda r: r["client"])
     scores = [r.pop("scores") for r in rows if "scores" in r]
     write_json(run_dir / "sessions.json", rows)
