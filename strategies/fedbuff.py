@@ -16,19 +16,21 @@ clients available then, which start from the new model.
 
 One "round" of fedadapt's loop is one server update: ``configure_train`` starts the clients that
 fill the free slots (all ``concurrency`` in round 1), fedadapt's server computes when each will
-arrive on the fleet's clock (:mod:`fedadapt.federation.fleet`) and hands it over in
-:attr:`FedBuff.arrivals`, and ``aggregate_train`` buffers their changes and applies the
-``buffer_size`` earliest arrivals of all the clients in flight. A client is trained when it
-starts (from the model it would download then), so its change is the one it would deliver.
-The clients in flight, their changes and the clock are the strategy's state, checkpointed and
-resumed with it.
+arrive on the fleet's clock and tells :meth:`FedBuff.arrive`, and ``aggregate_train`` buffers
+their changes and applies the ``buffer_size`` earliest arrivals of all the clients in flight.
+A client is trained when it starts (from the model it would download then), so its change is
+the one it would deliver. The clients in flight (by node), their changes and the clock are the
+strategy's state, checkpointed and resumed with it.
+
+FedBuff is an :class:`~fedadapt.strategies.asynchronous.AsynchronousStrategy` (``arrive`` and
+``now``): that protocol is all the server knows of it, and all it knows of the server.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Optional
 
 import numpy as np
@@ -55,12 +57,11 @@ def staleness_weight(tau: int, kind: str = "sqrt") -> float:
 
 
 class FedBuff(FedAvg):
-    """FedBuff: buffered asynchronous aggregation (see the module docstring). FedAvg's other
-    parameters are FedAvg's (``weighted_by_key``, the metric aggregation); ``fraction_train``
-    sets ``concurrency`` when it is 0."""
+    """FedBuff: buffered asynchronous aggregation (see the module docstring), an
+    :class:`~fedadapt.strategies.asynchronous.AsynchronousStrategy`. FedAvg's other parameters
+    are FedAvg's (``weighted_by_key``, the metric aggregation); ``fraction_train`` sets
+    ``concurrency`` when it is 0."""
 
-    #: fedadapt's server runs the asynchronous schedule for a strategy that says so.
-    asynchronous = True
     _transient = ("_sent_arrays", "arrivals")
 
     def __init__(self, buffer_size: int = 10, concurrency: int = 0, server_lr: float = 1.0,
@@ -86,24 +87,28 @@ class FedBuff(FedAvg):
         self.version = 0
         #: The simulated second of the last update.
         self.now = 0.0
-        #: The clients training now: client (partition id), the version it started from, when
-        #: it arrives, its weight and loss, and its change per tensor.
+        #: The clients training now: node, the version it started from, when it arrives, its
+        #: weight and loss, and its change per tensor.
         self.in_flight: list[dict] = []
-        #: Set by fedadapt's server before ``aggregate_train``: ``{partition id: (start,
-        #: seconds)}`` of the clients ``configure_train`` started.
+        #: ``{node: (start, seconds)}`` of the clients ``configure_train`` started, from
+        #: :meth:`arrive`; consumed by ``aggregate_train``.
         self.arrivals: dict[int, tuple[float, float]] = {}
         self._sent_arrays: Optional[ArrayRecord] = None
 
     def summary(self) -> None:  # Flower's start logs this; FedAvg's would misdescribe us
         pass
 
+    def arrive(self, arrivals: Mapping[int, tuple[float, float]]) -> None:
+        """When the clients started this round arrive: ``{node: (start, seconds)}``."""
+        self.arrivals = dict(arrivals)
+
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         """Start clients in the free slots: sampled (Python's ``random``, the run's stream)
         among the clients the grid offers (a fleet's available ones) that are not training."""
         self._sent_arrays = arrays
-        busy = {f["client"] for f in self.in_flight}
-        free = [n for n in grid.get_node_ids() if n - _node_base() not in busy]
+        busy = {f["node"] for f in self.in_flight}
+        free = [n for n in grid.get_node_ids() if n not in busy]
         k = min(self.concurrency - len(self.in_flight), len(free))
         if k <= 0:
             return []
@@ -119,16 +124,16 @@ class FedBuff(FedAvg):
         valid, _ = self._check_and_log_replies(replies, is_train=True, validate=False)
         sent = self._sent_arrays
         for msg in valid:
-            cid = msg.metadata.src_node_id - _node_base()
-            if cid not in self.arrivals:
-                raise ValueError(f"FedBuff: no arrival time for client {cid} (fedadapt's "
-                                 f"server sets FedBuff.arrivals; it needs fleet=)")
-            start, seconds = self.arrivals[cid]
+            node = msg.metadata.src_node_id
+            if node not in self.arrivals:
+                raise ValueError(f"FedBuff: no arrival time for node {node} (fedadapt's "
+                                 f"server calls FedBuff.arrive; it needs fleet=)")
+            start, seconds = self.arrivals[node]
             content = msg.content
             trained = next(iter(content.array_records.values()))
             metrics = next(iter(content.metric_records.values()))
             self.in_flight.append({
-                "client": cid, "version": self.version, "finish": start + seconds,
+                "node": node, "version": self.version, "finish": start + seconds,
                 "weight": float(metrics[self.weighted_by_key]),
                 "loss": float(metrics.get("train_loss", float("nan"))),
                 "delta": {n: as_numpy(trained[n]).astype(np.float64)
@@ -140,7 +145,7 @@ class FedBuff(FedAvg):
             0 if valid else len(self.in_flight))
         if k == 0:
             return None, None
-        self.in_flight.sort(key=lambda f: (f["finish"], f["client"]))
+        self.in_flight.sort(key=lambda f: (f["finish"], f["node"]))
         buffer, self.in_flight = self.in_flight[:k], self.in_flight[k:]
         taus = [self.version - f["version"] for f in buffer]
         new = ArrayRecord()
@@ -161,12 +166,6 @@ class FedBuff(FedAvg):
         return new, MetricRecord({
             "staleness_mean": float(np.mean(taus)), "staleness_max": float(max(taus)),
             **({"train_loss": sum(v * w for v, w in losses) / weight} if weight > 0 else {})})
-
-
-def _node_base() -> int:
-    from fedadapt.federation.grid import NODE_BASE
-
-    return NODE_BASE
 
 
 __all__ = ["FedBuff", "STALENESS", "staleness_weight"]

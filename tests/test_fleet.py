@@ -262,7 +262,7 @@ def test_fedbuff_applies_the_earliest_arrivals_weighted_by_staleness(flower_task
     started = list(strategy.configure_train(1, x0, ConfigRecord({}), Grid()))
     assert len(started) == 3
     cids = [m.metadata.dst_node_id - NODE_BASE for m in started]
-    strategy.arrivals = {c: (0.0, s) for c, s in zip(cids, (5.0, 1.0, 3.0))}
+    strategy.arrive({NODE_BASE + c: (0.0, s) for c, s in zip(cids, (5.0, 1.0, 3.0))})
     new, metrics = strategy.aggregate_train(1, replies(started, [3.0, 2.0, 5.0], [1, 1, 3]))
     # the two earliest (1 s: 2.0, weight 1; 3 s: 5.0, weight 3), fresh (tau 0)
     step = (1 * (2.0 - 1.0) + 3 * (5.0 - 1.0)) / 4
@@ -273,7 +273,7 @@ def test_fedbuff_applies_the_earliest_arrivals_weighted_by_staleness(flower_task
     x1 = new
     more = list(strategy.configure_train(2, x1, ConfigRecord({}), Grid()))
     assert len(more) == 2 and cids[0] not in {m.metadata.dst_node_id - NODE_BASE for m in more}
-    strategy.arrivals = {m.metadata.dst_node_id - NODE_BASE: (3.0, 10.0) for m in more}
+    strategy.arrive({m.metadata.dst_node_id: (3.0, 10.0) for m in more})
     x1v = float(x1["w"].numpy()[0])
     new, metrics = strategy.aggregate_train(2, replies(more, [x1v + 1.0, x1v + 1.0], [1, 1]))
     # the stale one (started at version 0, arrives at 5 s: change 2.0, tau 1), then one of the

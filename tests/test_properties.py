@@ -320,7 +320,7 @@ def test_fedbuff_applies_the_earliest_arrivals_weighted_by_staleness(
         assert not set(cids) & busy and len(cids) == min(concurrency - len(flight),
                                                          clients - len(busy))
         seconds = rng.uniform(0.5, 10.0, len(cids))
-        strategy.arrivals = {c: (now, float(s)) for c, s in zip(cids, seconds)}
+        strategy.arrive({NODE_BASE + c: (now, float(s)) for c, s in zip(cids, seconds)})
         sends = [data.draw(st.sets(st.sampled_from(sorted(dtypes)), min_size=1))
                  for _ in cids]
         ys = [{n: rng.standard_normal(3).astype(dtypes[n]) for n in names} for names in sends]

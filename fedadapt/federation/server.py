@@ -50,6 +50,7 @@ from fedadapt.federation.faults import RoundFailed, Screened, require_enough, sc
 from fedadapt.federation.grid import ClientGrid, Nodes, handshake, node_id
 from fedadapt.federation.interrupt import StoppableGrid
 from fedadapt.settings import per_tier_accuracy
+from fedadapt.strategies.asynchronous import AsynchronousStrategy
 from fedadapt.strategies.fedavg import aggregate_client_metrics
 from fedadapt.strategies.state import SeededStreams, load_strategy_state, strategy_state
 from fedadapt.strategies.zoo import privacy_spent
@@ -344,14 +345,14 @@ def _train_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd: in
                                  strategy.configure_train(rnd, state.arrays, config, grid), rnd)
     finally:
         grid.only = None
-    asynchronous = getattr(_inner(strategy), "asynchronous", False)
+    asynchronous = isinstance(_inner(strategy), AsynchronousStrategy)
     # fleet.partial_work: a client that cannot finish by the deadline trains what it can
     cut = (_cut_work(fleet, grid, messages) if getattr(fleet, "partial_work", False)
            and not asynchronous else {})
     sent, replies, screened = exchange(grid, messages, plan.timeout, expected, "training",
                                         rnd)
     down, up = grid.take_bytes()
-    if fleet is not None and asynchronous:  # FedBuff: when each started client will arrive
+    if fleet is not None and asynchronous:  # when each started client will arrive
         sim.update(_arrivals(fleet, start, _inner(strategy), screened, replies, sent, down, up))
     elif fleet is not None:  # the round on the simulated clock
         sim.update(_simulated_round(fleet, start, state, screened, replies, sent, down, up,
@@ -452,18 +453,20 @@ def _simulated_round(fleet, start: float, state: ServerState, screened: Screened
     return {"sim_round_s": state.sim_time - previous, "sim_time_s": state.sim_time, **counts}
 
 
-def _arrivals(fleet, start: float, strategy, screened: Screened, replies: dict, sent: dict,
-              down: dict, up: dict) -> dict:
+def _arrivals(fleet, start: float, strategy: AsynchronousStrategy, screened: Screened,
+              replies: dict, sent: dict, down: dict, up: dict) -> dict:
     """An asynchronous strategy's clients started at ``start``: when each will arrive on the
-    fleet's clock (``strategy.arrivals``); one that would go offline first is dropped
-    (:func:`_drop_simulated`). Returns the row's ``sim_*`` counts."""
-    strategy.arrivals, offline = {}, {}
+    fleet's clock, told to the strategy by node (:meth:`AsynchronousStrategy.arrive`); one that
+    would go offline first is dropped (:func:`_drop_simulated`). Returns the row's ``sim_*``
+    counts."""
+    arrivals, offline = {}, {}
     for cid, _ in screened.good:
         seconds = fleet.seconds(cid, down.get(cid, 0), up.get(cid, 0))
         if fleet.offline_before(cid, start, seconds) is not None:
             offline[cid] = "offline"
         else:
-            strategy.arrivals[cid] = (start, seconds)
+            arrivals[node_id(cid)] = (start, seconds)
+    strategy.arrive(arrivals)
     return _drop_simulated(screened, replies, sent, up, offline)
 
 
