@@ -584,10 +584,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     check(cfg.backbone.image_size >= 8, "backbone.image_size", cfg.backbone.image_size,
           "must be >= 8")
     _check_domains(cfg)
-    check_numbers(cfg)
     cfg.method.check()
     _validate_partitioners(cfg.partition)
     _validate_objective(cfg)
+    check_numbers(cfg)  # last: a key's own rule, where it has one, is the one a value meets
     return cfg
 
 
@@ -836,7 +836,7 @@ def _numbers(obj: Any, prefix: str):
 def check_numbers(cfg: RunConfig) -> None:
     """Every numeric key of the config, the method's own included, is a finite number >= 0
     (no key of fedadapt takes a negative, NaN or infinite value); stricter domains are checked
-    key by key in :func:`validate` and :meth:`MethodConfig.check`."""
+    key by key in :func:`validate` and :meth:`MethodConfig.check`, before this."""
     for key, shown, values in _numbers(cfg, ""):
         check(all(math.isfinite(v) and v >= 0 for v in values), key, shown,
               "must be a finite number >= 0")

@@ -87,3 +87,13 @@ def test_seed_bounds():
     cfg.seed = 2**64
     with pytest.raises(ConfigError, match=r"^seed=18446744073709551616 is invalid"):
         validate(cfg)
+
+
+def test_a_keys_own_rule_is_named_before_the_rule_of_every_number():
+    """``method.ranks=[-2,4]`` is refused by the ranks' own rule, not by "a finite number
+    >= 0", which every numeric key meets last."""
+    cfg = base(load_methods()["lora"].config_cls())
+    cfg.method.ranks = [-2, 4]
+    with pytest.raises(ConfigError, match=r"^method\.ranks=\[-2, 4\] is invalid: LoRA ranks, "
+                                          r"each an integer >= 1"):
+        validate(cfg)
