@@ -85,6 +85,23 @@ def test_what_cannot_aggregate_ranks_is_refused_in_one_line(overrides, says, tmp
     assert not (tmp_path / "bad").exists()
 
 
+def test_a_strategy_the_method_cannot_use_is_refused_before_any_data_is_loaded(monkeypatch,
+                                                                               cache_dir):
+    from fedadapt.data import loading
+    from fedadapt.entry import compose_config, to_run_config
+    from fedadapt.experiment import prepare_run
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("the data set was loaded before the refusal")
+
+    monkeypatch.setattr(loading, "prepare_dataset", no_data)
+    cfg = to_run_config(compose_config(["method=linear_head", "strategy=hetlora",
+                                        f"cache_dir={cache_dir}"]))
+    with pytest.raises(ConfigError, match=r"^strategy=hetlora is invalid for "
+                                          r"method=linear_head: it aggregates LoRA factors"):
+        prepare_run(cfg, quiet=True)
+
+
 @pytest.mark.slow  # whole runs, in process
 def test_only_a_clients_own_rank_travels_and_groups_equal_one_at_a_time(tmp_path, cache_dir):
     got: dict = {}

@@ -587,21 +587,11 @@ def make_strategy(cfg: RunConfig, prep: PreparedRun):
                  [len(client.train) for client in prep.spec.clients])
 
 
-def check_strategy(cfg: RunConfig, prep: PreparedRun) -> None:
-    """The strategy against the partition's real client count and what the clients send
-    (before anything is written): refuses a strategy that needs every client to send every
-    tensor where some do not, and builds it once (Flower's own checks of its values)."""
-    from fedadapt.federation.worker import sent_names
-    from fedadapt.strategies.zoo import (
-        LORA_FOLD,
-        LORA_RANK,
-        check_counts,
-        check_every_tensor,
-        sample_size,
-    )
+def check_strategy_config(cfg: RunConfig) -> None:
+    """The strategy against the rest of the config (the method, the optimizer, the fleet,
+    ``dp=``), from the config alone: the family's check, before any data is loaded."""
+    from fedadapt.strategies.zoo import LORA_FOLD, LORA_RANK
 
-    spec, model = prep.spec, prep.model
-    evaluate_fn(cfg)  # a wrong name fails before anything is written
     name, ranks = cfg.strategy.name, getattr(cfg.method, "ranks", None)
     if name in LORA_RANK and not hasattr(cfg.method, "ranks"):
         raise ConfigError(f"strategy={name} is invalid for method={cfg.method.name}: it "
@@ -631,6 +621,17 @@ def check_strategy(cfg: RunConfig, prep: PreparedRun) -> None:
     if ranks and len(set(ranks)) > 1 and name not in LORA_RANK:
         raise ConfigError(f"method.ranks={list(ranks)} needs a strategy that aggregates LoRA of "
                           f"different ranks: strategy={' | '.join(LORA_RANK)} (not {name})")
+
+
+def check_strategy(cfg: RunConfig, prep: PreparedRun) -> None:
+    """The strategy against the partition's real client count and what the clients send
+    (before anything is written): refuses a strategy that needs every client to send every
+    tensor where some do not, and builds it once (Flower's own checks of its values)."""
+    from fedadapt.federation.worker import sent_names
+    from fedadapt.strategies.zoo import check_counts, check_every_tensor, sample_size
+
+    spec, model = prep.spec, prep.model
+    evaluate_fn(cfg)  # a wrong name fails before anything is written
     if not model.federated:
         return
     check_counts(cfg.strategy, cfg.dp, num_clients=spec.num_clients,
