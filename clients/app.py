@@ -26,9 +26,8 @@ from flwr.clientapp import ClientApp
 from fedadapt.federation import records
 from fedadapt.federation.training import RunSpec, cached_model, make_optimizer
 from fedadapt.methods import client_handler, family_of
-from fedadapt.methods.rounds.clients import PERSONAL_KEY
 
-__all__ = ["PERSONAL_KEY", "make_client_app", "partition_id"]
+__all__ = ["make_client_app", "partition_id"]
 
 
 def partition_id(context: Context) -> int:

@@ -34,6 +34,7 @@ from collections.abc import Iterable, Mapping
 from typing import Optional
 
 import numpy as np
+from fedadapt.strategies.state import StrategyStateError
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
@@ -107,6 +108,11 @@ class FedBuff(FedAvg):
         """Start clients in the free slots: sampled (Python's ``random``, the run's stream)
         among the clients the grid offers (a fleet's available ones) that are not training."""
         self._sent_arrays = arrays
+        if any("node" not in f for f in self.in_flight):
+            raise StrategyStateError(
+                "strategy=fedbuff: this checkpoint's clients in flight are keyed by partition "
+                "id, as fedadapt wrote them before FedBuff took its arrivals by node id "
+                "(AsynchronousStrategy); it cannot resume: start the run again")
         busy = {f["node"] for f in self.in_flight}
         free = [n for n in grid.get_node_ids() if n not in busy]
         k = min(self.concurrency - len(self.in_flight), len(free))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import accuracy_of, tiny_run
-from fedadapt.clients.app import PERSONAL_KEY, make_client_app
+from fedadapt.clients.app import make_client_app
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 
 from fedadapt.adapters import AdaptedModel, register_method
@@ -14,6 +14,7 @@ from fedadapt.adapters.heads import FinetuneConfig, LinearHeadConfig, LocalOnlyC
 from fedadapt.config import MethodConfig
 from fedadapt.experiment import prepare_run
 from fedadapt.federation import records
+from fedadapt.methods.rounds.clients import PERSONAL_KEY
 
 
 def call(app, prep, kind, context, arrays, clients=(0,), group=1, rnd=1):

@@ -689,3 +689,18 @@ def test_fedbuffs_concurrency_defaults_to_the_clients_a_round_samples():
     assert FedBuff(buffer_size=2, concurrency=7, num_clients=10).concurrency == 7
     fresh = FedBuff(buffer_size=1)
     assert (fresh.version, fresh.now, fresh.in_flight, fresh.arrivals) == (0, 0.0, [], {})
+
+
+def test_a_fedbuff_checkpoint_keyed_by_partition_id_is_refused_in_one_line():
+    """FedBuff's clients in flight were keyed by partition id (``cid``) before it took its
+    arrivals by node id through :class:`AsynchronousStrategy`; such a checkpoint's state is
+    refused naming the strategy, not a KeyError from inside it."""
+    from fedadapt.strategies.fedbuff import FedBuff
+    from fedadapt.strategies.state import StrategyStateError
+    from flwr.app import ArrayRecord, ConfigRecord
+
+    old = FedBuff(buffer_size=1)
+    old.in_flight = [{"cid": 3, "version": 0, "finish": 1.0, "weight": 1.0, "loss": 0.5,
+                      "delta": {}}]
+    with pytest.raises(StrategyStateError, match="^strategy=fedbuff: this checkpoint's"):
+        old.configure_train(2, ArrayRecord(), ConfigRecord({}), grid=None)

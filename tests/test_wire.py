@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 from conftest import TINY_CLIP, tiny_run
-from fedadapt.clients.app import PERSONAL_KEY
 from flwr.app import ArrayRecord, Message, MessageType, Metadata, MetricRecord, RecordDict
 
 from fedadapt.adapters import load_methods
@@ -38,6 +37,7 @@ from fedadapt.experiment import prepare_run, run_experiment
 from fedadapt.federation.inprocess import run_in_process
 from fedadapt.federation.wire import Secrets, audit, leaks, secrets_of
 from fedadapt.methods.plugin.iciia import IciiaConfig
+from fedadapt.methods.rounds.clients import PERSONAL_KEY
 from fedadapt.methods.sessions.cdc_mmpg import CdcMmpgConfig
 from fedadapt.methods.sessions.duet import DuetConfig
 from fedadapt.methods.sessions.train import client_sessions, train_generator, upload_key

@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 
 from fedadapt.config import FedadaptError
-from fedadapt.results.store import atomic_write
+from fedadapt.files import atomic_write
 
 CHECKPOINTS = "checkpoints"
 LATEST = "LATEST"

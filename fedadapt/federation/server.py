@@ -147,7 +147,7 @@ def flower_result(history: list[dict], arrays: ArrayRecord) -> Result:
 
 @dataclass
 class ServerPlan:
-    """How the ServerApp runs; built by :mod:`fedadapt.experiment`."""
+    """How the ServerApp runs; built by the method families (:mod:`fedadapt.methods`)."""
 
     num_clients: int
     #: The Flower strategy of the rounds (None: no rounds, a server-trained method's phase).
