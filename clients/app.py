@@ -3,8 +3,8 @@
 In simulation a node is a worker holding the frozen backbone once and training several clients
 side by side; on the deployment engine a node is one client. The handlers below only dispatch;
 what a node does lives in its method family (:mod:`fedadapt.methods`; the rounds family's in
-:mod:`fedadapt.methods.rounds.clients`) and :mod:`fedadapt.federation.worker`, the message
-layout in :mod:`fedadapt.federation.records` (shared arrays once, per-client records prefixed
+:mod:`fedadapt.methods.rounds.clients`) and :mod:`fedadapt.federation.client.worker`, the message
+layout in :mod:`fedadapt.federation.wire.records` (shared arrays once, per-client records prefixed
 ``c<id>/``).
 
 What crosses the wire is named: a client's reply holds only the communicated tensors it trained,
@@ -23,8 +23,8 @@ from typing import Callable
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedadapt.federation import records
-from fedadapt.federation.training import RunSpec, cached_model, make_optimizer
+from fedadapt.federation.client.training import RunSpec, cached_model, make_optimizer
+from fedadapt.federation.wire import records
 from fedadapt.methods import client_handler, family_of
 
 __all__ = ["make_client_app", "partition_id"]

@@ -60,8 +60,8 @@ def load_result(run_dir: str | Path) -> Result:
     checkpoint's arrays."""
     from flwr.app import ArrayRecord
 
-    from fedadapt.federation.checkpoint import latest_checkpoint, load_checkpoint
-    from fedadapt.federation.server import flower_result
+    from fedadapt.federation.server.checkpoint import latest_checkpoint, load_checkpoint
+    from fedadapt.federation.server.loop import flower_result
     from fedadapt.results.store import METRICS, read_jsonl
 
     run_dir = Path(run_dir)

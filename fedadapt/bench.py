@@ -59,7 +59,7 @@ def plain_loop(prep, cfg) -> list[float]:
     Clients are drawn by the strategy's own seeded sampler, so both variants train exactly the
     same clients each round, one after another (as a researcher's own loop would).
     """
-    from fedadapt.federation.training import derive_seed, evaluate, lr_at, train_local
+    from fedadapt.federation.client.training import derive_seed, evaluate, lr_at, train_local
     from fedadapt.strategies.state import SeededStreams
     from fedadapt.strategies.zoo import sample_size
 
@@ -146,7 +146,7 @@ def iciia_latency(overrides: list[str], repeats: int) -> dict:
     from fedadapt.adapters import build_model
     from fedadapt.backbones import build_backbone
     from fedadapt.entry import compose_config, to_run_config
-    from fedadapt.federation.training import device
+    from fedadapt.federation.client.training import device
     from fedadapt.measure import peak_bytes, time_calls
 
     dev = torch.device(device())
@@ -247,8 +247,8 @@ def training_loops(prep, cfg, *, clients: int, steps: int) -> dict:
 
     from fedadapt.config import ConfigError
     from fedadapt.experiment import resolve_compile
-    from fedadapt.federation.grouped import ClientJob, UsedTensors, train_group
-    from fedadapt.federation.training import batches_of, make_optimizer, train_local
+    from fedadapt.federation.client.grouped import ClientJob, UsedTensors, train_group
+    from fedadapt.federation.client.training import batches_of, make_optimizer, train_local
 
     spec, model, src = prep.spec, prep.model, prep.spec.train_source
     bs, dev = cfg.train.batch_size, torch.device(spec.device)

@@ -139,7 +139,7 @@ def _step(model, optimizer, x: torch.Tensor, y: torch.Tensor, last_exit: int) ->
 
 def _measure_mode(base, run, last_exit: int, *, full: bool, batch_size: int, repeats: int,
                   num_classes: int, input_shape: tuple, device: torch.device) -> dict:
-    from fedadapt.federation.training import make_optimizer
+    from fedadapt.federation.client.training import make_optimizer
 
     model = _tier_model(base, last_exit, full).to(device)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -28,7 +28,7 @@ import fedadapt  # noqa: F401  (torchvision shim first)
 from fedadapt import rundir
 from fedadapt.config import ConfigError, FedadaptError, RunConfig
 from fedadapt.entry import register_configs, to_run_config, with_method_train
-from fedadapt.federation.interrupt import (
+from fedadapt.federation.server.interrupt import (
     RunInterrupted,
     exit_stopped,
     last_words,
@@ -213,7 +213,7 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
             resume: bool = False) -> list[dict]:
     from fedadapt import progress
     from fedadapt.experiment import prepare_run, run_experiment
-    from fedadapt.federation.cluster import check_reachable
+    from fedadapt.federation.simulation.cluster import check_reachable
     from fedadapt.files import atomic_write
     from fedadapt.methods import family_of
     from fedadapt.results.plots import plot_curves
@@ -226,7 +226,7 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
     done = {name: read_summary(d / SUMMARY) for name, d in dirs.items()
             if resume and (d / SUMMARY).is_file()}
     if resume:  # a garbled checkpoint pointer fails now, not after the data is prepared
-        from fedadapt.federation.checkpoint import latest_checkpoint
+        from fedadapt.federation.server.checkpoint import latest_checkpoint
 
         for name, d in dirs.items():
             if name not in done:
@@ -605,7 +605,7 @@ def _methods_with(key: str) -> list[str]:
 def resume_hint(job_dir: Path, sweep_dir: Optional[Path] = None) -> str:
     """How to continue a stopped job, and from which checkpoint of each of its runs; for a
     point of a sweep (``sweep_dir``), how to continue the whole sweep."""
-    from fedadapt.federation.checkpoint import CheckpointError, latest_checkpoint
+    from fedadapt.federation.server.checkpoint import CheckpointError, latest_checkpoint
     from fedadapt.results.store import SUMMARY
 
     runs = sorted({p.parent for p in job_dir.rglob("config.yaml")}) \

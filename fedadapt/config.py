@@ -292,12 +292,13 @@ class FederationConfig:
     #: clients a message names): ``auto`` = one per GPU, on the CPU one per two cores; or N.
     workers: str = "auto"
     #: Clients a worker trains side by side (``auto``: what fits the GPU's measured memory; on
-    #: the CPU up to 1,024 images a step); 1 = one after another. See fedadapt.federation.sizing.
+    #: the CPU up to 1,024 images a step); 1 = one after another. See
+    #: fedadapt.federation.simulation.sizing.
     clients_per_worker: str = "auto"
     #: Capture the step of clients side by side with ``torch.compile`` (fixed shapes: every
     #: client's last batch padded; on a GPU ``mode="reduce-overhead"``, CUDA graphs): ``auto``
     #: = on a GPU, not on the CPU (each new shape compiles for tens of seconds there);
-    #: ``true``; ``false``. See fedadapt.federation.grouped.
+    #: ``true``; ``false``. See fedadapt.federation.client.grouped.
     compile: str = "auto"
     #: CPUs per worker; None = the machine's CPUs split over the workers.
     num_cpus: Optional[float] = None
@@ -332,8 +333,8 @@ class FederationConfig:
     #: Evaluate the initial global model before round 1 (a ``round: 0`` row; as Flower's
     #: ``Strategy.start`` does with an ``evaluate_fn``).
     eval_round0: bool = False
-    #: The Ray cluster the simulated clients run on (see fedadapt.federation.cluster): null =
-    #: a private local Ray instance for this run (ignores ``$RAY_ADDRESS`` and clusters left
+    #: The Ray cluster the simulated clients run on (see fedadapt.federation.simulation.cluster):
+    #: null = a private local Ray instance for this run (ignores ``$RAY_ADDRESS`` and clusters left
     #: by ``ray start``); ``HOST:PORT`` = a running cluster's GCS address (what ``ray start
     #: --head`` prints); ``auto`` = Ray's own discovery (``$RAY_ADDRESS``, else the last ``ray
     #: start`` on this machine). An address where no cluster answers fails within seconds.
@@ -369,9 +370,9 @@ class FaultConfig:
 
 @dataclass
 class FleetConfig:
-    """Simulated devices (``fleet=`` group; :mod:`fedadapt.federation.fleet`): each client gets
-    a seeded profile (compute, downlink, uplink) and an availability, and each round runs on a
-    simulated clock: a client's time is its training FLOPs / its FLOP/s plus the bytes it
+    """Simulated devices (``fleet=`` group; :mod:`fedadapt.federation.simulation.fleet`): each
+    client gets a seeded profile (compute, downlink, uplink) and an availability, and each round
+    runs on a simulated clock: a client's time is its training FLOPs / its FLOP/s plus the bytes it
     receives / its downlink and sends / its uplink; ``federation.round_timeout`` is then the
     round's deadline in simulated seconds. ``none`` (the default) changes nothing."""
 
@@ -444,7 +445,8 @@ class OriginalConfig:
     """The *original model* of the server-trained methods (ICIIA, DUET, CDC-MMPG): the backbone's
     classifier they start from and are compared with, trained on the server from the training
     clients' pooled data (never the validation or test clients'), by
-    :mod:`fedadapt.federation.original` and :func:`fedadapt.methods.plugin.train.train_original`.
+    :mod:`fedadapt.federation.server.original` and
+    :func:`fedadapt.methods.plugin.train.train_original`.
 
     ``train_backbone=false`` (the offline stand-ins): a linear classifier on the frozen
     backbone's cached features (the method's ``classifier_epochs`` / lr). ``true`` (the papers'
@@ -529,7 +531,7 @@ BACKENDS = ("auto", "simulation", "inprocess")
 COMPILE_CHOICES = ("auto", "true", "false")
 #: ``train.precision`` (see :mod:`fedadapt.devices`).
 PRECISIONS = ("auto", "fp32", "bf16")
-#: ``faults.kinds`` (see :mod:`fedadapt.federation.faults`).
+#: ``faults.kinds`` (see :mod:`fedadapt.federation.server.faults`).
 FAULT_KINDS = ("raise", "nan", "wrong_keys", "wrong_shape", "timeout", "straggler")
 
 

@@ -25,8 +25,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from fedadapt.clients.app import make_client_app
 from fedadapt.experiment import prepare_run, run_experiment
-from fedadapt.federation.server import execute_plan
-from fedadapt.federation.training import RunSpec
+from fedadapt.federation.client.training import RunSpec
+from fedadapt.federation.server.loop import execute_plan
 from fedadapt.log import log
 from fedadapt.methods.run import PreparedRun
 from fedadapt.rundir import claim_new_dir

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 from fedadapt.adapters import method_spec
 from fedadapt.config import ConfigError, RunConfig
 from fedadapt.data.partition import Partition
-from fedadapt.federation.training import RunSpec, SpecRef
+from fedadapt.federation.client.training import RunSpec, SpecRef
 from fedadapt.log import log
 from fedadapt.methods import family_of
 from fedadapt.methods.run import PreparedRun
@@ -32,7 +32,7 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
     from fedadapt.data.partition import cached_partition, format_stats
     from fedadapt.data.sources import DataSource, input_source
     from fedadapt.devices import resolve_precision, run_device, setup
-    from fedadapt.federation.training import build_run_model
+    from fedadapt.federation.client.training import build_run_model
     from fedadapt.progress import quiet_libraries
     from fedadapt.tracking import check_available
 
@@ -144,8 +144,9 @@ def _check_method_settings(cfg: RunConfig, card) -> None:
 
 def _original_phase(cfg: RunConfig, backbone, images, partition: Partition, prepared, device):
     """``original.train_backbone``: the backbone and its classifier trained on the training
-    clients' pooled images (:mod:`fedadapt.federation.original`), once per data and settings."""
-    from fedadapt.federation.original import original_model
+    clients' pooled images (:mod:`fedadapt.federation.server.original`), once per data and
+    settings."""
+    from fedadapt.federation.server.original import original_model
 
     if family_of(cfg.method).clients_train:
         raise ConfigError(f"original.train_backbone=true is invalid for method="
@@ -163,8 +164,8 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
     directory; return the summary.
 
     ``execute(plan, client_app) -> ServerState`` runs the federation; the default is Flower's
-    simulation engine (:func:`fedadapt.federation.launch.run_simulation`) with workers as nodes.
-    The deployment engine passes one that executes the plan on its own grid, one node per
+    simulation engine (:func:`fedadapt.federation.simulation.launch.run_simulation`) with workers as
+    nodes. The deployment engine passes one that executes the plan on its own grid, one node per
     client. With ``resume``, a run in rounds continues from the run directory's last checkpoint
     (or starts over when it has none).
     """

@@ -86,7 +86,7 @@ def rebuild(run_dir: Path, *, quiet: bool = True):
     global tensors of its last checkpoint."""
     from fedadapt.adapters.registry import method_spec
     from fedadapt.experiment import prepare_run
-    from fedadapt.federation.checkpoint import latest_checkpoint, load_checkpoint
+    from fedadapt.federation.server.checkpoint import latest_checkpoint, load_checkpoint
 
     cfg, summary = read_run(run_dir)
     if method_spec(cfg.method).family != "rounds":
@@ -357,7 +357,7 @@ def load_export(folder) -> torch.nn.Module:
 
     from fedadapt.backbones import build_backbone
     from fedadapt.entry import run_config_from
-    from fedadapt.federation.training import seeded_model
+    from fedadapt.federation.client.training import seeded_model
 
     folder = Path(folder)
     meta_path = folder / EXPORT_JSON

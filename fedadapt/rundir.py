@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from fedadapt.config import FedadaptError
-from fedadapt.federation.interrupt import signals_deferred
+from fedadapt.federation.server.interrupt import signals_deferred
 
 #: The lock file a running ``fedadapt`` holds in its run directory.
 LOCK = ".fedadapt.lock"

@@ -12,7 +12,7 @@ personalization step (Sec. 5.1 and Appendix A of ``accumulator-anytime-fl.txt``)
   model without exits (FedCLIP's "local fine-tuning after FL"), the same step runs on the
   model's own output, and with ``setting.severities=[0]`` on clean data.
 
-Only :mod:`fedadapt.federation.training`'s loops run models; this module says which exits.
+Only :mod:`fedadapt.federation.client.training`'s loops run models; this module says which exits.
 """
 
 from __future__ import annotations

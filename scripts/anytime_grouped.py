@@ -17,7 +17,7 @@ import torch
 
 from fedadapt.bench import prepare_run_quiet
 from fedadapt.entry import compose_config, to_run_config
-from fedadapt.federation.grouped import ClientJob, UsedTensors, train_group
+from fedadapt.federation.client.grouped import ClientJob, UsedTensors, train_group
 
 
 def main() -> None:

@@ -37,7 +37,7 @@ def main(argv=None) -> int:
 
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import prepare_run
-    from fedadapt.federation.training import local_schedule, train_local
+    from fedadapt.federation.client.training import local_schedule, train_local
 
     shape = SimpleNamespace(clients=1000, rounds=20, max_samples=None, w3_image_size=64)
     prep = prepare_run(to_run_config(compose_config(fedadapt_overrides(a.workload, shape))),

@@ -5,7 +5,7 @@
 # record codec; run against the fast tests of those modules.
 #
 #   bash scripts/mutation.sh [OUT]            # OUT: where the copy and the results go
-#   MUTATE="fedadapt/federation/fleet.py" bash scripts/mutation.sh OUT   # some modules only
+#   MUTATE="fedadapt/federation/simulation/fleet.py" bash scripts/mutation.sh OUT  # some modules
 #   REV=<commit> bash scripts/mutation.sh OUT                            # another commit
 #
 # It mutates a clone of the committed tree (HEAD), never the working copy: mutmut rewrites the
@@ -21,8 +21,8 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 FLWR_TELEMETRY_ENABLED=0
 CORE=${MUTATE:-"fedadapt/strategies/fedavg.py fedadapt/strategies/lora_rank.py
 fedadapt/strategies/hetlora.py fedadapt/strategies/flexlora.py fedadapt/strategies/flora.py
 fedadapt/strategies/fedsa_lora.py fedadapt/strategies/fedex_lora.py
-fedadapt/strategies/fedbuff.py fedadapt/federation/fleet.py fedadapt/data/partition.py
-fedadapt/federation/checkpoint.py fedadapt/federation/records.py fedadapt/codec.py"}
+fedadapt/strategies/fedbuff.py fedadapt/federation/simulation/fleet.py fedadapt/data/partition.py
+fedadapt/federation/server/checkpoint.py fedadapt/federation/wire/records.py fedadapt/codec.py"}
 TESTS=${MUTATION_TESTS:-"tests/test_strategies.py tests/test_lora_het.py tests/test_fleet.py
 tests/test_partitioners.py tests/test_partition_cache.py tests/test_checkpoint.py
 tests/test_resume.py tests/test_properties.py tests/test_grid.py tests/test_flower_equivalence.py

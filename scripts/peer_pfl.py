@@ -190,12 +190,12 @@ def child_export(a) -> int:
     """Build the workload with fedadapt (its partition, features, initial weights) and write
     what pfl's side reads."""
     import numpy as np
-    from fedadapt.strategies.state import SeededStreams
-    from fedadapt.strategies.zoo import sample_size
 
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import prepare_run
-    from fedadapt.federation.training import derive_seed, local_schedule
+    from fedadapt.federation.client.training import derive_seed, local_schedule
+    from fedadapt.strategies.state import SeededStreams
+    from fedadapt.strategies.zoo import sample_size
 
     out_dir = Path(a.export_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -275,7 +275,7 @@ def child_fedadapt(a) -> int:
     meta = json.loads(Path(a.meta).read_text())
     from omegaconf import OmegaConf
 
-    import fedadapt.federation.server as server
+    import fedadapt.federation.server.loop as server
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import prepare_run, run_experiment
     from fedadapt.results.store import read_jsonl

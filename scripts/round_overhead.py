@@ -21,11 +21,11 @@ import tempfile
 from pathlib import Path
 
 PARTS = {  # label: (file suffix, function)
-    "round": ("federation/server.py", "_train_round"),
-    "training (_run_group)": ("federation/worker.py", "_run_group"),
-    "exchange (grid)": ("federation/grid.py", "_exchange"),
+    "round": ("federation/server/loop.py", "_train_round"),
+    "training (_run_group)": ("federation/client/worker.py", "_run_group"),
+    "exchange (grid)": ("federation/wire/grid.py", "_exchange"),
     "aggregation (average_by_tensor)": ("strategies/fedavg.py", "average_by_tensor"),
-    "screening (screen_clients)": ("federation/faults.py", "screen_clients"),
+    "screening (screen_clients)": ("federation/server/faults.py", "screen_clients"),
 }
 
 
@@ -38,7 +38,7 @@ def main(argv=None) -> int:
 
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import run_experiment
-    from fedadapt.federation.inprocess import in_process
+    from fedadapt.federation.simulation.inprocess import in_process
 
     tmp = Path(tempfile.mkdtemp(prefix="round_overhead-"))
     here = Path(__file__).resolve().parent

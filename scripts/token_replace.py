@@ -60,7 +60,7 @@ def token_change(model, images: torch.Tensor) -> float:
 
 def local_steps(model, spec, indices, lr: float, seed: int) -> list[dict]:
     """``train_local``'s loop (same batches, optimiser and clipping), recording every step."""
-    from fedadapt.federation.training import batches_of, make_optimizer
+    from fedadapt.federation.client.training import batches_of, make_optimizer
 
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(params, spec.train, lr)
@@ -87,12 +87,11 @@ def local_steps(model, spec, indices, lr: float, seed: int) -> list[dict]:
 
 
 def run_variant(overrides: list[str], rounds: int) -> dict:
-    from fedadapt.strategies.state import SeededStreams
-    from fedadapt.strategies.zoo import sample_size
-
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import prepare_run
-    from fedadapt.federation.training import derive_seed, evaluate, lr_at
+    from fedadapt.federation.client.training import derive_seed, evaluate, lr_at
+    from fedadapt.strategies.state import SeededStreams
+    from fedadapt.strategies.zoo import sample_size
 
     cfg = to_run_config(compose_config(BASE + overrides + [f"rounds={rounds}"]))
     prep = prepare_run(cfg, quiet=True)

@@ -1,5 +1,5 @@
 """Which scaled-dot-product-attention kernels work under ``vmap``, forward and backward: the
-question behind :func:`fedadapt.federation.grouped.attention_for_vmap`.
+question behind :func:`fedadapt.federation.client.grouped.attention_for_vmap`.
 
     python scripts/vmap_attention.py [--clients 10] [--batch 10] [--out table.md]
 

@@ -34,7 +34,6 @@ from collections.abc import Iterable, Mapping
 from typing import Optional
 
 import numpy as np
-from fedadapt.strategies.state import StrategyStateError
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
@@ -48,6 +47,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from fedadapt.codec import as_numpy, to_array
 from fedadapt.config import ConfigError
+from fedadapt.strategies.state import StrategyStateError
 
 STALENESS = ("sqrt", "constant")
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from fedadapt.strategies.lora_rank import LoRARankStrategy, normalise, pad_rank
 
 from fedadapt.adapters.lora import LORA_B, is_lora_a, lora_pairs, pair_of
+from fedadapt.strategies.lora_rank import LoRARankStrategy, normalise, pad_rank
 
 __all__ = ["FedSALoRA", "fedsa_aggregate"]
 

@@ -8,6 +8,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from flwr.app import ArrayRecord
+
+from fedadapt.adapters.lora import base_delta_name, pair_of
 from fedadapt.strategies.lora_rank import (
     LoRARankStrategy,
     array_of,
@@ -19,9 +22,6 @@ from fedadapt.strategies.lora_rank import (
     torch_dtype,
     weighted_product_sum,
 )
-from flwr.app import ArrayRecord
-
-from fedadapt.adapters.lora import base_delta_name, pair_of
 
 __all__ = ["FlexLoRA", "flexlora_aggregate"]
 

@@ -10,9 +10,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
-from fedadapt.strategies.lora_rank import LoRARankStrategy, array_of, normalise, torch_dtype
 
 from fedadapt.adapters.lora import base_delta_name
+from fedadapt.strategies.lora_rank import LoRARankStrategy, array_of, normalise, torch_dtype
 
 __all__ = ["FLoRA", "flora_stack"]
 

@@ -9,6 +9,10 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
+from flwr.app import ConfigRecord
+
+from fedadapt.adapters.lora import is_lora_a
+from fedadapt.config import ConfigError
 from fedadapt.strategies.lora_rank import (
     LoRARankStrategy,
     matrix_a,
@@ -18,10 +22,6 @@ from fedadapt.strategies.lora_rank import (
     reply_arrays,
     truncate_rank,
 )
-from flwr.app import ConfigRecord
-
-from fedadapt.adapters.lora import is_lora_a
-from fedadapt.config import ConfigError
 
 __all__ = ["HetLoRA", "hetlora_aggregate", "self_prune", "sparsity_weights"]
 

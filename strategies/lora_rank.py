@@ -47,7 +47,6 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
-from fedadapt.strategies.fedavg import PerTensorFedAvg, average_by_tensor
 from flwr.app import (
     Array,
     ArrayRecord,
@@ -62,6 +61,7 @@ from flwr.serverapp import Grid
 from fedadapt.adapters.lora import base_delta_name, is_base_delta, lora_pairs
 from fedadapt.codec import to_array
 from fedadapt.config import ConfigError
+from fedadapt.strategies.fedavg import PerTensorFedAvg, average_by_tensor
 
 __all__ = ["LoRARankStrategy", "array_of", "as_torch", "check_rank", "matrix_a", "matrix_b",
            "normalise", "pad_rank", "reply_arrays", "svd_split", "torch_dtype", "truncate_rank",

@@ -32,6 +32,10 @@ import inspect
 import logging
 from typing import Any, Callable, Optional
 
+from flwr.serverapp import strategy as flwr_strategies
+
+from fedadapt.codec import UNIFORM_KEY
+from fedadapt.config import ConfigError, DPConfig, StrategyConfig, check
 from fedadapt.strategies import fedbuff, fedex_lora, fednova, fedsa_lora, flexlora, flora, hetlora
 from fedadapt.strategies.custom import CUSTOM
 from fedadapt.strategies.schema import (  # noqa: F401
@@ -41,10 +45,6 @@ from fedadapt.strategies.schema import (  # noqa: F401
     params_of,
     schema_of,
 )
-from flwr.serverapp import strategy as flwr_strategies
-
-from fedadapt.codec import UNIFORM_KEY
-from fedadapt.config import ConfigError, DPConfig, StrategyConfig, check
 
 #: ``strategy=`` name -> Flower class.
 STRATEGIES: dict[str, type] = {

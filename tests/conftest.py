@@ -165,6 +165,6 @@ def accuracy_of(prep, arrays: dict, indices=None, source=None) -> float:
 
 def final_checkpoint(run_dir) -> dict:
     """The global tensors of a finished run's last checkpoint (after its last round)."""
-    from fedadapt.federation.checkpoint import latest_checkpoint, load_checkpoint
+    from fedadapt.federation.server.checkpoint import latest_checkpoint, load_checkpoint
 
     return load_checkpoint(latest_checkpoint(run_dir))[0]

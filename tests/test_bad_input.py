@@ -20,8 +20,8 @@ from conftest import tiny_run
 
 from fedadapt.adapters.heads import LinearHeadConfig
 from fedadapt.experiment import run_experiment
-from fedadapt.federation import checkpoint
-from fedadapt.federation.inprocess import run_in_process
+from fedadapt.federation.server import checkpoint
+from fedadapt.federation.simulation.inprocess import run_in_process
 
 
 def fedadapt(args, cache_dir, cwd, timeout=120):

@@ -95,7 +95,7 @@ def test_tracker_agrees_with_the_cpu_allocator():
     from fedadapt.adapters import build_model
     from fedadapt.backbones import build_backbone
     from fedadapt.budget import _baseline_tensors, _step, _tier_model
-    from fedadapt.federation.training import make_optimizer
+    from fedadapt.federation.client.training import make_optimizer
 
     run = tiny("accumulator", "method.head_hidden=[64]")
     base = build_model(run.method, build_backbone(run.backbone, load_weights=False), 10,

@@ -10,7 +10,7 @@ from conftest import tiny_run
 from fedadapt.adapters.heads import LinearHeadConfig, MlpHeadConfig
 from fedadapt.data.cache import cached_features, feature_key
 from fedadapt.experiment import prepare_run
-from fedadapt.federation.training import derive_seed, train_local
+from fedadapt.federation.client.training import derive_seed, train_local
 
 
 def train_head(cache_dir, use_cache: bool, method_cls=LinearHeadConfig):

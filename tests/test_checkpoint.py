@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedadapt.federation.checkpoint import (
+from fedadapt.federation.server.checkpoint import (
     ARRAYS,
     CHECKPOINTS,
     LATEST,

@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 import torch
 from conftest import accuracy_of, tiny_run
-from fedadapt.clients.app import make_client_app
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 
 from fedadapt.adapters import AdaptedModel, register_method
 from fedadapt.adapters.heads import FinetuneConfig, LinearHeadConfig, LocalOnlyConfig
+from fedadapt.clients.app import make_client_app
 from fedadapt.config import MethodConfig
 from fedadapt.experiment import prepare_run
-from fedadapt.federation import records
+from fedadapt.federation.wire import records
 from fedadapt.methods.rounds.clients import PERSONAL_KEY
 
 
@@ -56,7 +56,7 @@ def test_a_worker_trains_its_clients_side_by_side_and_alone_alike(cache_dir, flo
     """One message names three clients: each gets its own records; grouping (K = 3) gives
     what one after another (K = 1) gives, to floating-point tolerance, and the grouped call
     trains no client alone (a silent fallback to one at a time would pass the comparison)."""
-    from fedadapt.federation import worker
+    from fedadapt.federation.client import worker
 
     prep = prepare_run(tiny_run(cache_dir, LinearHeadConfig()), quiet=True)
     app = make_client_app(lambda ctx: prep.spec)
@@ -82,7 +82,7 @@ def test_a_group_that_fails_side_by_side_retries_alone_with_its_cause(cache_dir,
     """A fault inside the grouped step of one group (clients 0 and 1 of groups {0, 1}, {2}):
     only that group's clients are retried one at a time, with one log line naming the cause;
     every client's result is what the unbroken worker gives."""
-    from fedadapt.federation import worker
+    from fedadapt.federation.client import worker
 
     prep = prepare_run(tiny_run(cache_dir, LinearHeadConfig()), quiet=True)
     app = make_client_app(lambda ctx: prep.spec)
@@ -122,7 +122,7 @@ def test_a_failing_client_fails_alone(cache_dir, flower_task):
     """An injected exception in one client of a group: it replies an error record, the others
     train."""
     from fedadapt.config import FaultConfig
-    from fedadapt.federation.faults import injected_fault
+    from fedadapt.federation.server.faults import injected_fault
 
     faults = FaultConfig(fraction=0.5, kinds=["raise"])
     prep = prepare_run(tiny_run(cache_dir, LinearHeadConfig(), faults=faults), quiet=True)
@@ -162,7 +162,7 @@ def test_personal_tensors_stay_in_context_state(cache_dir, flower_task):
 def test_any_worker_continues_a_client_from_its_saved_state(cache_dir, flower_task, tmp_path):
     """In simulation a client's personal tensors live in its state folder: a client trained by
     one worker in round 1 continues in round 2 on another worker from exactly those."""
-    from fedadapt.federation.checkpoint import load_client_state
+    from fedadapt.federation.server.checkpoint import load_client_state
 
     prep = prepare_run(tiny_run(cache_dir, LocalOnlyConfig()), quiet=True)
     prep.spec.state_dir = str(tmp_path / "clients")
@@ -175,7 +175,7 @@ def test_any_worker_continues_a_client_from_its_saved_state(cache_dir, flower_ta
     clients._PERSONAL.clear()  # no per-process cache: read from the folder
     model = prep.model
     model.load_tensors(after1)
-    from fedadapt.federation.training import derive_seed, train_local
+    from fedadapt.federation.client.training import derive_seed, train_local
 
     train_local(model, prep.spec.train_source, prep.spec.clients[2].train, prep.spec.train,
                 lr=0.05, seed=derive_seed(0, 2, 2), crop_seed=derive_seed(0, 2, 2, 7),
@@ -230,7 +230,7 @@ def test_client_process_pins_its_torch_threads(cache_dir):
     OMP_NUM_THREADS says: CPU results depend on the thread count."""
     from dataclasses import replace
 
-    from fedadapt.federation import training
+    from fedadapt.federation.client import training
 
     prep = prepare_run(tiny_run(cache_dir, LinearHeadConfig()), quiet=True)
     before = torch.get_num_threads()

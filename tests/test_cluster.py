@@ -1,7 +1,7 @@
-"""The Ray cluster a simulation runs on (fedadapt.federation.cluster): ray.init arguments from
-the config, an unreachable federation.ray_address failing fast with one line, and a run on a
-two-node cluster (Ray's test cluster in this process) training clients on both nodes with the
-metrics of a one-node run. ``scripts/ray_two_node.sh`` does the same with two ``ray start``
+"""The Ray cluster a simulation runs on (fedadapt.federation.simulation.cluster): ray.init
+arguments from the config, an unreachable federation.ray_address failing fast with one line, and a
+run on a two-node cluster (Ray's test cluster in this process) training clients on both nodes with
+the metrics of a one-node run. ``scripts/ray_two_node.sh`` does the same with two ``ray start``
 processes, as a user would.
 """
 
@@ -17,7 +17,7 @@ import pytest
 from conftest import tiny_run
 
 from fedadapt.config import ConfigError, FederationConfig, PartitionConfig, validate
-from fedadapt.federation import cluster
+from fedadapt.federation.simulation import cluster
 
 
 def _free_port() -> int:
@@ -176,7 +176,7 @@ def test_a_run_on_two_nodes_trains_clients_on_both_and_matches_one_node(cache_di
 
     from fedadapt.adapters.heads import LinearHeadConfig
     from fedadapt.experiment import run_experiment
-    from fedadapt.federation.sizing import size_simulation
+    from fedadapt.federation.simulation.sizing import size_simulation
     from fedadapt.results.store import read_jsonl
 
     assert not ray.is_initialized()

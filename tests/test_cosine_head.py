@@ -31,7 +31,7 @@ def test_hydra_composes_it_and_its_keys_are_checked():
 @pytest.mark.parametrize("learn_scale", [False, True])
 def test_it_federates_and_sends_only_what_it_trains(cache_dir, tmp_path, learn_scale):
     from fedadapt.experiment import prepare_run, run_experiment
-    from fedadapt.federation.inprocess import run_in_process
+    from fedadapt.federation.simulation.inprocess import run_in_process
 
     cfg = learning_run(cache_dir, CosineHeadConfig(learn_scale=learn_scale))
     prep = prepare_run(cfg, quiet=True)

@@ -60,7 +60,7 @@ def test_each_documented_command_composes_and_the_single_runs_run(sweep, args, t
                                                                    monkeypatch, cache_dir):
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import run_experiment
-    from fedadapt.federation.inprocess import in_process
+    from fedadapt.federation.simulation.inprocess import in_process
 
     monkeypatch.chdir(tmp_path)  # the user's folder, with the page's own strategy in it
     (tmp_path / "halfstep.py").write_text(docs_example("halfstep.py"))

@@ -8,9 +8,9 @@ from flwr.app import Context, Message, MessageType
 
 from fedadapt.entry import compose_config, to_run_config
 from fedadapt.experiment import run_experiment
-from fedadapt.federation import records
-from fedadapt.federation.checkpoint import latest_checkpoint, load_checkpoint
-from fedadapt.federation.inprocess import in_process
+from fedadapt.federation.server.checkpoint import latest_checkpoint, load_checkpoint
+from fedadapt.federation.simulation.inprocess import in_process
+from fedadapt.federation.wire import records
 from fedadapt.results.store import read_jsonl
 
 TASK = ["experiment=custom", "dataset=digits", "dataset.max_samples=240", "backbone=small_cnn",

@@ -677,7 +677,7 @@ def test_delay_table_adds_up():
 ])
 def test_bad_values_name_the_setting(cfg, key):
     from fedadapt.adapters import build_model
-    from fedadapt.federation.training import BackboneInfo
+    from fedadapt.federation.client.training import BackboneInfo
 
     with pytest.raises(ConfigError, match=re.escape(key)):
         build_model(cfg, BackboneInfo(embed_dim=16), 5, with_backbone=False)
@@ -687,7 +687,7 @@ def test_bad_values_name_the_setting(cfg, key):
                                  CdcMmpgConfig(adr=False)])
 def test_valid_configs_build_and_communicate_only_the_dynamic_layers(cfg):
     from fedadapt.adapters import build_model
-    from fedadapt.federation.training import BackboneInfo
+    from fedadapt.federation.client.training import BackboneInfo
 
     model = build_model(cfg, BackboneInfo(embed_dim=16), 5, with_backbone=False)
     shapes = layer_shapes(16, list(cfg.dynamic_hidden), 5) if isinstance(cfg, DuetConfig) \

@@ -11,7 +11,7 @@ from fedadapt.backbones import build_backbone
 from fedadapt.config import BackboneConfig, ConfigError
 from fedadapt.entry import compose_config, to_run_config
 from fedadapt.experiment import prepare_run, run_experiment
-from fedadapt.federation.inprocess import run_in_process
+from fedadapt.federation.simulation.inprocess import run_in_process
 from fedadapt.inspect import inspect_run
 from fedadapt.results.store import read_jsonl
 

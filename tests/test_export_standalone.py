@@ -24,7 +24,7 @@ def test_the_peft_snippet_runs_in_a_fresh_process_to_fedadapts_logits(cache_dir,
     from fedadapt.adapters.lora import LoraMethodConfig
     from fedadapt.experiment import run_experiment
     from fedadapt.export import SHIM, export_run, load_export
-    from fedadapt.federation.inprocess import run_in_process
+    from fedadapt.federation.simulation.inprocess import run_in_process
 
     cfg = tiny_run(cache_dir, LoraMethodConfig(rank=2), backbone=TINY_VIT, rounds=1)
     run_experiment(cfg, tmp_path / "lora", execute=run_in_process,

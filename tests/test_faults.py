@@ -9,14 +9,14 @@ from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 from fedadapt.adapters.heads import LinearHeadConfig
 from fedadapt.config import ConfigError, FaultConfig, FederationConfig, PartitionConfig, validate
 from fedadapt.experiment import run_experiment
-from fedadapt.federation import records
-from fedadapt.federation.faults import (
+from fedadapt.federation.server.faults import (
     RoundFailed,
     corrupt,
     injected_fault,
     require_enough,
     screen_clients,
 )
+from fedadapt.federation.wire import records
 from fedadapt.results.store import read_jsonl
 
 EXPECTED = {"head.weight": (2, 3), "head.bias": (2,)}
@@ -107,7 +107,7 @@ def test_a_late_client_is_left_out_and_the_round_ends_at_the_timeout(cache_dir, 
     it. (The round's wall time is checked to be at least what it waited: the wait happened.)
     The timeout is set from a fault-free run of the same config, just before, so that only the
     injected faults are late however loaded the machine is."""
-    from fedadapt.federation.inprocess import in_process
+    from fedadapt.federation.simulation.inprocess import in_process
 
     kinds, delay = ["timeout", "straggler"], 0.3
 
@@ -195,7 +195,7 @@ RAY_REASON = (
 
 
 def test_dropped_client_warning_names_the_exception_and_its_message():
-    from fedadapt.federation.faults import error_cause
+    from fedadapt.federation.server.faults import error_cause
 
     assert error_cause(RAY_REASON) == ("RuntimeError: injected fault (faults.fraction=0.5): "
                                        "client 1 raises in round 2")

@@ -7,17 +7,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import TINY_CLIP, tiny_run
-from fedadapt.clients.app import make_client_app
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 
 from fedadapt.adapters import build_model
 from fedadapt.adapters.fedclip import AttAI, FedClipConfig, PromptHead, contrastive_loss
 from fedadapt.backbones import build_backbone
 from fedadapt.backbones.clip import class_text
+from fedadapt.clients.app import make_client_app
 from fedadapt.config import BackboneConfig, ConfigError, DatasetConfig, validate
 from fedadapt.experiment import prepare_run
-from fedadapt.federation import records
-from fedadapt.federation.inprocess import run_in_process
+from fedadapt.federation.simulation.inprocess import run_in_process
+from fedadapt.federation.wire import records
 
 
 @pytest.mark.parametrize("dim", [16, 512])

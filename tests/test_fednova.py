@@ -26,7 +26,7 @@ def _replies(messages, trained, values):
 
 class _Grid:
     def __init__(self, n):
-        from fedadapt.federation.grid import NODE_BASE
+        from fedadapt.federation.wire.grid import NODE_BASE
 
         self.ids = [NODE_BASE + c for c in range(n)]
 
@@ -45,10 +45,10 @@ def test_the_step_weights_are_the_papers():
 
 
 def test_fednova_normalises_each_change_by_its_clients_steps(flower_task):
-    from fedadapt.strategies.fednova import FedNova, step_weights
     from flwr.app import Array, ArrayRecord, ConfigRecord
 
-    from fedadapt.federation.grid import NODE_BASE
+    from fedadapt.federation.wire.grid import NODE_BASE
+    from fedadapt.strategies.fednova import FedNova, step_weights
 
     held = {0: 40, 1: 10, 2: 30}  # each client's training examples (its data share)
     strategy = FedNova(local_momentum=0.5, local_batch_size=4, local_epochs=1,
@@ -74,9 +74,10 @@ def test_fednova_normalises_each_change_by_its_clients_steps(flower_task):
 
 
 def test_fednova_with_equal_steps_is_fedavg(flower_task):
+    from flwr.app import Array, ArrayRecord, ConfigRecord
+
     from fedadapt.strategies.fedavg import PerTensorFedAvg
     from fedadapt.strategies.fednova import FedNova
-    from flwr.app import Array, ArrayRecord, ConfigRecord
 
     common = dict(fraction_train=1.0, min_available_nodes=3, min_train_nodes=3)
     rng = np.random.default_rng(0)
@@ -109,7 +110,7 @@ def test_fednova_on_work_cut_at_the_deadline_runs(tmp_path, cache_dir):
 
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import run_experiment
-    from fedadapt.federation.inprocess import in_process
+    from fedadapt.federation.simulation.inprocess import in_process
     from fedadapt.results.store import read_jsonl
 
     base = ["method=linear_head", "backbone=small_cnn", "backbone.image_size=16",

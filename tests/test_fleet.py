@@ -1,4 +1,4 @@
-"""Simulated devices (fleet=tiers|lognormal|trace, fedadapt/federation/fleet.py): seeded
+"""Simulated devices (fleet=tiers|lognormal|trace, fedadapt/federation/simulation/fleet.py): seeded
 profiles, availability, a client's simulated time, the round's deadline, over-selection and
 offline clients, FLOPs counted by torch's flop counter, the clock in metrics.jsonl and across a
 resume; fleet=none changes nothing; bad input in one line naming the key."""
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fedadapt.config import ConfigError, FleetConfig
-from fedadapt.federation.fleet import Fleet, profiles, read_trace
+from fedadapt.federation.simulation.fleet import Fleet, profiles, read_trace
 from fedadapt.results.store import read_jsonl
 
 TINY = ["method=linear_head", "backbone=small_cnn", "backbone.image_size=16",
@@ -94,7 +94,7 @@ def test_training_flops_are_counted_by_torchs_flop_counter():
     per example (no gradient flows into the cached features)."""
     import torch
 
-    from fedadapt.federation.fleet import train_flops_per_example
+    from fedadapt.federation.simulation.fleet import train_flops_per_example
 
     class Source:
         def get(self, idx, device):
@@ -117,7 +117,7 @@ def _run(run_dir, overrides, cache_dir, stop_after=None):
 
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import run_experiment
-    from fedadapt.federation.inprocess import in_process
+    from fedadapt.federation.simulation.inprocess import in_process
 
     composed = compose_config([*TINY, *overrides, f"cache_dir={cache_dir}"])
     execute = in_process("workers")
@@ -184,7 +184,7 @@ def test_the_clock_samples_available_clients_drops_late_ones_and_resumes(tmp_pat
 
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import run_experiment
-    from fedadapt.federation.inprocess import in_process
+    from fedadapt.federation.simulation.inprocess import in_process
 
     composed = compose_config([*TINY, *fleet, f"cache_dir={cache_dir}"])
     run_experiment(to_run_config(composed), tmp_path / "resumed", execute=in_process("workers"),
@@ -208,7 +208,7 @@ def test_tiers_and_lora_ranks_follow_the_devices(cache_dir):
     from fedadapt.adapters.lora import LoraMethodConfig, assign_ranks
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import prepare_run
-    from fedadapt.federation.fleet import train_flops_per_example
+    from fedadapt.federation.simulation.fleet import train_flops_per_example
 
     ranks = assign_ranks(LoraMethodConfig(ranks=[2, 8]), 4, [], 0, speeds=[5.0, 1.0, 9.0, 2.0])
     assert ranks == [8, 2, 8, 2]
@@ -238,10 +238,10 @@ def test_tiers_and_lora_ranks_follow_the_devices(cache_dir):
 
 
 def test_fedbuff_applies_the_earliest_arrivals_weighted_by_staleness(flower_task):
-    from fedadapt.strategies.fedbuff import FedBuff
     from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-    from fedadapt.federation.grid import NODE_BASE
+    from fedadapt.federation.wire.grid import NODE_BASE
+    from fedadapt.strategies.fedbuff import FedBuff
 
     class Grid:
         def get_node_ids(self):
@@ -311,7 +311,7 @@ def test_fedbuff_with_one_buffer_of_every_client_is_fedavg_and_resumes(tmp_path,
 
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import run_experiment
-    from fedadapt.federation.inprocess import in_process
+    from fedadapt.federation.simulation.inprocess import in_process
 
     composed = compose_config([*TINY, *async_, f"cache_dir={cache_dir}"])
     run_experiment(to_run_config(composed), tmp_path / "stopped", execute=in_process("workers"),
@@ -326,8 +326,8 @@ def test_fedbuff_with_one_buffer_of_every_client_is_fedavg_and_resumes(tmp_path,
 def test_an_anytime_clients_exits_are_capped_by_its_device(tmp_path, cache_dir):
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import prepare_run
-    from fedadapt.federation.fleet import train_flops_per_example
-    from fedadapt.federation.worker import client_exits
+    from fedadapt.federation.client.worker import client_exits
+    from fedadapt.federation.simulation.fleet import train_flops_per_example
 
     base = ["method=lw_linear", "backbone=tiny_vit", "dataset.max_samples=300",
             "partition.num_clients=6", "setting=anytime", "setting.tiers_from=fleet",
@@ -513,7 +513,7 @@ def test_training_memory_is_weights_gradients_optimizer_state_and_activations():
     only, and the step keeps its ReLU's output (32 x 4) instead of the input."""
     import torch
 
-    from fedadapt.federation.fleet import train_memory_bytes
+    from fedadapt.federation.simulation.fleet import train_memory_bytes
 
     class Source:
         def get(self, idx, device):
@@ -547,7 +547,7 @@ def test_training_memory_is_weights_gradients_optimizer_state_and_activations():
 
 
 def test_memory_goes_with_compute_and_a_device_too_small_is_never_sampled():
-    from fedadapt.federation.fleet import assign_memory
+    from fedadapt.federation.simulation.fleet import assign_memory
 
     cfg = FleetConfig(name="tiers", compute=[1.0, 10.0], memory=[1e3, 5e3, 9e3],
                       memory_fractions=[0.25, 0.5, 0.25])
@@ -600,7 +600,7 @@ def test_a_client_whose_training_does_not_fit_is_not_sampled(tmp_path, cache_dir
 def test_tiers_from_the_fleet_take_the_deepest_exit_that_fits_in_memory(cache_dir):
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import prepare_run
-    from fedadapt.federation.fleet import _batch_of, _memory_at
+    from fedadapt.federation.simulation.fleet import _batch_of, _memory_at
 
     base = ["method=lw_linear", "backbone=tiny_vit", "dataset.max_samples=300",
             "partition.num_clients=6", "setting=multitier", "setting.tiers_from=fleet",
@@ -638,8 +638,8 @@ def test_a_clients_work_is_its_flops_per_example_times_examples_and_epochs(cache
     quotient)."""
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import prepare_run
-    from fedadapt.federation.fleet import train_flops_per_example
-    from fedadapt.federation.worker import first_train_index
+    from fedadapt.federation.client.worker import first_train_index
+    from fedadapt.federation.simulation.fleet import train_flops_per_example
 
     prep = prepare_run(to_run_config(compose_config([
         "method=lw_linear", "backbone=tiny_vit", "dataset.max_samples=300",
@@ -695,9 +695,10 @@ def test_a_fedbuff_checkpoint_keyed_by_partition_id_is_refused_in_one_line():
     """FedBuff's clients in flight were keyed by partition id (``cid``) before it took its
     arrivals by node id through :class:`AsynchronousStrategy`; such a checkpoint's state is
     refused naming the strategy, not a KeyError from inside it."""
+    from flwr.app import ArrayRecord, ConfigRecord
+
     from fedadapt.strategies.fedbuff import FedBuff
     from fedadapt.strategies.state import StrategyStateError
-    from flwr.app import ArrayRecord, ConfigRecord
 
     old = FedBuff(buffer_size=1)
     old.in_flight = [{"cid": 3, "version": 0, "finish": 1.0, "weight": 1.0, "loss": 0.5,

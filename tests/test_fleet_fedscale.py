@@ -1,8 +1,8 @@
-"""fleet=fedscale (fedadapt/federation/fleet.py): FedScale's two device traces, pickles in
-exactly the format FedScale publishes (client_device_capacity: client id -> {'computation': ms
-per sample, 'communication': kbit/s}; client_behave_trace: client id -> {'duration',
-'inactive', 'finish_time', 'active', 'model'}), read as FedScale's simulator reads them; a
-trace that tries to run code is refused; bad input in one line naming the key."""
+"""fleet=fedscale (fedadapt/federation/simulation/fleet.py): FedScale's two device traces,
+pickles in exactly the format FedScale publishes (client_device_capacity: client id ->
+{'computation': ms per sample, 'communication': kbit/s}; client_behave_trace: client id ->
+{'duration', 'inactive', 'finish_time', 'active', 'model'}), read as FedScale's simulator reads
+them; a trace that tries to run code is refused; bad input in one line naming the key."""
 
 import json
 import math
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from fedadapt.config import ConfigError, FleetConfig
-from fedadapt.federation.fleet import Fleet, draw_entries, read_behaviour, read_capacity
+from fedadapt.federation.simulation.fleet import Fleet, draw_entries, read_behaviour, read_capacity
 from fedadapt.results.store import read_jsonl
 
 #: Six devices as FedScale's client_device_capacity holds them (ids from 1, floats).
@@ -214,7 +214,7 @@ def test_a_run_on_fedscale_traces_times_each_client_as_fedscale_would(tmp_path, 
 
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import prepare_run, run_experiment
-    from fedadapt.federation.inprocess import in_process
+    from fedadapt.federation.simulation.inprocess import in_process
 
     behaviour = {i: {"duration": 5000, "inactive": [5000], "finish_time": 10000,
                      "active": [0], "model": f"phone-{i}"} for i in (10, 20)}

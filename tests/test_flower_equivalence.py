@@ -20,9 +20,9 @@ from flwr.serverapp.strategy import (
 
 from fedadapt.entry import compose_config, to_run_config
 from fedadapt.experiment import prepare_run, run_experiment
-from fedadapt.federation.checkpoint import latest_checkpoint, load_checkpoint
-from fedadapt.federation.inprocess import in_process
-from fedadapt.federation.training import SpecRef, cached_model, derive_seed, train_local
+from fedadapt.federation.client.training import SpecRef, cached_model, derive_seed, train_local
+from fedadapt.federation.server.checkpoint import latest_checkpoint, load_checkpoint
+from fedadapt.federation.simulation.inprocess import in_process
 
 pytestmark = pytest.mark.slow  # Ray: Flower's run_simulation
 

@@ -14,8 +14,8 @@ from flwr.app import (
     RecordDict,
 )
 
-from fedadapt.federation import records
-from fedadapt.federation.grid import NODE_BASE, ClientGrid, Nodes, node_id
+from fedadapt.federation.wire import records
+from fedadapt.federation.wire.grid import NODE_BASE, ClientGrid, Nodes, node_id
 
 
 class Workers:

@@ -19,8 +19,8 @@ from fedadapt.adapters.heads import (
 )
 from fedadapt.config import BackboneConfig, SettingConfig, validate
 from fedadapt.experiment import prepare_run
-from fedadapt.federation.grouped import ClientJob, train_group
-from fedadapt.federation.training import derive_seed, train_local
+from fedadapt.federation.client.grouped import ClientJob, train_group
+from fedadapt.federation.client.training import derive_seed, train_local
 
 TINY_VIT = BackboneConfig(name="tiny_vit", family="vit", image_size=32, crop_pct=1.0,
                           interpolation="bilinear", arch=dict(
@@ -176,8 +176,8 @@ def test_the_grouped_step_reads_nothing_back_per_step(cache_dir, monkeypatch):
         calls = [0]
         train = replace(prep.spec.train, local_epochs=epochs)
         model, source, jobs = prep.model, prep.spec.train_source, jobs_for(prep, k, exits=[0, 2])
-        from fedadapt.federation import grouped
-        from fedadapt.federation.grouped import UsedTensors
+        from fedadapt.federation.client import grouped
+        from fedadapt.federation.client.grouped import UsedTensors
 
         used = UsedTensors(model, source, int(jobs[0].indices[0]), precision="fp32")
         for e in (0, 2):
@@ -228,8 +228,8 @@ def test_personalization_side_by_side_equals_one_after_another(cache_dir, flower
     would one after another (K = 1): same accuracies and personalized tensors."""
     from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 
-    from fedadapt.federation import records
-    from fedadapt.federation.checkpoint import load_client_state
+    from fedadapt.federation.server.checkpoint import load_client_state
+    from fedadapt.federation.wire import records
     from fedadapt.methods.rounds.clients import personalize_clients
 
     prep = prepared(cache_dir, AccumulatorConfig(head_hidden=[16]), backbone=TINY_VIT,
@@ -268,8 +268,8 @@ def test_a_run_with_dropout_anytime_fedprox_and_crops_is_the_same_for_k_1_4_8(ca
 
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import run_experiment
-    from fedadapt.federation.checkpoint import latest_checkpoint, load_checkpoint
-    from fedadapt.federation.inprocess import in_process
+    from fedadapt.federation.server.checkpoint import latest_checkpoint, load_checkpoint
+    from fedadapt.federation.simulation.inprocess import in_process
 
     base = ["experiment=custom", "dataset=digits", "dataset.max_samples=300",
             "train.precision=fp32",  # compared to 1e-6: fp32 on any device
@@ -301,7 +301,7 @@ def test_plain_sgd_updates_in_one_call_and_leaves_unreached_slices_as_they_were(
     gradient and stays as it was, as under the mask; with weight decay the mask still decides
     (torch decays only tensors with a gradient)."""
     from fedadapt.config import TrainConfig
-    from fedadapt.federation.grouped import StackedOptimizer
+    from fedadapt.federation.client.grouped import StackedOptimizer
 
     torch.manual_seed(0)
     p = torch.randn(3, 4, 5, requires_grad=True)
@@ -335,7 +335,7 @@ def test_every_client_trained_method_of_the_presets_has_grouped_forms():
     from fedadapt.adapters.bitfit import BitfitConfig
     from fedadapt.adapters.ia3 import Ia3MethodConfig
     from fedadapt.adapters.lora import DoraMethodConfig, LoraMethodConfig
-    from fedadapt.federation.grouped import engine_of
+    from fedadapt.federation.client.grouped import engine_of
 
     forms_methods = [LinearHeadConfig(), MlpHeadConfig(), LocalOnlyConfig(), LwLinearConfig(),
                      LwMlpConfig(), AccumulatorConfig(), AccumulatorConfig(parallel_adapter=True),
@@ -367,7 +367,7 @@ class _Scaled(torch.nn.Module):
 def test_the_cosine_heads_own_grouped_form_equals_one_client_at_a_time(cache_dir, learn_scale):
     """docs/adding-a-method.md's worked example registers a grouped form for its head."""
     from fedadapt.adapters.cosine_head import CosineHeadConfig
-    from fedadapt.federation.grouped import engine_of
+    from fedadapt.federation.client.grouped import engine_of
 
     prep = prepared(cache_dir, CosineHeadConfig(learn_scale=learn_scale))
     assert engine_of(prep.model) == ("forms", None)
@@ -375,7 +375,7 @@ def test_the_cosine_heads_own_grouped_form_equals_one_client_at_a_time(cache_dir
 
 
 def test_fedclip_has_grouped_forms_but_its_text_adapter_takes_vmap(cache_dir):
-    from fedadapt.federation.grouped import engine_of
+    from fedadapt.federation.client.grouped import engine_of
 
     prep = prepared(cache_dir, FedClipConfig(), backbone=TINY_CLIP)
     assert engine_of(prep.model) == ("forms", None)
@@ -399,7 +399,7 @@ def test_clients_at_different_exits_share_one_forward_per_step(cache_dir, monkey
         embeds[0] += 1
         return embed(self, images)
 
-    from fedadapt.federation.grouped import UsedTensors
+    from fedadapt.federation.client.grouped import UsedTensors
 
     jobs = [replace(j, indices=j.indices[:8]) for j in jobs_for(prep, 8, exits=[0, 1, 2])
             if len(j.indices) >= 8]
@@ -473,7 +473,7 @@ def test_the_flat_optimizer_steps_as_the_per_tensor_one(opt):
     over one flat buffer; it computes what the per-tensor one (and torch's, per client) does,
     leaving each client's unreached tensors and their state as they were."""
     from fedadapt.config import TrainConfig
-    from fedadapt.federation.grouped import FlatOptimizer, StackedOptimizer
+    from fedadapt.federation.client.grouped import FlatOptimizer, StackedOptimizer
 
     gen = torch.Generator().manual_seed(0)
     shapes = [(3, 4, 5), (3, 1, 5), (3, 7)]
@@ -515,7 +515,7 @@ def test_clients_of_different_tiers_train_in_one_group_as_alone(cache_dir):
 
 
 def test_a_worker_groups_clients_across_tiers():
-    from fedadapt.federation.worker import _groups
+    from fedadapt.federation.client.worker import _groups
 
     jobs = [ClientJob(cid=i, indices=np.arange(3), tensors={}, seed=i, exits=[i % 3])
             for i in range(7)]

@@ -24,7 +24,7 @@ from fedadapt.adapters.heads import FinetuneConfig, LinearHeadConfig, MlpHeadCon
 from fedadapt.adapters.ia3 import Ia3MethodConfig
 from fedadapt.adapters.lora import DoraMethodConfig, LoraMethodConfig
 from fedadapt.config import BackboneConfig, SettingConfig
-from fedadapt.federation.grouped import train_group
+from fedadapt.federation.client.grouped import train_group
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 EFFICIENTNET = BackboneConfig(name="efficientnet_lite0", family="efficientnet_lite",
@@ -107,7 +107,7 @@ def test_bf16_computes_in_bf16_grouped_as_alone(cache_dir, bf16, device, engine,
     CUDA: ``attention_for_vmap``)."""
     from torch.overrides import TorchFunctionMode
 
-    from fedadapt.federation import grouped
+    from fedadapt.federation.client import grouped
 
     seen: dict[str, set] = {}
     kernels: set[tuple] = set()
@@ -155,7 +155,7 @@ def test_an_op_cast_by_hand_runs_as_autocast_runs_it(monkeypatch):
     from torch.func import vmap
     from torch.overrides import handle_torch_function, has_torch_function
 
-    from fedadapt.federation import grouped
+    from fedadapt.federation.client import grouped
 
     seen = {}
 
@@ -197,7 +197,7 @@ def test_flash_under_vmap_is_an_experiment_for_bf16_on_cuda_only(monkeypatch):
     CUDA (math beside it); every other case, and the default, is the math kernel alone."""
     import torch
 
-    from fedadapt.federation.grouped import attention_for_vmap
+    from fedadapt.federation.client.grouped import attention_for_vmap
 
     def allowed(dev: str, precision: str) -> tuple[bool, bool, bool]:
         b = torch.backends.cuda

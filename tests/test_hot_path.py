@@ -115,7 +115,7 @@ class _Features:
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.01])
 def test_plain_sgd_steps_as_torch_sgd_to_the_bit(weight_decay):
-    from fedadapt.federation.training import PlainSGD
+    from fedadapt.federation.client.training import PlainSGD
 
     torch.manual_seed(0)
     ref = [torch.nn.Parameter(torch.randn(5, 4)), torch.nn.Parameter(torch.randn(4)),
@@ -140,7 +140,7 @@ def test_train_local_equals_torch_sgd_and_a_running_float64_total():
     from fedadapt.adapters import AdaptedModel
     from fedadapt.config import TrainConfig
     from fedadapt.devices import seed_torch
-    from fedadapt.federation.training import local_optimizer, local_schedule, train_local
+    from fedadapt.federation.client.training import local_optimizer, local_schedule, train_local
 
     source, indices = _Features(), np.arange(3, 37)
     train = TrainConfig(lr=0.1, momentum=0.0, batch_size=8, local_epochs=2)
@@ -205,8 +205,9 @@ def test_the_per_tensor_average_equals_the_float64_torch_formula():
     """Accumulated in place in numpy: the same float64 products and sums, in the same order,
     as ``sum(float64(x) * w) / sum(w)`` in torch; a 0-d tensor, and a tensor one client did
     not send, included."""
-    from fedadapt.strategies.fedavg import average_by_tensor
     from flwr.app import ArrayRecord
+
+    from fedadapt.strategies.fedavg import average_by_tensor
 
     torch.manual_seed(2)
     current = {"w": torch.randn(4, 3), "s": torch.tensor(0.5), "b": torch.randn(3)}
@@ -245,7 +246,7 @@ def test_records_read_without_the_typed_views_equal_them():
 def test_the_in_process_transport_copies_every_record_and_shares_the_arrays(flower_task):
     from flwr.app import Message
 
-    from fedadapt.federation.inprocess import transport_copy
+    from fedadapt.federation.simulation.inprocess import transport_copy
 
     msg = Message(_reply({"w": torch.randn(2, 3)}, 4, 0.25), dst_node_id=3,
                   message_type="train")
@@ -291,8 +292,8 @@ def test_numpys_stream_held_over_the_rounds_draws_what_it_draws_unheld():
 def test_a_worker_replies_without_sleeping_when_no_reply_is_due(monkeypatch):
     from flwr.app import ConfigRecord, RecordDict
 
-    import fedadapt.federation.worker as worker
-    from fedadapt.federation import records
+    import fedadapt.federation.client.worker as worker
+    from fedadapt.federation.wire import records
 
     slept = []
     monkeypatch.setattr(worker.time, "sleep", slept.append)
@@ -312,9 +313,8 @@ def test_the_rounds_leave_the_collector_as_they_found_it(monkeypatch, fails):
     import gc
     from types import SimpleNamespace
 
+    import fedadapt.federation.server.loop as server
     from fedadapt.strategies.state import SeededStreams
-
-    import fedadapt.federation.server as server
 
     frozen = []
 

@@ -8,7 +8,7 @@ from conftest import needs_efficientnet_weights, tiny_run
 
 from fedadapt.config import ConfigError, PartitionConfig, validate
 from fedadapt.experiment import prepare_run, run_experiment
-from fedadapt.federation.inprocess import run_in_process
+from fedadapt.federation.simulation.inprocess import run_in_process
 from fedadapt.methods.plugin.iciia import IciiaConfig
 from fedadapt.methods.plugin.train import client_arrays, sequences, train_on_server
 

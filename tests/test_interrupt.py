@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from test_resume import ROUNDS, TINY, fedadapt, metrics, same, straight_through
 
-from fedadapt.federation.checkpoint import latest_checkpoint, load_checkpoint
-from fedadapt.federation.interrupt import STOP, RunStopped, StoppableGrid
+from fedadapt.federation.server.checkpoint import latest_checkpoint, load_checkpoint
+from fedadapt.federation.server.interrupt import STOP, RunStopped, StoppableGrid
 
 #: Flower's simulation engine on Ray: what these stops must end cleanly (the default,
 #: federation.backend=auto, runs a one-worker job in process, without Ray)
@@ -186,7 +186,7 @@ def test_a_sigkill_of_the_driver_alone_leaves_no_ray_process(tmp_path, cache_dir
 
 WATCHED = """
 import sys, time
-from fedadapt.federation.interrupt import last_words, stop_on_signals
+from fedadapt.federation.server.interrupt import last_words, stop_on_signals
 
 with stop_on_signals():
     last_words(lambda stop: print(f"fedadapt: {stop}; said by the watch", file=sys.stderr))

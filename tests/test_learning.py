@@ -10,7 +10,7 @@ from conftest import learning_run
 from fedadapt.adapters.heads import LinearHeadConfig
 from fedadapt.config import PartitionConfig, validate
 from fedadapt.experiment import run_experiment
-from fedadapt.federation.inprocess import in_process, run_in_process
+from fedadapt.federation.simulation.inprocess import in_process, run_in_process
 from fedadapt.methods.plugin.iciia import IciiaConfig
 from fedadapt.methods.sessions.cdc_mmpg import CdcMmpgConfig
 from fedadapt.methods.sessions.duet import DuetConfig

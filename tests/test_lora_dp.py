@@ -8,14 +8,14 @@ one line naming the key."""
 import numpy as np
 import pytest
 import torch
-from fedadapt.strategies.zoo import build_strategy, check_strategy
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp.mod import adaptiveclipping_mod, fixedclipping_mod
 
 from fedadapt.codec import UNIFORM_KEY
 from fedadapt.config import ConfigError
 from fedadapt.entry import compose_config, to_run_config
-from fedadapt.federation.grid import node_id
+from fedadapt.federation.wire.grid import node_id
+from fedadapt.strategies.zoo import build_strategy, check_strategy
 
 A, B = "enc.q.lora_A.default.weight", "enc.q.lora_B.default.weight"
 OUT, IN, R_MAX = 96, 80, 8
@@ -219,7 +219,7 @@ def run(run_dir, overrides, cache_dir, on_reply=None):
     from omegaconf import OmegaConf
 
     from fedadapt.experiment import run_experiment
-    from fedadapt.federation.inprocess import in_process
+    from fedadapt.federation.simulation.inprocess import in_process
     from fedadapt.results.store import read_jsonl
 
     composed = compose_config([*TINY, *overrides, f"cache_dir={cache_dir}"])
@@ -235,8 +235,8 @@ def test_a_run_clips_every_rank_side_by_side_as_one_at_a_time_and_reports_epsilo
         strategy, tmp_path, cache_dir):
     from flwr.app import MessageType
 
-    from fedadapt.federation import records
-    from fedadapt.federation.checkpoint import latest_checkpoint, load_checkpoint
+    from fedadapt.federation.server.checkpoint import latest_checkpoint, load_checkpoint
+    from fedadapt.federation.wire import records
 
     extra = [f"strategy={strategy}", "dp.noise_multiplier=0.5"] + (
         ["strategy.sparsity_weighted=false"] if strategy == "hetlora" else [])

@@ -8,6 +8,21 @@ import inspect
 import numpy as np
 import pytest
 import torch
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.serverapp.strategy import FedAvg
+
+from fedadapt.adapters.lora import base_delta_name, lora_pairs
+from fedadapt.codec import UNIFORM_KEY
+from fedadapt.config import ConfigError
+from fedadapt.federation.wire.grid import node_id
 from fedadapt.strategies.fedavg import PerTensorFedAvg, aggregate_client_metrics
 from fedadapt.strategies.fedex_lora import FedExLoRA
 from fedadapt.strategies.fedsa_lora import FedSALoRA
@@ -23,21 +38,6 @@ from fedadapt.strategies.lora_rank import (
     weighted_product_sum,
 )
 from fedadapt.strategies.state import load_strategy_state, strategy_state
-from flwr.app import (
-    Array,
-    ArrayRecord,
-    ConfigRecord,
-    Message,
-    MessageType,
-    MetricRecord,
-    RecordDict,
-)
-from flwr.serverapp.strategy import FedAvg
-
-from fedadapt.adapters.lora import base_delta_name, lora_pairs
-from fedadapt.codec import UNIFORM_KEY
-from fedadapt.config import ConfigError
-from fedadapt.federation.grid import node_id
 
 A, B = "enc.q.lora_A.default.weight", "enc.q.lora_B.default.weight"
 D = "enc.q.base_delta"

@@ -22,7 +22,7 @@ TINY = ["method=lora", "backbone=tiny_vit", "dataset.max_samples=300", "partitio
 def _run(run_dir: Path, overrides, cache_dir, on_reply=None, base=tuple(TINY)):
     from fedadapt.entry import compose_config, to_run_config, with_method_train
     from fedadapt.experiment import run_experiment
-    from fedadapt.federation.inprocess import in_process
+    from fedadapt.federation.simulation.inprocess import in_process
 
     composed = compose_config([*base, *overrides, f"cache_dir={cache_dir}"])
     cfg = to_run_config(composed)
@@ -34,7 +34,7 @@ def _run(run_dir: Path, overrides, cache_dir, on_reply=None, base=tuple(TINY)):
 
 def _replies(store: dict):
     """An ``on_reply`` hook keeping each client's training reply arrays, per round."""
-    from fedadapt.federation import records
+    from fedadapt.federation.wire import records
 
     def keep(sent, reply, context):
         if sent.metadata.message_type != MessageType.TRAIN or reply.has_error():
@@ -270,7 +270,7 @@ def test_fedex_and_flora_clients_fold_side_by_side_as_one_at_a_time(tmp_path, ca
     components they cannot hold folded in), so they train in groups by rank; grouped equals
     one at a time, and every client evaluates the exact global model (the server's). FLoRA:
     the clients evaluate the global model folded as the server folds it."""
-    from fedadapt.federation.checkpoint import latest_checkpoint, load_checkpoint
+    from fedadapt.federation.server.checkpoint import latest_checkpoint, load_checkpoint
 
     got: dict = {}
     _, _, rows = _run(tmp_path / "k6", ["strategy=fedex_lora",
@@ -318,8 +318,8 @@ def test_flexloras_server_evaluates_the_whole_sum_folded_into_the_frozen_weights
     checkpoint's ``base_delta + B A`` of every layer is ``W``, and the server's global loss is
     the loss of the model with it folded in (without the fold it differs). The clients get no
     ``base_delta``."""
-    from fedadapt.federation.checkpoint import latest_checkpoint, load_checkpoint
-    from fedadapt.federation.training import evaluate
+    from fedadapt.federation.client.training import evaluate
+    from fedadapt.federation.server.checkpoint import latest_checkpoint, load_checkpoint
 
     got: dict = {}
     sent: list = []

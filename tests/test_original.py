@@ -90,7 +90,7 @@ def test_original_model_phase_trains_the_backbone_on_the_training_clients(cache_
     epoch beats the random start on validation), uses only the training rows (the unseen test
     client adds nothing), saves the backbone that the run then builds and caches features of,
     and hands its classifier to the methods as the original model; a second run reuses it."""
-    from fedadapt.federation import original as phase
+    from fedadapt.federation.server import original as phase
     from fedadapt.methods.plugin.train import train_on_server
 
     prep = prepare_run(phase_run(cache_dir, ICIIA), quiet=True)

@@ -50,7 +50,7 @@ def test_lora_trains_only_peft_tensors_and_starts_as_the_pretrained_backbone():
 
 
 def test_ffa_lora_freezes_a_at_the_same_seeded_draw_everywhere():
-    from fedadapt.federation.training import seeded_model
+    from fedadapt.federation.client.training import seeded_model
 
     one = seeded_model(LoraMethodConfig(ffa=True), 3, _vit(), 5, with_backbone=True)
     two = seeded_model(LoraMethodConfig(ffa=True), 3, _vit(), 5, with_backbone=True)
@@ -169,7 +169,7 @@ def test_lora_dropout_and_the_heads_dropout_are_each_clients_own_grouped(cache_d
 # -- what travels ------------------------------------------------------------------------------
 
 def test_a_tier_client_sends_only_its_blocks_lora_and_its_exit_head(cache_dir):
-    from fedadapt.federation.worker import sent_names
+    from fedadapt.federation.client.worker import sent_names
 
     prep = prepared(cache_dir, LoraMethodConfig(rank=4, exits=True), backbone=TINY_VIT,
                     setting=SettingConfig(name="multitier", tiers=[0, 2]))
@@ -209,7 +209,7 @@ def _run(cache_dir, tmp_path, method, name, **overrides):
     from omegaconf import OmegaConf
 
     from fedadapt.experiment import run_experiment
-    from fedadapt.federation.inprocess import run_in_process
+    from fedadapt.federation.simulation.inprocess import run_in_process
 
     cfg = tiny_run(cache_dir, method)
     cfg.backbone = TINY_VIT
@@ -307,7 +307,7 @@ def test_every_kind_of_flower_strategy_aggregates_lora_tensors(tmp_path, cache_d
 
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import run_experiment
-    from fedadapt.federation.inprocess import in_process
+    from fedadapt.federation.simulation.inprocess import in_process
     from fedadapt.results.store import read_jsonl
 
     for name in ("fedadam", "fedmedian", "krum", "fedtrimmedavg"):

@@ -12,13 +12,6 @@ import math
 
 import numpy as np
 import pytest
-from fedadapt.strategies.fedavg import PerTensorFedAvg
-from fedadapt.strategies.fedbuff import FedBuff
-from fedadapt.strategies.fedex_lora import FedExLoRA
-from fedadapt.strategies.fedsa_lora import FedSALoRA
-from fedadapt.strategies.flexlora import FlexLoRA
-from fedadapt.strategies.flora import FLoRA
-from fedadapt.strategies.hetlora import HetLoRA
 from flwr.app import (
     Array,
     ArrayRecord,
@@ -32,8 +25,15 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from fedadapt.config import ConfigError, FleetConfig, PartitionConfig
-from fedadapt.federation.fleet import Fleet, read_trace
-from fedadapt.federation.grid import node_id
+from fedadapt.federation.simulation.fleet import Fleet, read_trace
+from fedadapt.federation.wire.grid import node_id
+from fedadapt.strategies.fedavg import PerTensorFedAvg
+from fedadapt.strategies.fedbuff import FedBuff
+from fedadapt.strategies.fedex_lora import FedExLoRA
+from fedadapt.strategies.fedsa_lora import FedSALoRA
+from fedadapt.strategies.flexlora import FlexLoRA
+from fedadapt.strategies.flora import FLoRA
+from fedadapt.strategies.hetlora import HetLoRA
 
 
 def fast(examples: int = 30):
@@ -298,7 +298,7 @@ def test_fedbuff_applies_the_earliest_arrivals_weighted_by_staleness(
     keeps its own clients in flight."""
     import random
 
-    from fedadapt.federation.grid import NODE_BASE
+    from fedadapt.federation.wire.grid import NODE_BASE
 
     buffer_size = data.draw(st.integers(1, clients))
     concurrency = data.draw(st.integers(buffer_size, clients))
@@ -517,7 +517,7 @@ def test_availability_is_a_set_of_disjoint_intervals_whatever_order_it_is_asked_
 @fast(25)
 @given(fleet=fleets(), rounds=st.integers(1, 8), data=st.data())
 def test_the_servers_clock_never_goes_back(fleet, rounds, data):
-    """The server's loop on the fleet (as ``fedadapt.federation.server`` drives it): each round
+    """The server's loop on the fleet (as ``fedadapt.federation.server.loop`` drives it): each round
     starts at the first moment >= the clock some client is available, samples among those,
     and the clock moves to its start + its seconds: never backwards, and by exactly that."""
     clock = 0.0

@@ -41,7 +41,7 @@ def straight_through(args: list[str], run_dir: Path) -> list[dict]:
 
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import run_experiment
-    from fedadapt.federation.inprocess import in_process
+    from fedadapt.federation.simulation.inprocess import in_process
 
     composed = compose_config(args, default_experiment="quickstart")
     run_experiment(to_run_config(composed), run_dir, execute=in_process("workers"),
@@ -94,7 +94,7 @@ def test_tampered_checkpoint_is_refused(tmp_path, cache_dir):
     from fedadapt.config import FedadaptError
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import run_experiment
-    from fedadapt.federation.inprocess import in_process
+    from fedadapt.federation.simulation.inprocess import in_process
 
     composed = compose_config(["method=linear_head", *TINY[:-3], "rounds=2",
                                f"cache_dir={cache_dir}"], default_experiment="quickstart")
@@ -117,7 +117,7 @@ class _Killed(BaseException):
 
 def _stopping_after(round_: int):
     """An in-process ``execute`` (workers, as in simulation) whose run dies after a round."""
-    from fedadapt.federation.inprocess import in_process
+    from fedadapt.federation.simulation.inprocess import in_process
 
     inner = in_process("workers")
 
@@ -152,7 +152,7 @@ def test_a_strategy_stopped_mid_run_resumes_to_the_same_metrics(extra, tmp_path,
 
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import run_experiment
-    from fedadapt.federation.inprocess import in_process
+    from fedadapt.federation.simulation.inprocess import in_process
 
     composed = compose_config(["method=linear_head", *TINY, "rounds=8",
                                "partition.fraction_fit=0.5", *extra,

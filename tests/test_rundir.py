@@ -61,7 +61,7 @@ def test_a_signal_while_the_lock_is_taken_leaves_no_lock(tmp_path, monkeypatch):
     once): the stop waits until the lock is whole, and the job's ``_holding`` releases it. In a
     process with other threads (Ray's, Flower's), which a signal may reach first."""
     from fedadapt.cli import _holding
-    from fedadapt.federation.interrupt import STOP, RunInterrupted, stop_on_signals
+    from fedadapt.federation.server.interrupt import STOP, RunInterrupted, stop_on_signals
 
     owner = rundir._owner
 

@@ -12,7 +12,7 @@ from flwr.app import ArrayRecord
 
 from fedadapt.config import PartitionConfig, validate
 from fedadapt.experiment import prepare_run, run_experiment
-from fedadapt.federation.inprocess import run_in_process
+from fedadapt.federation.simulation.inprocess import run_in_process
 from fedadapt.methods.sessions.cdc_mmpg import CdcMmpgConfig
 from fedadapt.methods.sessions.duet import DuetConfig, apply_dynamic, dynamic_layers, layer_shapes
 from fedadapt.methods.sessions.train import (
@@ -389,7 +389,7 @@ def test_faulty_clients_are_dropped_from_the_conversation(cache_dir, tmp_path):
     """Injected faults in the session upload (an exception, NaN, a wrong shape): those clients
     get no answer, the run completes with the others, and only they count."""
     from fedadapt.config import FaultConfig
-    from fedadapt.federation.faults import injected_fault
+    from fedadapt.federation.server.faults import injected_fault
 
     cfg = session_run(cache_dir, DuetConfig(session=4, generators=2, **SMALL))
     cfg.faults = FaultConfig(fraction=0.5, kinds=["raise", "nan", "wrong_shape"])

@@ -7,16 +7,16 @@ import numpy as np
 import pytest
 import torch
 from conftest import tiny_run
-from fedadapt.clients.app import make_client_app
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 
 from fedadapt.adapters.exits import AccumulatorConfig, LwLinearConfig
+from fedadapt.clients.app import make_client_app
 from fedadapt.config import BackboneConfig, ConfigError, SettingConfig, validate
 from fedadapt.devices import autocast
 from fedadapt.experiment import prepare_run, run_experiment
-from fedadapt.federation import records
-from fedadapt.federation.inprocess import run_in_process
-from fedadapt.federation.training import evaluate_exits, train_local
+from fedadapt.federation.client.training import evaluate_exits, train_local
+from fedadapt.federation.simulation.inprocess import run_in_process
+from fedadapt.federation.wire import records
 from fedadapt.results.store import read_jsonl
 from fedadapt.settings import assign_tiers, client_exits, only_training, part_names
 

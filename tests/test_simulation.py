@@ -31,7 +31,7 @@ def test_ten_clients_four_rounds_learn(cache_dir, tmp_path):
         assert r["bytes_up"] >= 10 * head * 4  # ten clients each send the head (float32)
     # it learns (chance is 10%), and rounds help; every round's accuracies are the reference
     # run's: the same config in process (no Ray), to the last bit
-    from fedadapt.federation.inprocess import in_process
+    from fedadapt.federation.simulation.inprocess import in_process
 
     cfg.federation.backend = "inprocess"
     run_experiment(cfg, tmp_path / "ref", config_yaml="test: true\n",

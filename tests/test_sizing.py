@@ -1,13 +1,13 @@
-"""Workers and clients per worker (fedadapt.federation.sizing), by what they let run: every
-planned worker fits on a node as Flower's actor pool counts it, every node is used, a request no
-node can hold is refused naming the key, and K never exceeds what a worker gets."""
+"""Workers and clients per worker (fedadapt.federation.simulation.sizing), by what they let run:
+every planned worker fits on a node as Flower's actor pool counts it, every node is used, a
+request no node can hold is refused naming the key, and K never exceeds what a worker gets."""
 
 from dataclasses import replace
 
 import pytest
 
 from fedadapt.config import ConfigError, FederationConfig
-from fedadapt.federation.sizing import actors_that_fit, plan_workers, size_simulation
+from fedadapt.federation.simulation.sizing import actors_that_fit, plan_workers, size_simulation
 
 #: Node layouts: one machine (2, 3, 16 cores), a loopback pair of one-CPU nodes, an uneven pair.
 CPU_CLUSTERS = [[(2.0, 0.0)], [(3.0, 0.0)], [(16.0, 0.0)], [(1.0, 0.0), (1.0, 0.0)],
@@ -109,8 +109,8 @@ def test_a_run_whose_grouped_step_fails_finishes_one_client_at_a_time(cache_dir,
 
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import run_experiment
-    from fedadapt.federation import grouped
-    from fedadapt.federation.inprocess import in_process
+    from fedadapt.federation.client import grouped
+    from fedadapt.federation.simulation.inprocess import in_process
 
     def broken(*args, **kwargs):
         raise RuntimeError("Input type (float) and bias type (c10::BFloat16) should be the same")

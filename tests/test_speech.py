@@ -316,7 +316,7 @@ def test_spectrogram_crop_is_seeded(speech_root, cache_dir):
 @pytest.mark.slow
 def test_accumulator_on_a_tiny_ast_end_to_end(speech_root, cache_dir, tmp_path):
     from fedadapt.experiment import run_experiment
-    from fedadapt.federation.inprocess import run_in_process
+    from fedadapt.federation.simulation.inprocess import run_in_process
 
     cfg = speech_run(cache_dir, speech_root, setting=SettingConfig(name="multitier"))
     cfg.train.crop_scale = [0.05, 1.0]

@@ -6,13 +6,6 @@ import random
 
 import numpy as np
 import pytest
-from fedadapt.strategies.fedavg import (
-    LocalOnly,
-    PerTensorFedAvg,
-    aggregate_client_metrics,
-    per_tensor,
-)
-from fedadapt.strategies.state import SeededStreams
 from flwr.app import (
     Array,
     ArrayRecord,
@@ -26,7 +19,14 @@ from flwr.app import (
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM
 
 from fedadapt.codec import UNIFORM_KEY
-from fedadapt.federation.grid import ClientGrid, Nodes, node_id
+from fedadapt.federation.wire.grid import ClientGrid, Nodes, node_id
+from fedadapt.strategies.fedavg import (
+    LocalOnly,
+    PerTensorFedAvg,
+    aggregate_client_metrics,
+    per_tensor,
+)
+from fedadapt.strategies.state import SeededStreams
 
 
 def arrays(**tensors) -> ArrayRecord:

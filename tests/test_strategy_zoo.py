@@ -9,17 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fedadapt.strategies.fedavg import PerTensorFedAvg
-from fedadapt.strategies.state import SeededStreams, load_strategy_state, strategy_state
-from fedadapt.strategies.zoo import (
-    DERIVED,
-    DP_WRAPPERS,
-    STRATEGIES,
-    build_strategy,
-    describe,
-    markdown_table,
-    privacy_spent,
-)
 from flwr.app import (
     Array,
     ArrayRecord,
@@ -32,7 +21,18 @@ from flwr.app import (
 from fedadapt.cli import config_problem
 from fedadapt.config import ConfigError
 from fedadapt.entry import compose_config, to_run_config
-from fedadapt.federation.grid import ClientGrid, Nodes
+from fedadapt.federation.wire.grid import ClientGrid, Nodes
+from fedadapt.strategies.fedavg import PerTensorFedAvg
+from fedadapt.strategies.state import SeededStreams, load_strategy_state, strategy_state
+from fedadapt.strategies.zoo import (
+    DERIVED,
+    DP_WRAPPERS,
+    STRATEGIES,
+    build_strategy,
+    describe,
+    markdown_table,
+    privacy_spent,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -215,8 +215,8 @@ def test_the_global_model_keeps_its_dtype_under_flowers_fedopt(tmp_path, cache_d
     from omegaconf import OmegaConf
 
     from fedadapt.experiment import run_experiment
-    from fedadapt.federation.checkpoint import latest_checkpoint, load_checkpoint
-    from fedadapt.federation.inprocess import in_process
+    from fedadapt.federation.server.checkpoint import latest_checkpoint, load_checkpoint
+    from fedadapt.federation.simulation.inprocess import in_process
     from fedadapt.results.store import read_jsonl
 
     rows = {}

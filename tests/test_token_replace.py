@@ -14,7 +14,7 @@ import torch
 
 from fedadapt.entry import compose_config, to_run_config
 from fedadapt.experiment import run_experiment
-from fedadapt.federation.inprocess import run_in_process
+from fedadapt.federation.simulation.inprocess import run_in_process
 from fedadapt.pretrain import save_backbone, train_backbone
 
 pytestmark = pytest.mark.slow  # pretraining plus a 20-round run: about 90 s

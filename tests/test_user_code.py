@@ -56,7 +56,7 @@ def user_dir(tmp_path, monkeypatch):
 def _run(run_dir, overrides, cache_dir, execute=None, resume=False):
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import run_experiment
-    from fedadapt.federation.inprocess import in_process
+    from fedadapt.federation.simulation.inprocess import in_process
 
     composed = compose_config([*TINY, *overrides, f"cache_dir={cache_dir}"])
     yaml = OmegaConf.to_yaml(composed, resolve=True)
@@ -304,8 +304,8 @@ def test_each_client_has_its_own_context_state_across_rounds_and_a_resume(tmp_pa
 def test_flowers_local_dp_mod_adds_its_noise_to_each_reply(tmp_path, cache_dir):
     from flwr.app import MessageType
 
-    from fedadapt.federation import records
-    from fedadapt.federation.inprocess import in_process
+    from fedadapt.federation.simulation.inprocess import in_process
+    from fedadapt.federation.wire import records
 
     replies: dict[str, dict] = {"plain": {}, "dp": {}}
 
@@ -330,11 +330,11 @@ def test_flowers_local_dp_mod_adds_its_noise_to_each_reply(tmp_path, cache_dir):
 
 
 def test_a_custom_fedavg_subclass_composes_with_per_tensor_averaging_and_dp(user_dir):
-    from fedadapt.strategies.fedavg import PerTensorFedAvg
-    from fedadapt.strategies.zoo import build_strategy, describe
     from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
 
     from fedadapt.entry import compose_config, to_run_config
+    from fedadapt.strategies.fedavg import PerTensorFedAvg
+    from fedadapt.strategies.zoo import build_strategy, describe
 
     def build(*extra):
         cfg = to_run_config(compose_config(["strategy=custom", "strategy.step=0.25",
@@ -360,7 +360,7 @@ def test_each_client_gets_its_own_records_and_shared_arrays_are_still_decoded_on
     the decoder still decodes once for the worker; an array a mod replaced is decoded apart."""
     from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-    from fedadapt.federation import records
+    from fedadapt.federation.wire import records
     from fedadapt.methods.rounds.clients import arrays_decoder
 
     shared = RecordDict({"arrays": ArrayRecord({"w": torch.arange(6.0).reshape(2, 3)}),
@@ -383,9 +383,9 @@ def test_each_client_gets_its_own_records_and_shared_arrays_are_still_decoded_on
 
 def _client_app(cache_dir, mods_=()):
     from conftest import tiny_run
-    from fedadapt.clients.app import make_client_app
 
     from fedadapt.adapters.heads import LinearHeadConfig
+    from fedadapt.clients.app import make_client_app
     from fedadapt.config import FederationConfig
     from fedadapt.experiment import prepare_run
 
@@ -399,7 +399,7 @@ def _train_message(prep, lr: float):
     """One worker's TRAIN message for clients 0, 1, 2, side by side, as the grid packs it."""
     from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
-    from fedadapt.federation import records
+    from fedadapt.federation.wire import records
 
     model = prep.model
     content = RecordDict({
@@ -422,7 +422,7 @@ def test_a_mod_changing_the_config_in_place_equals_the_change_in_the_config(cach
     place halves each client's once (it compounded over the clients when they shared one
     ConfigRecord: 0.05, 0.025, 0.0125), and each client's reply equals that of lr halved in
     the config."""
-    from fedadapt.federation import records
+    from fedadapt.federation.wire import records
 
     app, prep = _client_app(cache_dir, ["test_user_code:halving_in_place"])
     LRS.clear()
@@ -452,7 +452,7 @@ def raising_mod(msg, context, call_next):
 ])
 def test_a_mod_that_returns_no_message_or_raises_is_named_in_its_clients_error(
         cache_dir, flower_task, mod, says):
-    from fedadapt.federation import records
+    from fedadapt.federation.wire import records
 
     app, prep = _client_app(cache_dir, [mod])
     replies = records.unpack(app(_train_message(prep, 0.1), _contexts()).content)
@@ -868,7 +868,7 @@ def test_wrong_return_types_of_the_users_hooks_are_one_line_naming_hook_and_roun
 
     from flwr.app import ArrayRecord
 
-    from fedadapt.federation import server
+    from fedadapt.federation.server import loop as server
     from fedadapt.userimport import UserCodeError
 
     class Mine(FedAvg):

@@ -2,7 +2,7 @@
 message level (every record, whatever its name) for per-sample labels, raw features of test
 data and personal tensors; server training reads only the training clients' train and val
 features. The runs go through the real server and ClientApp, in process
-(:func:`fedadapt.federation.inprocess.run_in_process`)."""
+(:func:`fedadapt.federation.simulation.inprocess.run_in_process`)."""
 
 import dataclasses
 from pathlib import Path
@@ -34,8 +34,8 @@ from fedadapt.config import (
 )
 from fedadapt.data.sources import DataSource
 from fedadapt.experiment import prepare_run, run_experiment
-from fedadapt.federation.inprocess import run_in_process
-from fedadapt.federation.wire import Secrets, audit, leaks, secrets_of
+from fedadapt.federation.simulation.inprocess import run_in_process
+from fedadapt.federation.wire.audit import Secrets, audit, leaks, secrets_of
 from fedadapt.methods.plugin.iciia import IciiaConfig
 from fedadapt.methods.rounds.clients import PERSONAL_KEY
 from fedadapt.methods.sessions.cdc_mmpg import CdcMmpgConfig

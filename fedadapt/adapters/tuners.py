@@ -6,7 +6,7 @@ The methods (:mod:`~fedadapt.adapters.lora`: LoRA, DoRA, FFA-LoRA; :mod:`~fedada
 ``inject_adapter_in_model`` (no layer is written here), and a linear or MLP head on the pooled
 feature reads its output. Only the trainable tensors travel and are averaged, each by name,
 like any method's; the frozen weights are shared by the clients a worker trains side by side,
-while each client's LoRA matrices are its own (:mod:`fedadapt.federation.grouped`).
+while each client's LoRA matrices are its own (:mod:`fedadapt.federation.client.grouped`).
 
 ``method.exits=true`` (a ViT/DeiT/AST backbone) gives one head per block instead, for the
 anytime, multi-tier and personalization settings: a tier-k client runs blocks 0..k, so it

@@ -9,7 +9,7 @@ padding so a 28 x 28 image leaves 7 x 7 x 64 for the dense layer, as LEAF's refe
 
 The backbone is everything up to the 2,048-unit ReLU layer (D = 2,048); the final layer is the
 *original model*'s classifier, trained with it from scratch on the training clients' pooled
-data (``original.train_backbone``, :mod:`fedadapt.federation.original`), as ICIIA trains it.
+data (``original.train_backbone``, :mod:`fedadapt.federation.server.original`), as ICIIA trains it.
 Inputs are 28 x 28 grey images; the three channels the data path delivers are averaged (equal
 for grey images). Pixels are scaled to [0, 1] and shifted by -0.5 (the ICIIA authors' FEMNIST
 input, ``code/dataset/femnist.py``).

@@ -6,7 +6,7 @@ classifier's pooled feature.
 the Hugging Face hub: ``timm.create_model(model, pretrained=True)``), a local state-dict file
 (what the original-model phase writes after fine-tuning), or null for random weights. The model
 is built with ``num_classes=0``: its forward is the pooled feature (D = 1,280 for B0); the
-classifier is the *original model*'s (:mod:`fedadapt.federation.original`). Preprocessing is
+classifier is the *original model*'s (:mod:`fedadapt.federation.server.original`). Preprocessing is
 timm's data config for the model unless the preset sets ``crop_pct`` / ``interpolation``.
 """
 

@@ -6,5 +6,6 @@
   group.
 
 Methods (:mod:`fedadapt.adapters`) register the forms of their own modules here; the training
-loop (:mod:`fedadapt.federation.grouped`) uses them. This package imports only torch and numpy.
+loop (:mod:`fedadapt.federation.client.grouped`) uses them. This package imports only torch and
+numpy.
 """

@@ -4,7 +4,7 @@ torch's dropout draws from the one global generator, so among clients trained si
 client's masks would depend on which clients share its group. Here a mask is a counter-based
 hash of (the client's key for this step, the dropout call's place in the forward, the element's
 index within the client's batch): a client draws the same masks in
-:func:`~fedadapt.federation.training.train_local` and in any group. The key is one integer
+:func:`~fedadapt.federation.client.training.train_local` and in any group. The key is one integer
 (one client), one per client slot of a grouped batch (:mod:`fedadapt.grouping.forms`: slot
 ``s`` owns rows ``s*B .. s*B+B-1``), or a batched tensor inside ``vmap``.
 
@@ -25,7 +25,7 @@ from torch import nn
 
 _M31 = (1 << 31) - 1
 #: The seed stream of a client's dropout keys (one of the streams shared by
-#: :func:`~fedadapt.federation.training.train_local` and grouped training).
+#: :func:`~fedadapt.federation.client.training.train_local` and grouped training).
 DROPOUT_STREAM = 0xD209
 _STATE: dict = {"key": None, "calls": 0}
 

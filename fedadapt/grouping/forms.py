@@ -26,7 +26,7 @@ How a module gets its grouped form:
 
 A model with a trainable tensor that no form serves (full fine-tuning, a user's own module
 without a form) trains side by side through ``vmap`` instead
-(:func:`fedadapt.federation.grouped.train_group` chooses; :func:`unsupported` says why).
+(:func:`fedadapt.federation.client.grouped.train_group` chooses; :func:`unsupported` says why).
 
 Slices: an early-exit model runs the deeper blocks on the slots that go deeper only, and the
 slots leaving at an exit are a contiguous range; :func:`offset` tells the forms which slot a

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 from fedadapt.adapters import AdaptedModel
 from fedadapt.config import RunConfig
 from fedadapt.data.partition import Partition
-from fedadapt.federation.training import RunSpec
+from fedadapt.federation.client.training import RunSpec
 from fedadapt.log import log
 from fedadapt.methods import family_of
 
@@ -27,7 +27,8 @@ class PreparedRun:
     #: How a simulation's clients were laid out (:func:`node_layout`): workers, clients side by
     #: side per worker and why; recorded in the summary.
     layout: Optional[dict] = None
-    #: Simulated devices (``fleet=``; :class:`fedadapt.federation.fleet.Fleet`), None without.
+    #: Simulated devices (``fleet=``; :class:`fedadapt.federation.simulation.fleet.Fleet`), None
+    #: without.
     fleet: Optional[object] = None
     #: The frozen backbone's identity, a hash of its weights
     #: (:func:`fedadapt.data.cache.backbone_fingerprint`): two runs that name the same weights
@@ -102,8 +103,8 @@ def resolve_backend(fed, device: str) -> tuple[str, str]:
     for several workers, a GPU or a Ray cluster."""
     if fed.backend != "auto":
         return fed.backend, f"federation.backend={fed.backend}"
-    from fedadapt.federation import cluster
-    from fedadapt.federation.sizing import parse_count, plan_workers
+    from fedadapt.federation.simulation import cluster
+    from fedadapt.federation.simulation.sizing import parse_count, plan_workers
 
     if fed.ray_address is not None:
         return "simulation", "a Ray cluster (federation.ray_address)"
@@ -129,10 +130,10 @@ def simulation(cfg: RunConfig) -> Callable:
             f"{'in process' if backend == 'inprocess' else 'Flower simulation engine (Ray)'} "
             f"({why})")
     if backend == "inprocess":
-        from fedadapt.federation.inprocess import in_process
+        from fedadapt.federation.simulation.inprocess import in_process
 
         return in_process(nodes="workers")
-    from fedadapt.federation.launch import run_simulation
+    from fedadapt.federation.simulation.launch import run_simulation
 
     return lambda plan, client_app: run_simulation(plan, client_app, cfg.federation)
 
@@ -163,7 +164,7 @@ def side_by_side(model, compile: bool) -> dict:
     """How a worker's clients train side by side, said once and recorded in the layout:
     through the grouped forms (one batch of every client's rows; captured by torch.compile
     with ``federation.compile``), or through vmap and why."""
-    from fedadapt.federation.grouped import engine_of
+    from fedadapt.federation.client.grouped import engine_of
 
     engine, why = engine_of(model)
     if engine == "forms":
@@ -203,7 +204,7 @@ def node_layout(cfg: RunConfig, prep: PreparedRun, execute: Optional[Callable],
                  sampled: int) -> dict:
     """The plan's nodes: on the deployment engine (``execute`` given) one per client; in
     simulation the workers, their Ray resources and the clients each trains side by side."""
-    from fedadapt.federation.sizing import announce, probe_group, size_simulation
+    from fedadapt.federation.simulation.sizing import announce, probe_group, size_simulation
 
     spec = prep.spec
     if execute is not None and getattr(execute, "nodes", "clients") == "clients":

@@ -23,7 +23,7 @@ from torch import nn
 from fedadapt.config import ConfigError, RunConfig
 from fedadapt.data.partition import ClientSplit
 from fedadapt.data.sources import DataSource
-from fedadapt.federation.training import RunSpec
+from fedadapt.federation.client.training import RunSpec
 from fedadapt.log import log
 from fedadapt.methods.run import (
     PreparedRun,
@@ -44,7 +44,7 @@ class ServerFields:
     """A server-trained run's own fields of the run spec (``spec.family``)."""
 
     #: The original model's classifier from the original-model phase (``original.train_backbone``,
-    #: :mod:`fedadapt.federation.original`); None = trained on the cached features.
+    #: :mod:`fedadapt.federation.server.original`); None = trained on the cached features.
     original_classifier: Optional[dict[str, torch.Tensor]] = None
     #: The raw (preprocessed) images of the training split, for session methods whose devices
     #: upload samples (``method.upload=samples``).
@@ -233,7 +233,7 @@ def serve_clients(cfg: RunConfig, run_dir: Path, prep: PreparedRun, config_yaml:
     (``plan_extra``: what the server sends them); returns the final server state."""
     from flwr.app import ArrayRecord
 
-    from fedadapt.federation.server import ServerPlan
+    from fedadapt.federation.server.loop import ServerPlan
     from fedadapt.files import atomic_write
 
     spec = prep.spec

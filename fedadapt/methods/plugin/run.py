@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 from flwr.app import ConfigRecord, MessageType, RecordDict
 
 from fedadapt.config import RunConfig
-from fedadapt.federation.server import ask_every_client, record_phase
+from fedadapt.federation.server.loop import ask_every_client, record_phase
 from fedadapt.log import log
 from fedadapt.methods.run import PreparedRun
 from fedadapt.methods.server_trained import finish_server_run, serve_clients
@@ -39,7 +39,7 @@ def recognize(spec, msg, context) -> RecordDict:
     """A client's side of the phase: recognise its test split with the arrays it received."""
     from flwr.app import MetricRecord
 
-    from fedadapt.federation.worker import for_each_client
+    from fedadapt.federation.client.worker import for_each_client
     from fedadapt.methods.plugin.train import recognize as recognize_one
 
     def one(cid: int, mine: RecordDict) -> RecordDict:

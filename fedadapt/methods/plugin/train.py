@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedadapt.federation.training import RunSpec, derive_seed
+from fedadapt.federation.client.training import RunSpec, derive_seed
 from fedadapt.methods.plugin.iciia import Iciia, recognize_stream
 from fedadapt.methods.server_trained import (
     CLASSIFIER_BATCH,

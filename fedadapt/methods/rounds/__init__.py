@@ -50,7 +50,7 @@ class Rounds(Family):
         assign_client_ranks(cfg, prep.spec)
         prep.spec.train_mods, prep.spec.evaluate_mods = client_mods(cfg)
         check_strategy(cfg, prep)
-        from fedadapt.federation.fleet import build_fleet
+        from fedadapt.federation.simulation.fleet import build_fleet
 
         prep.fleet = build_fleet(cfg, prep.spec, prep.model)  # a deadline nobody meets: now
 
@@ -74,7 +74,7 @@ class Rounds(Family):
 
     def warm_up(self, spec, model) -> None:
         """Find which tensors each exit trains (the first message would otherwise pay it)."""
-        from fedadapt.federation.worker import client_exits, used_tensors
+        from fedadapt.federation.client.worker import client_exits, used_tensors
 
         used = used_tensors(spec, model)
         for e in sorted({e for c in range(spec.num_clients)

@@ -2,13 +2,13 @@
 
 Every client a message names trains from the global arrays it received, with its own config
 (round, learning rate, FedProx's mu), side by side with the others
-(:func:`fedadapt.federation.worker.train_groups`); the reply holds one record set per client
+(:func:`fedadapt.federation.client.worker.train_groups`); the reply holds one record set per client
 (its arrays and metrics, or its error). The run's mods wrap each client's handler as Flower's
-ClientApp does (:mod:`fedadapt.federation.mods`), each client with its own ``Context``
-(:func:`fedadapt.federation.worker.client_contexts`). Personal tensors never leave: the client
-keeps them in ``<state_dir>/<client>/`` (any worker reads the newest, with a per-process cache),
-or, without a state folder (a deployment client), in its ``context.state``. After the rounds,
-:func:`personalize_clients` fine-tunes each client on its own data
+ClientApp does (:mod:`fedadapt.federation.client.mods`), each client with its own ``Context``
+(:func:`fedadapt.federation.client.worker.client_contexts`). Personal tensors never leave: the
+client keeps them in ``<state_dir>/<client>/`` (any worker reads the newest, with a per-process
+cache), or, without a state folder (a deployment client), in its ``context.state``. After the
+rounds, :func:`personalize_clients` fine-tunes each client on its own data
 (``setting=personalization``).
 """
 
@@ -25,12 +25,9 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from fedadapt.adapters.lora import is_base_delta
 from fedadapt.codec import TRAIN_EXAMPLES, UNIFORM_KEY, record, to_array
 from fedadapt.devices import return_freed_memory
-from fedadapt.federation import mods, records
-from fedadapt.federation.checkpoint import client_rounds, load_client_state, save_client_state
-from fedadapt.federation.faults import TENSOR_FAULTS, corrupt
-from fedadapt.federation.grid import node_id
-from fedadapt.federation.grouped import ClientJob, ClientResult
-from fedadapt.federation.training import (
+from fedadapt.federation.client import mods
+from fedadapt.federation.client.grouped import ClientJob, ClientResult
+from fedadapt.federation.client.training import (
     RunSpec,
     cached_model,
     derive_seed,
@@ -38,7 +35,7 @@ from fedadapt.federation.training import (
     evaluate_exits,
     initial_personal,
 )
-from fedadapt.federation.worker import (
+from fedadapt.federation.client.worker import (
     Deadline,
     client_contexts,
     client_exits,
@@ -49,6 +46,14 @@ from fedadapt.federation.worker import (
     sent_names,
     train_groups,
 )
+from fedadapt.federation.server.checkpoint import (
+    client_rounds,
+    load_client_state,
+    save_client_state,
+)
+from fedadapt.federation.server.faults import TENSOR_FAULTS, corrupt
+from fedadapt.federation.wire import records
+from fedadapt.federation.wire.grid import node_id
 from fedadapt.settings import only_training, part_names
 
 #: ``context.state`` key of a deployment client's personal tensors.

@@ -15,7 +15,7 @@ from fedadapt import progress
 from fedadapt.adapters import AdaptedModel
 from fedadapt.config import ConfigError, RunConfig
 from fedadapt.data.partition import Partition
-from fedadapt.federation.training import RunSpec
+from fedadapt.federation.client.training import RunSpec
 from fedadapt.log import log
 from fedadapt.methods.run import (
     Background,
@@ -37,7 +37,7 @@ def client_mods(cfg: RunConfig) -> tuple[list, list]:
     (outermost: it clips what the other mods left), then ``federation.*_mods``; each made once
     here, so a wrong name or argument fails before anything runs, and a ``file.py`` named by
     its absolute path (a Ray worker's working directory may differ)."""
-    from fedadapt.federation.mods import resolve
+    from fedadapt.federation.client.mods import resolve
     from fedadapt.strategies.zoo import DP_MODS
     from fedadapt.userimport import absolute
 
@@ -87,7 +87,7 @@ def apply_setting(cfg: RunConfig, spec: RunSpec, model: AdaptedModel) -> None:
     spec.num_exits = model.num_exits
     spec.client_exits = client_exits(st, spec.num_clients, spec.num_exits, cfg.seed)
     if st.tiers_from == "fleet":  # each client the deepest tier its device trains in time
-        from fedadapt.federation.fleet import tiers_from_fleet
+        from fedadapt.federation.simulation.fleet import tiers_from_fleet
 
         spec.client_exits = tiers_from_fleet(cfg, spec, model)
     if st.name == "personalization":
@@ -102,7 +102,11 @@ def apply_setting(cfg: RunConfig, spec: RunSpec, model: AdaptedModel) -> None:
 
 def _init_from(run_dir: str, model: AdaptedModel) -> dict:
     """The communicated tensors of ``run_dir``'s last checkpoint, checked against ``model``."""
-    from fedadapt.federation.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+    from fedadapt.federation.server.checkpoint import (
+        CheckpointError,
+        latest_checkpoint,
+        load_checkpoint,
+    )
 
     folder = latest_checkpoint(Path(run_dir)) if Path(run_dir).is_dir() else None
     if folder is None:
@@ -188,7 +192,7 @@ def _resume_point(run_dir: Path, config_yaml: str, config_sha: str
 
     Refuses when the run directory's ``config.yaml`` is not the config being resumed.
     """
-    from fedadapt.federation.checkpoint import latest_checkpoint, load_checkpoint
+    from fedadapt.federation.server.checkpoint import latest_checkpoint, load_checkpoint
 
     saved = run_dir / "config.yaml"
     old_yaml = saved.read_text() if saved.is_file() else config_yaml
@@ -270,7 +274,7 @@ def run_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, config_yaml:
             # clients took 3.4 s before round 1, 2.3 s after the last for 10 clients)
             plot = Background(lambda: write_partition(run_dir, cfg, prep, stats=False))
             state = (execute or simulation(cfg))(plan, client_app)
-        from fedadapt.federation.worker import release_process_caches
+        from fedadapt.federation.client.worker import release_process_caches
 
         release_process_caches()  # in process, the workers' model and mappings: not for plots
         plot.join()
@@ -287,7 +291,7 @@ def _global_eval(prep: PreparedRun) -> Callable:
     """The server's evaluation of the global tensors: the global test split (every exit of a
     model with exits; the headline is their mean, the paper's "mean performance") and the
     held-out domain."""
-    from fedadapt.federation.training import evaluate, evaluate_exits
+    from fedadapt.federation.client.training import evaluate, evaluate_exits
 
     spec, model, unseen = prep.spec, prep.model, prep.partition.unseen
 
@@ -317,7 +321,7 @@ def _round_hook(cfg: RunConfig, run_dir: Path, config_sha: str, tracker, show: l
     tracker, and every ``checkpoint_every`` rounds (and after the last) a checkpoint; after
     the first round this process runs, when it writes no checkpoint, the strategy's state saved
     and loaded into ``rebuild()`` as a checkpoint would (what a hook made refused then)."""
-    from fedadapt.federation.checkpoint import save_checkpoint
+    from fedadapt.federation.server.checkpoint import save_checkpoint
     from fedadapt.results.store import METRICS, append_jsonl
 
     every = cfg.federation.checkpoint_every
@@ -367,9 +371,9 @@ def folded_updates(cfg: RunConfig, model, arrays: dict) -> dict:
 def _rounds_plan(cfg: RunConfig, prep: PreparedRun, initial, num_rounds: int,
                  execute: Optional[Callable], *, on_round: Callable, resume):
     """The plan of a client-trained run's rounds (see :class:`ServerPlan`)."""
-    from fedadapt.federation.server import ServerPlan
-    from fedadapt.federation.training import lr_at
-    from fedadapt.federation.worker import sent_names
+    from fedadapt.federation.client.training import lr_at
+    from fedadapt.federation.client.worker import sent_names
+    from fedadapt.federation.server.loop import ServerPlan
 
     spec, model = prep.spec, prep.model
     sampled = min(spec.num_clients, max(1, int(spec.num_clients * cfg.partition.fraction_fit)))
@@ -426,7 +430,7 @@ def assign_client_ranks(cfg: RunConfig, spec: RunSpec) -> None:
     tiers = spec.client_exits if cfg.setting.name == "multitier" else []
     speeds = None
     if cfg.fleet.name != "none" and not tiers:  # a fleet: the slowest devices the smallest rank
-        from fedadapt.federation.fleet import profiles
+        from fedadapt.federation.simulation.fleet import profiles
 
         speeds = [p.compute for p in profiles(cfg.fleet, spec.num_clients, cfg.seed)]
     spec.client_ranks = assign_ranks(cfg.method, spec.num_clients, tiers, cfg.seed,
@@ -564,7 +568,7 @@ def _checked_state(strategy, rebuild: Callable, global_arrays=None,
 
 def _make(cfg: RunConfig, num_clients: int, federated: bool = True, ranks=None,
           sizes: Optional[list[int]] = None):
-    from fedadapt.federation.grid import NODE_BASE
+    from fedadapt.federation.wire.grid import NODE_BASE
     from fedadapt.strategies.zoo import build_strategy
 
     p = cfg.partition
@@ -627,7 +631,7 @@ def check_strategy(cfg: RunConfig, prep: PreparedRun) -> None:
     """The strategy against the partition's real client count and what the clients send
     (before anything is written): refuses a strategy that needs every client to send every
     tensor where some do not, and builds it once (Flower's own checks of its values)."""
-    from fedadapt.federation.worker import sent_names
+    from fedadapt.federation.client.worker import sent_names
     from fedadapt.strategies.zoo import check_counts, check_every_tensor, sample_size
 
     spec, model = prep.spec, prep.model
@@ -755,7 +759,7 @@ def personalize_clients(grid, state, plan) -> None:
     per client that answered lands in ``state.personalized``."""
     from flwr.app import ConfigRecord, MessageType, RecordDict
 
-    from fedadapt.federation.server import ask_every_client
+    from fedadapt.federation.server.loop import ask_every_client
 
     server_round = state.num_rounds + 1
     grid.trained = plan.sent_names

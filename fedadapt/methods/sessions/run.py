@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Callable, Optional
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 
 from fedadapt.config import RunConfig
-from fedadapt.federation.faults import TENSOR_FAULTS, Screened, corrupt, require_enough
-from fedadapt.federation.grid import node_id
-from fedadapt.federation.server import exchange, record_phase
-from fedadapt.federation.training import RunSpec
-from fedadapt.federation.worker import client_fault, fault_of, for_each_client
+from fedadapt.federation.client.training import RunSpec
+from fedadapt.federation.client.worker import client_fault, fault_of, for_each_client
+from fedadapt.federation.server.faults import TENSOR_FAULTS, Screened, corrupt, require_enough
+from fedadapt.federation.server.loop import exchange, record_phase
+from fedadapt.federation.wire.grid import node_id
 from fedadapt.log import log
 from fedadapt.methods.run import PreparedRun
 from fedadapt.methods.server_trained import finish_server_run, serve_clients

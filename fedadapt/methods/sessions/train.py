@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedadapt.config import ConfigError
-from fedadapt.federation.training import RunSpec, derive_seed
+from fedadapt.federation.client.training import RunSpec, derive_seed
 from fedadapt.log import log as log_
 from fedadapt.methods.server_trained import (
     ServerData,

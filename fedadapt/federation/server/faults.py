@@ -24,7 +24,7 @@ from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
 from fedadapt.codec import as_numpy, record
 from fedadapt.config import FAULT_KINDS, FedadaptError
-from fedadapt.federation import records
+from fedadapt.federation.wire import records
 
 __all__ = ["FAULT_KINDS", "TENSOR_FAULTS", "RoundFailed", "Screened", "corrupt", "error_cause",
            "injected_fault", "require_enough", "screen_clients"]

@@ -19,7 +19,8 @@ layout line):
   without a form): ``torch.func.vmap`` over ``torch.func.functional_call``, clients in buckets
   of one batch size and exit.
 
-The same semantics as :func:`fedadapt.federation.training.train_local` run K times, either way:
+The same semantics as :func:`fedadapt.federation.client.training.train_local` run K times,
+either way:
 
 * every random draw comes from the client's own seed: its shuffling, its exit per step (anytime),
   its crops (a hash of its crop seed and the image), its dropout masks (a hash of its step key,
@@ -50,9 +51,9 @@ Precision and kernels inside ``vmap`` (seen with torch 2.11 on an H200 and 2.13 
   fails under ``vmap`` (fp32 and bf16), cuDNN's runs in bf16 but returns wrong values (3.5
   relative error), and flash runs in bf16 only (1.2e-2 from fp32, as the math kernel's 1.5e-2).
 * **Fallback.** A group that raises is retried one client at a time
-  (:mod:`fedadapt.federation.worker`), and the sizing probe that raises makes a run train one
-  client at a time from the start (:func:`fedadapt.federation.sizing.size_simulation`), each
-  with one line naming the cause.
+  (:mod:`fedadapt.federation.client.worker`), and the sizing probe that raises makes a run train one
+  client at a time from the start (:func:`fedadapt.federation.simulation.sizing.size_simulation`),
+  each with one line naming the cause.
 
 The step loop reads nothing back from the device: which tensors each client's step updates is
 known on the host from its exit (one ``[steps, tensors, K]`` mask sent once per group), losses
@@ -79,7 +80,7 @@ from torch.overrides import TorchFunctionMode
 from fedadapt.config import TrainConfig
 from fedadapt.data.sources import DataSource
 from fedadapt.devices import autocast, seed_torch
-from fedadapt.federation.training import derive_seed, local_schedule
+from fedadapt.federation.client.training import derive_seed, local_schedule
 from fedadapt.grouping import dropout, forms
 
 

@@ -17,7 +17,7 @@ and a simulated clock for the rounds; nothing sleeps.
   FLOPs per training example at the client's exit, measured once with
   ``torch.utils.flop_counter``, times its examples and local epochs) / its FLOP/s, plus the
   bytes it was sent / its downlink, plus the bytes it sent / its uplink.
-* **A round on the clock** (:func:`fedadapt.federation.server`): it starts when the previous
+* **A round on the clock** (:func:`fedadapt.federation.server.loop`): it starts when the previous
   one ended; the strategy samples among the clients available then; a client that goes offline
   before it would finish fails; one that would finish after ``federation.round_timeout``
   (simulated seconds) is dropped as the real timeout drops it; with ``keep_first`` only the
@@ -622,7 +622,7 @@ def train_flops_per_example(model, source, index: int, exits: Optional[list[int]
     from torch.utils.flop_counter import FlopCounterMode
 
     from fedadapt.devices import autocast
-    from fedadapt.federation.grouped import StepLoss
+    from fedadapt.federation.client.grouped import StepLoss
 
     x, y = source.get(np.array([index, index]), device)
     call, out = StepLoss(model), []
@@ -651,7 +651,7 @@ _FLOPS: dict[tuple, float] = {}
 def _flops_at(spec, model, exits: Optional[list[int]]) -> float:
     """:func:`train_flops_per_example` at ``exits`` (their mean; None: the model's own
     forward), each exit measured once per run."""
-    from fedadapt.federation.worker import first_train_index
+    from fedadapt.federation.client.worker import first_train_index
 
     if any(key[0] != spec.run_id for key in _FLOPS):
         _FLOPS.clear()  # another run's model
@@ -687,7 +687,7 @@ def train_memory_bytes(model, source, index: int, exit_: Optional[int], *, devic
     from torch.utils._pytree import tree_leaves
 
     from fedadapt.devices import autocast
-    from fedadapt.federation.grouped import StepLoss
+    from fedadapt.federation.client.grouped import StepLoss
 
     def ptr(t) -> int:
         return t.untyped_storage().data_ptr()
@@ -751,7 +751,7 @@ def optimizer_states(train) -> int:
 def _memory_at(spec, model, exits: Optional[list[int]], batch: int) -> float:
     """The bytes a client's training at ``exits`` holds at batches of ``batch`` (its steps draw
     any of the exits: the largest of theirs), each exit measured once per run."""
-    from fedadapt.federation.worker import first_train_index
+    from fedadapt.federation.client.worker import first_train_index
 
     if any(key[0] != spec.run_id for key in _MEMORY):
         _MEMORY.clear()  # another run's model
@@ -798,7 +798,7 @@ def tiers_from_fleet(cfg, spec, model) -> list[int]:
 def build_fleet(cfg, spec, model) -> Optional[Fleet]:
     """The run's :class:`Fleet` (``fleet=``; None for ``fleet=none``): each client's training
     FLOPs per round measured on ``model`` at its exits, times its examples and local epochs."""
-    from fedadapt.federation.worker import client_exits
+    from fedadapt.federation.client.worker import client_exits
 
     if cfg.fleet.name == "none":
         return None

@@ -7,15 +7,15 @@ across runs and resumes: the partition id plus :data:`NODE_BASE`), in partition 
 ``send_and_receive`` takes the strategy's messages, one per client, and
 
 * packs the messages for the clients of one worker into one Flower message
-  (:mod:`fedadapt.federation.records`): a record that every one of those messages holds (the
+  (:mod:`fedadapt.federation.wire.records`): a record that every one of those messages holds (the
   same object: FedAvg sends one RecordDict to all) travels once, the rest under each client's
   prefix;
 * unpacks each worker's reply into one reply ``Message`` per client, from that client's node:
   its content, or an error carrying its own failure (a worker message that failed as a whole
   gives each of its clients that error); a client that did not answer in time gets no reply,
   as on Flower's own grids. In simulation the worker judges that per client (the packing
-  record carries the timeout; :class:`fedadapt.federation.worker.Deadline`): it replies at the
-  timeout without the late ones, so its other clients are not lost with them, and the worker's
+  record carries the timeout; :class:`fedadapt.federation.client.worker.Deadline`): it replies at
+  the timeout without the late ones, so its other clients are not lost with them, and the worker's
   own message is given :data:`TRANSPORT_GRACE_S` more to travel back;
 * counts the bytes each client would send and receive on a real device
   (:meth:`ClientGrid.take_bytes`): the arrays addressed to it, restricted to the tensors it
@@ -38,7 +38,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, Rec
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
-from fedadapt.federation import records
+from fedadapt.federation.wire import records
 
 #: A client's node id is its partition id plus this: readable, and never a real node's.
 NODE_BASE = 1_000_000_000

@@ -10,7 +10,7 @@ its handler (or answered without it), the handler runs for all of them at once o
 the mods passed on, and each thread carries its client's reply back out through its chain.
 Each client sees its own message (its view of the worker's message, the arrays cut to what it
 trains, as a deployment client gets them) and its own ``Context`` (see
-:mod:`fedadapt.federation.worker`).
+:mod:`fedadapt.federation.client.worker`).
 
 A mod is named ``module:function`` (or ``module.function``, ``file.py:function``), or given as
 a class with its arguments as Hydra instantiates it (``{_target_: flwr.client.mod.LocalDpMod,
@@ -39,7 +39,7 @@ from flwr.client.mod.utils import make_ffn
 from flwr.common.constant import ErrorCode
 
 from fedadapt.config import ConfigError
-from fedadapt.federation import records
+from fedadapt.federation.wire import records
 
 #: A handler of many clients at once: ``{cid: message}`` -> ``{cid: reply records}`` (an error
 #: record for a client that failed; no entry for one that answered too late).

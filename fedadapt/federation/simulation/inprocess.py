@@ -1,5 +1,5 @@
 """Run a plan with every client in this process, one message at a time: no Ray, no simulation
-engine. The server code (:func:`fedadapt.federation.server.execute_plan`) and the ClientApp are
+engine. The server code (:func:`fedadapt.federation.server.loop.execute_plan`) and the ClientApp are
 the real ones; messages are copied on the way there and back, as a transport would, and every
 exchange can be watched (``on_reply``).
 
@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 from flwr.app import ArrayRecord, Context, Error, Message, RecordDict
 
-from fedadapt.federation.server import ServerPlan, ServerState, execute_plan
+from fedadapt.federation.server.loop import ServerPlan, ServerState, execute_plan
 
 #: ``on_reply(sent, reply, context)``: called for every exchange, ``context`` being the
 #: replying node's (its ``state`` as the ClientApp left it).

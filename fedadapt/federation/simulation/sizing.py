@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from fedadapt.config import ConfigError, FederationConfig
-from fedadapt.federation import cluster
+from fedadapt.federation.simulation import cluster
 from fedadapt.log import log
 
 #: A CPU group's step holds at most this many images (``K x batch``).
@@ -151,7 +151,7 @@ def size_simulation(fed: FederationConfig, device: str, sampled: int, batch_size
     heads on EfficientNet-Lite0 features, a round 18 ms one at a time against 24 ms side by
     side, whose steps split into buckets by batch size). ``nodes``: ``(cpus, gpus)`` per node
     (default:
-    :func:`fedadapt.federation.cluster.node_resources`)."""
+    :func:`fedadapt.federation.simulation.cluster.node_resources`)."""
     nodes = cluster.node_resources(fed, device) if nodes is None else nodes
     workers, num_cpus, num_gpus, place_note = plan_workers(fed, device, nodes)
     per_worker = max(1, math.ceil(sampled / workers))
@@ -200,8 +200,8 @@ def probe_group(spec, model) -> Optional[tuple[int, int]]:
     On the GPU, the peak allocations give ``(per_client, common)`` bytes with
     ``peak(K) = common + K * per_client``; elsewhere None. The model's tensors and the global
     random state are left as they were."""
-    from fedadapt.federation.grouped import ClientJob, train_group
-    from fedadapt.federation.worker import client_exits, used_tensors
+    from fedadapt.federation.client.grouped import ClientJob, train_group
+    from fedadapt.federation.client.worker import client_exits, used_tensors
 
     dev = torch.device(spec.device)
     cuda = dev.type == "cuda"

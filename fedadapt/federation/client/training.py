@@ -264,8 +264,8 @@ def batches_of(indices: np.ndarray, batch_size: int, epochs: int, gen: torch.Gen
 
 
 #: The seed streams of a client's local training, drawn alike alone (:func:`train_local`) and side
-#: by side (:func:`fedadapt.federation.grouped.train_group`), so a client's result never depends
-#: on its group: its batches come from ``seed`` itself, the exit each step trains from
+#: by side (:func:`fedadapt.federation.client.grouped.train_group`), so a client's result never
+#: depends on its group: its batches come from ``seed`` itself, the exit each step trains from
 #: ``derive_seed(seed, EXIT_STREAM)``, its dropout masks from
 #: :func:`fedadapt.grouping.dropout.step_key` (``DROPOUT_STREAM``) and its crops from the
 #: ``crop_seed`` its caller derives.

@@ -2,9 +2,9 @@
 
 In simulation a Flower node is a *worker*: one process holding the frozen backbone once, which
 trains the clients a message lists in groups of ``group-size`` side by side
-(:mod:`fedadapt.federation.grouped`; with a group size of 1 one after another with
-:func:`~fedadapt.federation.training.train_local`): :func:`train_groups`, with a client at fault
-failing alone. On the deployment engine a node is one client and a message names just it. Here
+(:mod:`fedadapt.federation.client.grouped`; with a group size of 1 one after another with
+:func:`~fedadapt.federation.client.training.train_local`): :func:`train_groups`, with a client at
+fault failing alone. On the deployment engine a node is one client and a message names just it. Here
 live what every family's client side uses: which exits and tensors a client trains
 (:func:`client_exits`, :func:`sent_names`), the seeded fault injection, the round's deadline
 (:class:`Deadline`) and :func:`for_each_client`. A family's own client code lives in its folder
@@ -26,12 +26,12 @@ import torch
 from flwr.app import Context, RecordDict
 
 from fedadapt.adapters.lora import is_base_delta
-from fedadapt.federation import records
-from fedadapt.federation.checkpoint import load_client_context, save_client_context
-from fedadapt.federation.faults import injected_fault
-from fedadapt.federation.grid import node_id
-from fedadapt.federation.grouped import ClientJob, ClientResult, UsedTensors, train_group
-from fedadapt.federation.training import RunSpec, cached_model, train_local
+from fedadapt.federation.client.grouped import ClientJob, ClientResult, UsedTensors, train_group
+from fedadapt.federation.client.training import RunSpec, cached_model, train_local
+from fedadapt.federation.server.checkpoint import load_client_context, save_client_context
+from fedadapt.federation.server.faults import injected_fault
+from fedadapt.federation.wire import records
+from fedadapt.federation.wire.grid import node_id
 from fedadapt.log import log
 from fedadapt.settings import step_exits
 
@@ -48,7 +48,7 @@ def release_process_caches() -> None:
     (the end of the rounds; 512 MB just after it)."""
     from fedadapt.data.sources import clear_cache
     from fedadapt.devices import return_freed_memory
-    from fedadapt.federation.training import drop_cached_model
+    from fedadapt.federation.client.training import drop_cached_model
 
     drop_cached_model()
     _USED.clear()

@@ -3,15 +3,15 @@
 A Flower strategy drives every round through its own hooks, unchanged: ``summary()`` at the
 start, then per round ``configure_train`` -> the grid -> ``aggregate_train`` and, every
 ``eval_every`` rounds, ``configure_evaluate`` -> the grid -> ``aggregate_evaluate``. The grid it
-is handed (:class:`fedadapt.federation.grid.ClientGrid`) shows one node per client and packs
+is handed (:class:`fedadapt.federation.wire.grid.ClientGrid`) shows one node per client and packs
 the messages for the clients of one worker into one Flower message underneath; the deployment
 engine (a node is a client) runs the same loop. The strategy samples with the run's own seeded
 ``random`` and ``numpy.random`` states (:class:`fedadapt.strategies.state.SeededStreams`), which
 go into every checkpoint with the strategy's own state.
 
 Around the strategy the loop keeps what fedadapt guarantees: every reply is screened before the
-strategy sees it (:mod:`fedadapt.federation.faults`: a reply with other tensor names or shapes
-than that client trains, or NaN values, reaches the strategy as an error reply), the round
+strategy sees it (:mod:`fedadapt.federation.server.faults`: a reply with other tensor names or
+shapes than that client trains, or NaN values, reaches the strategy as an error reply), the round
 stops the run when too few clients replied usably, the global model is evaluated on the
 server, and the per-client metrics, bytes and privacy spent are recorded in the round's row.
 As Flower's ``Strategy.start`` does, it keeps what the strategy returns: ``aggregate_train``'s
@@ -46,9 +46,9 @@ from flwr.serverapp.strategy import Result
 from fedadapt.codec import TRAIN_EXAMPLES
 from fedadapt.config import FedadaptError
 from fedadapt.devices import return_freed_memory
-from fedadapt.federation.faults import RoundFailed, Screened, require_enough, screen_clients
-from fedadapt.federation.grid import ClientGrid, Nodes, handshake, node_id
-from fedadapt.federation.interrupt import StoppableGrid
+from fedadapt.federation.server.faults import RoundFailed, Screened, require_enough, screen_clients
+from fedadapt.federation.server.interrupt import StoppableGrid
+from fedadapt.federation.wire.grid import ClientGrid, Nodes, handshake, node_id
 from fedadapt.settings import per_tier_accuracy
 from fedadapt.strategies.asynchronous import AsynchronousStrategy
 from fedadapt.strategies.fedavg import aggregate_client_metrics
@@ -191,9 +191,10 @@ class ServerPlan:
     #: "strategy_arrays", "wall_s", "client_metrics"}`` (``initial_arrays`` then holds the
     #: checkpoint's arrays).
     resume: Optional[dict] = None
-    #: Simulated devices and clock (``fleet=``; :class:`fedadapt.federation.fleet.Fleet`):
-    #: sampling among the clients available at a round's simulated start, clients dropped by
-    #: its simulated deadline, ``sim_*`` keys in each row. None: no fleet.
+    #: Simulated devices and clock (``fleet=``;
+    #: :class:`fedadapt.federation.simulation.fleet.Fleet`): sampling among the clients available at
+    #: a round's simulated start, clients dropped by its simulated deadline, ``sim_*`` keys in each
+    #: row. None: no fleet.
     fleet: Optional[object] = None
     #: Filled by the ServerApp: the final state, or the exception that stopped it.
     result: Optional[ServerState] = None
@@ -416,8 +417,8 @@ def _drop_simulated(screened: Screened, replies: dict, sent: dict, up: dict,
 def _cut_work(fleet, grid: ClientGrid, messages: list[Message]) -> dict[int, int]:
     """``fleet.partial_work``: each client that cannot finish by the deadline is told to
     train the examples it can train in time (:meth:`Fleet.partial_examples
-    <fedadapt.federation.fleet.Fleet.partial_examples>`, its bytes counted as the grid will
-    count them), in its own copy of the message's config record (``train-examples``; the
+    <fedadapt.federation.simulation.fleet.Fleet.partial_examples>`, its bytes counted as the grid
+    will count them), in its own copy of the message's config record (``train-examples``; the
     other records stay shared). Returns ``{client: examples}`` of those clients; one that
     cannot train even one example in time is left as it is, and is late."""
     cut = {}
@@ -439,8 +440,8 @@ def _cut_work(fleet, grid: ClientGrid, messages: list[Message]) -> dict[int, int
 def _simulated_round(fleet, start: float, state: ServerState, screened: Screened,
                      replies: dict, sent: dict, down: dict, up: dict,
                      cut: Optional[dict[int, int]] = None) -> dict:
-    """The round on the fleet's clock (:meth:`~fedadapt.federation.fleet.Fleet.round`): the
-    clients it drops (offline before they finish, later than the deadline, beyond
+    """The round on the fleet's clock (:meth:`~fedadapt.federation.simulation.fleet.Fleet.round`):
+    the clients it drops (offline before they finish, later than the deadline, beyond
     ``keep_first``) are dropped (:func:`_drop_simulated`); the clock moves to the round's end;
     returns the row's ``sim_*`` keys (``sim_partial``, with ``fleet.partial_work``: the
     clients kept whose work was cut at the deadline, ``cut``)."""
@@ -662,7 +663,7 @@ def make_server_app(plan: ServerPlan) -> ServerApp:
 
     @app.main()
     def main(grid: Grid, context) -> None:
-        try:  # a stopped run ends at the next message (fedadapt.federation.interrupt)
+        try:  # a stopped run ends at the next message (fedadapt.federation.server.interrupt)
             plan.result = execute_plan(StoppableGrid(grid, PULL_INTERVAL), plan)
         except BaseException as err:  # handed back to the launcher, which re-raises
             plan.error = err

@@ -1,10 +1,10 @@
 """Launch a run on Flower's simulation engine (Ray backend).
 
 The simulated Flower nodes are the run's *workers* (``plan.num_nodes``, see
-:mod:`fedadapt.federation.sizing`), each a Ray actor with ``plan.resources``; the clients are
-named in the messages. With no GPU asked for (``federation.num_gpus=0``, or none present) the
+:mod:`fedadapt.federation.simulation.sizing`), each a Ray actor with ``plan.resources``; the clients
+are named in the messages. With no GPU asked for (``federation.num_gpus=0``, or none present) the
 GPUs are hidden from the driver's Ray session and its actors, so CUDA is never initialised.
-The Ray cluster part lives in :mod:`fedadapt.federation.cluster`.
+The Ray cluster part lives in :mod:`fedadapt.federation.simulation.cluster`.
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ import os
 import warnings
 
 from fedadapt.config import FederationConfig
-from fedadapt.federation import cluster
-from fedadapt.federation.interrupt import (
+from fedadapt.federation.server.interrupt import (
     STOP,
     filter_flower,
     from_ray_exit,
     ray_keeps_our_handlers,
     reinstall,
 )
-from fedadapt.federation.server import ServerPlan, ServerState, make_server_app
+from fedadapt.federation.server.loop import ServerPlan, ServerState, make_server_app
+from fedadapt.federation.simulation import cluster
 from fedadapt.progress import quiet_libraries
 
 
@@ -81,7 +81,7 @@ def run_simulation(plan: ServerPlan, client_app, fed: FederationConfig) -> Serve
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     # Ray's C++ failure handler would catch SIGTERM first: dump a stack, then abort at exit
-    # instead of the clean stop of fedadapt.federation.interrupt
+    # instead of the clean stop of fedadapt.federation.server.interrupt
     os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     from flwr.simulation import run_simulation as flwr_run_simulation
 

@@ -20,7 +20,7 @@ Placement across nodes: Flower sizes its actor pool from every node's resources
 (``pool_size_from_resources``: per node, ``CPU // federation.num_cpus``, capped by GPUs) and
 creates all the actors at once, so the pool fills the whole cluster and the clients a round
 samples are served by actors on every node. The workers are sized per node to match
-(:mod:`fedadapt.federation.sizing`): a worker never asks for more than one node has.
+(:mod:`fedadapt.federation.simulation.sizing`): a worker never asks for more than one node has.
 :func:`log_placement` logs where this run's actors ran. Every node needs the same Python
 environment (fedadapt installed) and ``cache_dir`` at the same path (the actors read the
 prepared data and feature cache by path).

@@ -8,8 +8,8 @@ way Ctrl-C raises ``KeyboardInterrupt``; everything on the way out runs its ``fi
 a thread of its own, which a signal does not interrupt: its grid (:class:`StoppableGrid`)
 raises :class:`RunStopped` at the next message it would send or wait for, so a checkpoint being
 written is finished first, and no new round starts. Checkpoints are written under a temporary
-name and renamed (:mod:`fedadapt.federation.checkpoint`), so the last complete one stays valid
-whenever the process ends. :func:`exit_stopped` then gives the remaining busy threads until
+name and renamed (:mod:`fedadapt.federation.server.checkpoint`), so the last complete one stays
+valid whenever the process ends. :func:`exit_stopped` then gives the remaining busy threads until
 :data:`GRACE_S` after the signal and ends the process with 128 + the signal's number. A second
 signal ends the process at once.
 

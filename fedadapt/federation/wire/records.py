@@ -1,6 +1,6 @@
 """Messages that carry several clients: how records are named inside one Flower message.
 
-A strategy sends one message per client (:mod:`fedadapt.federation.grid` shows it one node per
+A strategy sends one message per client (:mod:`fedadapt.federation.wire.grid` shows it one node per
 client). Underneath, the messages for the clients of one worker travel as one Flower message:
 records that all of them share (the global arrays, the round's config: the same objects in every
 client's message) have plain names and travel once; a client's own records are prefixed with its

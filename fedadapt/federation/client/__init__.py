@@ -1,0 +1,3 @@
+"""The clients' side: what a worker does with the clients a message names (worker), K clients
+trained side by side on one backbone (grouped), the one training and evaluation loop and the
+run's spec (training), and Flower's ClientApp mods around each client (mods)."""
