@@ -79,9 +79,9 @@ def room(name: str) -> str:
     return parts[1] if len(parts) > 1 else parts[0]
 
 
-def test_no_two_rooms_import_each_other():
-    """The rooms are layers: where one room imports another (at any depth, imports inside
-    functions included), the other imports nothing of it."""
+def two_way_pairs(room_of) -> list[str]:
+    """Each pair of rooms that import each other (at any depth, imports inside functions
+    included), with its edges; ``room_of(module)`` names a module's room (None: in none)."""
     mods = modules()
     edges: dict[tuple[str, str], list[str]] = {}
     for name, path in mods.items():
@@ -89,10 +89,35 @@ def test_no_two_rooms_import_each_other():
             target = f"{base}.{sym}" if sym else base
             while target not in mods and "." in target:
                 target = target.rsplit(".", 1)[0]
-            if target in mods and room(target) != room(name):
-                edges.setdefault((room(name), room(target)), []).append(f"{name} -> {target}")
-    pairs = [f"{a} <-> {b}: " + "; ".join(sorted(set(edges[(a, b)]) | set(edges[(b, a)])))
-             for a, b in sorted(edges) if a < b and (b, a) in edges]
+            if target not in mods:
+                continue
+            a, b = room_of(name), room_of(target)
+            if a is not None and b is not None and a != b:
+                edges.setdefault((a, b), []).append(f"{name} -> {target}")
+    return [f"{a} <-> {b}: " + "; ".join(sorted(set(edges[(a, b)]) | set(edges[(b, a)])))
+            for a, b in sorted(edges) if a < b and (b, a) in edges]
+
+
+def test_no_two_rooms_import_each_other():
+    """The rooms are layers: where one room imports another (at any depth, imports inside
+    functions included), the other imports nothing of it."""
+    pairs = two_way_pairs(room)
+    assert not pairs, "\n".join(pairs)
+
+
+def federation_room(name: str) -> str | None:
+    """A module's room inside ``fedadapt.federation``: its subpackage (``fedadapt.federation.
+    server.loop``: ``server``); None outside the federation."""
+    parts = name.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["fedadapt", "federation"] else None
+
+
+def test_no_two_federation_rooms_import_each_other():
+    """Inside ``fedadapt.federation`` the rooms (wire, server, client, simulation, ...) are
+    layers too: no two of them import each other."""
+    rooms = {r for name in modules() if (r := federation_room(name))}
+    assert len(rooms) > 1, rooms  # the federation is in rooms
+    pairs = two_way_pairs(federation_room)
     assert not pairs, "\n".join(pairs)
 
 
