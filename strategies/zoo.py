@@ -266,7 +266,7 @@ def check_counts(strategy: StrategyConfig, dp: DPConfig, *, num_clients: int,
 def strategy_class(strategy: StrategyConfig) -> type:
     """The Flower class ``strategy=`` names (``custom``: ``strategy.target``)."""
     if strategy.name == CUSTOM:
-        from fedadapt.strategies.custom import strategy_class as target_class
+        from fedadapt.strategies.custom import target_class
 
         return target_class(strategy.target)
     return STRATEGIES[strategy.name]

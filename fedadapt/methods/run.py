@@ -78,8 +78,8 @@ class Background:
             self.fn()
 
 
-def open_tracker(cfg: RunConfig, run_dir: Path, config_yaml: str, label: str,
-                  resume_round: int = 0):
+def run_tracker(cfg: RunConfig, run_dir: Path, config_yaml: str, label: str,
+                resume_round: int = 0):
     """The run's :class:`fedadapt.tracking.Tracker` (no-op unless ``tracking.*`` is on)."""
     from fedadapt.results.store import git_commit
     from fedadapt.tracking import open_tracker

@@ -21,7 +21,7 @@ from fedadapt.methods.run import (
     Background,
     PreparedRun,
     node_layout,
-    open_tracker,
+    run_tracker,
     simulation,
     summary_head,
     summary_tail,
@@ -60,7 +60,7 @@ def client_mods(cfg: RunConfig) -> tuple[list, list]:
 def apply_setting(cfg: RunConfig, spec: RunSpec, model: AdaptedModel) -> None:
     """Fill the spec's exits, tiers and corruptions for the setting; fail on a mismatch."""
     from fedadapt.data.corruptions import check_kinds
-    from fedadapt.settings import assign_client_corruptions, client_exits, part_names, uses_exits
+    from fedadapt.settings import assign_client_corruptions, client_tiers, part_names, uses_exits
 
     if cfg.train.crop_scale is not None and spec.train_source.kind != "images":
         raise ConfigError("train.crop_scale augments images: it needs method.use_cache=false "
@@ -85,7 +85,7 @@ def apply_setting(cfg: RunConfig, spec: RunSpec, model: AdaptedModel) -> None:
                           f"ViT backbone, not method={cfg.method.name} "
                           f"on backbone={cfg.backbone.name}")
     spec.num_exits = model.num_exits
-    spec.client_exits = client_exits(st, spec.num_clients, spec.num_exits, cfg.seed)
+    spec.client_exits = client_tiers(st, spec.num_clients, spec.num_exits, cfg.seed)
     if st.tiers_from == "fleet":  # each client the deepest tier its device trains in time
         from fedadapt.federation.fleet import tiers_from_fleet
 
@@ -251,7 +251,7 @@ def run_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, config_yaml:
     if start is not None:
         log(f"[{label}] personalizing the final model of {cfg.setting.init_from}")
     resumed_round = resume_state["round"] if resume_state else 0
-    tracker = open_tracker(cfg, run_dir, config_yaml, label, resumed_round)
+    tracker = run_tracker(cfg, run_dir, config_yaml, label, resumed_round)
     show = [None]  # the round bar's hook, set once the bar exists (below)
     try:
         plan = _rounds_plan(cfg, prep, ArrayRecord(initial), num_rounds, execute,
@@ -379,7 +379,7 @@ def _rounds_plan(cfg: RunConfig, prep: PreparedRun, initial, num_rounds: int,
         seed=cfg.seed,
         initial_arrays=initial,
         num_rounds=num_rounds,
-        phases=[personalize_clients] if cfg.setting.name == "personalization" else [],
+        phases=[personalization_phase] if cfg.setting.name == "personalization" else [],
         lr_at=lambda r: lr_at(cfg.train, r, cfg.rounds),
         eval_every=cfg.federation.eval_every,
         global_eval=(_global_eval(prep) if model.federated and cfg.federation.global_eval
@@ -503,11 +503,12 @@ def check_code(cfg: RunConfig) -> None:
     on to, does not take), its state saved and loaded as a checkpoint does
     (:func:`fedadapt.strategies.state.check_checkpointable`), the mods made and the
     ``evaluate_fn`` loaded, their signatures checked. A sweep runs this for every point before
-    the first; :func:`check_strategy` builds the strategy again with the real client count."""
+    the first; :func:`check_strategy_with_clients` builds the strategy again with the real
+    client count."""
     evaluate_fn(cfg)
     client_mods(cfg)
     if cfg.strategy.name != "custom":
-        return  # fedadapt's and Flower's strategies: checked by check_strategy with the data
+        return  # fedadapt's and Flower's strategies: check_strategy_with_clients, with the data
 
     def build():
         return _built(lambda: _make(cfg, cfg.partition.num_clients))
@@ -623,7 +624,7 @@ def check_strategy_config(cfg: RunConfig) -> None:
                           f"different ranks: strategy={' | '.join(LORA_RANK)} (not {name})")
 
 
-def check_strategy(cfg: RunConfig, prep: PreparedRun) -> None:
+def check_strategy_with_clients(cfg: RunConfig, prep: PreparedRun) -> None:
     """The strategy against the partition's real client count and what the clients send
     (before anything is written): refuses a strategy that needs every client to send every
     tensor where some do not, and builds it once (Flower's own checks of its values)."""
@@ -749,7 +750,7 @@ def _personalization(cfg: RunConfig, run_dir: Path, spec: RunSpec, rows: list[di
             **summarize_personalization(rows)}
 
 
-def personalize_clients(grid, state, plan) -> None:
+def personalization_phase(grid, state, plan) -> None:
     """After the rounds (``setting=personalization``): every client personalizes the final
     model on its own data and keeps what it trained; the replies carry metrics only. One row
     per client that answered lands in ``state.personalized``."""
