@@ -33,6 +33,9 @@ class PreparedRun:
     #: (:func:`fedadapt.data.cache.backbone_fingerprint`): two runs that name the same weights
     #: folder but read different files (a backbone pretrained again) tell apart in the summary.
     backbone_weights: Optional[str] = None
+    #: The method's family (:class:`fedadapt.methods.Family`), looked up once by
+    #: :func:`fedadapt.experiment.prepare_run`: it checks, prepares and runs the run.
+    method_family: Optional[object] = None
 
 
 def write_partition(run_dir: Path, cfg: RunConfig, prep: PreparedRun, *, stats: bool = True,
