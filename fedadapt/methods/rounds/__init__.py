@@ -55,9 +55,9 @@ class Rounds(Family):
         prep.fleet = build_fleet(cfg, prep.spec, prep.model)  # a deadline nobody meets: now
 
     def check(self, cfg, card) -> None:
-        from fedadapt.methods.rounds.run import check_strategy_config
+        from fedadapt.methods.rounds.run import check_rounds_config
 
-        check_strategy_config(cfg)
+        check_rounds_config(cfg)
 
     def check_code(self, cfg) -> None:
         from fedadapt.methods.rounds.run import check_code
