@@ -119,6 +119,16 @@ def _check_method_settings(cfg: RunConfig, card, family: Family) -> None:
                           f"directory> (the model is federated on another data set, e.g. "
                           f"experiment=acc_speech_multitier)")
     family.check(cfg, card)
+    _check_clients_without_training(cfg, card, family)
+    if cfg.federation.select == "best_val" and cfg.partition.val_fraction == 0:
+        raise ConfigError("federation.select=best_val picks the round by the clients' "
+                          "validation accuracy: it needs partition.val_fraction > 0")
+
+
+def _check_clients_without_training(cfg: RunConfig, card, family: Family) -> None:
+    """Clients with no training data (unseen test clients, validation clients, a data set's
+    held-out test users) only server-trained methods serve; a validation objective needs
+    clients that train."""
     if cfg.partition.test_clients > 0 and family.clients_train:
         raise ConfigError(f"partition.test_clients={cfg.partition.test_clients} is invalid for "
                           f"method={cfg.method.name}: unseen test clients have no training "
@@ -137,9 +147,6 @@ def _check_method_settings(cfg: RunConfig, card, family: Family) -> None:
         raise ConfigError(f"objective={cfg.objective} is invalid for method={cfg.method.name}: "
                           f"a validation objective is measured on the clients' validation "
                           f"splits during the rounds; this method is trained on the server")
-    if cfg.federation.select == "best_val" and cfg.partition.val_fraction == 0:
-        raise ConfigError("federation.select=best_val picks the round by the clients' "
-                          "validation accuracy: it needs partition.val_fraction > 0")
 
 
 def _original_phase(cfg: RunConfig, family: Family, backbone, images, partition: Partition,
