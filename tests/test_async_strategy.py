@@ -64,13 +64,13 @@ def user_strategy(tmp_path, monkeypatch) -> Path:
 def test_a_users_asynchronous_strategy_is_told_the_arrivals_and_sets_the_clock(
         user_strategy, tmp_path, cache_dir):
     from fedadapt.strategies.asynchronous import AsynchronousStrategy
-    from fedadapt.strategies.custom import strategy_class
+    from fedadapt.strategies.custom import target_class
 
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import run_experiment
     from fedadapt.federation.inprocess import in_process
 
-    assert isinstance(strategy_class("first.py:FirstArrival")(), AsynchronousStrategy)
+    assert isinstance(target_class("first.py:FirstArrival")(), AsynchronousStrategy)
     composed = compose_config([*TINY, "strategy=custom", "strategy.target=first.py:FirstArrival",
                                f"cache_dir={cache_dir}"])
     run_experiment(to_run_config(composed), tmp_path / "run", execute=in_process("workers"),
