@@ -19,7 +19,7 @@ from fedadapt.config import ConfigError, RunConfig
 from fedadapt.data.partition import Partition
 from fedadapt.federation.client.training import RunSpec, SpecRef
 from fedadapt.log import log
-from fedadapt.methods import family_of
+from fedadapt.methods import Family, family_of
 from fedadapt.methods.run import PreparedRun
 
 
@@ -42,7 +42,8 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
     precision = resolve_precision(cfg.train.precision, dev)
     setup(dev, cfg.train.deterministic)  # before any work on the device (features, phases)
     card = load_card(cfg.dataset.name)
-    _check_method_settings(cfg, card)
+    family = family_of(cfg.method)  # looked up once: the checks, the phases and the run read it
+    _check_method_settings(cfg, card, family)
     prepared = prepare_dataset(cfg.dataset, cfg.cache_dir, cfg.seed)
     partition = cached_partition(prepared, cfg.partition, card, cfg.seed, cfg.cache_dir)
     if not quiet:
@@ -50,7 +51,6 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
             f"{prepared.num_classes} classes | {format_stats(partition.stats)}")
     backbone = build_backbone(cfg.backbone)
     class_text = _class_text(cfg, backbone, prepared.class_names)
-    family = family_of(cfg.method)
 
     def images(split: str) -> DataSource:  # decoded once into the store, transformed on device
         return input_source(card, backbone, prepared, split, cfg.cache_dir,
@@ -65,7 +65,8 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
 
     original = None
     if cfg.original.train_backbone:  # the papers' original model: a server-side phase first
-        original = _original_phase(cfg, backbone, images("train"), partition, prepared, dev)
+        original = _original_phase(cfg, family, backbone, images("train"), partition,
+                                   prepared, dev)
         backbone = build_backbone(original.backbone)  # the trained one: its features are cached
     weights = backbone_fingerprint(backbone)  # hashed once: the summary and the feature keys
     spec = RunSpec(run_id=uuid.uuid4().hex, method=cfg.method,
@@ -88,7 +89,7 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
         "communicated_params": model.count(model.communicated_names()),
     }
     prep = PreparedRun(spec=spec, partition=partition, model=model, counts=counts,
-                       backbone_weights=weights)
+                       backbone_weights=weights, method_family=family)
     family.prepare(cfg, prep, backbone=backbone, images=images, original=original)
     return prep
 
@@ -103,7 +104,7 @@ def _class_text(cfg: RunConfig, backbone, class_names):
     return class_text(backbone, class_names, cfg.method.prompt)
 
 
-def _check_method_settings(cfg: RunConfig, card) -> None:
+def _check_method_settings(cfg: RunConfig, card, family: Family) -> None:
     """Settings that hold only for some methods (before anything is loaded)."""
     from fedadapt.strategies.zoo import check_strategy
 
@@ -117,8 +118,17 @@ def _check_method_settings(cfg: RunConfig, card) -> None:
                           f"setting=personalization with setting.init_from=<a multi-tier run "
                           f"directory> (the model is federated on another data set, e.g. "
                           f"experiment=acc_speech_multitier)")
-    family = family_of(cfg.method)
     family.check(cfg, card)
+    _check_clients_without_training(cfg, card, family)
+    if cfg.federation.select == "best_val" and cfg.partition.val_fraction == 0:
+        raise ConfigError("federation.select=best_val picks the round by the clients' "
+                          "validation accuracy: it needs partition.val_fraction > 0")
+
+
+def _check_clients_without_training(cfg: RunConfig, card, family: Family) -> None:
+    """Clients with no training data (unseen test clients, validation clients, a data set's
+    held-out test users) only server-trained methods serve; a validation objective needs
+    clients that train."""
     if cfg.partition.test_clients > 0 and family.clients_train:
         raise ConfigError(f"partition.test_clients={cfg.partition.test_clients} is invalid for "
                           f"method={cfg.method.name}: unseen test clients have no training "
@@ -137,18 +147,16 @@ def _check_method_settings(cfg: RunConfig, card) -> None:
         raise ConfigError(f"objective={cfg.objective} is invalid for method={cfg.method.name}: "
                           f"a validation objective is measured on the clients' validation "
                           f"splits during the rounds; this method is trained on the server")
-    if cfg.federation.select == "best_val" and cfg.partition.val_fraction == 0:
-        raise ConfigError("federation.select=best_val picks the round by the clients' "
-                          "validation accuracy: it needs partition.val_fraction > 0")
 
 
-def _original_phase(cfg: RunConfig, backbone, images, partition: Partition, prepared, device):
+def _original_phase(cfg: RunConfig, family: Family, backbone, images, partition: Partition,
+                    prepared, device):
     """``original.train_backbone``: the backbone and its classifier trained on the training
     clients' pooled images (:mod:`fedadapt.federation.server.original`), once per data and
     settings."""
     from fedadapt.federation.server.original import original_model
 
-    if family_of(cfg.method).clients_train:
+    if family.clients_train:
         raise ConfigError(f"original.train_backbone=true is invalid for method="
                           f"{cfg.method.name}: it trains the original model of the "
                           f"server-trained methods (iciia_b, iciia_t, duet, cdc_mmpg, ...)")
@@ -174,9 +182,9 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
     label = label or cfg.method.name
     t0 = time.time()
     prep = prepared or prepare_run(cfg)
-    return family_of(cfg.method).run(cfg, run_dir, prep, config_yaml=config_yaml, label=label,
-                                     client_app=make_client_app(SpecRef(prep.spec)),
-                                     execute=execute, resume=resume, t0=t0)
+    return prep.method_family.run(cfg, run_dir, prep, config_yaml=config_yaml, label=label,
+                                  client_app=make_client_app(SpecRef(prep.spec)),
+                                  execute=execute, resume=resume, t0=t0)
 
 
 def resolve_compile(value: str, device: str) -> bool:

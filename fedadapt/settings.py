@@ -41,7 +41,7 @@ def assign_tiers(num_clients: int, tiers: list[int], seed: int) -> list[int]:
     return out
 
 
-def client_exits(setting: SettingConfig, num_clients: int, num_exits: int, seed: int
+def client_tiers(setting: SettingConfig, num_clients: int, num_exits: int, seed: int
                  ) -> list[int]:
     """Each client's exit, its tier (multitier, personalization); [] when clients have none."""
     if setting.name not in ("multitier", "personalization"):

@@ -14,9 +14,10 @@ clients send different tensors).
 Its state is checkpointed with the built-in strategies' (:mod:`fedadapt.strategies.state`):
 arrays, torch tensors, plain values, numpy and torch generators, objects with ``state_dict()``,
 or the class's own ``state_dict()`` / ``load_state_dict()`` when it defines them; the run saves
-and loads it once before round 1 (:func:`fedadapt.methods.rounds.run.check_strategy`). A key
-the class passes on through ``**kwargs`` to a constructor that refuses it is named when the
-class is built (:func:`fedadapt.strategies.zoo.build_strategy`).
+and loads it once before round 1
+(:func:`fedadapt.methods.rounds.run.check_strategy_with_clients`). A key the class passes on
+through ``**kwargs`` to a constructor that refuses it is named when the class is built
+(:func:`fedadapt.strategies.zoo.build_strategy`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from fedadapt.config import ConfigError, StrategyCustomConfig
 CUSTOM = "custom"
 
 
-def strategy_class(target: str) -> type:
+def target_class(target: str) -> type:
     """The class ``strategy.target`` names, checked to be a Flower strategy."""
     from flwr.serverapp.strategy import Strategy
 
@@ -100,5 +101,5 @@ def custom_config(node: DictConfig) -> StrategyCustomConfig:
                           "strategy), e.g. strategy.target=mystrat.HalfStepFedAvg")
     given = {k: v for k, v in data.items() if k not in ("name", "target")}
     out = StrategyCustomConfig(name=CUSTOM, target=str(target))
-    out.__dict__["_kwargs"] = _check_keys(strategy_class(str(target)), str(target), given)
+    out.__dict__["_kwargs"] = _check_keys(target_class(str(target)), str(target), given)
     return out

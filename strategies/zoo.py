@@ -171,8 +171,14 @@ def check_strategy(strategy: StrategyConfig, dp: DPConfig, *, weighting: str,
     if setting in ("multitier", "personalization"):
         check_every_tensor(strategy, dp, f"setting={setting}: each tier's clients send their "
                                          f"tier's tensors only")
-    if dp.name == "none":
-        return
+    if dp.name != "none":
+        _check_dp(strategy, dp, weighting)
+
+
+def _check_dp(strategy: StrategyConfig, dp: DPConfig, weighting: str) -> None:
+    """``dp=`` against the strategy it wraps: the strategies its noise is not calibrated to,
+    accounting's FedAvg aggregation, and uniform weights."""
+    name = strategy.name
     if name in NORMALISED:
         raise ConfigError(f"dp={dp.name} is invalid with strategy={name}: its noise is "
                           f"calibrated to FedAvg's mean of the clipped updates, and FedNova "
@@ -182,23 +188,30 @@ def check_strategy(strategy: StrategyConfig, dp: DPConfig, *, weighting: str,
         if refusal:
             raise ConfigError(refusal)
     if getattr(dp, "accounting", False):
-        check(dp.noise_multiplier > 0, "dp.noise_multiplier", dp.noise_multiplier,
-              "privacy accounting (dp.accounting=true) needs a noise multiplier > 0; "
-              "dp.accounting=false runs the mechanism without a privacy guarantee")
-        own = ""
-        if name == CUSTOM:
-            cls = strategy_class(strategy)
-            own = (f" ({cls.__name__} does not subclass FedAvg)" if not per_tensor_family(strategy)
-                   else f" ({cls.__name__} overrides aggregate_train)"
-                   if not _fedavg_aggregation(cls) else "")
-        check(name in ("fedavg", "fedprox", *LORA_DP) or (name == CUSTOM and not own),
-              *(("strategy", name) if name != CUSTOM else ("strategy.target", strategy.target)),
-              f"dp={dp.name} with accounting needs FedAvg's own aggregation (Flower's accountant "
-              f"accepts only FedAvg.aggregate_train){own} or one with the same sensitivity: "
-              f"strategy=fedavg, fedprox, {' or '.join(LORA_DP)}, or dp.accounting=false")
+        _check_accounting(strategy, dp)
     check(weighting == "uniform", "method.weighting", weighting,
           f"dp={dp.name} averages the clipped updates with equal weights (the noise is "
           f"calibrated to clipping_norm / clients per round): set method.weighting=uniform")
+
+
+def _check_accounting(strategy: StrategyConfig, dp: DPConfig) -> None:
+    """``dp.accounting=true``: a noise multiplier, and FedAvg's own aggregation (Flower's
+    accountant accepts only FedAvg.aggregate_train) or one with the same sensitivity."""
+    name = strategy.name
+    check(dp.noise_multiplier > 0, "dp.noise_multiplier", dp.noise_multiplier,
+          "privacy accounting (dp.accounting=true) needs a noise multiplier > 0; "
+          "dp.accounting=false runs the mechanism without a privacy guarantee")
+    own = ""
+    if name == CUSTOM:
+        cls = strategy_class(strategy)
+        own = (f" ({cls.__name__} does not subclass FedAvg)" if not per_tensor_family(strategy)
+               else f" ({cls.__name__} overrides aggregate_train)"
+               if not _fedavg_aggregation(cls) else "")
+    check(name in ("fedavg", "fedprox", *LORA_DP) or (name == CUSTOM and not own),
+          *(("strategy", name) if name != CUSTOM else ("strategy.target", strategy.target)),
+          f"dp={dp.name} with accounting needs FedAvg's own aggregation (Flower's accountant "
+          f"accepts only FedAvg.aggregate_train){own} or one with the same sensitivity: "
+          f"strategy=fedavg, fedprox, {' or '.join(LORA_DP)}, or dp.accounting=false")
 
 
 def lora_dp_refusal(strategy: StrategyConfig, dp: DPConfig) -> Optional[str]:
@@ -266,7 +279,7 @@ def check_counts(strategy: StrategyConfig, dp: DPConfig, *, num_clients: int,
 def strategy_class(strategy: StrategyConfig) -> type:
     """The Flower class ``strategy=`` names (``custom``: ``strategy.target``)."""
     if strategy.name == CUSTOM:
-        from fedadapt.strategies.custom import strategy_class as target_class
+        from fedadapt.strategies.custom import target_class
 
         return target_class(strategy.target)
     return STRATEGIES[strategy.name]

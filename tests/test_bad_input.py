@@ -381,6 +381,34 @@ def test_user_code_errors_through_the_command_are_one_line(tmp_path, cache_dir):
     assert not list((tmp_path / "out").rglob("job.json"))  # nothing was started
 
 
+@pytest.mark.parametrize("overrides,says", [
+    (["train.crop_scale=[0.3,1.0]"], "train.crop_scale augments images: it needs "
+                                     "method.use_cache=false"),
+    (["federation.evaluate_fn=mine.py:evaluate"],
+     "federation.evaluate_fn='mine.py:evaluate' takes (server_round, arrays, extra)"),
+])
+def test_the_rounds_familys_config_refusals_come_before_any_data(overrides, says, monkeypatch,
+                                                                 tmp_path, cache_dir):
+    """Refusals of config values alone (cropping cached features, an ``evaluate_fn`` of
+    another signature) are the family's config check's: before the data set is loaded."""
+    from fedadapt.config import ConfigError
+    from fedadapt.data import loading
+    from fedadapt.entry import compose_config, to_run_config
+    from fedadapt.experiment import prepare_run
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("the data set was loaded before the refusal")
+
+    monkeypatch.setattr(loading, "prepare_dataset", no_data)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.py").write_text("def evaluate(server_round, arrays, extra):\n    pass\n")
+    cfg = to_run_config(compose_config(["method=linear_head", *overrides,
+                                        f"cache_dir={cache_dir}"]))
+    with pytest.raises(ConfigError) as err:
+        prepare_run(cfg, quiet=True)
+    assert str(err.value).startswith(says) and "\n" not in str(err.value)
+
+
 def test_a_stopped_loop_prints_its_last_line_once(monkeypatch, capsys):
     """The round bar of a run stopped after round 2 of 5 (plain lines): each round's line once,
     not round 2's again as the bar closes."""

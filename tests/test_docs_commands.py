@@ -1,6 +1,6 @@
-"""Every ``fedadapt`` command on docs/federation.md composes as written (each point of a sweep),
-and the single runs run: one round each, in process, on a tiny backbone and 300 images (the
-keys the command sets are left as written)."""
+"""Every ``fedadapt`` command of the docs and the README composes as written (each point of a
+sweep: no placeholders), and docs/federation.md's single runs run: one round each, in process,
+on a tiny backbone and 300 images (the keys the command sets are left as written)."""
 
 import itertools
 import re
@@ -19,11 +19,13 @@ CHEAP = ["backbone=small_cnn", "backbone.image_size=16", "dataset.max_samples=30
 def documented_commands(page: str = "federation.md") -> list[tuple[bool, list[str]]]:
     """``(sweep, overrides)`` of each ``fedadapt`` line of the page's bash blocks (continued
     lines joined, comments dropped)."""
-    text = (ROOT / "docs" / page).read_text()
+    text = (ROOT / "docs" / page).resolve().read_text()
     out = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         for line in block.replace("\\\n", " ").splitlines():
             words = shlex.split(line, comments=True)
+            while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+                words = words[1:]  # an environment variable set for the command
             if words[:1] != ["fedadapt"]:
                 continue
             sweep = "-m" in words
@@ -46,12 +48,36 @@ def sweep_points(overrides: list[str]) -> list[list[str]]:
     return [list(point) for point in itertools.product(*choices)]
 
 
+def covering_points(overrides: list[str]) -> list[list[str]]:
+    """Points of a sweep that hold each value of each key at least once (the i-th value of
+    every key, the last where a key has fewer)."""
+    choices = [sweep_points([item])[0:] for item in overrides]
+    return [[c[min(i, len(c) - 1)][0] for c in choices]
+            for i in range(max((len(c) for c in choices), default=1))]
+
+
 COMMANDS = documented_commands()
+#: Every page with a ``fedadapt`` command, the README included.
+PAGES = [p for p in sorted(str(f.relative_to(ROOT / "docs")) for f in (ROOT / "docs").rglob("*.md"))
+         + ["../README.md"] if documented_commands(p)]
 
 
 def test_the_page_has_its_commands():
     assert len(COMMANDS) >= 8 and any(sweep for sweep, _ in COMMANDS)
     assert any("strategy=custom" in args for _, args in COMMANDS)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_documented_command_composes_as_written(page, tmp_path, monkeypatch):
+    """A user pastes the command: it composes, every value checked, each value of a sweep in
+    a point (a ``...`` placeholder or a misspelt key fails here)."""
+    from fedadapt.entry import compose_config, to_run_config
+
+    monkeypatch.chdir(tmp_path)  # the user's folder, with federation.md's own strategy in it
+    (tmp_path / "halfstep.py").write_text(docs_example("halfstep.py"))
+    for sweep, args in documented_commands(page):
+        for point in covering_points(args) if sweep else [args]:
+            to_run_config(compose_config(point))
 
 
 @pytest.mark.slow  # a run each

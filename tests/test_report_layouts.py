@@ -11,7 +11,7 @@ from fedadapt.results.report import (
     find_runs,
     paired_deltas,
     paper_table,
-    personalization_table,
+    personalization_layout,
     rounds_to,
 )
 
@@ -70,7 +70,7 @@ def test_personalization_layout(tmp_path):
              part="client_token")
     make_run(tmp_path, "b", label="accumulator_pa", alpha=0.1, seed=0, accs=[0.4],
              part="adapters")
-    table = personalization_table(find_runs([str(tmp_path)]))
+    table = personalization_layout(find_runs([str(tmp_path)]))
     assert "| accumulator_pa [client_token] | 50.00 (+30.00) |" in table
     assert "| accumulator_pa [adapters] | 40.00 (+20.00) |" in table
 

@@ -18,7 +18,7 @@ from fedadapt.federation.client.training import evaluate_exits, train_local
 from fedadapt.federation.simulation.inprocess import run_in_process
 from fedadapt.federation.wire import records
 from fedadapt.results.store import read_jsonl
-from fedadapt.settings import assign_tiers, client_exits, only_training, part_names
+from fedadapt.settings import assign_tiers, client_tiers, only_training, part_names
 
 TINY_VIT = BackboneConfig(name="tiny_vit", family="vit", image_size=32, arch=dict(
     patch_size=8, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
@@ -42,11 +42,11 @@ def test_tiers_are_balanced_seeded_and_checked():
     tiers = assign_tiers(10, [0, 5, 11], seed=3)
     assert sorted(np.bincount(tiers, minlength=12)[[0, 5, 11]]) == [3, 3, 4]
     assert tiers == assign_tiers(10, [0, 5, 11], seed=3) != assign_tiers(10, [0, 5, 11], seed=4)
-    every = client_exits(SettingConfig(name="multitier"), 24, 12, seed=0)
+    every = client_tiers(SettingConfig(name="multitier"), 24, 12, seed=0)
     assert np.bincount(every).tolist() == [2] * 12
-    assert client_exits(SettingConfig(name="anytime"), 4, 12, seed=0) == []  # no tiers
+    assert client_tiers(SettingConfig(name="anytime"), 4, 12, seed=0) == []  # no tiers
     with pytest.raises(ConfigError, match="setting.tiers"):
-        client_exits(SettingConfig(name="multitier", tiers=[3, 12]), 4, 12, seed=0)
+        client_tiers(SettingConfig(name="multitier", tiers=[3, 12]), 4, 12, seed=0)
 
 
 def _heads_changed(before, model):

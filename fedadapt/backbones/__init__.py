@@ -5,6 +5,11 @@ batch of normalised images ``[B, 3, H, W]`` to pooled features ``[B, D]``, froze
 (``requires_grad=False``) and in eval mode. Families register themselves with
 :func:`register_backbone_family`; weights come from a hub id or a local path, or are random when
 ``cfg.weights`` is None (tests, ``fedadapt-inspect``).
+
+Family modules are found, not listed, as methods are
+(:func:`fedadapt.adapters.registry.load_methods`): every module of this package but ``base`` is
+imported once, the first time a backbone is built (:func:`load_backbone_families`). Adding a
+family is a new file here.
 """
 
 from __future__ import annotations
@@ -12,9 +17,22 @@ from __future__ import annotations
 from fedadapt.backbones.base import FAMILIES, Backbone, register_backbone_family
 from fedadapt.config import BackboneConfig, ConfigError
 
-#: The modules that define backbone families.
-FAMILY_MODULES = ("alexnet", "ast_model", "clip", "cnn", "efficientnet", "leaf_cnn",
-                  "timm_models", "vit")
+_LOADED: list[bool] = []
+
+
+def load_backbone_families() -> dict:
+    """Import every family module of this package once (their decorators fill
+    :data:`~fedadapt.backbones.base.FAMILIES`); returns it."""
+    if not _LOADED:
+        import importlib
+        import pkgutil
+        from pathlib import Path
+
+        for m in pkgutil.iter_modules([str(Path(__file__).parent)]):
+            if m.name != "base" and not m.name.startswith("_"):
+                importlib.import_module(f"fedadapt.backbones.{m.name}")
+        _LOADED.append(True)  # after every import: one that failed fails again next time
+    return FAMILIES
 
 
 def build_backbone(cfg: BackboneConfig, *, load_weights: bool = True) -> Backbone:
@@ -28,11 +46,7 @@ def build_backbone(cfg: BackboneConfig, *, load_weights: bool = True) -> Backbon
         False builds the architecture with random weights (no download), as
         ``fedadapt-inspect`` does.
     """
-    import importlib
-
-    for module in FAMILY_MODULES:  # each registers its families
-        importlib.import_module(f"fedadapt.backbones.{module}")
-
+    load_backbone_families()
     if cfg.family not in FAMILIES:
         raise ConfigError(
             f"backbone.family={cfg.family!r} is invalid: one of {sorted(FAMILIES)}"
@@ -52,7 +66,8 @@ def build_backbone(cfg: BackboneConfig, *, load_weights: bool = True) -> Backbon
     return backbone.freeze()
 
 
-__all__ = ["Backbone", "build_backbone", "register_backbone_family"]
+__all__ = ["Backbone", "build_backbone", "load_backbone_families",
+           "register_backbone_family"]
 
 
 def _check_sealed_weights(cfg: BackboneConfig, load_weights: bool) -> None:

@@ -413,42 +413,16 @@ def standardise(raw, card: DatasetCard, cfg: DatasetConfig, seed: int,
     """Rename columns to the standard names, ensure ClassLabel, train/test splits. With
     ``number_rows`` (a dict, filled with ``{split: source split}``), the train and test rows
     carry their row in the source in the column :data:`SOURCE_ROWS`."""
-    from datasets import ClassLabel, DatasetDict
+    from datasets import DatasetDict
 
-    train_name = card.splits.get("train") or "train"
-    if train_name not in raw:
-        raise ConfigError(f"dataset={card.name}: source has no split {train_name!r} "
-                          f"(has {list(raw)})")
-    out = {}
-    for std_split, src_split in (("train", train_name), ("test", card.splits.get("test"))):
-        if src_split is None or src_split not in raw:
-            continue
-        ds = raw[src_split]
-        # A local copy built by fedadapt's loaders (domain folders) already has standard names.
-        columns = {std: src if src in ds.column_names or std not in ds.column_names else std
-                   for std, src in card.columns.items()}
-        missing = [src for src in columns.values() if src not in ds.column_names]
-        if missing:
-            raise ConfigError(
-                f"dataset={card.name}: column(s) {missing} named in datasets/{card.name}.yaml are "
-                f"missing from the data (columns: {ds.column_names})")
-        renames = {src: std for std, src in columns.items() if src != std}
-        ds = ds.select_columns(list(columns.values())).rename_columns(renames)
-        if not isinstance(ds.features["label"], ClassLabel):
-            ds = ds.class_encode_column("label")
-        out[std_split] = ds
+    out = _standard_splits(raw, card)
     if card.test_split_clients and "test" in out:  # the test split's users: unseen clients
         out = _test_users_into_train(out)
     if number_rows is not None:  # each row's row in the source, before the seeded draws below
         origin = {name: name for name in out}
         out = {name: ds.add_column(SOURCE_ROWS, np.arange(len(ds), dtype=np.int64))
                for name, ds in out.items()}
-    if "test" not in out and cfg.test_fraction == 0:  # no global test set: an empty split
-        out["test"] = out["train"].select([])
-    elif "test" not in out:
-        parts = out["train"].train_test_split(test_size=cfg.test_fraction, seed=seed,
-                                              stratify_by_column="label")
-        out = {"train": parts["train"], "test": parts["test"]}
+    out = _with_test_split(out, cfg, seed)
     if cfg.max_samples is not None and cfg.max_samples < len(out["train"]):
         out["train"] = out["train"].shuffle(seed=seed).select(range(cfg.max_samples))
     if number_rows is not None:  # a test split drawn from the training data: its train rows
@@ -459,6 +433,52 @@ def standardise(raw, card: DatasetCard, cfg: DatasetConfig, seed: int,
                               f"(has {list(raw)})")
         out[name] = raw[name]
     return DatasetDict(out)
+
+
+def _standard_splits(raw, card: DatasetCard) -> dict:
+    """The source's train and (if the card names one it has) test split, each with the
+    standard columns (:func:`_standard_columns`); refused without the training split."""
+    train_name = card.splits.get("train") or "train"
+    if train_name not in raw:
+        raise ConfigError(f"dataset={card.name}: source has no split {train_name!r} "
+                          f"(has {list(raw)})")
+    out = {}
+    for std_split, src_split in (("train", train_name), ("test", card.splits.get("test"))):
+        if src_split is not None and src_split in raw:
+            out[std_split] = _standard_columns(raw[src_split], card)
+    return out
+
+
+def _standard_columns(ds, card: DatasetCard):
+    """``ds``'s columns the card maps, renamed to the standard names, its label a ClassLabel;
+    refused when a column the card names is missing."""
+    from datasets import ClassLabel
+
+    # A local copy built by fedadapt's loaders (domain folders) already has standard names.
+    columns = {std: src if src in ds.column_names or std not in ds.column_names else std
+               for std, src in card.columns.items()}
+    missing = [src for src in columns.values() if src not in ds.column_names]
+    if missing:
+        raise ConfigError(
+            f"dataset={card.name}: column(s) {missing} named in datasets/{card.name}.yaml are "
+            f"missing from the data (columns: {ds.column_names})")
+    renames = {src: std for std, src in columns.items() if src != std}
+    ds = ds.select_columns(list(columns.values())).rename_columns(renames)
+    if not isinstance(ds.features["label"], ClassLabel):
+        ds = ds.class_encode_column("label")
+    return ds
+
+
+def _with_test_split(out: dict, cfg: DatasetConfig, seed: int) -> dict:
+    """``out`` with a test split: its own, an empty one (``dataset.test_fraction=0``: no global
+    test set) or ``dataset.test_fraction`` of the training split, stratified with the seed."""
+    if "test" in out:
+        return out
+    if cfg.test_fraction == 0:
+        return {**out, "test": out["train"].select([])}
+    parts = out["train"].train_test_split(test_size=cfg.test_fraction, seed=seed,
+                                          stratify_by_column="label")
+    return {"train": parts["train"], "test": parts["test"]}
 
 
 def _test_users_into_train(out: dict) -> dict:

@@ -164,32 +164,71 @@ def select_ids(ids: np.ndarray, k: int, seed: int, card: DatasetCard) -> np.ndar
 
 def partition_dataset(train_ds, cfg: PartitionConfig, card: DatasetCard, seed: int) -> Partition:
     """Partition ``train_ds`` (standard columns) into clients as ``cfg`` says."""
-    columns = train_ds.column_names
     rows = _selected_rows(train_ds, cfg, card, seed)  # partition.select_ids, or None for all
     n = len(train_ds) if rows is None else len(rows)
     _check_enough(cfg, card, n)
+    key = _partition_key(train_ds.column_names, cfg, card)
+    held = test_user_rows(train_ds, cfg, card)  # the source's own test users, if it has some
+    light = _rows_to_partition(train_ds, cfg, key, rows, held, seed)
+    mixed: list = []
+    if cfg.kind == "superclass" and cfg.mixed_fraction > 0:
+        light, mixed = _mixed_clients(light, cfg, seed)
+    indices, firsts = _run_partitioner(light, cfg, card, seed, key, len(mixed))
+    indices, names = _named_partitions(indices, firsts, cfg, key, mixed)
+    indices, names, unseen, unseen_name = _hold_out_or_sample(indices, names, cfg, card, seed,
+                                                              held)
+    clients = [split_client(idx, cfg, seed, i) for i, idx in enumerate(indices)]
+    if cfg.val_clients > 0:  # "by client" validation: whole training clients
+        _hold_out_validation_clients(clients, indices, cfg, seed)
+    if held is not None:  # each test user is an unseen client holding test data only
+        _add_test_users(train_ds, held, clients, indices, names)
+    if cfg.test_clients > 0:  # "by client": unseen clients hold test data only
+        _hold_out_test_clients(clients, indices, cfg, seed)
+    part = Partition(clients=clients, names=names, unseen=unseen, unseen_name=unseen_name)
+    part.stats = partition_stats(part, column(train_ds, "label"))
+    if rows is not None:
+        part.stats["selected_ids"] = {"ids": int(cfg.select_ids), "samples": int(n)}
+    return part
+
+
+def _partition_key(columns: list[str], cfg: PartitionConfig, card: DatasetCard
+                   ) -> Optional[str]:
+    """The column a keyed partition groups by (``client``, ``domain`` or the superclass key),
+    None for the others; refused when the data set has no such column."""
     key = {"natural": "client", "domain": "domain", "superclass": cfg.superclass_key
            }.get(cfg.kind)
     if key is not None and key not in columns:
         raise ConfigError(f"partition={cfg.kind} is invalid for dataset={card.name}: it has no "
                           f"'{key}' column (the card maps none)")
+    return key
+
+
+def _rows_to_partition(train_ds, cfg: PartitionConfig, key: Optional[str],
+                       rows: Optional[np.ndarray], held: Optional[np.ndarray], seed: int):
+    """The label, key and row-index (``__idx__``) columns of the rows the partitioner cuts:
+    ``partition.select_ids``' rows (or all) less the source's own test users, shuffled with the
+    seed for the partitioners that cut contiguously."""
     light = train_ds.select_columns([c for c in ("label", key) if c]).add_column(
         "__idx__", np.arange(len(train_ds)))
     keep = rows  # partition.select_ids' rows, or None for all
-    held = test_user_rows(train_ds, cfg, card)  # the source's own test users, if it has some
     if held is not None:  # they never reach the partitioner: the training users do
         keep = np.setdiff1d(np.arange(len(train_ds)) if keep is None else keep, held)
     if keep is not None:
         light = light.select(keep)
     if cfg.kind in IN_ORDER:  # these partitioners cut contiguously: shuffle first, with the seed
         light = light.shuffle(seed=seed)
-    mixed: list = []
-    if cfg.kind == "superclass" and cfg.mixed_fraction > 0:
-        light, mixed = _mixed_clients(light, cfg, seed)
+    return light
+
+
+def _run_partitioner(light, cfg: PartitionConfig, card: DatasetCard, seed: int,
+                     key: Optional[str], mixed: int) -> tuple[list[np.ndarray], list]:
+    """Each partition's rows and first key value (:func:`_load_partitions`), Flower Datasets'
+    notes logged and its refusals in the config's words; a partition left empty refused (but
+    for natural and domain partitions)."""
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            partitioner = _partitioner(cfg, card, seed, len(mixed), n=len(light))
+            partitioner = _partitioner(cfg, card, seed, mixed, n=len(light))
             partitioner.dataset = light
             indices, firsts = ([], []) if len(light) == 0 else _load_partitions(partitioner, key)
     except ValueError as err:
@@ -201,6 +240,13 @@ def partition_dataset(train_ds, cfg: PartitionConfig, card: DatasetCard, seed: i
         raise ConfigError(f"partition={cfg.kind} with partition.num_clients={cfg.num_clients} "
                           f"is invalid for dataset={card.name}: client(s) {empty[:5]} get no "
                           f"sample; use fewer clients")
+    return indices, firsts
+
+
+def _named_partitions(indices: list[np.ndarray], firsts: list, cfg: PartitionConfig,
+                      key: Optional[str], mixed: list) -> tuple[list[np.ndarray], list[str]]:
+    """The partitions with the superclass partition's mixed clients first, and each client's
+    name: its key value for a keyed partition, ``client-<i>`` otherwise."""
     if cfg.kind == "superclass":  # the mixed clients take the first partition ids
         indices = [column(p, "__idx__", np.int64) for p in mixed] + indices
         names = [f"client-{i}" for i in range(len(indices))]
@@ -209,33 +255,33 @@ def partition_dataset(train_ds, cfg: PartitionConfig, card: DatasetCard, seed: i
     else:
         names = [str(first) if len(idx) else f"empty-{i}"
                  for i, (idx, first) in enumerate(zip(indices, firsts))]
+    return indices, names
 
-    indices, names, unseen, unseen_name = _hold_out_or_sample(indices, names, cfg, card, seed,
-                                                              held)
-    clients = [split_client(idx, cfg, seed, i) for i, idx in enumerate(indices)]
-    if cfg.val_clients > 0:  # "by client" validation: whole training clients
-        _hold_out_validation_clients(clients, indices, cfg, seed)
-    if held is not None:  # each test user is an unseen client holding test data only
-        users = column(train_ds.select(held), "client")
-        for uid in sorted(np.unique(users).tolist(), key=str):
-            whole = np.sort(held[users == uid]).astype(np.int64)
-            clients.append(ClientSplit(train=whole[:0], val=whole[:0], test=whole))
-            indices.append(whole)
-            names.append(f"test:{uid}")
-    if cfg.test_clients > 0:  # "by client": unseen clients hold test data only
-        k = int(round(cfg.test_clients * len(clients)))
-        if not 0 < k < len(clients):
-            raise ConfigError(f"partition.test_clients={cfg.test_clients} is invalid: with "
-                              f"{len(clients)} clients it holds out {k}; keep some on both sides")
-        held = np.random.default_rng([seed, 0x7E57]).choice(len(clients), k, replace=False)
-        for j in held:
-            whole = np.sort(np.asarray(indices[j], dtype=np.int64))
-            clients[j] = ClientSplit(train=whole[:0], val=whole[:0], test=whole)
-    part = Partition(clients=clients, names=names, unseen=unseen, unseen_name=unseen_name)
-    part.stats = partition_stats(part, column(train_ds, "label"))
-    if rows is not None:
-        part.stats["selected_ids"] = {"ids": int(cfg.select_ids), "samples": int(n)}
-    return part
+
+def _add_test_users(train_ds, held: np.ndarray, clients: list[ClientSplit],
+                    indices: list[np.ndarray], names: list[str]) -> None:
+    """The source's own test users appended as unseen clients (``test:<user>``) holding test
+    data only."""
+    users = column(train_ds.select(held), "client")
+    for uid in sorted(np.unique(users).tolist(), key=str):
+        whole = np.sort(held[users == uid]).astype(np.int64)
+        clients.append(ClientSplit(train=whole[:0], val=whole[:0], test=whole))
+        indices.append(whole)
+        names.append(f"test:{uid}")
+
+
+def _hold_out_test_clients(clients: list[ClientSplit], indices: list[np.ndarray],
+                           cfg: PartitionConfig, seed: int) -> None:
+    """``partition.test_clients``: that fraction of the clients, drawn with the seed, made
+    unseen clients whose whole partition is test data."""
+    k = int(round(cfg.test_clients * len(clients)))
+    if not 0 < k < len(clients):
+        raise ConfigError(f"partition.test_clients={cfg.test_clients} is invalid: with "
+                          f"{len(clients)} clients it holds out {k}; keep some on both sides")
+    held = np.random.default_rng([seed, 0x7E57]).choice(len(clients), k, replace=False)
+    for j in held:
+        whole = np.sort(np.asarray(indices[j], dtype=np.int64))
+        clients[j] = ClientSplit(train=whole[:0], val=whole[:0], test=whole)
 
 
 def _load_partitions(partitioner, key: Optional[str]) -> tuple[list[np.ndarray], list]:

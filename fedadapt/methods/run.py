@@ -34,6 +34,9 @@ class PreparedRun:
     #: (:func:`fedadapt.data.cache.backbone_fingerprint`): two runs that name the same weights
     #: folder but read different files (a backbone pretrained again) tell apart in the summary.
     backbone_weights: Optional[str] = None
+    #: The method's family (:class:`fedadapt.methods.Family`), looked up once by
+    #: :func:`fedadapt.experiment.prepare_run`: it checks, prepares and runs the run.
+    method_family: Optional[object] = None
 
 
 def write_partition(run_dir: Path, cfg: RunConfig, prep: PreparedRun, *, stats: bool = True,
@@ -79,8 +82,8 @@ class Background:
             self.fn()
 
 
-def open_tracker(cfg: RunConfig, run_dir: Path, config_yaml: str, label: str,
-                  resume_round: int = 0):
+def run_tracker(cfg: RunConfig, run_dir: Path, config_yaml: str, label: str,
+                resume_round: int = 0):
     """The run's :class:`fedadapt.tracking.Tracker` (no-op unless ``tracking.*`` is on)."""
     from fedadapt.results.store import git_commit
     from fedadapt.tracking import open_tracker

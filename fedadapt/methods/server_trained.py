@@ -28,7 +28,7 @@ from fedadapt.log import log
 from fedadapt.methods.run import (
     PreparedRun,
     node_layout,
-    open_tracker,
+    run_tracker,
     simulation,
     summary_head,
     summary_tail,
@@ -276,7 +276,7 @@ def finish_server_run(cfg: RunConfig, run_dir: Path, prep: PreparedRun, state, *
     table = run_tables([summary], title=f"## {cfg.experiment}: {label} on {cfg.dataset.name}")
     atomic_write(run_dir / "table.md", lambda fh: fh.write(table))
     write_json(run_dir / SUMMARY, summary)  # last: marks the run directory complete
-    tracker = open_tracker(cfg, run_dir, (run_dir / "config.yaml").read_text(), label)
+    tracker = run_tracker(cfg, run_dir, (run_dir / "config.yaml").read_text(), label)
     for row in state.history:  # its one phase with the clients
         tracker.log_round(row)
     tracker.close(run_dir)

@@ -310,7 +310,7 @@ def paper_table(runs: list[dict]) -> str:
     return _pivot(runs, cell)
 
 
-def personalization_table(runs: list[dict]) -> str:
+def personalization_layout(runs: list[dict]) -> str:
     """Table 4: accuracy on the clients' corrupted test data after personalization (gain)."""
     runs = [r for r in runs if r["summary"].get("personalization")]
     relabeled = [{**r, "summary": {**r["summary"], "method": f"{_label(r)} "
@@ -437,7 +437,7 @@ def communication_table(runs: list[dict], target_method: str) -> str:
 LAYOUTS = ("runs", "paper", "personalization", "communication", "domains", "sessions")
 
 
-def sessions_table(runs: list[dict]) -> str:
+def sessions_layout(runs: list[dict]) -> str:
     """Session plug-ins (DUET Tables 2-4, CDC-MMPG Tables 1-2 and 6): accuracy of the original
     model, the fine-tuning baseline and the generated layers, mean ± std over seeds; the
     measured payload per session, the generation time and the delay at each link speed."""
@@ -531,10 +531,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     out = Path(args.out or args.dirs[0])
     if args.layout != "runs":
-        md = {"paper": paper_table, "personalization": personalization_table,
+        md = {"paper": paper_table, "personalization": personalization_layout,
               "communication": lambda rs: communication_table(rs, args.target_method),
               "domains": lambda rs: domain_tables([r["summary"] for r in rs]),
-              "sessions": sessions_table,
+              "sessions": sessions_layout,
               }[args.layout](runs)
         title = (f"# fedadapt report ({args.layout}): {len(runs)} runs, mean ± std over seeds"
                  f"\n\n{CONVENTION}\n\n")

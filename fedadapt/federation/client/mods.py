@@ -189,32 +189,47 @@ def around_clients(entries: list, msgs: dict[int, Message], contexts: dict[int, 
     mods = chain(entries)
     cv = threading.Condition()
     clients = {cid: _Client(msg, contexts[cid]) for cid, msg in msgs.items()}
-
-    def run(c: _Client) -> None:
-        def call_next(msg: Message, ctx: Context) -> Message:
-            with cv:
-                if c.arrived is not None:
-                    raise RuntimeError("a mod called call_next twice for one message")
-                c.arrived = msg
-                cv.notify_all()
-            c.ready.wait()
-            return _reply(c.reply, msg)
-
-        try:
-            c.out = make_ffn(call_next, mods)(c.msg, c.context)
-        except BaseException as err:  # the client's failure, reported as its error record
-            c.failed = err
-        finally:
-            with cv:
-                c.finished = True
-                cv.notify_all()
-
-    threads = [threading.Thread(target=run, args=(c,), daemon=True) for c in clients.values()]
+    threads = [threading.Thread(target=_through_mods, args=(c, mods, cv), daemon=True)
+               for c in clients.values()]
     for t in threads:
         t.start()
     with cv:
         cv.wait_for(lambda: all(c.arrived is not None or c.finished for c in clients.values()))
     waiting = {cid: c for cid, c in clients.items() if c.arrived is not None and not c.finished}
+    try:
+        late = _handle_together(waiting, handle)
+    finally:
+        for t in threads:
+            t.join()
+    return _replies(clients, late)
+
+
+def _through_mods(c: _Client, mods: list, cv: threading.Condition) -> None:
+    """One client's thread: its message through its mod chain, whose innermost ``call_next``
+    hands the message to the handler's one call and waits for its reply there."""
+    def call_next(msg: Message, ctx: Context) -> Message:
+        with cv:
+            if c.arrived is not None:
+                raise RuntimeError("a mod called call_next twice for one message")
+            c.arrived = msg
+            cv.notify_all()
+        c.ready.wait()
+        return _reply(c.reply, msg)
+
+    try:
+        c.out = make_ffn(call_next, mods)(c.msg, c.context)
+    except BaseException as err:  # the client's failure, reported as its error record
+        c.failed = err
+    finally:
+        with cv:
+            c.finished = True
+            cv.notify_all()
+
+
+def _handle_together(waiting: dict[int, _Client], handle: Handler) -> set[int]:
+    """``handle``'s one call on the messages that reached it, each reply handed back to its
+    client's thread (the handler's failure as every waiting client's error record); returns
+    the clients whose reply was late."""
     late: set[int] = set()
     try:
         replies = handle({cid: c.arrived for cid, c in waiting.items()}) if waiting else {}
@@ -229,8 +244,12 @@ def around_clients(entries: list, msgs: dict[int, Message], contexts: dict[int, 
     finally:
         for c in waiting.values():
             c.ready.set()
-        for t in threads:
-            t.join()
+    return late
+
+
+def _replies(clients: dict[int, _Client], late: set[int]) -> dict[int, RecordDict]:
+    """Each client's reply after its mods, or its failure as an error record; none for a late
+    client."""
     out = {}
     for cid, c in clients.items():
         if cid in late:

@@ -319,27 +319,10 @@ def _privacy_row(strategy) -> dict:
 def _train_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd: int,
                  config: ConfigRecord) -> tuple[dict, int, int]:
     """One round of training through the strategy's hooks; its row so far and the bytes."""
-    strategy = state.strategy
-    shapes = {name: tuple(arr.shape) for name, arr in state.arrays.items()}
-    names = plan.sent_names or (lambda cid: list(shapes))
-    shape = plan.sent_shape or (lambda cid, name, global_shape: global_shape)
-
-    def expected(cid: int) -> dict[str, tuple]:
-        return {n: shape(cid, n, shapes[n]) for n in names(cid)}
+    strategy, fleet = state.strategy, plan.fleet
+    expected = _expected_shapes(state, plan)
     grid.trained = plan.sent_names
-    fleet, sim = plan.fleet, {}
-    if fleet is not None:  # the strategy samples among the clients available now
-        start = fleet.next_available(state.sim_time)
-        if start is None:
-            raise RoundFailed(f"round {rnd}: no client of the fleet is ever available again "
-                              f"after simulated second {state.sim_time:.1f} (fleet.trace)")
-        available = fleet.available(start)
-        # fleet.memory: a client whose training does not fit in its device is not sampled
-        fits = getattr(fleet, "fits", None)
-        grid.only = {c for c in available if fits is None or fits[c]}
-        sim["sim_unavailable"] = plan.num_clients - len(available)
-        if getattr(fleet, "memory_capped", False):
-            sim["sim_no_memory"] = len(available) - len(grid.only)
+    start, sim = _offer_available(grid, state, plan, rnd)
     try:
         with state.streams.use("train"):
             messages = _messages(strategy, "configure_train",
@@ -353,18 +336,77 @@ def _train_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd: in
     sent, replies, screened = exchange(grid, messages, plan.timeout, expected, "training",
                                         rnd)
     down, up = grid.take_bytes()
-    if fleet is not None and asynchronous:  # when each started client will arrive
-        sim.update(_arrivals(fleet, start, _inner(strategy), screened, replies, sent, down, up))
-    elif fleet is not None:  # the round on the simulated clock
-        sim.update(_simulated_round(fleet, start, state, screened, replies, sent, down, up,
-                                    cut))
+    if fleet is not None:  # the fleet's clock: when each client arrives, or the round's time
+        sim.update(_fleet_clock(fleet, start, state, asynchronous, screened, replies, sent,
+                                down, up, cut))
     require_enough(screened, len(sent), plan.min_reply_fraction, rnd)
     served = grid.take_nodes()
+    train_loss, train_metrics = _aggregate_train(state, screened, replies, rnd, asynchronous)
+    if fleet is not None and asynchronous:  # the clock: the update's simulated second
+        previous, state.sim_time = state.sim_time, max(state.sim_time, _inner(strategy).now)
+        sim.update({"sim_round_s": state.sim_time - previous, "sim_time_s": state.sim_time})
+    row = _train_row(rnd, plan, strategy, sent, screened, served, train_loss, train_metrics,
+                     sim)
+    del messages, sent, replies, screened  # freed before the next round
+    return_freed_memory()
+    return row, sum(down.values()), sum(up.values())
+
+
+def _expected_shapes(state: ServerState, plan: ServerPlan) -> Callable[[int], dict[str, tuple]]:
+    """``expected(cid)``: the name and shape of each tensor client ``cid`` sends (every global
+    tensor at its global shape, unless the plan says otherwise), for screening its reply."""
+    shapes = {name: tuple(arr.shape) for name, arr in state.arrays.items()}
+    names = plan.sent_names or (lambda cid: list(shapes))
+    shape = plan.sent_shape or (lambda cid, name, global_shape: global_shape)
+
+    def expected(cid: int) -> dict[str, tuple]:
+        return {n: shape(cid, n, shapes[n]) for n in names(cid)}
+    return expected
+
+
+def _offer_available(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd: int
+                     ) -> tuple[Optional[float], dict]:
+    """With a fleet, the clients the strategy may sample now (``grid.only``: available, and
+    their training fits in their device's memory), the simulated second they start from and
+    the row's counts of those left out; ``(None, {})`` without a fleet."""
+    fleet, sim = plan.fleet, {}
+    if fleet is None:
+        return None, sim
+    start = fleet.next_available(state.sim_time)
+    if start is None:
+        raise RoundFailed(f"round {rnd}: no client of the fleet is ever available again "
+                          f"after simulated second {state.sim_time:.1f} (fleet.trace)")
+    available = fleet.available(start)
+    # fleet.memory: a client whose training does not fit in its device is not sampled
+    fits = getattr(fleet, "fits", None)
+    grid.only = {c for c in available if fits is None or fits[c]}
+    sim["sim_unavailable"] = plan.num_clients - len(available)
+    if getattr(fleet, "memory_capped", False):
+        sim["sim_no_memory"] = len(available) - len(grid.only)
+    return start, sim
+
+
+def _fleet_clock(fleet, start: float, state: ServerState, asynchronous: bool, screened,
+                 replies, sent, down, up, cut) -> dict:
+    """The fleet's clock after the exchange: an asynchronous strategy is told when each client
+    it started will arrive; a round of the others is placed on the simulated clock."""
+    if asynchronous:
+        return _arrivals(fleet, start, _inner(state.strategy), screened, replies, sent, down, up)
+    return _simulated_round(fleet, start, state, screened, replies, sent, down, up, cut)
+
+
+def _aggregate_train(state: ServerState, screened, replies: dict, rnd: int,
+                     asynchronous: bool) -> tuple[Optional[float], Optional[dict]]:
+    """The strategy's ``aggregate_train`` on the replies, the new global arrays checked and
+    kept in the old ones' dtypes; the round's train loss (the clients' weighted mean; for an
+    asynchronous strategy, the loss of the updates it applied) and the strategy's metrics."""
+    strategy = state.strategy
     weight = getattr(_inner(strategy), "weighted_by_key", "num-examples")
     good = [content for _, content in screened.good]
     # read before the strategy aggregates: some strategies consume the replies' arrays
     train_loss = (float(aggregate_client_metrics(good, weight)["train_loss"])
                   if good else None)
+    del good
     with state.streams.use("train"):  # DP noise: numpy's generator
         new_arrays, train_metrics = _aggregated(strategy, strategy.aggregate_train(
             rnd, [replies[p] for p in sorted(replies)]), rnd)
@@ -374,22 +416,22 @@ def _train_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd: in
     if new_arrays is not None:
         _check_arrays(strategy, new_arrays, state.arrays, rnd)
         state.arrays = _in_dtypes_of(state.arrays, new_arrays)
-    if fleet is not None and asynchronous:  # the clock: the update's simulated second
-        previous, state.sim_time = state.sim_time, max(state.sim_time, _inner(strategy).now)
-        sim.update({"sim_round_s": state.sim_time - previous, "sim_time_s": state.sim_time})
-    row = {"round": rnd, "lr": plan.lr_at(rnd), "clients_sampled": len(sent),
-           "clients_trained": len(screened.good), "clients_failed": len(screened.dropped),
-           "failures": screened.counts(),
-           "late_clients": sorted(c for c, kind, _ in screened.dropped
-                                  if kind in ("timeout", "sim_late")),
-           "train_loss": train_loss,
-           "global_acc": None, "global_loss": None, "client_acc": None,
-           "client_acc_weighted": None, "clients_evaluated": None, **_privacy_row(strategy),
-           **({"trained_on": served} if len(served) > 1 else {}),
-           **_prefixed(STRATEGY_TRAIN, train_metrics), **sim}
-    del messages, sent, replies, screened, good  # freed before the next round
-    return_freed_memory()
-    return row, sum(down.values()), sum(up.values())
+    return train_loss, train_metrics
+
+
+def _train_row(rnd: int, plan: ServerPlan, strategy, sent, screened, served, train_loss,
+               train_metrics, sim: dict) -> dict:
+    """The round's metrics row as training leaves it (evaluation fills its columns later)."""
+    return {"round": rnd, "lr": plan.lr_at(rnd), "clients_sampled": len(sent),
+            "clients_trained": len(screened.good), "clients_failed": len(screened.dropped),
+            "failures": screened.counts(),
+            "late_clients": sorted(c for c, kind, _ in screened.dropped
+                                   if kind in ("timeout", "sim_late")),
+            "train_loss": train_loss,
+            "global_acc": None, "global_loss": None, "client_acc": None,
+            "client_acc_weighted": None, "clients_evaluated": None, **_privacy_row(strategy),
+            **({"trained_on": served} if len(served) > 1 else {}),
+            **_prefixed(STRATEGY_TRAIN, train_metrics), **sim}
 
 
 #: Why a fleet's clock drops a client (its failure kind is ``sim_<why>``).

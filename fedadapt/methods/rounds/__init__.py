@@ -42,22 +42,22 @@ class Rounds(Family):
         from fedadapt.methods.rounds.run import (
             apply_setting,
             assign_client_ranks,
-            check_strategy,
+            check_strategy_with_clients,
             client_mods,
         )
 
         apply_setting(cfg, prep.spec, prep.model)
         assign_client_ranks(cfg, prep.spec)
         prep.spec.train_mods, prep.spec.evaluate_mods = client_mods(cfg)
-        check_strategy(cfg, prep)
+        check_strategy_with_clients(cfg, prep)
         from fedadapt.federation.simulation.fleet import build_fleet
 
         prep.fleet = build_fleet(cfg, prep.spec, prep.model)  # a deadline nobody meets: now
 
     def check(self, cfg, card) -> None:
-        from fedadapt.methods.rounds.run import check_strategy_config
+        from fedadapt.methods.rounds.run import check_rounds_config
 
-        check_strategy_config(cfg)
+        check_rounds_config(cfg)
 
     def check_code(self, cfg) -> None:
         from fedadapt.methods.rounds.run import check_code

@@ -21,7 +21,7 @@ from fedadapt.methods.run import (
     Background,
     PreparedRun,
     node_layout,
-    open_tracker,
+    run_tracker,
     simulation,
     summary_head,
     summary_tail,
@@ -60,11 +60,8 @@ def client_mods(cfg: RunConfig) -> tuple[list, list]:
 def apply_setting(cfg: RunConfig, spec: RunSpec, model: AdaptedModel) -> None:
     """Fill the spec's exits, tiers and corruptions for the setting; fail on a mismatch."""
     from fedadapt.data.corruptions import check_kinds
-    from fedadapt.settings import assign_client_corruptions, client_exits, part_names, uses_exits
+    from fedadapt.settings import assign_client_corruptions, client_tiers, part_names, uses_exits
 
-    if cfg.train.crop_scale is not None and spec.train_source.kind != "images":
-        raise ConfigError("train.crop_scale augments images: it needs method.use_cache=false "
-                          "(cached features cannot be cropped)")
     st = cfg.setting
     if not uses_exits(st):
         return
@@ -85,7 +82,7 @@ def apply_setting(cfg: RunConfig, spec: RunSpec, model: AdaptedModel) -> None:
                           f"ViT backbone, not method={cfg.method.name} "
                           f"on backbone={cfg.backbone.name}")
     spec.num_exits = model.num_exits
-    spec.client_exits = client_exits(st, spec.num_clients, spec.num_exits, cfg.seed)
+    spec.client_exits = client_tiers(st, spec.num_clients, spec.num_exits, cfg.seed)
     if st.tiers_from == "fleet":  # each client the deepest tier its device trains in time
         from fedadapt.federation.simulation.fleet import tiers_from_fleet
 
@@ -217,18 +214,35 @@ def run_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, config_yaml:
     continues from the run directory's last checkpoint (or starts over when it has none)."""
     import hashlib
 
-    from flwr.app import ArrayRecord
-
-    from fedadapt.files import atomic_write
-    from fedadapt.results.store import METRICS, write_jsonl
-
     t0 = time.time() if t0 is None else t0
-    spec, model = prep.spec, prep.model
     config_sha = hashlib.sha256(config_yaml.encode()).hexdigest()
     point = _resume_point(run_dir, config_yaml, config_sha) if resume else None
     # personalization of a finished run's model: no FL rounds (checked before writing anything)
-    start = _init_from(cfg.setting.init_from, model) if cfg.setting.init_from else None
+    start = _init_from(cfg.setting.init_from, prep.model) if cfg.setting.init_from else None
     num_rounds = 0 if start is not None else cfg.rounds
+    _write_run_start(cfg, run_dir, prep, config_yaml)
+    initial, resume_state = _initial_arrays(cfg, run_dir, prep.model, point, start, label)
+    resumed_round = resume_state["round"] if resume_state else 0
+    tracker = run_tracker(cfg, run_dir, config_yaml, label, resumed_round)
+    try:
+        state = _federate(cfg, run_dir, prep, initial, num_rounds, execute=execute,
+                          client_app=client_app, tracker=tracker, config_sha=config_sha,
+                          label=label, resume_state=resume_state)
+        summary = _finish_rounds(cfg, run_dir, prep, state, label=label, t0=t0,
+                                 num_rounds=num_rounds, resume_state=resume_state)
+    except BaseException:
+        tracker.close(run_dir, failed=True)
+        raise
+    tracker.close(run_dir)
+    return summary
+
+
+def _write_run_start(cfg: RunConfig, run_dir: Path, prep: PreparedRun, config_yaml: str
+                     ) -> None:
+    """What the run directory holds before round 1: ``config.yaml``, the user's files, the
+    partition's statistics, the fleet's devices; the clients' state folder set."""
+    from fedadapt.files import atomic_write
+
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(run_dir / "config.yaml", lambda fh: fh.write(config_yaml))
     record_user_files(cfg, run_dir)
@@ -237,7 +251,17 @@ def run_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, config_yaml:
         from fedadapt.results.store import write_json
 
         write_json(run_dir / "fleet.json", prep.fleet.describe())
-    spec.state_dir = str(run_dir / "clients")
+    prep.spec.state_dir = str(run_dir / "clients")
+
+
+def _initial_arrays(cfg: RunConfig, run_dir: Path, model: AdaptedModel,
+                    point: Optional[tuple[dict, dict]], start: Optional[dict], label: str
+                    ) -> tuple[dict, Optional[dict]]:
+    """The global arrays round 1 starts from (a checkpoint's when resuming, ``init_from``'s, or
+    the model's), in the model's order, and the checkpoint's state (None without);
+    ``metrics.jsonl`` as it was at the checkpoint, or none."""
+    from fedadapt.results.store import METRICS, write_jsonl
+
     metrics_path = run_dir / METRICS
     resume_state = None
     if point is not None:  # metrics.jsonl as it was at the checkpoint; rounds after it rerun
@@ -254,37 +278,39 @@ def run_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, config_yaml:
         cfg, model, initial)}
     if start is not None:
         log(f"[{label}] personalizing the final model of {cfg.setting.init_from}")
-    resumed_round = resume_state["round"] if resume_state else 0
-    tracker = open_tracker(cfg, run_dir, config_yaml, label, resumed_round)
-    show = [None]  # the round bar's hook, set once the bar exists (below)
-    try:
-        plan = _rounds_plan(cfg, prep, ArrayRecord(initial), num_rounds, execute,
-                            on_round=_round_hook(
-                                cfg, run_dir, config_sha, tracker, show,
-                                # the user's strategy: its state after round 1 checked too
-                                (lambda: make_strategy(cfg, prep))
-                                if cfg.strategy.name == "custom" else None),
-                            resume=resume_state)
-        with progress.task(f"[{label}] round", total=max(num_rounds, 1), interval=0,
-                           for_job=True) as bar:
-            if resumed_round:  # the bar starts where the checkpoint left off
-                bar.update(completed=resumed_round)
-            show[0] = _progress(label, cfg.rounds, bar)
-            # the partition's plot beside the rounds (importing matplotlib and drawing 1,000
-            # clients took 3.4 s before round 1, 2.3 s after the last for 10 clients)
-            plot = Background(lambda: write_partition(run_dir, cfg, prep, stats=False))
-            state = (execute or simulation(cfg))(plan, client_app)
-        from fedadapt.federation.client.worker import release_process_caches
+    return initial, resume_state
 
-        release_process_caches()  # in process, the workers' model and mappings: not for plots
-        plot.join()
-        summary = _finish_rounds(cfg, run_dir, prep, state, label=label, t0=t0,
-                                 num_rounds=num_rounds, resume_state=resume_state)
-    except BaseException:
-        tracker.close(run_dir, failed=True)
-        raise
-    tracker.close(run_dir)
-    return summary
+
+def _federate(cfg: RunConfig, run_dir: Path, prep: PreparedRun, initial: dict, num_rounds: int,
+              *, execute: Optional[Callable], client_app: "ClientApp", tracker,
+              config_sha: str, label: str, resume_state: Optional[dict]):
+    """The rounds: the plan, executed under the round bar (the partition's plot drawn beside
+    them); the server's final state."""
+    from flwr.app import ArrayRecord
+
+    resumed_round = resume_state["round"] if resume_state else 0
+    show = [None]  # the round bar's hook, set once the bar exists (below)
+    plan = _rounds_plan(cfg, prep, ArrayRecord(initial), num_rounds, execute,
+                        on_round=_round_hook(
+                            cfg, run_dir, config_sha, tracker, show,
+                            # the user's strategy: its state after round 1 checked too
+                            (lambda: make_strategy(cfg, prep))
+                            if cfg.strategy.name == "custom" else None),
+                        resume=resume_state)
+    with progress.task(f"[{label}] round", total=max(num_rounds, 1), interval=0,
+                       for_job=True) as bar:
+        if resumed_round:  # the bar starts where the checkpoint left off
+            bar.update(completed=resumed_round)
+        show[0] = _progress(label, cfg.rounds, bar)
+        # the partition's plot beside the rounds (importing matplotlib and drawing 1,000
+        # clients took 3.4 s before round 1, 2.3 s after the last for 10 clients)
+        plot = Background(lambda: write_partition(run_dir, cfg, prep, stats=False))
+        state = (execute or simulation(cfg))(plan, client_app)
+    from fedadapt.federation.client.worker import release_process_caches
+
+    release_process_caches()  # in process, the workers' model and mappings: not for plots
+    plot.join()
+    return state
 
 
 def _global_eval(prep: PreparedRun) -> Callable:
@@ -383,7 +409,7 @@ def _rounds_plan(cfg: RunConfig, prep: PreparedRun, initial, num_rounds: int,
         seed=cfg.seed,
         initial_arrays=initial,
         num_rounds=num_rounds,
-        phases=[personalize_clients] if cfg.setting.name == "personalization" else [],
+        phases=[personalization_phase] if cfg.setting.name == "personalization" else [],
         lr_at=lambda r: lr_at(cfg.train, r, cfg.rounds),
         eval_every=cfg.federation.eval_every,
         global_eval=(_global_eval(prep) if model.federated and cfg.federation.global_eval
@@ -507,11 +533,12 @@ def check_code(cfg: RunConfig) -> None:
     on to, does not take), its state saved and loaded as a checkpoint does
     (:func:`fedadapt.strategies.state.check_checkpointable`), the mods made and the
     ``evaluate_fn`` loaded, their signatures checked. A sweep runs this for every point before
-    the first; :func:`check_strategy` builds the strategy again with the real client count."""
+    the first; :func:`check_strategy_with_clients` builds the strategy again with the real
+    client count."""
     evaluate_fn(cfg)
     client_mods(cfg)
     if cfg.strategy.name != "custom":
-        return  # fedadapt's and Flower's strategies: checked by check_strategy with the data
+        return  # fedadapt's and Flower's strategies: check_strategy_with_clients, with the data
 
     def build():
         return _built(lambda: _make(cfg, cfg.partition.num_clients))
@@ -591,16 +618,41 @@ def make_strategy(cfg: RunConfig, prep: PreparedRun):
                  [len(client.train) for client in prep.spec.clients])
 
 
+def check_rounds_config(cfg: RunConfig) -> None:
+    """The rounds family's refusals of config values, from the config alone (before any data
+    is loaded): the strategy against the rest of the config, and the training settings that
+    need the clients' images; ``federation.evaluate_fn`` loaded (a wrong name fails before any
+    data is loaded)."""
+    check_strategy_config(cfg)
+    evaluate_fn(cfg)
+    if cfg.train.crop_scale is not None and cfg.method.use_cache:
+        raise ConfigError("train.crop_scale augments images: it needs method.use_cache=false "
+                          "(cached features cannot be cropped)")
+
+
 def check_strategy_config(cfg: RunConfig) -> None:
     """The strategy against the rest of the config (the method, the optimizer, the fleet,
     ``dp=``), from the config alone: the family's check, before any data is loaded."""
-    from fedadapt.strategies.zoo import LORA_FOLD, LORA_RANK
+    _check_lora_method(cfg)
+    _check_optimizer_and_clock(cfg)
+    _check_lora_aggregation(cfg)
 
-    name, ranks = cfg.strategy.name, getattr(cfg.method, "ranks", None)
+
+def _check_lora_method(cfg: RunConfig) -> None:
+    """A strategy that aggregates LoRA factors needs a method with LoRA ranks."""
+    from fedadapt.strategies.zoo import LORA_RANK
+
+    name = cfg.strategy.name
     if name in LORA_RANK and not hasattr(cfg.method, "ranks"):
         raise ConfigError(f"strategy={name} is invalid for method={cfg.method.name}: it "
                           f"aggregates LoRA factors (method=lora, with method.ranks for "
                           f"clients of different ranks)")
+
+
+def _check_optimizer_and_clock(cfg: RunConfig) -> None:
+    """FedNova counts SGD steps; FedBuff needs a fleet's clock and has no rounds to time out;
+    ``dp=``'s noise needs a fixed number of clients per round, which a fleet does not keep."""
+    name = cfg.strategy.name
     if name == "fednova" and cfg.train.optimizer != "sgd":
         raise ConfigError(f"train.optimizer={cfg.train.optimizer} is invalid with "
                           f"strategy=fednova: its normalisation counts SGD steps (with or "
@@ -616,6 +668,14 @@ def check_strategy_config(cfg: RunConfig) -> None:
         raise ConfigError(f"dp={cfg.dp.name} is invalid with fleet={cfg.fleet.name}: its noise "
                           f"is calibrated to a fixed number of clients per round, and a fleet's "
                           f"rounds sample among the clients available and drop late ones")
+
+
+def _check_lora_aggregation(cfg: RunConfig) -> None:
+    """What each LoRA strategy aggregates against the method's LoRA: FFA-LoRA's frozen A, the
+    folding strategies' plain LoRA, mixed ranks' rank-aware strategies."""
+    from fedadapt.strategies.zoo import LORA_FOLD, LORA_RANK
+
+    name, ranks = cfg.strategy.name, getattr(cfg.method, "ranks", None)
     if name in LORA_RANK and getattr(cfg.method, "ffa", False):
         raise ConfigError(f"method.ffa=true is invalid with strategy={name}: it aggregates A "
                           f"and B (FFA-LoRA's A is frozen and never sent)")
@@ -627,7 +687,7 @@ def check_strategy_config(cfg: RunConfig) -> None:
                           f"different ranks: strategy={' | '.join(LORA_RANK)} (not {name})")
 
 
-def check_strategy(cfg: RunConfig, prep: PreparedRun) -> None:
+def check_strategy_with_clients(cfg: RunConfig, prep: PreparedRun) -> None:
     """The strategy against the partition's real client count and what the clients send
     (before anything is written): refuses a strategy that needs every client to send every
     tensor where some do not, and builds it once (Flower's own checks of its values)."""
@@ -635,7 +695,6 @@ def check_strategy(cfg: RunConfig, prep: PreparedRun) -> None:
     from fedadapt.strategies.zoo import check_counts, check_every_tensor, sample_size
 
     spec, model = prep.spec, prep.model
-    evaluate_fn(cfg)  # a wrong name fails before anything is written
     if not model.federated:
         return
     check_counts(cfg.strategy, cfg.dp, num_clients=spec.num_clients,
@@ -656,16 +715,29 @@ def _finish_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, state, *, l
                    t0: float, num_rounds: int, resume_state: Optional[dict]) -> dict:
     """The run directory of a client-trained run after its rounds: per-client metrics,
     personalization, the summary and its table and curves (``summary.json`` last)."""
-    from fedadapt.files import atomic_write
-    from fedadapt.results.plots import plot_curves
-    from fedadapt.results.store import SUMMARY, write_json, write_jsonl
-    from fedadapt.results.tables import run_tables
+    from fedadapt.results.store import write_jsonl
 
-    spec, history = prep.spec, state.history
-    trained = [r for r in history if r["round"] >= 1]  # round 0: the initial model's evaluation
     write_jsonl(run_dir / CLIENTS_FILE, [{"round": int(r), "client": int(c), **m}
                                          for r, per in state.client_metrics.items()
                                          for c, m in per.items()])
+    summary = {
+        **summary_head(cfg, label, prep, rounds=num_rounds, setting=cfg.setting.name),
+        **_accuracy_summary(cfg, run_dir, prep, state),
+        "params": prep.counts,
+        "strategy": _strategy_summary(cfg, state.strategy),
+        "privacy": _privacy_summary(cfg, state.strategy),
+        **_cost_summary(prep, state, t0, resume_state),
+        **summary_tail(prep),
+    }
+    _write_run_end(cfg, run_dir, label, summary, state.history)
+    return summary
+
+
+def _accuracy_summary(cfg: RunConfig, run_dir: Path, prep: PreparedRun, state) -> dict:
+    """The summary's accuracies: the final evaluated round, the reported one
+    (``federation.select``), the domains and tiers, personalization (its file written) and
+    the best of each accuracy."""
+    history = state.history
     evals = [r for r in history if r["global_acc"] is not None or r["client_acc"] is not None]
 
     def best(key):
@@ -674,8 +746,7 @@ def _finish_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, state, *, l
 
     final = evals[-1] if evals else (history[-1] if history else {})
     selected = select_round(evals, cfg.federation.select)
-    summary = {
-        **summary_head(cfg, label, prep, rounds=num_rounds, setting=cfg.setting.name),
+    return {
         "final": {k: final.get(k) for k in ("round", "global_acc", "client_acc",
                                             "client_acc_weighted", "train_loss",
                                             "global_acc_last", "exit_acc", "tier_acc",
@@ -684,12 +755,17 @@ def _finish_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, state, *, l
         "selected": ({k: selected.get(k) for k in ("round", "val_acc", "global_acc", "client_acc",
                                                    "unseen_acc")} if selected else None),
         "domains": domain_summary(selected, prep.partition, state.client_metrics),
-        "tiers": _tier_counts(spec.client_exits),
-        "personalization": _personalization(cfg, run_dir, spec, state.personalized),
+        "tiers": _tier_counts(prep.spec.client_exits),
+        "personalization": _personalization(cfg, run_dir, prep.spec, state.personalized),
         "best": {"global_acc": best("global_acc"), "client_acc": best("client_acc")},
-        "params": prep.counts,
-        "strategy": _strategy_summary(cfg, state.strategy),
-        "privacy": _privacy_summary(cfg, state.strategy),
+    }
+
+
+def _cost_summary(prep: PreparedRun, state, t0: float, resume_state: Optional[dict]) -> dict:
+    """The summary's costs: bytes, the simulated clock, dropped clients, wall time."""
+    history = state.history
+    trained = [r for r in history if r["round"] >= 1]  # round 0: the initial model's evaluation
+    return {
         "total_bytes": state.cum_bytes,
         # a simulated fleet's clock at the end (fleet=): fedadapt-report's "simulated hours"
         **({"simulated_s": state.sim_time} if prep.fleet is not None else {}),
@@ -701,15 +777,24 @@ def _finish_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, state, *, l
         "wall_s": time.time() - t0 + (resume_state or {}).get("wall_s", 0.0),
         "seconds_per_round": (sum(r["round_s"] for r in trained) / len(trained)
                               if trained else None),
-        **summary_tail(prep),
     }
+
+
+def _write_run_end(cfg: RunConfig, run_dir: Path, label: str, summary: dict,
+                   history: list[dict]) -> None:
+    """``table.md``, ``curves.png`` and ``summary.json`` (last: it marks the run directory
+    complete)."""
+    from fedadapt.files import atomic_write
+    from fedadapt.results.plots import plot_curves
+    from fedadapt.results.store import SUMMARY, write_json
+    from fedadapt.results.tables import run_tables
+
     table = run_tables([summary], title=f"## {cfg.experiment}: {label} on {cfg.dataset.name}")
     atomic_write(run_dir / "table.md", lambda fh: fh.write(table))
     if history:
         plot_curves({label: history}, run_dir / "curves.png",
                     title=f"{label} | {cfg.dataset.name} | alpha {cfg.partition.alpha}")
     write_json(run_dir / SUMMARY, summary)  # last: marks the run directory complete
-    return summary
 
 
 def _strategy_summary(cfg: RunConfig, strategy) -> dict:
@@ -753,7 +838,7 @@ def _personalization(cfg: RunConfig, run_dir: Path, spec: RunSpec, rows: list[di
             **summarize_personalization(rows)}
 
 
-def personalize_clients(grid, state, plan) -> None:
+def personalization_phase(grid, state, plan) -> None:
     """After the rounds (``setting=personalization``): every client personalizes the final
     model on its own data and keeps what it trained; the replies carry metrics only. One row
     per client that answered lands in ``state.personalized``."""
