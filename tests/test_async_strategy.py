@@ -63,12 +63,11 @@ def user_strategy(tmp_path, monkeypatch) -> Path:
 @pytest.mark.slow  # a whole run, in process (about 8 s)
 def test_a_users_asynchronous_strategy_is_told_the_arrivals_and_sets_the_clock(
         user_strategy, tmp_path, cache_dir):
-    from fedadapt.strategies.asynchronous import AsynchronousStrategy
-    from fedadapt.strategies.custom import target_class
-
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import run_experiment
     from fedadapt.federation.simulation.inprocess import in_process
+    from fedadapt.strategies.asynchronous import AsynchronousStrategy
+    from fedadapt.strategies.custom import target_class
 
     assert isinstance(target_class("first.py:FirstArrival")(), AsynchronousStrategy)
     composed = compose_config([*TINY, "strategy=custom", "strategy.target=first.py:FirstArrival",
