@@ -21,12 +21,13 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 FLWR_TELEMETRY_ENABLED=0
 CORE=${MUTATE:-"fedadapt/strategies/fedavg.py fedadapt/strategies/lora_rank.py
 fedadapt/strategies/hetlora.py fedadapt/strategies/flexlora.py fedadapt/strategies/flora.py
 fedadapt/strategies/fedsa_lora.py fedadapt/strategies/fedex_lora.py
-fedadapt/strategies/fedbuff.py fedadapt/federation/simulation/fleet.py fedadapt/data/partition.py
+fedadapt/strategies/fedbuff.py fedadapt/strategies/fednova.py fedadapt/federation/simulation/fleet.py
+fedadapt/data/partition.py
 fedadapt/federation/server/checkpoint.py fedadapt/federation/wire/records.py fedadapt/codec.py"}
 TESTS=${MUTATION_TESTS:-"tests/test_strategies.py tests/test_lora_het.py tests/test_fleet.py
 tests/test_partitioners.py tests/test_partition_cache.py tests/test_checkpoint.py
 tests/test_resume.py tests/test_properties.py tests/test_grid.py tests/test_flower_equivalence.py
-tests/test_hot_path.py tests/test_async_strategy.py"}
+tests/test_hot_path.py tests/test_async_strategy.py tests/test_fednova.py tests/test_codec.py"}
 
 tree="$out/tree"
 rm -rf "$tree"
