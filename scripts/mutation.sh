@@ -27,7 +27,8 @@ fedadapt/federation/server/checkpoint.py fedadapt/federation/wire/records.py fed
 TESTS=${MUTATION_TESTS:-"tests/test_strategies.py tests/test_lora_het.py tests/test_fleet.py
 tests/test_partitioners.py tests/test_partition_cache.py tests/test_checkpoint.py
 tests/test_resume.py tests/test_properties.py tests/test_grid.py tests/test_flower_equivalence.py
-tests/test_hot_path.py tests/test_async_strategy.py tests/test_fednova.py tests/test_codec.py"}
+tests/test_hot_path.py tests/test_async_strategy.py tests/test_fednova.py tests/test_codec.py
+tests/test_aggregation_edges.py"}
 
 tree="$out/tree"
 rm -rf "$tree"
