@@ -6,6 +6,7 @@ sent records' dtypes, the documented defaults. Each test's docstring names the m
 
 import logging
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +23,8 @@ from flwr.app import (
     RecordDict,
 )
 
-from fedadapt.federation import records
-from fedadapt.federation.grid import node_id
+from fedadapt.federation.wire import records
+from fedadapt.federation.wire.grid import node_id
 from fedadapt.strategies.fedavg import LocalOnly, PerTensorFedAvg, aggregate_client_metrics
 from fedadapt.strategies.fedbuff import FedBuff, staleness_weight
 from fedadapt.strategies.fedex_lora import FedExLoRA
@@ -475,3 +476,84 @@ def test_own_gives_each_client_config_and_metric_records_of_its_own():
     mine["config"]["new"] = 1
     assert dict(content["config"].items()) == {"lr": 0.1, "milestones": [1, 2]}
     assert dict(content["metrics"].items()) == {"loss": 1.0}
+
+
+def test_view_gives_a_client_the_shared_records_and_its_own_only():
+    """records.view: the shared names' test ``'/' not in name`` made ``'XX/XX' not in name``
+    (every client's prefixed records then shown to each)."""
+    shared, mine, theirs = (ConfigRecord({"lr": 0.1}), MetricRecord({"n": 1.0}),
+                            MetricRecord({"n": 2.0}))
+    content = RecordDict({"config": shared, "c1/metrics": mine, "c2/metrics": theirs,
+                          records.GRID: ConfigRecord({records.CLIENTS: [1, 2]})})
+    view = records.view(content, 1)
+    assert list(view.keys()) == ["config", "metrics"]
+    assert view["config"] is shared and view["metrics"] is mine
+
+
+def test_pack_adds_to_the_content_it_is_given_and_unpack_reads_it_back():
+    """records.pack: ``out`` replaced by a new RecordDict even when given; records.unpack:
+    ``partition`` made ``rpartition`` (a name holding '/' then lost), the client prefix's test
+    made ``or`` in either place (names not of the form c<id>/... read as a client's)."""
+    out = RecordDict({"fedadapt.grid": ConfigRecord({records.NODE: ""})})
+    a, b = MetricRecord({"loss": 1.0}), ConfigRecord({"reason": "x"})
+    assert records.pack({3: RecordDict({"metrics": a, "fit/extra": b})}, out) is out
+    out["x5/metrics"], out["r1"] = MetricRecord({"loss": 2.0}), ConfigRecord({})
+    back = records.unpack(out)
+    assert list(back) == [3] and dict(back[3].items()) == {"metrics": a, "fit/extra": b}
+
+
+def test_error_of_reads_only_the_error_record():
+    """records.error_of: the record's name None or left out (then any ConfigRecord is read as
+    the error)."""
+    assert records.error_of(RecordDict({"config": ConfigRecord({"lr": 0.1})})) is None
+    assert records.error_of(records.error("boom")) == "boom"
+
+
+def test_served_by_names_the_ray_node_by_its_first_8_hex_digits(monkeypatch):
+    """records.served_by: the module looked up None / 'XXrayXX' / 'RAY' or not at all, the
+    test made always false, 9 digits kept, the node outside Ray 'XXXX', the record made
+    empty. Ray is faked (a module with a runtime context), never started."""
+    content = records.served_by(RecordDict())
+    assert dict(content[records.GRID].items()) == {records.NODE: ""}  # outside Ray
+
+    class Context:
+        def get_node_id(self):
+            return "0123456789abcdef"
+
+    class Ray:
+        is_initialized = staticmethod(lambda: True)
+        get_runtime_context = staticmethod(Context)
+
+    monkeypatch.setitem(sys.modules, "ray", Ray())
+    content = records.served_by(RecordDict())
+    assert dict(content[records.GRID].items()) == {records.NODE: "01234567"}
+
+
+# -- fedavg.py: the client metrics and per_tensor ------------------------------------------------
+
+def test_client_metrics_keep_every_key_and_a_zero_weight_gives_nan():
+    """fedavg.aggregate_client_metrics: ``continue`` past a key without finite values made
+    ``break`` (the later keys then dropped); ``if total_w`` made always true (0/0:
+    ZeroDivisionError), or its nan made ``float(None)`` / ``float('XXnanXX')``."""
+    rows = [RecordDict({"m": MetricRecord({"n": 0.0, "a": float("nan"), "b": 2.0, "c": 4.0})}),
+            RecordDict({"m": MetricRecord({"n": 0.0, "a": float("nan"), "b": 4.0, "c": 6.0})})]
+    out = aggregate_client_metrics(rows, "n")
+    assert "a" not in out and np.isnan(out["b"]) and np.isnan(out["c"])
+    assert out["b_client_mean"] == 3.0 and out["c_client_mean"] == 5.0
+
+
+def test_per_tensor_of_a_users_strategy_is_one_class_named_and_documented_as_its():
+    """fedavg.per_tensor: the class made None, or ``type()``'s name, bases or namespace None
+    or left out, or ``__doc__`` misspelt (a run's first per_tensor of a class builds it; mutmut's
+    forked children reuse the parent's cache, so the class here is new)."""
+    from flwr.serverapp.strategy import FedAvg
+
+    from fedadapt.strategies.fedavg import per_tensor
+
+    class Mine(FedAvg):
+        """My strategy."""
+
+    built = per_tensor(Mine)
+    assert built is per_tensor(Mine) and built.__mro__[1:3] == (Mine, PerTensorFedAvg)
+    assert (built.__name__, built.__doc__, built.__module__) == (
+        "PerTensorMine", "My strategy.", "fedadapt.strategies.fedavg")
