@@ -557,3 +557,20 @@ def test_per_tensor_of_a_users_strategy_is_one_class_named_and_documented_as_its
     assert built is per_tensor(Mine) and built.__mro__[1:3] == (Mine, PerTensorFedAvg)
     assert (built.__name__, built.__doc__, built.__module__) == (
         "PerTensorMine", "My strategy.", "fedadapt.strategies.fedavg")
+
+
+# -- codec.py --------------------------------------------------------------------------------------
+
+def test_as_numpy_leaves_an_array_of_another_stype_to_flower():
+    """codec.as_numpy: the fast path's test ``stype == 'numpy.ndarray' and magic and version``
+    made ``(stype and magic) or version`` (.npy bytes under another stype then decoded, where
+    Flower refuses them)."""
+    from fedadapt.codec import as_numpy, to_array
+
+    npy = to_array(np.arange(3.0))
+    odd = Array(npy.dtype, npy.shape, "other", npy.data)
+    with pytest.raises(TypeError) as flower:
+        odd.numpy()
+    with pytest.raises(TypeError) as ours:
+        as_numpy(odd)
+    assert str(ours.value) == str(flower.value)
