@@ -462,6 +462,17 @@ def test_fedbuff_with_fewer_clients_than_its_buffer_waits_then_applies_them(flow
     assert metrics["staleness_max"] == 0.0
 
 
+def test_fedbuff_with_constant_staleness_applies_a_stale_change_in_full(flower_task):
+    """fedbuff.FedBuff.aggregate_train: ``staleness_weight(t, self.staleness)``'s kind left
+    out (``staleness=constant`` then weighted 1/sqrt(1 + tau) all the same)."""
+    strategy, round_ = _fedbuff(2, buffer_size=1, concurrency=2, staleness="constant")
+    new, _ = round_(1, X0, [2.0, 5.0], [1.0, 1.0])  # node 0 first (1 s): 1 + (2 - 1)
+    assert new["w"].numpy()[0] == 2.0
+    new, metrics = round_(2, new, [9.0, 9.0], [1.0, 1.0], seconds={node_id(0): 5.0})
+    # node 1 (2 s) started from 1.0 and sent 5.0, one update ago: its change 4.0, in full
+    assert new["w"].numpy()[0] == 6.0 and metrics["staleness_max"] == 1.0
+
+
 # -- records.py ------------------------------------------------------------------------------------
 
 def test_own_gives_each_client_config_and_metric_records_of_its_own():
