@@ -144,6 +144,17 @@ def _devices(cfg: FleetConfig, num_clients: int, seed: int,
             for t in tier_of]
 
 
+def merged_intervals(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``spans`` sorted, overlapping or touching intervals joined into one."""
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
 def read_trace(path: str, num_clients: int) -> list[list[tuple[float, float]]]:
     """Each client's available intervals from the CSV ``path`` (``client,start,end``, sorted
     and merged); :class:`ConfigError` naming ``fleet.trace`` for a file that is missing or
@@ -172,14 +183,7 @@ def read_trace(path: str, num_clients: int) -> list[list[tuple[float, float]]]:
                               f"0 <= start < end (got {start}, {end})")
         out[cid].append((start, end))
     for cid, spans in enumerate(out):
-        spans.sort()
-        merged: list[tuple[float, float]] = []
-        for a, b in spans:
-            if merged and a <= merged[-1][1]:
-                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
-            else:
-                merged.append((a, b))
-        out[cid] = merged
+        out[cid] = merged_intervals(spans)
     if not any(out):
         raise ConfigError(f"{where} is invalid: no client is ever available")
     return out
@@ -346,14 +350,7 @@ def read_behaviour(path: str) -> dict[TraceId, tuple[float, list[tuple[float, fl
                                   f"inactive")
             if a < finish and a < b:
                 spans.append((float(a), float(min(b, finish))))
-        spans.sort()
-        merged: list[tuple[float, float]] = []
-        for a, b in spans:
-            if merged and a <= merged[-1][1]:
-                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
-            else:
-                merged.append((a, b))
-        out[cid] = (float(finish), merged)
+        out[cid] = (float(finish), merged_intervals(spans))
     return out
 
 
