@@ -51,7 +51,7 @@ def sweep_points(overrides: list[str]) -> list[list[str]]:
 def covering_points(overrides: list[str]) -> list[list[str]]:
     """Points of a sweep that hold each value of each key at least once (the i-th value of
     every key, the last where a key has fewer)."""
-    choices = [sweep_points([item])[0:] for item in overrides]
+    choices = [sweep_points([item]) for item in overrides]  # each key: its one-key points
     return [[c[min(i, len(c) - 1)][0] for c in choices]
             for i in range(max((len(c) for c in choices), default=1))]
 
