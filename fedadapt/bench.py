@@ -36,13 +36,14 @@ training loops. On CUDA the GPU's mean utilisation during fedadapt's loop is rep
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from fedadapt.results.records import machine
 
 BASE = ["experiment=quickstart", "method=linear_head", "federation.eval_every=1000"]
 #: ``--exits``: the Accumulator + PA in multi-tier FL on digits through the 12-block small ViT
@@ -328,7 +329,7 @@ def throughput(cfg, *, steps: int, repeats: int, data_only: bool = False,
             "device": spec.device, "precision": spec.precision, "batch_size": bs,
             "clients": clients, "image_size": cfg.backbone.image_size, "steps": steps,
             "repeats": repeats, "gpu_utilisation_mean": util, "runs": rates,
-            "machine": _machine()}
+            "machine": machine()}
 
 
 def write_profile(path: Path, loops: dict, dev: torch.device, images: int) -> None:
@@ -397,12 +398,6 @@ def _bare_loop(model, batch, opt, steps: int, dev: torch.device, precision: str,
     return bare
 
 
-def _machine() -> str:
-    dev = (torch.cuda.get_device_name() if torch.cuda.is_available() else
-           platform.processor() or platform.machine())
-    return f"{platform.node()} | {dev} | {torch.get_num_threads()} torch threads"
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedadapt-bench", description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -440,8 +435,33 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--clients", type=int, default=1,
                         help="--throughput: clients trained side by side (the bare loop steps "
                              "at the same total batch)")
+    parser.add_argument("--record", help="keep the table as benchmarks/records/NAME.json and "
+                                          "re-render the docs tables that show NAME")
+    parser.add_argument("--record-dir", default="benchmarks/records",
+                        help="--record: the records' folder (default: benchmarks/records)")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides")
     return parser
+
+
+def _table(args, columns: list[str], rows: list[list[str]], raw: dict) -> None:
+    """Print the result's table; with ``--record NAME``, keep it as the record
+    ``benchmarks/records/NAME.json`` and re-render the docs tables that show it."""
+    from fedadapt.results import records
+    from fedadapt.results.store import git_commit
+
+    record = records.Record(
+        name=args.record or "bench", columns=columns, rows=rows,
+        command=" ".join(["fedadapt-bench", *args.argv]), machine=machine(),
+        date=records.today(), commit=git_commit(), source="fedadapt-bench", extra=raw)
+    print("\n" + records.render(record), end="")
+    if not args.record:
+        return
+    folder = Path(args.record_dir)
+    path = records.save(record, folder)
+    print(f"record: {path}")
+    if (Path.cwd() / "docs").is_dir() and folder.resolve() == records.RECORDS.resolve():
+        for doc in records.render_docs(only={args.record}):
+            print(f"record: {doc} re-rendered")
 
 
 def _write(out: str, name: str, obj: dict) -> Path:
@@ -480,7 +500,7 @@ def _run_throughput(args) -> None:
     from fedadapt.entry import compose_config, to_run_config
 
     if args.rows:  # several rows in one process: one start-up (imports, CUDA) for all
-        out, failed = Path(args.out), []
+        out, failed, table = Path(args.out), [], []
         for k, bs, precision, method in parse_rows(args.rows):
             extra = [f"method={method}", f"train.batch_size={bs}", f"train.precision={precision}"]
             name = row_name(k, bs, precision, method)
@@ -500,9 +520,11 @@ def _run_throughput(args) -> None:
                 failed.append(name)
                 res = {"error": why, "clients": k, "batch_size": bs, "precision": precision}
             _write(str(out / name), "", {**res, "config": THROUGHPUT_BASE + args.overrides + extra})
-            if "error" not in res:
-                _print_throughput(res, out / name)
+            table.append((method, name, res))
+            print(f"[fedadapt-bench] JSON: {out / name}", flush=True)
             _free()
+        _table(args, ["method", *THROUGHPUT_COLUMNS],
+               [[m, *_throughput_row(r)] for m, _, r in table], {n: r for _, n, r in table})
         if failed:
             raise SystemExit(f"fedadapt-bench: {len(failed)} row(s) failed: {', '.join(failed)}")
         return
@@ -515,7 +537,9 @@ def _run_throughput(args) -> None:
     res = throughput(cfg, steps=args.steps, repeats=args.repeats, data_only=args.data_only,
                      clients=args.clients)
     path = _write(args.out, "bench-throughput", {**res, "config": THROUGHPUT_BASE + args.overrides})
-    _print_throughput(res, path)
+    _table(args, THROUGHPUT_COLUMNS, [_throughput_row(res)], res)
+    print(f"medians of {res['repeats']} x {res['steps']} steps on {res['device']}\n"
+          f"machine: {res['machine']}\nJSON: {path}")
 
 
 def _free() -> None:
@@ -527,20 +551,22 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
-def _print_throughput(res: dict, path: Path) -> None:
-    fmt = {k: ("—" if res[k] is None else f"{res[k]:,.0f}")
-           for k in ("fedadapt_images_per_s", "bare_images_per_s", "data_images_per_s")}
-    ratio = "—" if res["ratio"] is None else f"{res['ratio']:.2f}"
-    print(f"\n| images/s ({res['device']}, {res['precision']}, {res['clients']} client(s) x "
-          f"batch {res['batch_size']}, {res['image_size']} px) | fedadapt | bare loop | "
-          f"data path | ratio |\n"
-          f"|---|---|---|---|---|\n| median of {res['repeats']} x {res['steps']} steps | "
-          f"{fmt['fedadapt_images_per_s']} | {fmt['bare_images_per_s']} | "
-          f"{fmt['data_images_per_s']} | "
-          f"{ratio} |")
-    if res["gpu_utilisation_mean"] is not None:
-        print(f"GPU utilisation during fedadapt's loop: {res['gpu_utilisation_mean']:.0f}%")
-    print(f"machine: {res['machine']}\nJSON: {path}")
+THROUGHPUT_COLUMNS = ["clients x batch", "precision", "image px", "fedadapt img/s",
+                      "bare loop img/s", "data path img/s", "ratio", "GPU busy"]
+
+
+def _throughput_row(res: dict) -> list[str]:
+    def rate(key: str) -> str:
+        return "—" if res.get(key) is None else f"{res[key]:,.0f}"
+
+    if "error" in res:
+        return [f"{res['clients']} x {res['batch_size']}", res["precision"], "—", "failed",
+                "—", "—", res["error"], "—"]
+    busy = res.get("gpu_utilisation_mean")
+    return [f"{res['clients']} x {res['batch_size']}", res["precision"], str(res["image_size"]),
+            rate("fedadapt_images_per_s"), rate("bare_images_per_s"),
+            rate("data_images_per_s"), "—" if res["ratio"] is None else f"{res['ratio']:.2f}",
+            "—" if busy is None else f"{busy:.0f}%"]
 
 
 def _run_scale(args) -> None:
@@ -568,29 +594,27 @@ def _run_scale(args) -> None:
                        "median_s_before_round_2": statistics.median(first),
                        "peak_rss_mb": max(peaks) / 2**20}
     base = rows[100]["median_s_per_round"]
-    meta = {"machine": _machine(), "sampled": args.sampled, "repeats": args.repeats,
+    meta = {"machine": machine(), "sampled": args.sampled, "repeats": args.repeats,
             "rounds": args.rounds, "config": SCALE_BASE + list(args.overrides), "results": rows,
             "ratio_10000_to_100": rows[10000]["median_s_per_round"] / base}
     path = _write(args.out, "bench-scale", meta)
-    print(f"\n| clients registered ({args.sampled} sampled per round) | median s/round "
-          f"(rounds 2..{args.rounds}) | start-up to round 2 s | driver peak RSS MB |\n"
-          "|---|---|---|---|")
-    for total, r in rows.items():
-        print(f"| {total:,} | {r['median_s_per_round']:.3f} | "
-              f"{r['median_s_before_round_2']:.1f} | {r['peak_rss_mb']:.0f} |")
+    _table(args, [f"clients registered ({args.sampled} sampled per round)",
+                  f"median s/round (rounds 2..{args.rounds})", "start-up to round 2 s",
+                  "driver peak RSS MB"],
+           [[f"{total:,}", f"{r['median_s_per_round']:.3f}", f"{r['median_s_before_round_2']:.1f}",
+             f"{r['peak_rss_mb']:.0f}"] for total, r in rows.items()], meta)
     print(f"\n10,000 / 100 clients s/round: {meta['ratio_10000_to_100']:.2f}\n"
           f"machine: {meta['machine']}\nJSON: {path}")
 
 
 def _run_iciia(args) -> None:
     res = iciia_latency(args.overrides, max(args.repeats, 20))
-    print("\n| recognising one image | median latency ms | peak memory MB | module "
-          "params |\n|---|---|---|---|")
-    for name, r in res.items():
-        print(f"| {name} | {r['median_ms']:.2f} | {r['peak_mb']:.1f} | "
-              f"{r['module_params']:,} |")
-    _write(args.out, "bench-iciia", {"results": res, "repeats": max(args.repeats, 20),
-                                     "machine": _machine()})
+    meta = {"results": res, "repeats": max(args.repeats, 20), "machine": machine()}
+    _table(args, ["recognising one image", "median latency ms", "peak memory MB",
+                  "module params"],
+           [[name, f"{r['median_ms']:.2f}", f"{r['peak_mb']:.1f}", f"{r['module_params']:,}"]
+            for name, r in res.items()], meta)
+    _write(args.out, "bench-iciia", meta)
 
 
 def _variants(args) -> tuple[list[str], dict[str, list[str]]]:
@@ -663,7 +687,7 @@ def _run_rounds(args) -> None:
                       "median_round1_s": statistics.median(run[0] for run in runs),
                       "rounds_measured": sum(len(run) - 1 for run in runs), **extra[name]}
                for name, runs in times.items()}
-    meta = {"machine": _machine(), "config": overrides, "repeats": args.repeats,
+    meta = {"machine": machine(), "config": overrides, "repeats": args.repeats,
             "results": results}
     names = list(results)
     per_round = {n: results[n]["median_s_per_round"] for n in names}
@@ -677,9 +701,9 @@ def _run_rounds(args) -> None:
         meta["overhead_ratio"] = per_round["flower+cache"] / per_round["plain+cache"]
         meta["cache_speedup"] = per_round["flower-nocache"] / per_round["flower+cache"]
     _write(args.out, "bench", meta)
-    print("\n| variant | median s/round (rounds 2..R) | median round 1 s |\n|---|---|---|")
-    for name, r in results.items():
-        print(f"| {name} | {r['median_s_per_round']:.3f} | {r['median_round1_s']:.2f} |")
+    _table(args, ["variant", f"median s/round (rounds 2..{args.rounds})", "median round 1 s"],
+           [[name, f"{r['median_s_per_round']:.3f}", f"{r['median_round1_s']:.2f}"]
+            for name, r in results.items()], meta)
     if args.methods:
         for m in names:
             ratio = meta["ratio_to_last"][m]
@@ -704,6 +728,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def run(argv: list[str]) -> int:
         args = _parser().parse_args(argv)
+        args.argv = list(argv)
         if args.throughput:
             _run_throughput(args)
         elif args.scale:

@@ -318,11 +318,23 @@ def method_costs(jobs, prepared: dict, dirs: dict[str, Path]
                 backbone.train(training)
         if per_image[key] is None:
             continue
-        images = sum(len(c.train) for c in prep.partition.clients) \
-            * run.partition.fraction_fit * run.train.local_epochs
-        workers = max(1, int((prep.layout or {}).get("workers") or 1))
-        extra[name] = 3 * per_image[key] * images / workers  # forward + backward ~ 3 forwards
+        extra[name] = _backbone_seconds_per_round(run, prep, per_image[key])
     return measured, extra
+
+
+def _backbone_seconds_per_round(run, prep, per_image: float) -> float:
+    """A round's backbone time where the features are not cached: the clients' training (a
+    forward and a backward, about 3 forwards, per image and epoch, over the workers) and, each
+    ``federation.eval_every`` rounds, the forwards of the evaluation (the global test split on
+    the server, the sampled clients' test splits)."""
+    clients = prep.partition.clients
+    train = sum(len(c.train) for c in clients) * run.partition.fraction_fit \
+        * run.train.local_epochs
+    workers = max(1, int((prep.layout or {}).get("workers") or 1))
+    test = prep.spec.test_source
+    evaluated = (len(test.labels) if test is not None else 0) \
+        + sum(len(c.test) for c in clients) * run.partition.fraction_evaluate / workers
+    return per_image * (3 * train / workers + evaluated / run.federation.eval_every)
 
 
 @contextmanager

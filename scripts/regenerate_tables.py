@@ -6,14 +6,14 @@ config hash, so each row can be traced to the run that made it and rerun.
     python scripts/regenerate_tables.py NAME --from DIR        from run directories kept in DIR
     python scripts/regenerate_tables.py --list                 the tables it knows
 
-The runs go to outputs/tables/NAME/<time>/ (kept: the footer names them); the table in its doc,
-between `<!-- table: NAME -->` and `<!-- /table: NAME -->`, is replaced atomically."""
+The runs go to outputs/tables/NAME/<time>/ (kept: the footer names them); the table's numbers go
+to its record, benchmarks/records/NAME.json, and every doc that shows it (between
+`<!-- table: NAME -->` and `<!-- /table: NAME -->`) is re-rendered from the record."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import subprocess
 import sys
 import time
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from fedadapt.files import atomic_write
+from fedadapt.results import records
 from fedadapt.results.report import find_runs, provenance
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,14 +49,18 @@ def table_of(entry: dict, folder: Path) -> str:
     return md[md.index("\n|"):].lstrip("\n") if "\n|" in md else done.stdout
 
 
-def replace_block(doc: Path, name: str, block: str) -> None:
-    text = doc.read_text()
-    pattern = re.compile(rf"(<!-- table: {re.escape(name)} -->\n).*?(<!-- /table: "
-                         rf"{re.escape(name)} -->)", re.S)
-    if not pattern.search(text):
-        raise SystemExit(f"regenerate_tables: {doc} has no <!-- table: {name} --> block")
-    new = pattern.sub(lambda m: m.group(1) + block + m.group(2), text)
-    atomic_write(doc, lambda fh: fh.write(new))
+def write_record(name: str, entry: dict, folder: Path, runs: list[dict]) -> Path:
+    """The table's record from the runs under ``folder``: its cells, the commands, the runs'
+    provenance."""
+    columns, rows = records.parse_table(table_of(entry, folder))
+    commits = {r["summary"].get("git_commit") for r in runs} - {None}
+    record = records.Record(
+        name=name, columns=columns, rows=rows,
+        command="\n".join(" ".join(["fedadapt", *ov]) for ov in entry["runs"]),
+        machine=records.machine(), date=records.today(),
+        commit=commits.pop() if len(commits) == 1 else None,
+        footer=provenance(runs), source="scripts/regenerate_tables.py")
+    return records.save(record)
 
 
 def main() -> None:
@@ -88,9 +92,11 @@ def main() -> None:
         if len(runs) < len(entry["runs"]):
             raise SystemExit(f"regenerate_tables: {folder} holds {len(runs)} complete run(s), "
                              f"{name} needs {len(entry['runs'])}")
-        block = f"{table_of(entry, folder)}\n{provenance(runs)}"
-        replace_block(ROOT / entry["doc"], name, block)
-        print(f"[tables] {name}: {entry['doc']} rewritten from {folder}", file=sys.stderr)
+        path = write_record(name, entry, folder, runs)
+        changed = records.render_docs(only={name})
+        print(f"[tables] {name}: {path.relative_to(ROOT)} written from {folder}; re-rendered "
+              f"{', '.join(str(d.relative_to(ROOT)) for d in changed) or 'no doc (unchanged)'}",
+              file=sys.stderr)
 
 if __name__ == "__main__":
     main()

@@ -29,6 +29,7 @@ def test_rows_in_one_process_write_each_row_and_record_a_failed_one(tmp_path, ca
     with pytest.raises(SystemExit) as ended:
         bench.main(["--throughput", "--rows", "2:4:fp32:accumulator_pa,1:4:fp32:nosuchmethod",
                     "--profile", "--steps", "2", "--repeats", "1", "--out", str(out),
+                    "--record", "tp-test", "--record-dir", str(tmp_path / "records"),
                     "dataset=digits", "backbone=tiny_vit", "dataset.max_samples=300",
                     f"cache_dir={cache_dir}"])
     assert "1 row(s) failed: throughput-nosuchmethod-k1-b4-fp32.json" in str(ended.value.code)
@@ -44,7 +45,18 @@ def test_rows_in_one_process_write_each_row_and_record_a_failed_one(tmp_path, ca
     assert [h.split(":")[0] for h in heads] == ["## fedadapt", "## bare"]
     assert all("16 images in" in h for h in heads)  # 2 clients x 2 steps x batch 4
     assert "by CPU time" in profile and "aten::" in profile
-    assert "row failed: MissingConfigException" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "row failed: MissingConfigException" in printed
+    from fedadapt.results.records import load, render
+
+    record = load(tmp_path / "records" / "tp-test.json")  # the table kept as data, as printed
+    assert record.source == "fedadapt-bench" and record.command.startswith(
+        "fedadapt-bench --throughput --rows 2:4:fp32:accumulator_pa,1:4:fp32:nosuchmethod")
+    assert [row[:3] for row in record.rows] == [["accumulator_pa", "2 x 4", "fp32"],
+                                                ["nosuchmethod", "1 x 4", "fp32"]]
+    assert record.rows[0][4] == f"{good['fedadapt_images_per_s']:,.0f}"
+    assert record.rows[1][4] == "failed"
+    assert render(record) in printed
     with pytest.raises(SystemExit) as ended:  # --profile without --rows: one line, exit 2
         bench.main(["--throughput", "--profile", "--out", str(out)])
     assert ended.value.code == 2

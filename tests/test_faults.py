@@ -62,6 +62,23 @@ def test_too_few_usable_replies_stop_the_run():
         require_enough(out, 4, 0.5, server_round=3)
 
 
+def test_clients_the_simulated_fleet_dropped_are_not_failures_of_the_round():
+    """A round in which the fleet dropped every sampled client (offline, late at the deadline)
+    goes on without an update; the fraction counts only the clients the fleet did not drop
+    (before: a fleet with availability stopped the run when its one sampled client went
+    offline)."""
+    from fedadapt.federation.server.faults import Screened
+
+    everyone = Screened(dropped=[(8, "sim_offline", "went offline"), (2, "sim_late", "late")])
+    require_enough(everyone, 2, 0.3, server_round=5)  # no error: nothing to require
+    out = Screened(good=[(0, reply())], dropped=[(1, "sim_late", "late"), (2, "error", "x"),
+                                                 (3, "error", "y")])
+    require_enough(out, 4, 1 / 3, server_round=5)  # 1 of the 3 not dropped: enough
+    with pytest.raises(RoundFailed, match=r"requires \(2 of the 3 the simulated fleet did not "
+                                          r"drop\); client 1: sim_late"):
+        require_enough(out, 4, 0.5, server_round=5)
+
+
 def test_injection_is_seeded_with_the_requested_rate():
     kinds = ["raise", "nan"]
     draws = [injected_fault(0, r, c, 0.2, kinds) for r in range(50) for c in range(20)]

@@ -6,6 +6,7 @@ import json
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 from conftest import SMALL_CNN, tiny_run
 
 from fedadapt.progress import Job
@@ -39,7 +40,9 @@ def test_method_costs_measured_from_a_resumed_run_or_estimated_from_the_backbone
     backbone = build_backbone(BackboneConfig(**SMALL_CNN))
     prep = SimpleNamespace(model=SimpleNamespace(backbone=backbone), layout={"workers": 1},
                            partition=SimpleNamespace(clients=[SimpleNamespace(
-                               train=np.arange(100))] * 3))
+                               train=np.arange(100), test=np.arange(20))] * 3),
+                           spec=SimpleNamespace(test_source=SimpleNamespace(
+                               labels=np.zeros(50))))
     dirs = {name: tmp_path / name for name, _, _ in jobs}
     dirs["resumed"].mkdir()
     (dirs["resumed"] / "metrics.jsonl").write_text(
@@ -56,3 +59,24 @@ def test_method_costs_measured_from_a_resumed_run_or_estimated_from_the_backbone
     for _, run, _ in jobs:
         run.federation.num_gpus = None
     assert method_costs(jobs, {name: prep for name, _, _ in jobs}, dirs) == ({"resumed": 5}, {})
+
+
+def test_a_round_through_the_backbone_counts_training_and_its_share_of_evaluation():
+    """Fine-tuning's estimate once missed its evaluation rounds (the main job said 2 min 51 s
+    left where 4 min 02 s remained): a round costs 3 forwards per training image over the
+    workers, and each ``eval_every`` rounds the forwards of the global test split and the
+    evaluated clients' test splits."""
+    from fedadapt.cli import _backbone_seconds_per_round
+
+    run = SimpleNamespace(partition=SimpleNamespace(fraction_fit=0.3, fraction_evaluate=1.0),
+                          train=SimpleNamespace(local_epochs=2),
+                          federation=SimpleNamespace(eval_every=4))
+    prep = SimpleNamespace(layout={"workers": 2},
+                           partition=SimpleNamespace(clients=[SimpleNamespace(
+                               train=np.arange(100), test=np.arange(20))] * 10),
+                           spec=SimpleNamespace(test_source=SimpleNamespace(
+                               labels=np.zeros(360))))
+    train = 3 * (10 * 100 * 0.3 * 2) / 2  # 900 forwards' time on each of the 2 workers
+    evaluated = (360 + 10 * 20 / 2) / 4  # every 4th round: the server's 360, the clients' 200
+    assert _backbone_seconds_per_round(run, prep, 0.01) == pytest.approx(0.01 * (train
+                                                                                + evaluated))

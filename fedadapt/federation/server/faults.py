@@ -147,13 +147,20 @@ def _check_arrays(content: RecordDict, expected: dict[str, tuple]) -> tuple[str,
 
 def require_enough(screened: Screened, sampled: int, min_fraction: float,
                    server_round: int) -> None:
-    """Stop the run when fewer than ``ceil(min_fraction * sampled)`` replies are usable."""
-    need = max(1, math.ceil(min_fraction * sampled)) if sampled else 0
+    """Stop the run when fewer than ``ceil(min_fraction * n)`` replies are usable, ``n`` the
+    sampled clients less those the simulated fleet dropped (late at the deadline, offline,
+    discarded by over-selection): the fleet's drops are the system simulated, not clients that
+    failed, so a round in which the fleet dropped everyone goes on without an update."""
+    simulated = sum(1 for _, kind, _ in screened.dropped if kind.startswith("sim_"))
+    expected = sampled - simulated
+    need = max(1, math.ceil(min_fraction * expected)) if expected > 0 else 0
     if len(screened.good) < need:
         raise RoundFailed(
             f"round {server_round}: only {len(screened.good)} of {sampled} sampled clients gave "
             f"usable training replies, fewer than federation.min_reply_fraction={min_fraction} "
-            f"requires ({need}); {screened.describe(5)}")
+            f"requires ({need}"
+            f"{f' of the {expected} the simulated fleet did not drop' if simulated else ''}); "
+            f"{screened.describe(5)}")
 
 
 def injected_fault(seed: int, server_round: int, client: int, fraction: float,

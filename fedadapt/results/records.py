@@ -1,0 +1,202 @@
+"""Benchmark and evidence results kept as data: one JSON record per table in
+``benchmarks/records/NAME.json``, and the docs' tables rendered from them.
+
+A record holds the table's columns and rows (cells as printed), the command that made it, the
+machine, the date, the commit, and the text printed under the table (a provenance footer, a
+note). A doc shows it between ``<!-- table: NAME -->`` and ``<!-- /table: NAME -->``; the same
+record may be shown on several pages. ``fedadapt-bench --record NAME`` and
+``scripts/regenerate_tables.py`` write records and re-render the docs;
+``tests/test_records.py`` checks that every docs table equals what its record renders.
+
+    python -m fedadapt.results.records            re-render every docs table from its record
+    python -m fedadapt.results.records --check    exit 1 naming each table that differs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from fedadapt.files import atomic_write
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORDS = ROOT / "benchmarks" / "records"
+DOC_GLOBS = ("README.md", "docs/*.md", "docs/papers/*.md")
+BLOCK = re.compile(r"(<!-- table: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)"
+                   r"(<!-- /table: (?P=name) -->)", re.S)
+NAME = re.compile(r"^[a-z0-9][\w.-]*$")
+
+
+@dataclass
+class Record:
+    """One table's numbers and where they came from."""
+
+    name: str
+    columns: list[str]
+    rows: list[list[str]]
+    command: str  # what reproduces it (a shell line, or several separated by newlines)
+    machine: str
+    date: str  # YYYY-MM-DD of the measurement
+    commit: str | None = None  # fedadapt's commit that measured it, where known
+    backbone: str | None = None  # e.g. "small ViT sha256:..." for the small-ViT evidence
+    footer: str = ""  # markdown printed under the table (provenance, a note)
+    source: str = ""  # what wrote the record
+    extra: dict = field(default_factory=dict)  # raw numbers a writer keeps beside the cells
+
+    def __post_init__(self) -> None:
+        if not NAME.match(self.name):
+            raise ValueError(f"record name {self.name!r}: lower-case letters, digits, '_', '-', "
+                             f"'.' only")
+        width = len(self.columns)
+        for i, row in enumerate(self.rows):
+            if len(row) != width:
+                raise ValueError(f"record {self.name}: row {i} has {len(row)} cells, the "
+                                 f"table {width} columns")
+
+
+def _row(cells: list) -> str:
+    text = [str(c).replace("|", "\\|").replace("\n", " ") for c in cells]
+    return "|" + "|".join(f" {c} " if c else " " for c in text) + "|"
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+
+
+def parse_table(markdown: str) -> tuple[list[str], list[list[str]]]:
+    """The columns and rows of the first markdown table in ``markdown`` (a report's table)."""
+    lines: list[str] = []
+    for line in markdown.splitlines():
+        if line.startswith("|"):
+            lines.append(line)
+        elif lines:
+            break
+    if len(lines) < 2:
+        raise ValueError("no markdown table (a header and a rule) in the text")
+    return _cells(lines[0]), [_cells(ln) for ln in lines[2:]]
+
+
+def render(record: Record) -> str:
+    """The table's markdown (header, rule, rows) and the footer, as the docs show it."""
+    lines = [_row(record.columns), "|" + "---|" * len(record.columns)]
+    lines += [_row(row) for row in record.rows]
+    text = "\n".join(lines) + "\n"
+    return text + (f"\n{record.footer.strip()}\n" if record.footer.strip() else "")
+
+
+def path_of(name: str, folder: Path = RECORDS) -> Path:
+    return folder / f"{name}.json"
+
+
+def save(record: Record, folder: Path = RECORDS) -> Path:
+    path = path_of(record.name, folder)
+    text = json.dumps(asdict(record), indent=1, ensure_ascii=False) + "\n"
+    atomic_write(path, lambda fh: fh.write(text))
+    return path
+
+
+def load(path: str | Path) -> Record:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+        record = Record(**data)
+    except (OSError, json.JSONDecodeError, TypeError, ValueError) as err:
+        raise ValueError(f"record {path}: {err}") from None
+    if record.name != path.stem:
+        raise ValueError(f"record {path}: its name is {record.name!r}, the file {path.stem!r}")
+    return record
+
+
+def load_all(folder: Path = RECORDS) -> dict[str, Record]:
+    return {p.stem: load(p) for p in sorted(folder.glob("*.json"))}
+
+
+def today() -> str:
+    return time.strftime("%Y-%m-%d")
+
+
+def machine() -> str:
+    """The host, its accelerator or CPU model, cores and torch threads."""
+    import os
+    import platform
+
+    import torch
+
+    if torch.cuda.is_available():
+        dev = torch.cuda.get_device_name()
+    else:
+        try:
+            dev = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
+                       if ln.startswith("model name"))
+        except (OSError, StopIteration):
+            dev = platform.processor() or platform.machine()
+    return (f"{platform.node()} | {dev} | {os.cpu_count()} cores | "
+            f"{torch.get_num_threads()} torch threads")
+
+
+def docs(root: Path = ROOT) -> list[Path]:
+    return [p for pattern in DOC_GLOBS for p in sorted(root.glob(pattern))]
+
+
+def blocks(text: str) -> list[tuple[str, str]]:
+    """Each ``(name, body)`` of a doc's record blocks."""
+    return [(m["name"], m["body"]) for m in BLOCK.finditer(text)]
+
+
+def stale(root: Path = ROOT, folder: Path = RECORDS) -> list[str]:
+    """One line per docs table that its record does not render to (or that has no record)."""
+    records, problems = load_all(folder), []
+    for doc in docs(root):
+        for name, body in blocks(doc.read_text()):
+            where = doc.relative_to(root)
+            if name not in records:
+                problems.append(f"{where}: table {name!r} has no record {path_of(name, folder)}")
+            elif body != render(records[name]):
+                problems.append(f"{where}: table {name!r} differs from its record "
+                                f"(python -m fedadapt.results.records re-renders it)")
+    return problems
+
+
+def render_docs(root: Path = ROOT, folder: Path = RECORDS, only: set[str] | None = None
+                ) -> list[Path]:
+    """Rewrite every docs table (or those named in ``only``) from its record; the docs that
+    changed."""
+    records, changed = load_all(folder), []
+    for doc in docs(root):
+        text = doc.read_text()
+
+        def fill(m: re.Match) -> str:
+            name = m["name"]
+            if name not in records or (only is not None and name not in only):
+                return m.group(0)
+            return m.group(1) + render(records[name]) + m.group(4)
+
+        new = BLOCK.sub(fill, text)
+        if new != text:
+            atomic_write(doc, lambda fh, new=new: fh.write(new))
+            changed.append(doc)
+    return changed
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fedadapt.results.records",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="say which tables differ, change "
+                                                             "nothing")
+    args = parser.parse_args(argv)
+    if args.check:
+        problems = stale()
+        for line in problems:
+            print(line, file=sys.stderr)
+        raise SystemExit(1 if problems else 0)
+    for doc in render_docs():
+        print(f"records: {doc.relative_to(ROOT)} re-rendered")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Benchmark and evidence results kept as data (``benchmarks/records/*.json``): every docs table
+between ``<!-- table: NAME -->`` markers is what its record renders, every record is shown,
+and a changed record is found and re-rendered."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fedadapt.results import records
+
+
+def test_every_docs_table_is_what_its_record_renders():
+    assert records.stale() == []
+
+
+def test_every_record_is_shown_in_the_docs_and_says_where_it_came_from():
+    shown = {name for doc in records.docs() for name, _ in records.blocks(doc.read_text())}
+    kept = records.load_all()
+    assert len(kept) >= 40 and set(kept) <= shown, sorted(set(kept) - shown)
+    for name, record in kept.items():
+        assert record.command and record.machine and record.date and record.source, name
+        assert record.rows, name
+
+
+def test_a_table_round_trips_through_its_markdown():
+    record = records.Record(name="t", columns=["a|b", "c", "empty"],
+                            rows=[["1", "x | y", ""], ["2", "**3**", "4"]],
+                            command="cmd", machine="m", date="2026-11-28")
+    text = records.render(record)
+    assert text.splitlines()[0] == "| a\\|b | c | empty |"
+    assert text.splitlines()[2] == "| 1 | x \\| y | |"
+    assert records.parse_table(text) == (record.columns, record.rows)
+
+
+def test_a_changed_record_is_found_and_the_doc_re_rendered(tmp_path):
+    (tmp_path / "docs").mkdir()
+    folder = tmp_path / "records"
+    record = records.Record(name="speed", columns=["side", "s"], rows=[["ours", "1.0"]],
+                            command="fedadapt-bench", machine="m", date="2026-11-28",
+                            footer="Made on m.")
+    records.save(record, folder)
+    doc = tmp_path / "docs" / "speed.md"
+    doc.write_text("Before.\n\n<!-- table: speed -->\n" + records.render(record)
+                   + "<!-- /table: speed -->\n\nAfter.\n")
+    assert records.stale(tmp_path, folder) == []
+    record.rows[0][1] = "0.5"
+    records.save(record, folder)
+    assert records.stale(tmp_path, folder) == [
+        "docs/speed.md: table 'speed' differs from its record (python -m "
+        "fedadapt.results.records re-renders it)"]
+    assert records.render_docs(tmp_path, folder) == [doc]
+    assert "| ours | 0.5 |" in doc.read_text() and doc.read_text().startswith("Before.")
+    assert doc.read_text().endswith("Made on m.\n<!-- /table: speed -->\n\nAfter.\n")
+    assert records.stale(tmp_path, folder) == []
+    doc.write_text(doc.read_text() + "<!-- table: gone -->\n| a |\n|---|\n<!-- /table: gone -->\n")
+    assert records.stale(tmp_path, folder)[-1].startswith("docs/speed.md: table 'gone' has no "
+                                                          "record")
+
+
+def test_a_bad_record_is_one_line_naming_it(tmp_path):
+    with pytest.raises(ValueError, match="record x: row 0 has 1 cells, the table 2 columns"):
+        records.Record(name="x", columns=["a", "b"], rows=[["1"]], command="c", machine="m",
+                       date="d")
+    with pytest.raises(ValueError, match="record name 'Bad Name'"):
+        records.Record(name="Bad Name", columns=[], rows=[], command="c", machine="m", date="d")
+    path = tmp_path / "y.json"
+    path.write_text(json.dumps({"name": "z", "columns": [], "rows": [], "command": "c",
+                                "machine": "m", "date": "d"}))
+    with pytest.raises(ValueError, match=r"y.json: its name is 'z', the file 'y'"):
+        records.load(path)
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match=r"^record .*y.json: "):
+        records.load(path)
