@@ -311,7 +311,8 @@ class FederationConfig:
     #: from the round. In simulation a worker's clients train one group after another, so a
     #: client is late when its reply exists (plus any injected delay) after the timeout.
     round_timeout: Optional[float] = None
-    #: The run stops when fewer than this fraction of a round's sampled clients reply usably.
+    #: The run stops when fewer than this fraction of a round's sampled clients reply usably
+    #: (with a fleet: of those the simulated fleet did not drop, late or offline).
     min_reply_fraction: float = 0.5
     #: Write a checkpoint every k rounds (and always after the last); 0 = only after the last.
     checkpoint_every: int = 5
