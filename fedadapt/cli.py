@@ -209,6 +209,17 @@ class OutputDirCheck(Callback):
             sys.exit(2)
 
 
+def method_dirs(job_dir: Path, names: list[str], *, resume: bool) -> dict[str, Path]:
+    """Each method's run directory: ``<job>/<method>/``, one method or several (the job folder
+    holds ``job.json``, ``table.md``, ``curves.png`` beside them). A job of one method written
+    before 2026-11-28 kept its run in the job folder itself: resumed there."""
+    from fedadapt.results.store import SUMMARY
+
+    legacy = resume and len(names) == 1 and any(
+        (job_dir / f).exists() for f in (SUMMARY, "metrics.jsonl", "checkpoints"))
+    return {name: job_dir if legacy else job_dir / name for name in names}
+
+
 def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
             resume: bool = False) -> list[dict]:
     from fedadapt import progress
@@ -221,8 +232,7 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
     from fedadapt.results.tables import run_tables
 
     jobs = job_configs(cfg, overrides)
-    compare = len(jobs) > 1
-    dirs = {name: run_dir / name if compare else run_dir for name, _, _ in jobs}
+    dirs = method_dirs(run_dir, [name for name, _, _ in jobs], resume=resume)
     done = {name: read_summary(d / SUMMARY) for name, d in dirs.items()
             if resume and (d / SUMMARY).is_file()}
     if resume:  # a garbled checkpoint pointer fails now, not after the data is prepared
@@ -252,9 +262,14 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
             summaries.append(run_experiment(run, dirs[name], config_yaml=yaml, label=name,
                                             prepared=prepared[name], resume=resume))
             shown.finish(name)
-    if not compare:
-        print("\n" + (run_dir / "table.md").read_text())
-        print(f"Run directory: {run_dir}")
+    if len(jobs) == 1:  # the job folder shows its one run's table and curves
+        one = dirs[jobs[0][0]]
+        for name in ("table.md", "curves.png") if one != run_dir else ():
+            if (one / name).is_file():
+                data = (one / name).read_bytes()
+                atomic_write(run_dir / name, lambda fh, data=data: fh.write(data), mode="wb")
+        print("\n" + (one / "table.md").read_text())
+        print(f"Run directory: {one}")
         return summaries
     first, part = jobs[0][1], summaries[0]["partition"]
     split = (f"domains as clients, held out: {summaries[0]['domains']['holdout']}"
@@ -332,7 +347,7 @@ def _backbone_seconds_per_round(run, prep, per_image: float) -> float:
         * run.train.local_epochs
     workers = max(1, int((prep.layout or {}).get("workers") or 1))
     test = prep.spec.test_source
-    evaluated = (len(test.labels) if test is not None else 0) \
+    evaluated = (len(test.labels()) if test is not None else 0) \
         + sum(len(c.test) for c in clients) * run.partition.fraction_evaluate / workers
     return per_image * (3 * train / workers + evaluated / run.federation.eval_every)
 

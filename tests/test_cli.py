@@ -90,6 +90,29 @@ def test_compare_runs_each_method_into_its_own_dir(tmp_path, cache_dir):
 
 
 @pytest.mark.slow
+def test_a_job_of_one_method_is_laid_out_as_a_job_of_several(tmp_path, cache_dir):
+    """``fedadapt method=X`` writes ``<job>/X/`` beside ``job.json`` and the job's
+    ``table.md`` (it once wrote the run's files into the job folder itself, unlike the
+    README's job folder); a one-method job made that way still resumes in place."""
+    from fedadapt.cli import method_dirs
+
+    out = run(["method=linear_head", *TINY, "federation.backend=inprocess"], tmp_path, cache_dir)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (folder,) = (tmp_path / "out").glob("quickstart/*")
+    assert f"Run directory: {folder / 'linear_head'}" in out.stdout
+    assert (folder / "job.json").is_file() and (folder / "linear_head" / "summary.json").is_file()
+    assert (folder / "table.md").read_text() == (folder / "linear_head" / "table.md").read_text()
+    assert not (folder / "summary.json").exists()
+    assert method_dirs(folder, ["linear_head"], resume=True) == {
+        "linear_head": folder / "linear_head"}
+    legacy = tmp_path / "legacy"
+    (legacy / "checkpoints").mkdir(parents=True)
+    assert method_dirs(legacy, ["linear_head"], resume=True) == {"linear_head": legacy}
+    assert method_dirs(legacy, ["linear_head"], resume=False) == {
+        "linear_head": legacy / "linear_head"}
+
+
+@pytest.mark.slow
 def test_report_needs_complete_runs(tmp_path):
     (tmp_path / "stopped").mkdir()
     (tmp_path / "stopped" / "metrics.jsonl").write_text("{}\n")

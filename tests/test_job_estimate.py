@@ -42,7 +42,7 @@ def test_method_costs_measured_from_a_resumed_run_or_estimated_from_the_backbone
                            partition=SimpleNamespace(clients=[SimpleNamespace(
                                train=np.arange(100), test=np.arange(20))] * 3),
                            spec=SimpleNamespace(test_source=SimpleNamespace(
-                               labels=np.zeros(50))))
+                               labels=lambda: np.zeros(50))))
     dirs = {name: tmp_path / name for name, _, _ in jobs}
     dirs["resumed"].mkdir()
     (dirs["resumed"] / "metrics.jsonl").write_text(
@@ -75,7 +75,7 @@ def test_a_round_through_the_backbone_counts_training_and_its_share_of_evaluatio
                            partition=SimpleNamespace(clients=[SimpleNamespace(
                                train=np.arange(100), test=np.arange(20))] * 10),
                            spec=SimpleNamespace(test_source=SimpleNamespace(
-                               labels=np.zeros(360))))
+                               labels=lambda: np.zeros(360))))
     train = 3 * (10 * 100 * 0.3 * 2) / 2  # 900 forwards' time on each of the 2 workers
     evaluated = (360 + 10 * 20 / 2) / 4  # every 4th round: the server's 360, the clients' 200
     assert _backbone_seconds_per_round(run, prep, 0.01) == pytest.approx(0.01 * (train
