@@ -11,14 +11,15 @@ import pytest
 from fedadapt.config import ConfigError
 
 
-def _replies(messages, trained, values):
+def _replies(messages, trained, values, extra=None):
     from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
     out = []
     for msg, n, vals in zip(messages, trained, values):
         arrays = ArrayRecord({k: Array(np.array(v, np.float32)) for k, v in vals.items()})
         content = RecordDict({"arrays": arrays,
-                              "metrics": MetricRecord({"num-examples": n, "train_loss": 1.0})})
+                              "metrics": MetricRecord({"num-examples": n, "train_loss": 1.0,
+                                                       **(extra or {})})})
         msg.metadata.__dict__["_message_id"] = f"m{msg.metadata.dst_node_id}"
         out.append(Message(content, reply_to=msg))
     return out
@@ -140,3 +141,97 @@ def test_fednova_on_work_cut_at_the_deadline_runs(tmp_path, cache_dir):
     # the slow tier's fewer steps: a smaller tau_eff than when every client finished
     assert 0 < cut["strategy/train/tau_eff"] < plain["strategy/train/tau_eff"]
     assert cut["global_acc"] is not None
+
+
+def _one_round(strategy, n, trained, ys, sent=None, extra=None):
+    from flwr.app import Array, ArrayRecord, ConfigRecord
+
+    sent = sent or ArrayRecord({"w": Array(np.array([1.0, 2.0], np.float32))})
+    msgs = list(strategy.configure_train(1, sent, ConfigRecord({}), _Grid(n)))
+    return strategy.aggregate_train(1, _replies(msgs, trained, ys, extra))
+
+
+def test_one_step_is_one_step_weight_and_the_momentum_bounds_are_said_whole():
+    """Mutants of ``steps <= 0`` (as ``<= 1``: one step weighed 0) and of the momentum check
+    survived: one step is ``a = 1`` with or without momentum; momentum 0 is plain SGD, 1 is
+    refused in one line naming train.momentum."""
+    from fedadapt.strategies.fednova import FedNova, step_weights
+
+    assert step_weights(1) == 1.0 and step_weights(1, 0.9) == pytest.approx(1.0)
+    assert step_weights(-3) == 0.0
+    assert FedNova(local_momentum=0).local_momentum == 0.0
+    with pytest.raises(ConfigError) as err:
+        FedNova(local_momentum=1.0)
+    assert str(err.value) == ("train.momentum=1.0 is invalid with strategy=fednova: its step "
+                              "weights need 0 <= momentum < 1")
+    with pytest.raises(ConfigError, match="train.momentum=-0.1"):
+        FedNova(local_momentum=-0.1)
+
+
+def test_the_defaults_are_the_configs():
+    """``strategy=fednova`` has no keys of its own: the constructor's defaults are plain SGD,
+    batch 32, one epoch, the data share from what a client reports."""
+    from pathlib import Path
+
+    import yaml
+
+    from fedadapt.strategies.fednova import FedNova
+
+    text = (Path(__file__).parents[1] / "conf" / "strategy" / "fednova.yaml").read_text()
+    assert "# Keys: none." in text and set(yaml.safe_load(text)) == {"defaults", "name"}
+    plain = FedNova()
+    assert (plain.local_momentum, plain.local_batch_size, plain.local_epochs,
+            plain.examples_of) == (0.0, 32, 1, None)
+
+
+def test_one_client_of_weight_one_and_a_client_of_one_step_count(flower_task):
+    """Mutants of ``total <= 0`` (as ``<= 1``), ``a > 0`` (as ``> 1``) and the metrics'
+    ``total > 0`` (as ``> 1``) survived: one client of uniform weight 1 that took one step moves
+    the model to its own, and its tau_eff (1) is reported."""
+    from fedadapt.codec import UNIFORM_KEY
+    from fedadapt.strategies.fednova import FedNova
+
+    strategy = FedNova(local_batch_size=32, fraction_train=1.0, min_available_nodes=1,
+                       min_train_nodes=1, weighted_by_key=UNIFORM_KEY)
+    new, metrics = _one_round(strategy, 1, [20], [{"w": [4.0, -1.0]}],  # 20 examples: 1 step
+                              extra={UNIFORM_KEY: 1.0})
+    np.testing.assert_array_equal(new["w"].numpy(), np.array([4.0, -1.0], np.float32))
+    assert metrics["tau_eff"] == 1.0
+
+
+def test_a_client_that_took_no_step_or_weighs_nothing_changes_nothing(flower_task):
+    """Mutants of ``a > 0`` (as ``>= 0``: a zero-step client divided by 0) and of the totals'
+    ``> 0`` (as ``>= 0``: a division by a zero total) survived: a client that trained no
+    example is left out; clients whose data shares are all 0 leave the model as sent, without
+    tau_eff."""
+    from fedadapt.strategies.fednova import FedNova
+
+    common = dict(local_batch_size=10, fraction_train=1.0, min_available_nodes=2,
+                  min_train_nodes=2)
+    new, _ = _one_round(FedNova(**common), 2, [0, 10], [{"w": [9.0, 9.0]}, {"w": [3.0, 5.0]}])
+    np.testing.assert_array_equal(new["w"].numpy(), np.array([3.0, 5.0], np.float32))
+    new, metrics = _one_round(FedNova(examples_of=lambda node: 0, **common), 2, [10, 10],
+                              [{"w": [9.0, 9.0]}, {"w": [3.0, 5.0]}])
+    np.testing.assert_array_equal(new["w"].numpy(), np.array([1.0, 2.0], np.float32))
+    assert "tau_eff" not in metrics
+
+
+def test_a_tensor_nobody_sent_keeps_its_value_and_every_tensor_its_dtype(flower_task):
+    """Mutants of the unsent tensor (``out[name] = None``; ``continue`` as ``break``, which
+    skipped the tensors after it) and of the dtype (``astype(None)``: float64) survived."""
+    from flwr.app import Array, ArrayRecord
+
+    from fedadapt.strategies.fednova import FedNova
+
+    sent = ArrayRecord({"frozen": Array(np.array([7.0], np.float32)),
+                        "w": Array(np.array([1.0, 2.0], np.float32)),
+                        "h": Array(np.array([0.5], np.float16))})
+    strategy = FedNova(local_batch_size=10, fraction_train=1.0, min_available_nodes=2,
+                       min_train_nodes=2)
+    new, _ = _one_round(strategy, 2, [10, 10], [{"w": [3.0, 4.0], "h": [1.5]},
+                                                 {"w": [5.0, 6.0], "h": [2.5]}], sent=sent)
+    assert list(new) == ["frozen", "w", "h"]
+    np.testing.assert_array_equal(new["frozen"].numpy(), np.array([7.0], np.float32))
+    np.testing.assert_array_equal(new["w"].numpy(), np.array([4.0, 5.0], np.float32))
+    assert new["w"].numpy().dtype == np.float32 and new["h"].numpy().dtype == np.float16
+    np.testing.assert_array_equal(new["h"].numpy(), np.array([2.0], np.float16))
