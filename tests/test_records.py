@@ -73,3 +73,19 @@ def test_a_bad_record_is_one_line_naming_it(tmp_path):
     path.write_text("{not json")
     with pytest.raises(ValueError, match=r"^record .*y.json: "):
         records.load(path)
+
+
+def test_a_reports_table_is_kept_as_a_record_by_the_command(tmp_path):
+    """What an evidence script calls at its end: the first table of fedadapt-report's
+    report.md becomes the record, with the command and the machine."""
+    report = tmp_path / "report.md"
+    report.write_text("# Report\n\n| method | acc |\n|---|---|\n| lora | 81.9 |\n\n| other |\n"
+                      "|---|\n| x |\n")
+    records.main(["--write", "fleet-x", "--table", str(report), "--command", "bash s.sh",
+                  "--backbone", "small ViT sha256:abc", "--dir", str(tmp_path / "rec")])
+    record = records.load(tmp_path / "rec" / "fleet-x.json")
+    assert (record.columns, record.rows) == (["method", "acc"], [["lora", "81.9"]])
+    assert record.command == "bash s.sh" and record.backbone == "small ViT sha256:abc"
+    assert record.machine and record.date == records.today()
+    with pytest.raises(SystemExit):
+        records.main(["--write", "y", "--dir", str(tmp_path / "rec")])  # no table, no command

@@ -10,6 +10,9 @@ record may be shown on several pages. ``fedadapt-bench --record NAME`` and
 
     python -m fedadapt.results.records            re-render every docs table from its record
     python -m fedadapt.results.records --check    exit 1 naming each table that differs
+    python -m fedadapt.results.records --write NAME --table report.md --command "..."
+                                                  keep the first table of a file (a report)
+                                                  as the record NAME, then re-render
 """
 
 from __future__ import annotations
@@ -188,7 +191,28 @@ def main(argv: list[str] | None = None) -> None:
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="say which tables differ, change "
                                                              "nothing")
+    parser.add_argument("--write", metavar="NAME", help="keep a table as the record NAME")
+    parser.add_argument("--table", help="--write: the markdown file whose first table it is")
+    parser.add_argument("--command", help="--write: the command that made the table")
+    parser.add_argument("--backbone", help="--write: the pretrained backbone it ran on")
+    parser.add_argument("--footer", default="", help="--write: markdown under the table")
+    parser.add_argument("--dir", default=str(RECORDS), help="the records' folder (default: "
+                                                            "benchmarks/records)")
     args = parser.parse_args(argv)
+    if args.write:
+        if not (args.table and args.command):
+            parser.error("--write needs --table FILE and --command '...'")
+        from fedadapt.results.store import git_commit
+
+        columns, rows = parse_table(Path(args.table).read_text())
+        path = save(Record(name=args.write, columns=columns, rows=rows, command=args.command,
+                           machine=machine(), date=today(), commit=git_commit(),
+                           backbone=args.backbone, footer=args.footer,
+                           source=f"python -m fedadapt.results.records --write ({args.table})"),
+                    Path(args.dir))
+        print(f"records: wrote {path}")
+        if Path(args.dir).resolve() != RECORDS.resolve():
+            return
     if args.check:
         problems = stale()
         for line in problems:
