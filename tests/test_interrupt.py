@@ -70,7 +70,8 @@ def test_sigint_at_round_3_exits_130_and_resumes_to_the_same_metrics(tmp_path, c
     rc, err = stop(victim, signal.SIGINT, group=True)  # Ctrl-C: the whole group
     assert rc == 130, (rc, err[-3000:])
     line = one_line(err, "SIGINT")
-    assert str(run_dir) in line and "from its checkpoint of round" in line
+    assert f"resume={run_dir.parent} (linear_head: " in line
+    assert "from its checkpoint of round" in line
     assert left_in_group(victim.pid) == []  # Ray and its workers are gone
     assert not (run_dir / "summary.json").exists()
     load_checkpoint(latest_checkpoint(run_dir))  # the last complete checkpoint is valid
@@ -89,7 +90,7 @@ def test_sigterm_to_the_process_exits_143_with_one_line(tmp_path, cache_dir):
     run_dir = started(tmp_path / "out", 2, proc)
     rc, err = stop(proc, signal.SIGTERM, group=False)  # `kill PID`, `timeout`, ...
     assert rc == 143, (rc, err[-3000:])
-    assert str(run_dir) in one_line(err, "SIGTERM")
+    assert f"resume={run_dir.parent} " in one_line(err, "SIGTERM")
     assert left_in_group(proc.pid) == []
 
 

@@ -144,8 +144,10 @@ def test_missing_launcher_names_the_pip_package():
     assert missing_launcher(["hydra/launcher=basic"], installed=lambda m: False) is None
 
 
-def _metrics(run_dir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def _metrics(job: Path) -> list[dict]:
+    """The metrics of the one run in the job folder ``job`` (its ``linear_head/``)."""
+    (path,) = job.rglob("metrics.jsonl")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
     keys = ("round", "train_loss", "global_acc", "global_loss", "client_acc",
             "client_acc_weighted", "bytes_up", "bytes_down")
     return [{k: r[k] for k in keys} for r in rows]
@@ -174,7 +176,7 @@ def two_at_once(tmp_path_factory, cache_dir) -> list[Path]:
 def test_runs_started_together_get_separate_complete_directories(two_at_once):
     assert [d.name for d in two_at_once] == ["run", "run_2"]
     for d in two_at_once:
-        assert (d / "summary.json").is_file() and (d / "job.json").is_file()
+        assert (d / "linear_head" / "summary.json").is_file() and (d / "job.json").is_file()
         assert not (d / rundir.LOCK).exists()
     assert _metrics(two_at_once[0]) == _metrics(two_at_once[1])  # same config and seed
 
@@ -187,8 +189,8 @@ def test_joblib_sweep_gives_the_metrics_of_runs_done_alone(two_at_once, tmp_path
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     (sweep,) = (tmp_path / "quickstart").glob("multirun_*")
-    points = {json.loads((d / "summary.json").read_text())["seed"]: d
-              for d in sweep.iterdir() if (d / "summary.json").is_file()}
+    points = {json.loads((d / "linear_head" / "summary.json").read_text())["seed"]: d
+              for d in sweep.iterdir() if (d / "linear_head" / "summary.json").is_file()}
     assert sorted(points) == [0, 1]
     assert _metrics(points[0]) == _metrics(two_at_once[0])
     assert _metrics(points[1]) != _metrics(points[0])

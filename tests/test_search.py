@@ -73,9 +73,10 @@ def test_optuna_search_runs_trials_and_records_the_best(tmp_path, cache_dir):
     assert len(trials) == 2
     vals, lrs = [], []
     for trial in trials:
-        summary = json.loads((trial / "summary.json").read_text())
+        summary = json.loads((trial / "linear_head" / "summary.json").read_text())
         vals.append(summary["selected"]["val_acc"])
-        lrs.append(yaml.safe_load((trial / "config.yaml").read_text())["train"]["lr"])
+        lrs.append(yaml.safe_load((trial / "linear_head" / "config.yaml").read_text())
+                   ["train"]["lr"])
         assert summary["partition"]["kind"] == "pathological"
     assert lrs[0] != lrs[1] and all(1e-4 <= lr <= 1.0 for lr in lrs)
     result = yaml.safe_load((sweep / "optimization_results.yaml").read_text())

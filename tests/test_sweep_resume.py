@@ -37,38 +37,39 @@ def test_a_stopped_sweep_resumes_pasted_to_the_same_metrics(tmp_path, cache_dir)
            "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
     sweep_args = ["-m", "method=linear_head", "partition.alpha=0.1,1000", *TINY]
     victim = fedadapt(sweep_args + [f"output_dir={tmp_path}/stopped"], env)
-    point = started(tmp_path / "stopped", 5, victim)
+    run = started(tmp_path / "stopped", 5, victim)  # <sweep>/<point>/linear_head
     rc, err = stop(victim, signal.SIGTERM, group=False)
     assert rc == 143, err[-3000:]
+    point = run.parent
     sweep = point.parent
     assert point.name.startswith("0_") and not list(sweep.glob("1_*"))  # point 1 never began
-    assert not (point / "summary.json").exists()
+    assert not (run / "summary.json").exists()
     line = next(ln for ln in err.splitlines() if ln.startswith("fedadapt: stopped"))
     command = line.split("continue the sweep with: ", 1)[1].split(" (its complete", 1)[0]
     assert shlex.split(command) == ["fedadapt", f"resume={sweep}"]
-    assert f"point {point.name}: the run: from its checkpoint of round" in line
+    assert f"point {point.name}: linear_head: from its checkpoint of round" in line
 
     pasted = subprocess.run(["bash", "-c", command], env=env, cwd=tmp_path, text=True,
                             capture_output=True, timeout=300)
     assert pasted.returncode == 0, pasted.stderr[-3000:]
-    points = sorted(p.parent for p in sweep.rglob("summary.json"))
-    assert [p.name.split("_")[0] for p in points] == ["0", "1"]
-    for folder in points:  # each point against its config run straight through
-        got = metrics(folder)
+    runs = sorted(p.parent for p in sweep.rglob("summary.json"))  # <point>/linear_head
+    assert [r.parent.name.split("_")[0] for r in runs] == ["0", "1"]
+    for run in runs:  # each point against its config run straight through
+        got, folder = metrics(run), run.parent
         assert same(got, point_straight_through(folder, tmp_path / "ref" / folder.name[:1])), \
             folder.name
         assert len(got) == ROUNDS
 
-    alphas = sorted(json.loads((p / "summary.json").read_text())["partition"]["alpha"]
-                    for p in points)
+    alphas = sorted(json.loads((r / "summary.json").read_text())["partition"]["alpha"]
+                    for r in runs)
     assert alphas == [0.1, 1000.0]
     rep = subprocess.run([sys.executable, "-m", "fedadapt.results.report", str(sweep)],
                          capture_output=True, text=True, timeout=600)
     assert rep.returncode == 0, rep.stderr
     rows = list(csv.DictReader(open(sweep / "report.csv")))
     assert sorted(float(r["partition.alpha"]) for r in rows) == [0.1, 1000.0]
-    finals = {json.loads((p / "summary.json").read_text())["partition"]["alpha"]:
-              json.loads((p / "summary.json").read_text())["final"]["global_acc"] for p in points}
+    finals = {json.loads((r / "summary.json").read_text())["partition"]["alpha"]:
+              json.loads((r / "summary.json").read_text())["final"]["global_acc"] for r in runs}
     for r in rows:  # each point's own final accuracy, in percent
         assert r["seeds"] == "1"
         assert float(r["final global acc mean"]) == pytest.approx(

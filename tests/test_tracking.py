@@ -101,7 +101,7 @@ def test_acceptance_tracking_partition_plot_and_clean_log(tmp_path, cache_dir):
     assert "\x1b" not in text
     assert text.count("DEPRECATED FEATURE") <= 1 and "This is a deprecated feature" not in text
     assert "[job] method 1/1: linear_head starts" in text
-    run_dir = next((tmp_path / "out").glob("quickstart/*"))
+    run_dir = next((tmp_path / "out").glob("quickstart/*/linear_head"))
     assert (run_dir / "partition.png").stat().st_size > 1000
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2, 3]

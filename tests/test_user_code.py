@@ -1028,7 +1028,7 @@ def test_fedadapt_resume_from_another_folder_runs_the_recorded_strategy_file(cod
     assert ("fedadapt: error: Flaky.aggregate_train (strategy.target=flaky.py:Flaky) raised in "
             "round 2: RuntimeError: stopped on purpose") in first.stderr
     [job] = [p.parent for p in (tmp_path / "out").rglob("job.json")]
-    recorded = json.loads((job / "user_files.json").read_text())["files"]
+    recorded = json.loads((job / "linear_head" / "user_files.json").read_text())["files"]
     assert [(r["key"], r["file"]) for r in recorded] == [
         ("strategy.target", str(code_dir / "flaky.py"))]
     (code_dir / "flaky.py").write_text((code_dir / "flaky.py").read_text() + "# edited\n")
@@ -1039,7 +1039,7 @@ def test_fedadapt_resume_from_another_folder_runs_the_recorded_strategy_file(cod
                             timeout=300)
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"[job] {code_dir / 'flaky.py'} changed since the run started" in second.stderr
-    assert [r["round"] for r in read_jsonl(job / "metrics.jsonl")] == [1, 2, 3]
+    assert [r["round"] for r in read_jsonl(job / "linear_head" / "metrics.jsonl")] == [1, 2, 3]
 
 
 # -- smaller items --------------------------------------------------------------------------------
