@@ -11,7 +11,8 @@
 #   PA with tiers from memory and compute, the anytime Accumulator + PA with exits capped by the
 #   device, and FedBuff over LoRA r = 8 (no deadline: a buffer of 3 of 6 in flight).
 # The small ViT is the one fedadapt-pretrain makes from scratch (its hash is in every run's
-# summary.json, backbone_weights). Then fedadapt-report with the simulated hours to 80%.
+# summary.json, backbone_weights). Then fedadapt-report (simulated hours to 60%) and the docs'
+# table, paired by seed (scripts/fleet_table.py).
 #   bash scripts/fedscale_evidence.sh [OUT] [OVERRIDE ...]   (default OUT: outputs/fedscale_evidence)
 set -euo pipefail
 out=${1:-outputs/fedscale_evidence}
@@ -38,4 +39,13 @@ sweep anytime setting=anytime setting.tiers_from=fleet method=accumulator_pa tra
   "${sync[@]}" "${memory[@]}"
 sweep fedbuff setting=conventional method=lora train.lr=0.2 strategy=fedbuff \
   strategy.buffer_size=3 strategy.concurrency=6
-fedadapt-report "$out"/*/ --out "$out" --target 80
+fedadapt-report "$out"/*/ --out "$out" --target 60
+# the docs' table (docs/fleet.md), kept as the record benchmarks/records/fleet-fedscale.json
+python "$(dirname "$0")/fleet_table.py" "$out" --target 0.6 --record fleet-fedscale \
+  --command "bash scripts/fedscale_evidence.sh" --rows \
+  "fedavg_drops:LoRA r = 8, FedAvg, late clients dropped (lr 0.2)" \
+  "fedavg_partial:LoRA r = 8, FedAvg, work cut at the deadline (fleet.partial_work)" \
+  "lora_ranks:LoRA ranks 2/4/8 by device, HetLoRA (lr 0.2)" \
+  "multitier:multi-tier Accumulator + PA, tiers from memory and compute (lr 0.05)" \
+  "anytime:anytime Accumulator + PA, exits capped by the device (lr 0.05)" \
+  "fedbuff:LoRA r = 8, FedBuff (buffer 3, 6 in flight; 40 updates, no deadline)"
