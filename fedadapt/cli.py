@@ -294,16 +294,13 @@ def method_costs(jobs, prepared: dict, dirs: dict[str, Path]
     """Each method's seconds per round for the job's estimate (:class:`fedadapt.progress.Job`):
     ``measured``, the median ``round_s`` of the rounds a resumed run did already; ``extra``,
     for a method that runs the backbone every round (no cached features) on the CPU, the
-    backbone's forward and backward over a round's training images, from a timed forward."""
+    backbone's share of a round (:func:`_backbone_seconds_per_round`) from a timed step."""
     import statistics
-    import time
-
-    import torch
 
     from fedadapt.devices import run_device
     from fedadapt.results.store import read_jsonl
 
-    measured, extra, per_image = {}, {}, {}
+    measured, extra, timed = {}, {}, {}
     for name, run, _ in jobs:
         done = [r["round_s"] for r in (read_jsonl(dirs[name] / "metrics.jsonl")
                                        if (dirs[name] / "metrics.jsonl").is_file() else [])
@@ -316,32 +313,55 @@ def method_costs(jobs, prepared: dict, dirs: dict[str, Path]
         if backbone is None or getattr(run.method, "use_cache", False) \
                 or run_device(run.federation.num_gpus) != "cpu":  # the driver's CPU says
             continue  # nothing of a GPU's time
-        key = (run.backbone.name, backbone.image_size)
-        if key not in per_image:
-            training = backbone.training
-            backbone.eval()  # no state of the run's model changes (batch-norm statistics)
-            try:
-                x = backbone.example_input(8)
-                with torch.no_grad():
-                    backbone(x)  # warm-up
-                    t0 = time.perf_counter()
-                    backbone(x)
-                per_image[key] = (time.perf_counter() - t0) / len(x)
-            except Exception:  # noqa: BLE001 - an estimate never stops a job: no estimate
-                per_image[key] = None
-            finally:
-                backbone.train(training)
-        if per_image[key] is None:
-            continue
-        extra[name] = _backbone_seconds_per_round(run, prep, per_image[key])
+        trains = any(p.requires_grad for p in backbone.parameters())
+        key = (run.backbone.name, backbone.image_size, trains)
+        if key not in timed:
+            timed[key] = _timed_backbone(backbone, trains)
+        if timed[key] is not None:
+            extra[name] = _backbone_seconds_per_round(run, prep, *timed[key])
     return measured, extra
 
 
-def _backbone_seconds_per_round(run, prep, per_image: float) -> float:
+def _timed_backbone(backbone, trains: bool) -> Optional[tuple[float, float]]:
+    """Seconds per image of the backbone in a training step (forward and backward where the
+    method trains it, on a copy: the run's model is left as it was) and in evaluation (a
+    forward without gradients); None where it cannot be timed (an estimate never stops a job)."""
+    import copy
+    import time
+
+    import torch
+
+    def seconds(step, x) -> float:
+        step(x)  # warm-up
+        t0 = time.perf_counter()
+        step(x)
+        return (time.perf_counter() - t0) / len(x)
+
+    def evaluate(x):
+        with torch.no_grad():
+            model(x)
+
+    def train(x):
+        out = model(x)
+        (out if torch.is_tensor(out) else out[0]).float().sum().backward()
+
+    try:
+        model = copy.deepcopy(backbone).eval()  # batch-norm statistics stay the run's
+        x = backbone.example_input(8)
+        per_eval = seconds(evaluate, x)
+        if not trains:
+            return per_eval, per_eval
+        model.train()
+        return seconds(train, x), per_eval
+    except Exception:  # noqa: BLE001 - an estimate never stops a job: no estimate
+        return None
+
+
+def _backbone_seconds_per_round(run, prep, per_train: float, per_eval: float) -> float:
     """A round's backbone time where the features are not cached: the clients' training (a
-    forward and a backward, about 3 forwards, per image and epoch, over the workers) and, each
-    ``federation.eval_every`` rounds, the forwards of the evaluation (the global test split on
-    the server, the sampled clients' test splits)."""
+    step's time per image and epoch, over the workers) and, each ``federation.eval_every``
+    rounds, the forwards of the evaluation (the global test split on the server, the sampled
+    clients' test splits)."""
     clients = prep.partition.clients
     train = sum(len(c.train) for c in clients) * run.partition.fraction_fit \
         * run.train.local_epochs
@@ -349,7 +369,7 @@ def _backbone_seconds_per_round(run, prep, per_image: float) -> float:
     test = prep.spec.test_source
     evaluated = (len(test.labels()) if test is not None else 0) \
         + sum(len(c.test) for c in clients) * run.partition.fraction_evaluate / workers
-    return per_image * (3 * train / workers + evaluated / run.federation.eval_every)
+    return per_train * train / workers + per_eval * evaluated / run.federation.eval_every
 
 
 @contextmanager

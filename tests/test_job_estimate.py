@@ -62,10 +62,10 @@ def test_method_costs_measured_from_a_resumed_run_or_estimated_from_the_backbone
 
 
 def test_a_round_through_the_backbone_counts_training_and_its_share_of_evaluation():
-    """Fine-tuning's estimate once missed its evaluation rounds (the main job said 2 min 51 s
-    left where 4 min 02 s remained): a round costs 3 forwards per training image over the
-    workers, and each ``eval_every`` rounds the forwards of the global test split and the
-    evaluated clients' test splits."""
+    """Fine-tuning's estimate once missed its evaluation rounds and took a training step as 3
+    forwards (the main job said 2 min 51 s left where 4 min 02 s remained): a round costs a
+    timed training step per training image over the workers, and each ``eval_every`` rounds
+    the forwards of the global test split and the evaluated clients' test splits."""
     from fedadapt.cli import _backbone_seconds_per_round
 
     run = SimpleNamespace(partition=SimpleNamespace(fraction_fit=0.3, fraction_evaluate=1.0),
@@ -76,7 +76,7 @@ def test_a_round_through_the_backbone_counts_training_and_its_share_of_evaluatio
                                train=np.arange(100), test=np.arange(20))] * 10),
                            spec=SimpleNamespace(test_source=SimpleNamespace(
                                labels=lambda: np.zeros(360))))
-    train = 3 * (10 * 100 * 0.3 * 2) / 2  # 900 forwards' time on each of the 2 workers
-    evaluated = (360 + 10 * 20 / 2) / 4  # every 4th round: the server's 360, the clients' 200
-    assert _backbone_seconds_per_round(run, prep, 0.01) == pytest.approx(0.01 * (train
-                                                                                + evaluated))
+    train = 0.03 * (10 * 100 * 0.3 * 2) / 2  # 300 images' steps on each of the 2 workers
+    evaluated = 0.01 * (360 + 10 * 20 / 2) / 4  # every 4th round: the server's 360, the
+    assert _backbone_seconds_per_round(run, prep, 0.03, 0.01) == pytest.approx(  # clients' 200
+        train + evaluated)
