@@ -447,12 +447,10 @@ def _table(args, columns: list[str], rows: list[list[str]], raw: dict) -> None:
     """Print the result's table; with ``--record NAME``, keep it as the record
     ``benchmarks/records/NAME.json`` and re-render the docs tables that show it."""
     from fedadapt.results import records
-    from fedadapt.results.store import git_commit
 
-    record = records.Record(
-        name=args.record or "bench", columns=columns, rows=rows,
-        command=" ".join(["fedadapt-bench", *args.argv]), machine=machine(),
-        date=records.today(), commit=git_commit(), source="fedadapt-bench", extra=raw)
+    record = records.measured(args.record or "bench", columns, rows,
+                              " ".join(["fedadapt-bench", *args.argv]), "fedadapt-bench",
+                              extra=raw)
     print("\n" + records.render(record), end="")
     if not args.record:
         return

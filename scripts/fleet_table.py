@@ -15,12 +15,11 @@ import statistics
 from pathlib import Path
 
 from fedadapt.results import records
-from fedadapt.results.report import find_runs, history_of
+from fedadapt.results.report import find_runs, first_reaching, history_of
 
 
 def _minutes_to(history: list[dict], target: float) -> float | None:
-    hit = next((r for r in history if r.get("global_acc") is not None
-                and r["global_acc"] >= target and r.get("sim_time_s") is not None), None)
+    hit = first_reaching(history, target)
     return None if hit is None else hit["sim_time_s"] / 60
 
 
@@ -58,9 +57,9 @@ def main() -> None:
         weights |= {r["summary"].get("backbone_weights") for r in runs}
         rows.append(row_of(label or folder, runs, args.target))
     seeds = "seeds 0, 1, 2"
-    record = records.Record(
-        name=args.record, rows=rows, command=args.command, machine=records.machine(),
-        date=records.today(), footer=args.footer, source="scripts/fleet_table.py",
+    record = records.measured(
+        args.record, source="scripts/fleet_table.py", rows=rows, command=args.command,
+        footer=args.footer,
         columns=["row", "final global accuracy", f"simulated minutes, 40 rounds ({seeds})",
                  f"clients dropped, late or offline ({seeds})",
                  f"simulated minutes to {100 * args.target:g}% ({seeds}; —: not reached)"],

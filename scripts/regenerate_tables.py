@@ -54,12 +54,10 @@ def write_record(name: str, entry: dict, folder: Path, runs: list[dict]) -> Path
     provenance."""
     columns, rows = records.parse_table(table_of(entry, folder))
     commits = {r["summary"].get("git_commit") for r in runs} - {None}
-    record = records.Record(
-        name=name, columns=columns, rows=rows,
-        command="\n".join(" ".join(["fedadapt", *ov]) for ov in entry["runs"]),
-        machine=records.machine(), date=records.today(),
-        commit=commits.pop() if len(commits) == 1 else None,
-        footer=provenance(runs), source="scripts/regenerate_tables.py")
+    record = records.measured(
+        name, columns, rows, "\n".join(" ".join(["fedadapt", *ov]) for ov in entry["runs"]),
+        "scripts/regenerate_tables.py", commit=commits.pop() if len(commits) == 1 else None,
+        footer=provenance(runs))
     return records.save(record)
 
 

@@ -103,6 +103,17 @@ def save(record: Record, folder: Path = RECORDS) -> Path:
     return path
 
 
+def measured(name: str, columns: list[str], rows: list[list[str]], command: str, source: str,
+             **more) -> Record:
+    """A record of what was measured now: this machine, today, this checkout's commit
+    (``more`` sets the other fields, or overrides those)."""
+    from fedadapt.results.store import git_commit
+
+    return Record(**{"name": name, "columns": columns, "rows": rows, "command": command,
+                     "source": source, "machine": machine(), "date": today(),
+                     "commit": git_commit(), **more})
+
+
 def load(path: str | Path) -> Record:
     path = Path(path)
     try:
@@ -202,14 +213,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.write:
         if not (args.table and args.command):
             parser.error("--write needs --table FILE and --command '...'")
-        from fedadapt.results.store import git_commit
-
         columns, rows = parse_table(Path(args.table).read_text())
-        path = save(Record(name=args.write, columns=columns, rows=rows, command=args.command,
-                           machine=machine(), date=today(), commit=git_commit(),
-                           backbone=args.backbone, footer=args.footer,
-                           source=f"python -m fedadapt.results.records --write ({args.table})"),
-                    Path(args.dir))
+        path = save(measured(args.write, columns, rows, args.command,
+                             f"python -m fedadapt.results.records --write ({args.table})",
+                             backbone=args.backbone, footer=args.footer), Path(args.dir))
         print(f"records: wrote {path}")
         if Path(args.dir).resolve() != RECORDS.resolve():
             return

@@ -338,6 +338,13 @@ def history_of(run: dict) -> list[dict]:
     return run["history"]
 
 
+def first_reaching(history: list[dict], target: float) -> dict | None:
+    """The first round of ``history`` evaluated at or above ``target`` (a fraction) that has
+    a simulated time, or None."""
+    return next((r for r in history if r.get("global_acc") is not None
+                 and r["global_acc"] >= target and r.get("sim_time_s") is not None), None)
+
+
 def time_to_accuracy(rows: list[dict], target: float) -> str:
     """A column of simulated hours to the first evaluation at or above ``target`` (a
     fraction): per group, the mean ± std over the seeds that reached it, and how many did."""
@@ -345,9 +352,7 @@ def time_to_accuracy(rows: list[dict], target: float) -> str:
     for row in rows:
         hours = []
         for run in row["runs"]:
-            hit = next((r for r in history_of(run) if r.get("global_acc") is not None
-                        and r["global_acc"] >= target and r.get("sim_time_s") is not None),
-                       None)
+            hit = first_reaching(history_of(run), target)
             if hit is not None:
                 hours.append(hit["sim_time_s"] / 3600)
         n = len(row["runs"])
