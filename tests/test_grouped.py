@@ -539,3 +539,30 @@ def test_work_beside_the_rounds_is_done_again_in_the_caller_when_it_failed():
     failing = Background(lambda: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         failing.join()
+
+
+def test_work_beside_the_rounds_is_waited_for_when_the_rounds_raise():
+    """Pins the abort at exit (``terminate called without an active exception``, exit code 134
+    where the user's error gives 2): the partition plot's thread still drawing while the
+    process exits on an error raised in round 2."""
+    import time
+
+    from fedadapt.methods.run import Background
+
+    done, calls = [], []
+
+    def slow():
+        calls.append(1)
+        time.sleep(0.3)
+        done.append(1)
+
+    with pytest.raises(RuntimeError, match="round 2"):
+        with Background(slow):
+            raise RuntimeError("round 2")
+    assert done == [1] and calls == [1]  # waited for, and not run again
+    with pytest.raises(RuntimeError, match="round 2"):  # the rounds' error, not the plot's
+        with Background(lambda: 1 / 0):
+            raise RuntimeError("round 2")
+    with pytest.raises(ZeroDivisionError):
+        with Background(lambda: 1 / 0):
+            pass

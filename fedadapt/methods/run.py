@@ -60,7 +60,11 @@ class Background:
     its partition): it overlaps the rounds, whose time is mostly the workers' (other processes
     on Ray; torch's native kernels in process). :meth:`join` waits; if ``fn`` raised there
     (an import beside the rounds' own can meet Python's import-lock deadlock detection), it
-    runs ``fn()`` once more in the caller's thread, whose error is the run's."""
+    runs ``fn()`` once more in the caller's thread, whose error is the run's. As a context
+    manager it is joined on the way out, an error's way too (without running ``fn`` again, the
+    error in flight is the run's): a thread still drawing while the process exits on that error
+    can abort it (``terminate called without an active exception``, exit code 134 instead of
+    the error's 2, seen under load when round 2 raised)."""
 
     def __init__(self, fn: Callable[[], None]) -> None:
         import threading
@@ -80,6 +84,15 @@ class Background:
         self.thread.join()
         if self.error is not None:
             self.fn()
+
+    def __enter__(self) -> "Background":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if kind is None:
+            self.join()
+        else:
+            self.thread.join()
 
 
 def run_tracker(cfg: RunConfig, run_dir: Path, config_yaml: str, label: str,

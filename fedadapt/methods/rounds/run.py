@@ -304,12 +304,11 @@ def _federate(cfg: RunConfig, run_dir: Path, prep: PreparedRun, initial: dict, n
         show[0] = _progress(label, cfg.rounds, bar)
         # the partition's plot beside the rounds (importing matplotlib and drawing 1,000
         # clients took 3.4 s before round 1, 2.3 s after the last for 10 clients)
-        plot = Background(lambda: write_partition(run_dir, cfg, prep, stats=False))
-        state = (execute or simulation(cfg))(plan, client_app)
+        with Background(lambda: write_partition(run_dir, cfg, prep, stats=False)):
+            state = (execute or simulation(cfg))(plan, client_app)
     from fedadapt.federation.client.worker import release_process_caches
 
-    release_process_caches()  # in process, the workers' model and mappings: not for plots
-    plot.join()
+    release_process_caches()  # in process, the workers' model and mappings
     return state
 
 
