@@ -81,6 +81,7 @@ def test_bad_addresses_are_refused(address, needle):
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # its bound is measured against a reference in the test
 def test_something_that_is_not_a_ray_gcs_is_refused_within_the_timeout():
     """A listener that accepts and never speaks: refused, not waited on forever. The probe's
     time grows with its timeout (1 s, then 3 s: the second takes about 2 s more), measured
@@ -104,6 +105,7 @@ def test_something_that_is_not_a_ray_gcs_is_refused_within_the_timeout():
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # its bound is measured against a reference in the test
 def test_unreachable_ray_address_fails_fast_with_one_line(tmp_path, cache_dir):
     """Refused at once (the port is closed), not after Ray's minute of retries: measured
     against a command that fails on a bad value after the same imports and composition
@@ -170,7 +172,10 @@ def test_a_run_on_two_nodes_trains_clients_on_both_and_matches_one_node(cache_di
     """A two-node loopback cluster (one CPU each) runs the current worker design: the workers
     are sized per node (two workers of one CPU, not one of two that no node has), Flower's actor
     pool puts one on each node, both nodes train clients in every round (the rows'
-    ``trained_on``), and the metrics equal a one-node run's with the same two workers."""
+    ``trained_on``), and the metrics equal a one-node run's with the same two workers (in
+    process: the two backends give the same run to the last bit,
+    ``test_simulation.py::test_same_seed_same_metrics_on_ray_and_in_process``; a second Ray
+    start here cost 15-20 s)."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -196,7 +201,7 @@ def test_a_run_on_two_nodes_trains_clients_on_both_and_matches_one_node(cache_di
         ray.shutdown()
         two.shutdown()
     local = tiny_run(cache_dir, LinearHeadConfig(), partition=cfg.partition,
-                     federation=FederationConfig(eval_every=1, workers="2", ray_num_cpus=2))
+                     federation=FederationConfig(eval_every=1, workers="2", backend="inprocess"))
     run_experiment(local, tmp_path / "one", config_yaml="one\n")
     on_two, on_one = (read_jsonl(tmp_path / name / "metrics.jsonl") for name in ("two", "one"))
     for row in on_two:

@@ -115,6 +115,7 @@ def timeout_for(rows: list[dict]) -> float:
 
 
 @pytest.mark.slow  # it waits for the late client (the timeout, and its reply 2 s after)
+@pytest.mark.alone  # its timeout is set from a reference run just before
 @pytest.mark.parametrize("nodes", ["workers", "clients"])
 def test_a_late_client_is_left_out_and_the_round_ends_at_the_timeout(cache_dir, tmp_path, nodes):
     """A ``timeout`` client replies 2 s after ``federation.round_timeout``: the round lasts the
@@ -159,6 +160,7 @@ def test_a_straggler_needs_its_delay(cache_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # its timeout is set from the clean run just before
 def test_run_with_20_percent_faulty_clients_learns_as_the_clean_one(cache_dir, tmp_path):
     """Flower's simulation engine, 10 clients of which a seeded 20% misbehave each round in
     every way (raise, NaN, wrong names, wrong shapes, late, straggling): each faulty client is
