@@ -7,7 +7,8 @@
 #   full fine-tuning (lw_finetune), multi-tier Accumulator + PA with tiers from the fleet, anytime
 #   Accumulator + PA with exits capped by the fleet, LoRA r = 8 (FedAvg), and FedBuff over the
 #   same LoRA (no deadline: buffer 3 of 6 in flight).
-# Then fedadapt-report with the simulated hours to 80% and accuracy_vs_time.png.
+# Then fedadapt-report with the simulated hours to 80% and accuracy_vs_time.png, and the docs'
+# table as the record fleet-tiers (scripts/fleet_table.py).
 #   bash scripts/fleet_evidence.sh [OUT] [OVERRIDE ...]     (default OUT: outputs/fleet_evidence;
 #   OVERRIDEs go to every run, e.g. federation.backend=inprocess: the same numbers without Ray)
 set -euo pipefail
@@ -29,3 +30,11 @@ sweep lora setting=conventional method=lora train.lr=0.2 "${deadline[@]}"
 sweep fedbuff setting=conventional method=lora train.lr=0.2 strategy=fedbuff \
   strategy.buffer_size=3 strategy.concurrency=6
 fedadapt-report "$out"/*/ --out "$out" --target 80
+# the docs' table (docs/fleet.md), kept as the record benchmarks/records/fleet-tiers.json
+python "$(dirname "$0")/fleet_table.py" "$out" --target 0.8 --record fleet-tiers \
+  --command "bash scripts/fleet_evidence.sh OUT federation.backend=inprocess" --rows \
+  "finetune:full fine-tuning (\`lw_finetune\`, lr 0.02)" \
+  "multitier:multi-tier Accumulator + PA, tiers from the fleet (lr 0.05)" \
+  "anytime:anytime Accumulator + PA, exits capped by the fleet (lr 0.05)" \
+  "lora:LoRA r = 8, FedAvg (lr 0.2)" \
+  "fedbuff:LoRA r = 8, FedBuff (buffer 3, 6 in flight; 40 updates, no deadline)"

@@ -48,22 +48,24 @@ def main() -> None:
     parser.add_argument("--command", required=True)
     parser.add_argument("--footer", default="")
     args = parser.parse_args()
-    rows, weights = [], set()
+    rows, dirs, found = [], [], []
     for spec in args.rows:
         folder, _, label = spec.partition(":")
         runs = find_runs([str(Path(args.out) / folder)])
         if not runs:
             raise SystemExit(f"fleet_table: no complete run under {Path(args.out) / folder}")
-        weights |= {r["summary"].get("backbone_weights") for r in runs}
+        dirs += [r["dir"] for r in runs]
+        found += runs
         rows.append(row_of(label or folder, runs, args.target))
-    seeds = "seeds 0, 1, 2"
+    seeds = "seeds " + ", ".join(map(str, sorted({r["summary"]["seed"] for r in found})))
+    rounds = "/".join(map(str, sorted({int(r["config"]["rounds"]) for r in found})))
     record = records.measured(
         args.record, source="scripts/fleet_table.py", rows=rows, command=args.command,
         footer=args.footer,
-        columns=["row", "final global accuracy", f"simulated minutes, 40 rounds ({seeds})",
+        columns=["row", "final global accuracy", f"simulated minutes, {rounds} rounds ({seeds})",
                  f"clients dropped, late or offline ({seeds})",
                  f"simulated minutes to {100 * args.target:g}% ({seeds}; —: not reached)"],
-        backbone=", ".join(sorted(w for w in weights if w)) or None)
+        backbone=records.backbone_of(dirs))
     print(f"fleet_table: wrote {records.save(record)}")
     print(records.render(record))
     for doc in records.render_docs(only={args.record}):

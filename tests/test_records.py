@@ -89,3 +89,34 @@ def test_a_reports_table_is_kept_as_a_record_by_the_command(tmp_path):
     assert record.machine and record.date == records.today()
     with pytest.raises(SystemExit):
         records.main(["--write", "y", "--dir", str(tmp_path / "rec")])  # no table, no command
+
+
+def test_the_backbone_is_named_by_what_made_it_and_its_hash(tmp_path):
+    """A record's backbone, from the runs: the pretrained folder's architecture, data, epochs,
+    accuracy and the SHA-256 of its file, and the fingerprint the summaries recorded; runs of
+    one backbone name it once, two backbones both."""
+    import hashlib
+
+    weights = tmp_path / "vit"
+    weights.mkdir()
+    (weights / "model.safetensors").write_bytes(b"weights")
+    (weights / "pretrain.json").write_text(json.dumps(
+        {"backbone": "small_vit", "dataset": "fashion_mnist", "epochs": 3,
+         "final_test_acc": 0.8288}))
+    runs = []
+    for i, (folder, fingerprint) in enumerate([(weights, "ViT:aa"), (weights, "ViT:aa"),
+                                               ("hub/name", "CNN:bb")]):
+        run = tmp_path / f"run{i}"
+        run.mkdir()
+        (run / "config.yaml").write_text(f"backbone:\n  weights: {folder}\n")
+        (run / "summary.json").write_text(json.dumps({"backbone_weights": fingerprint}))
+        runs.append(run)
+    digest = hashlib.sha256(b"weights").hexdigest()[:16]
+    one = records.backbone_of(runs[:2])
+    assert one.startswith("small_vit made by fedadapt-pretrain on fashion_mnist, 3 epochs, on ")
+    assert one.endswith(f"(82.88% on its test set; model.safetensors SHA-256 {digest}…); "
+                        f"weights fingerprint ViT:aa")
+    assert records.backbone_of(runs) == one + " | weights fingerprint CNN:bb"
+    (runs[2] / "summary.json").write_text("{}")
+    (runs[2] / "config.yaml").write_text("seed: 0\n")
+    assert records.backbone_of(runs[2:]) is None
