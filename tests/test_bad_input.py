@@ -32,6 +32,25 @@ def fedadapt(args, cache_dir, cwd, timeout=120):
     return out
 
 
+def main_in_process(args, cwd, monkeypatch, capsys) -> list[str]:
+    """``fedadapt ARGS`` as ``cli.main`` runs it (composition, checks, Hydra's job) in this
+    process, from ``cwd``: its exit code must be 2; its stderr's non-empty lines."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from fedadapt.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["fedadapt", *args])
+    monkeypatch.chdir(cwd)
+    try:
+        with pytest.raises(SystemExit) as done:
+            main()
+    finally:
+        GlobalHydra.instance().clear()
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert done.value.code == 2, err
+    return err
+
+
 def one_line(out, needle: str) -> str:
     err = [ln for ln in out.stderr.splitlines() if ln.strip()]
     assert out.returncode != 0 and len(err) == 1, out.stderr[-3000:]
@@ -51,55 +70,66 @@ def job_folder(tmp_path: Path) -> Path:
     return job
 
 
-@pytest.mark.slow
-def test_bad_inputs_fail_with_one_line(tmp_path, cache_dir):
-    """Each case as a user meets it, through the `fedadapt` command."""
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    texts = tmp_path / "texts" / "cat"
-    texts.mkdir(parents=True)
-    (texts / "a.jpg").write_text("not an image")
-    no_overrides = tmp_path / "no_overrides"
-    no_overrides.mkdir()
-    (no_overrides / "job.json").write_text(json.dumps({"argv": ["fedadapt"]}))
-    garbled_job = tmp_path / "garbled_job"
-    garbled_job.mkdir()
-    (garbled_job / "job.json").write_text('{"overrides": [')
-    cwd = tmp_path / "cwd"
-    cwd.mkdir()
-    cases = [
-        (["seed=-1"], "seed=-1 is invalid"),
-        ([f"dataset.path={empty}"], f"dataset.path='{empty}' is invalid: no image files"),
-        ([f"dataset.path={texts.parent}"], "a.jpg is not a readable image"),
-        ([f"resume={no_overrides}"], "job.json is unreadable (no key 'overrides')"),
-        ([f"resume={garbled_job}"], "job.json is unreadable (Expecting value"),
-        (["output_dir=/proc/fedadapt/out"], "output_dir='/proc/fedadapt/out' is not writable"),
-        # a sweep is checked whole: point 1's value, before point 0 runs
-        (["-m", "rounds=2", "partition.alpha=0.1,0"],
-         "sweep point 1 (partition.alpha=0): partition.alpha=0.0 is invalid"),
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "FEDADAPT_CACHE": cache_dir}
-    started = [subprocess.Popen([sys.executable, "-m", "fedadapt.cli", *args], env=env,
-                                cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True) for args, _ in cases]  # side by side: each imports
-    for proc, (_, needle) in zip(started, cases):  # torch alone, most of its seconds
-        stdout, stderr = proc.communicate(timeout=180)
-        one_line(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), needle)
-    assert not any(p.is_file() for p in cwd.rglob("*"))  # nothing written, by any of them
+#: Each case as a user meets it: ``fedadapt ARGS`` ({tmp}: the test's folder) and what its one
+#: line says. In this process (``cli.main``, Hydra included); one through the command below.
+COMMAND_CASES = [
+    (["seed=-1"], "seed=-1 is invalid"),
+    (["dataset.path={tmp}/empty"], "dataset.path='{tmp}/empty' is invalid: no image files"),
+    (["dataset.path={tmp}/texts"], "a.jpg is not a readable image"),
+    (["resume={tmp}/no_overrides"], "job.json is unreadable (no key 'overrides')"),
+    (["resume={tmp}/garbled_job"], "job.json is unreadable (Expecting value"),
+    (["output_dir=/proc/fedadapt/out"], "output_dir='/proc/fedadapt/out' is not writable"),
+    # a sweep is checked whole: point 1's value, before point 0 runs
+    (["-m", "rounds=2", "partition.alpha=0.1,0"],
+     "sweep point 1 (partition.alpha=0): partition.alpha=0.0 is invalid"),
+]
+
+
+@pytest.fixture
+def bad_inputs(tmp_path) -> Path:
+    """The folders the cases name: an empty one, one of non-images, two job folders a resume
+    cannot read; and ``cwd``, where the command runs (its default output_dir)."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "texts" / "cat").mkdir(parents=True)
+    (tmp_path / "texts" / "cat" / "a.jpg").write_text("not an image")
+    (tmp_path / "no_overrides").mkdir()
+    (tmp_path / "no_overrides" / "job.json").write_text(json.dumps({"argv": ["fedadapt"]}))
+    (tmp_path / "garbled_job").mkdir()
+    (tmp_path / "garbled_job" / "job.json").write_text('{"overrides": [')
+    (tmp_path / "cwd").mkdir()
+    return tmp_path
+
+
+@pytest.mark.parametrize("args,needle", COMMAND_CASES, ids=[" ".join(a) for a, _ in COMMAND_CASES])
+def test_bad_inputs_fail_with_one_line(args, needle, bad_inputs, cache_dir, monkeypatch, capsys):
+    """In this process (:func:`main_in_process`): exit code 2, one line, nothing written where
+    it ran."""
+    cwd = bad_inputs / "cwd"
+    err = main_in_process([a.format(tmp=bad_inputs) for a in args], cwd, monkeypatch, capsys)
+    assert len(err) == 1, err
+    assert err[0].startswith("fedadapt: error: ") and needle.format(tmp=bad_inputs) in err[0]
+    assert not any(p.is_file() for p in cwd.rglob("*"))
 
 
 @pytest.mark.slow
-def test_garbled_latest_is_refused_naming_it(tmp_path, cache_dir):
+def test_a_bad_input_through_the_command_is_one_line(bad_inputs, cache_dir):
+    """The same as a user meets it, through the ``fedadapt`` command (a process of its own):
+    its exit code, its stderr, nothing written where it ran."""
+    res = fedadapt([f"dataset.path={bad_inputs}/texts"], cache_dir, bad_inputs / "cwd")
+    one_line(res, "a.jpg is not a readable image")
+    assert not any(p.is_file() for p in (bad_inputs / "cwd").rglob("*"))
+
+
+def test_garbled_latest_is_refused_naming_it(tmp_path, cache_dir, monkeypatch, capsys):
     job = job_folder(tmp_path)
     latest = job / "checkpoints" / "LATEST"
     latest.write_bytes(b"\x00\xffround-??")
-    res = fedadapt([f"resume={job}"], cache_dir, tmp_path)
-    line = one_line(res, f"{latest} is garbled")
+    [line] = main_in_process([f"resume={job}"], tmp_path, monkeypatch, capsys)
+    assert line.startswith("fedadapt: error: ") and f"{latest} is garbled" in line
     assert "checkpoints there: round-000002" in line
 
 
-@pytest.mark.slow
-def test_read_only_output_dir_as_a_user_meets_it(tmp_path, cache_dir):
+def test_read_only_output_dir_as_a_user_meets_it(tmp_path, cache_dir, monkeypatch, capsys):
     """A folder without write permission (for root, whom permissions do not bind, a path
     through a file is as unwritable)."""
     if os.geteuid() == 0:
@@ -110,8 +140,8 @@ def test_read_only_output_dir_as_a_user_meets_it(tmp_path, cache_dir):
         target = tmp_path / "ro"
         target.mkdir(mode=0o555)
         needle = "is not writable: Permission denied"
-    res = fedadapt([f"output_dir={target}"], cache_dir, tmp_path)
-    one_line(res, needle)
+    [line] = main_in_process([f"output_dir={target}"], tmp_path, monkeypatch, capsys)
+    assert line.startswith("fedadapt: error: ") and needle in line
 
 
 def test_full_disk_at_the_first_checkpoint_leaves_nothing_half_written(tmp_path, cache_dir,
@@ -353,11 +383,28 @@ def test_report_bad_input_is_one_line(argv, says, tmp_path, capsys):
 
 # -- the researcher's own code ----------------------------------------------------------------
 
-@pytest.mark.slow  # the command, once per case (each fails before any data is prepared)
-def test_user_code_errors_through_the_command_are_one_line(tmp_path, cache_dir):
+USER_CODE_CASES = [
+    (["strategy=custom", "strategy.target=halfstep.py:HalfStepFedAvg", "strategy.stepp=0.5"],
+     "strategy.stepp is not a parameter of halfstep.py:HalfStepFedAvg: FedAvg.__init__() "
+     "got an unexpected keyword argument 'stepp'"),
+    (["federation.evaluate_fn=mine.py:evaluate"],
+     "federation.evaluate_fn='mine.py:evaluate' takes (server_round, arrays, extra)"),
+    (["federation.train_mods=[mine.py:mod]"],
+     "federation.train_mods: mine.py:mod takes (msg, context), not a mod's"),
+    (["strategy=custom", "strategy.target=halfstep.py:HalfStepFedAvg", "dp=server_fixed",
+      "method.weighting=uniform"],
+     "(HalfStepFedAvg overrides aggregate_train) or one with the same sensitivity"),
+]
+
+
+@pytest.mark.parametrize("args,needle", USER_CODE_CASES,
+                         ids=["misspelt key", "evaluate_fn", "mod", "dp on own aggregate"])
+def test_user_code_errors_through_the_command_are_one_line(args, needle, tmp_path, cache_dir,
+                                                           monkeypatch, capsys):
     """A misspelt key that a strategy passes on through ``**kwargs``, an ``evaluate_fn`` of
     another signature, a mod that takes two arguments, and ``dp=server_fixed`` with accounting
-    on a FedAvg subclass with its own ``aggregate_train``: one line each, naming the key."""
+    on a FedAvg subclass with its own ``aggregate_train``: one line each, naming the key (in
+    this process, :func:`main_in_process`; each fails before any data is prepared)."""
     from test_user_code import docs_example
 
     cwd = tmp_path / "work"
@@ -365,23 +412,9 @@ def test_user_code_errors_through_the_command_are_one_line(tmp_path, cache_dir):
     (cwd / "halfstep.py").write_text(docs_example("halfstep.py"))
     (cwd / "mine.py").write_text("def evaluate(server_round, arrays, extra):\n    pass\n\n\n"
                                  "def mod(msg, context):\n    return msg\n")
-    custom = ["strategy=custom", "strategy.target=halfstep.py:HalfStepFedAvg"]
-    cases = [
-        ([*custom, "strategy.stepp=0.5"],
-         "strategy.stepp is not a parameter of halfstep.py:HalfStepFedAvg: FedAvg.__init__() "
-         "got an unexpected keyword argument 'stepp'"),
-        (["federation.evaluate_fn=mine.py:evaluate"],
-         "federation.evaluate_fn='mine.py:evaluate' takes (server_round, arrays, extra)"),
-        (["federation.train_mods=[mine.py:mod]"],
-         "federation.train_mods: mine.py:mod takes (msg, context), not a mod's"),
-        ([*custom, "dp=server_fixed", "method.weighting=uniform"],
-         "(HalfStepFedAvg overrides aggregate_train) or one with the same sensitivity"),
-    ]
-    for args, needle in cases:
-        res = fedadapt(["method=linear_head", *args, f"output_dir={tmp_path / 'out'}"],
-                       cache_dir, cwd)
-        line = one_line(res, needle)
-        assert res.returncode == 2, line
+    err = main_in_process(["method=linear_head", *args, f"output_dir={tmp_path / 'out'}"], cwd,
+                          monkeypatch, capsys)
+    assert len(err) == 1 and err[0].startswith("fedadapt: error: ") and needle in err[0], err
     assert not list((tmp_path / "out").rglob("job.json"))  # nothing was started
 
 
