@@ -12,7 +12,7 @@
 #   device, and FedBuff over LoRA r = 8 (no deadline: a buffer of 3 of 6 in flight).
 # The small ViT is the one fedadapt-pretrain makes from scratch (its hash is in every run's
 # summary.json, backbone_weights). Then fedadapt-report (simulated hours to 60%) and the docs'
-# table, paired by seed (scripts/fleet_table.py).
+# table, paired by seed (scripts/evidence_table.py).
 #   bash scripts/fedscale_evidence.sh [OUT] [OVERRIDE ...]   (default OUT: outputs/fedscale_evidence)
 set -euo pipefail
 out=${1:-outputs/fedscale_evidence}
@@ -41,7 +41,8 @@ sweep fedbuff setting=conventional method=lora train.lr=0.2 strategy=fedbuff \
   strategy.buffer_size=3 strategy.concurrency=6
 fedadapt-report "$out"/*/ --out "$out" --target 60
 # the docs' table (docs/fleet.md), kept as the record benchmarks/records/fleet-fedscale.json
-python "$(dirname "$0")/fleet_table.py" "$out" --target 0.6 --record fleet-fedscale \
+python "$(dirname "$0")/evidence_table.py" "$out" --target 0.6 \
+  --columns global sim-minutes dropped to-target --record fleet-fedscale \
   --command "bash scripts/fedscale_evidence.sh" --rows \
   "fedavg_drops:LoRA r = 8, FedAvg, late clients dropped (lr 0.2)" \
   "fedavg_partial:LoRA r = 8, FedAvg, work cut at the deadline (fleet.partial_work)" \

@@ -8,7 +8,7 @@
 #   Accumulator + PA with exits capped by the fleet, LoRA r = 8 (FedAvg), and FedBuff over the
 #   same LoRA (no deadline: buffer 3 of 6 in flight).
 # Then fedadapt-report with the simulated hours to 80% and accuracy_vs_time.png, and the docs'
-# table as the record fleet-tiers (scripts/fleet_table.py).
+# table as the record fleet-tiers (scripts/evidence_table.py).
 #   bash scripts/fleet_evidence.sh [OUT] [OVERRIDE ...]     (default OUT: outputs/fleet_evidence;
 #   OVERRIDEs go to every run, e.g. federation.backend=inprocess: the same numbers without Ray)
 set -euo pipefail
@@ -31,7 +31,8 @@ sweep fedbuff setting=conventional method=lora train.lr=0.2 strategy=fedbuff \
   strategy.buffer_size=3 strategy.concurrency=6
 fedadapt-report "$out"/*/ --out "$out" --target 80
 # the docs' table (docs/fleet.md), kept as the record benchmarks/records/fleet-tiers.json
-python "$(dirname "$0")/fleet_table.py" "$out" --target 0.8 --record fleet-tiers \
+python "$(dirname "$0")/evidence_table.py" "$out" --target 0.8 \
+  --columns global sim-minutes dropped to-target --record fleet-tiers \
   --command "bash scripts/fleet_evidence.sh OUT federation.backend=inprocess" --rows \
   "finetune:full fine-tuning (\`lw_finetune\`, lr 0.02)" \
   "multitier:multi-tier Accumulator + PA, tiers from the fleet (lr 0.05)" \
