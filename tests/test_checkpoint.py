@@ -327,3 +327,11 @@ def test_a_file_pruned_by_someone_else_meanwhile_is_not_an_error(tmp_path, monke
     save_client_state(tmp_path, 3, {"t": torch.zeros(1)}, checkpoint_round=3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["round-000003.safetensors"]
 
+
+
+def test_a_clients_context_folder_is_made_with_its_parents(tmp_path):
+    """The first save of a client's Context makes ``clients/<id>/`` (its parent may not exist
+    yet)."""
+    folder = tmp_path / "clients" / "3"
+    save_client_context(folder, 1, b"state")
+    assert load_client_context(folder, 1) == b"state"
