@@ -166,3 +166,82 @@ def test_dirichlet_partition_gives_every_client_min_partition_size():
     many = partition_dataset(labelled(600), PartitionConfig(kind="dirichlet", num_clients=70,
                                                             min_partition_size=1), CARD, seed=0)
     assert len(many.clients) == 70 and sum(sizes(many)) == 600
+
+
+# -- partition.py's mutation survivors (docs/reliability.md) ------------------------------------
+
+def test_partition_stats_are_exactly_iciia_table_3s_numbers():
+    """The statistics of a hand-made partition, every key and value: samples and classes per
+    client (mean, population std, min, max), the training samples, the clients holding only
+    validation or only test rows, each client's row, the unseen domain; and their line."""
+    from fedadapt.data.partition import ClientSplit, Partition, format_stats, partition_stats
+
+    labels = np.array([0, 0, 1, 2, 2, 1, 0, 3, 3, 1])
+    ix = lambda *i: np.array(i, dtype=np.int64)  # noqa: E731
+    part = Partition(clients=[ClientSplit(ix(0, 1, 2), ix(3), ix()),
+                              ClientSplit(ix(), ix(4, 5), ix()),   # validation only
+                              ClientSplit(ix(), ix(), ix(6, 7, 8, 9))],  # test only
+                     names=["a", "b", "c"], unseen=ix(1, 2), unseen_name="sketch")
+    stats = partition_stats(part, labels)
+    assert stats == {
+        "num_clients": 3,
+        "samples_per_client": {"mean": 10 / 3, "std": float(np.std([4, 2, 4])), "min": 2,
+                               "max": 4},
+        "classes_per_client": {"mean": 8 / 3, "std": float(np.std([3, 2, 3])), "min": 2,
+                               "max": 3},
+        "train_samples": 3, "val_clients": 1, "test_clients": 1,
+        "per_client": [{"name": "a", "samples": 4, "classes": 3},
+                       {"name": "b", "samples": 2, "classes": 2},
+                       {"name": "c", "samples": 4, "classes": 3}],
+        "unseen": {"name": "sketch", "samples": 2}}
+    assert format_stats(stats) == (
+        "3 clients | samples/client 3.3 ± 0.9 (min 2, max 4) | classes/client 2.67 ± 0.47 | "
+        "by client: 1 validation, 1 test clients | unseen: sketch (2 samples)")
+    part.unseen = None
+    plain = partition_stats(Partition(clients=part.clients[:1], names=["a"]), labels)
+    assert "unseen" not in plain and plain["val_clients"] == plain["test_clients"] == 0
+    assert format_stats({**plain, "selected_ids": {"ids": 5, "samples": 40}}) == (
+        "1 clients | samples/client 4.0 ± 0.0 (min 4, max 4) | classes/client 3.00 ± 0.00 | "
+        "5 natural ids selected (40 samples)")
+
+
+def test_a_clients_split_keeps_a_training_row_and_is_seeded():
+    """``split_client``: the fractions rounded, every row in exactly one split, sorted; at
+    least one training row when the fractions would leave none; the same seed and client the
+    same split, another client another."""
+    from fedadapt.data.partition import split_client
+
+    cfg = PartitionConfig(val_fraction=0.2, test_fraction=0.3)
+    rows = np.arange(100, 110)
+    s = split_client(rows, cfg, seed=4, client=1)
+    assert (len(s.train), len(s.val), len(s.test)) == (5, 2, 3)
+    assert np.array_equal(np.sort(np.concatenate([s.train, s.val, s.test])), rows)
+    assert all(np.array_equal(part, np.sort(part)) for part in (s.train, s.val, s.test))
+    again, other = split_client(rows, cfg, 4, 1), split_client(rows, cfg, 4, 2)
+    assert np.array_equal(again.test, s.test) and np.array_equal(again.val, s.val)
+    assert not np.array_equal(other.test, s.test)
+    greedy = PartitionConfig(val_fraction=0.5, test_fraction=0.5)
+    few = split_client(np.arange(3), greedy, seed=0, client=0)
+    assert (len(few.train), len(few.val), len(few.test)) == (1, 0, 2)
+    one = split_client(np.arange(1), greedy, seed=0, client=0)
+    assert (len(one.train), len(one.val), len(one.test)) == (1, 0, 0)
+    four = split_client(np.arange(4), PartitionConfig(val_fraction=0.5, test_fraction=0.25), 0, 0)
+    assert (len(four.train), len(four.val), len(four.test)) == (1, 2, 1)
+
+
+def test_natural_ids_are_selected_distinct_seeded_and_all_of_them_allowed():
+    """``select_ids``: k distinct ids (every row of each), the seed's own draw (another seed,
+    another draw), k equal to the number of ids allowed, one more refused naming the key."""
+    from fedadapt.data.partition import select_ids
+
+    ids = np.repeat(np.array([7, 3, 9, 1, 5, 8]), 2)
+    rows = select_ids(ids, 3, seed=0, card=CARD)
+    assert len(rows) == 6 and len(np.unique(ids[rows])) == 3
+    assert np.array_equal(rows, np.sort(rows))
+    assert all((ids == i).sum() == 2 for i in np.unique(ids[rows]))
+    draws = {tuple(np.unique(ids[select_ids(ids, 3, s, CARD)])) for s in range(8)}
+    assert len(draws) > 1
+    assert np.array_equal(select_ids(ids, 3, 0, CARD), rows)
+    assert len(select_ids(ids, 6, seed=0, card=CARD)) == 12
+    with pytest.raises(ConfigError, match="partition.select_ids=7 is invalid"):
+        select_ids(ids, 7, 0, CARD)
