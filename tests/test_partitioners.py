@@ -245,3 +245,47 @@ def test_natural_ids_are_selected_distinct_seeded_and_all_of_them_allowed():
     assert len(select_ids(ids, 6, seed=0, card=CARD)) == 12
     with pytest.raises(ConfigError, match="partition.select_ids=7 is invalid"):
         select_ids(ids, 7, 0, CARD)
+
+
+def test_enough_samples_for_the_clients_boundaries_and_words():
+    """As many clients as samples is allowed, one more refused; for Dirichlet, exactly
+    ``num_clients * min_partition_size`` samples is allowed, one fewer refused; each refusal
+    says what it needs and has; a natural partition is not a sample-based one."""
+    from fedadapt.data.partition import _check_enough
+
+    _check_enough(PartitionConfig(kind="iid", num_clients=20), CARD, 20)
+    with pytest.raises(ConfigError) as err:
+        _check_enough(PartitionConfig(kind="shard", num_clients=21), CARD, 20)
+    assert str(err.value) == ("partition.num_clients=21 is invalid: the training split of "
+                              "dataset=digits has only 20 samples")
+    _check_enough(PartitionConfig(kind="dirichlet", num_clients=4, min_partition_size=5), CARD,
+                  20)
+    _check_enough(PartitionConfig(kind="shard", num_clients=4, min_partition_size=6), CARD, 20)
+    with pytest.raises(ConfigError) as err:
+        _check_enough(PartitionConfig(kind="dirichlet", num_clients=4, min_partition_size=6),
+                      CARD, 20)
+    assert str(err.value) == ("partition.num_clients=4 is invalid: with "
+                              "partition.min_partition_size=6 it needs 24 samples, "
+                              "dataset=digits has 20")
+    _check_enough(PartitionConfig(kind="natural", num_clients=50), CARD, 20)
+
+
+def test_a_natural_partition_samples_its_ids_seeded_and_refuses_too_many():
+    """Fewer clients than natural ids: a seeded choice of distinct ids (the same seed the same,
+    each id's rows whole); exactly as many: every id; more: refused naming the ids' column."""
+    writers = [f"w{i % 6}" for i in range(60)]
+    data = labelled(60, extra={"client": writers})
+    three = partition_dataset(data, PartitionConfig(kind="natural", num_clients=3), CARD, seed=0)
+    assert len(set(three.names)) == 3 and set(three.names) <= {f"w{i}" for i in range(6)}
+    assert all(len(c) == 10 for c in three.clients)
+    again = partition_dataset(data, PartitionConfig(kind="natural", num_clients=3), CARD, seed=0)
+    assert again.names == three.names
+    others = {tuple(partition_dataset(data, PartitionConfig(kind="natural", num_clients=3), CARD,
+                                      seed=s).names) for s in range(1, 6)}
+    assert len(others | {tuple(three.names)}) > 1
+    every = partition_dataset(data, PartitionConfig(kind="natural", num_clients=6), CARD, seed=0)
+    assert sorted(every.names) == [f"w{i}" for i in range(6)]
+    with pytest.raises(ConfigError) as err:
+        partition_dataset(data, PartitionConfig(kind="natural", num_clients=7), CARD, seed=0)
+    assert str(err.value) == ("partition.num_clients=7 is invalid: dataset=digits has 6 natural "
+                              f"ids ({CARD.client_key or 'client'}) to train on")
