@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 from fedadapt.results import records
@@ -104,15 +103,10 @@ def main() -> None:
     seeds = "seeds " + ", ".join(map(str, sorted({r["summary"]["seed"] for r in every})))
     rows = [[label] + [COLUMNS[c][1](runs, args.target) for c in args.columns]
             for label, runs in selected]
-    # the runs' own commit(s) and day, not the table's: a table may be made later from them
-    commits = sorted({r["summary"].get("git_commit") or "unknown" for r in every})
-    newest = max(Path(r["dir"], "summary.json").stat().st_mtime for r in every)
     record = records.measured(
         args.record, source="scripts/evidence_table.py", rows=rows, command=args.command,
-        footer=args.footer, commit=", ".join(commits),
-        date=time.strftime("%Y-%m-%d", time.localtime(newest)),
-        columns=["row"] + [COLUMNS[c][0](seeds, args.target) for c in args.columns],
-        backbone=records.backbone_of(r["dir"] for r in every))
+        footer=args.footer, **records.of_runs(r["dir"] for r in every),
+        columns=["row"] + [COLUMNS[c][0](seeds, args.target) for c in args.columns])
     print(f"evidence_table: wrote {records.save(record)}")
     print(records.render(record))
     for doc in records.render_docs(only={args.record}):

@@ -12,7 +12,8 @@
 # (experiment=quickstart: frozen EfficientNet-Lite0 with its ImageNet weights, 64 px, 10 clients on
 # digits, 3 per round, 12 rounds, the preset's SGD lr 0.002 with momentum 0.9; LoRA on the
 # pointwise convolutions).
-# Seed 0 of every row first, then seeds 1-2. Then the table: scripts/lora_ranks_table.py.
+# Seed 0 of every row first, then seeds 1-2. Then the table (scripts/lora_ranks_table.py), kept
+# as the record lora-ranks-small-vit or lora-ranks-efficientnet.
 #   bash scripts/lora_ranks_evidence.sh [OUT] [small_vit|efficientnet] [OVERRIDE ...]
 #   (default OUT: outputs/lora_ranks, or outputs/lora_ranks_efficientnet; OVERRIDEs go to every
 #   run, e.g. federation.backend=inprocess: the same numbers without Ray)
@@ -41,4 +42,6 @@ for seeds in 0 1,2; do
   sweep "ranks_s$s" method.ranks=[2,4,8] strategy=hetlora,flexlora,flora,fedex_lora,fedsa_lora \
     seed=$seeds
 done
-python "$(dirname "$0")/lora_ranks_table.py" "$out"
+# the docs' table (docs/peft.md), kept as the record lora-ranks-<backbone>
+python "$(dirname "$0")/lora_ranks_table.py" "$out" --record "lora-ranks-${backbone//_/-}" \
+  --command "bash scripts/lora_ranks_evidence.sh OUT $backbone federation.backend=inprocess"

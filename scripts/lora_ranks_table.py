@@ -7,7 +7,7 @@ seed (the same seed: the same partition,
 the same sampled clients). FedSA-LoRA's global model has no B (each client keeps its own): its
 row is compared on the clients' accuracy.
 
-    python scripts/lora_ranks_table.py OUT [--out FILE]
+    python scripts/lora_ranks_table.py OUT [--out FILE] [--record NAME --command '...']
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ def _runs(root: Path) -> list[dict]:
         s = json.loads(summary.read_text())
         ranks = cfg["method"].get("ranks")
         out.append({
+            "dir": summary.parent,
             "row": (cfg["strategy"]["name"], tuple(ranks) if ranks else (cfg["method"]["rank"],),
                     cfg["method"]["alpha"]),
             "alpha": cfg["partition"]["alpha"], "seed": s["seed"],
@@ -85,6 +86,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("root", type=Path)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--record", help="keep the table as the record NAME as well "
+                                         "(benchmarks/records/NAME.json) and re-render the docs")
+    parser.add_argument("--command", default="", help="--record: the command that made it")
     args = parser.parse_args(argv)
     runs = _runs(args.root)
     if not runs:
@@ -97,6 +101,16 @@ def main(argv=None) -> int:
     tmp.write_text(text)
     tmp.replace(out)
     print(text)
+    if args.record:
+        from fedadapt.results import records
+
+        head, body = records.parse_table(text)
+        record = records.measured(args.record, columns=head, rows=body, command=args.command,
+                                  source="scripts/lora_ranks_table.py",
+                                  **records.of_runs(r["dir"] for r in runs))
+        print(f"lora_ranks_table: wrote {records.save(record)}")
+        for doc in records.render_docs(only={args.record}):
+            print(f"lora_ranks_table: {doc} re-rendered")
     return 0
 
 

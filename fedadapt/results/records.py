@@ -186,6 +186,18 @@ def backbone_of(run_dirs) -> str | None:
     return " | ".join(found) or None
 
 
+def of_runs(run_dirs) -> dict:
+    """A record's provenance from the runs it tabulates, not from the moment it is written
+    (a table may be made later from them): their commits (``summary.json``'s ``git_commit``),
+    the day of the newest run and their backbone (:func:`backbone_of`)."""
+    run_dirs = [Path(d) for d in run_dirs]
+    commits = sorted({json.loads((d / "summary.json").read_text()).get("git_commit")
+                      or "unknown" for d in run_dirs})
+    newest = max((d / "summary.json").stat().st_mtime for d in run_dirs)
+    return {"commit": ", ".join(commits), "backbone": backbone_of(run_dirs),
+            "date": time.strftime("%Y-%m-%d", time.localtime(newest))}
+
+
 def docs(root: Path = ROOT) -> list[Path]:
     return [p for pattern in DOC_GLOBS for p in sorted(root.glob(pattern))]
 
