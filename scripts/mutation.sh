@@ -45,7 +45,7 @@ python - "$CORE" "$TESTS" <<'EOF'
 import sys
 core, tests = sys.argv[1].split(), sys.argv[2].split()
 lines = ["", "[tool.mutmut]", 'source_paths = ["fedadapt"]',
-         f"only_mutate = {core!r}", 'also_copy = ["tests", "datasets", "conf"]',
+         f"only_mutate = {core!r}", 'also_copy = ["tests", "datasets", "conf", "scripts"]',
          'pytest_add_cli_args = ["-m", "not slow", "-q", "-p", "no:warnings"]',
          f"pytest_add_cli_args_test_selection = {tests!r}", "max_children = 2", ""]
 open("pyproject.toml", "a").write("\n".join(lines).replace("'", '"'))
