@@ -289,3 +289,49 @@ def test_a_natural_partition_samples_its_ids_seeded_and_refuses_too_many():
         partition_dataset(data, PartitionConfig(kind="natural", num_clients=7), CARD, seed=0)
     assert str(err.value) == ("partition.num_clients=7 is invalid: dataset=digits has 6 natural "
                               f"ids ({CARD.client_key or 'client'}) to train on")
+
+
+SEEDED = {  # kind -> (its settings, flwr-datasets' partitioner with fedadapt's arguments)
+    "dirichlet": (dict(alpha=0.5, min_partition_size=2),
+                  lambda fp, s: fp.DirichletPartitioner(
+                      num_partitions=4, partition_by="label", alpha=0.5, min_partition_size=2,
+                      self_balancing=False, shuffle=True, seed=s)),
+    "shard": (dict(shards_per_client=2, shard_size=10),
+              lambda fp, s: fp.ShardPartitioner(
+                  num_partitions=4, partition_by="label", num_shards_per_partition=2,
+                  shard_size=10, keep_incomplete_shard=False, shuffle=True, seed=s)),
+    "pathological": (dict(classes_per_client=3),
+                     lambda fp, s: fp.PathologicalPartitioner(
+                         num_partitions=4, partition_by="label", num_classes_per_partition=3,
+                         class_assignment_mode="random", shuffle=True, seed=s)),
+    "inner_dirichlet": (dict(alpha=0.5),
+                        lambda fp, s: fp.InnerDirichletPartitioner(
+                            partition_sizes=[30, 30, 30, 30], partition_by="label", alpha=0.5,
+                            shuffle=True, seed=s)),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SEEDED))
+def test_a_seeded_partition_is_flwr_datasets_own_with_the_runs_seed(kind):
+    """Each label-based kind is flwr-datasets' partitioner with fedadapt's arguments (shuffled,
+    the run's seed): every client holds exactly the rows of its flwr-datasets partition; the
+    same seed gives the same partition, another seed another."""
+    from flwr_datasets import partitioner as fp
+
+    settings, theirs = SEEDED[kind]
+    cfg = PartitionConfig(kind=kind, num_clients=4, val_fraction=0.0, test_fraction=0.2,
+                          **settings)
+    data = labelled(120, num_classes=6)
+    parts = {s: partition_dataset(data, cfg, CARD, seed=s) for s in (3, 4)}
+    for seed, part in parts.items():
+        flwr = theirs(fp, seed)
+        flwr.dataset = data.select_columns(["label"]).add_column("row", range(len(data)))
+        for i, client in enumerate(part.clients):
+            rows = np.sort(np.concatenate([client.train, client.val, client.test]))
+            assert np.array_equal(rows, np.sort(flwr.load_partition(i)["row"])), (kind, seed, i)
+    again = partition_dataset(data, cfg, CARD, seed=3)
+    assert all(np.array_equal(a.test, b.test) for a, b in zip(again.clients, parts[3].clients))
+    assert any(not np.array_equal(np.sort(np.concatenate([a.train, a.test])),
+                                  np.sort(np.concatenate([b.train, b.test])))
+               for a, b in zip(parts[3].clients, parts[4].clients))
+
