@@ -4,8 +4,8 @@
 Each ``OUT`` is a folder scripts/mutation.sh wrote (``results.txt``: every mutant's status,
 ``commit.txt``). ``--later NAME ...`` lists survivors killed afterwards by tests committed after
 the run, each checked against the new tests in mutmut's mutated tree
-(``MUTANT_UNDER_TEST=NAME pytest TESTS``); the rest of the survivors are the ones
-docs/reliability.md argues equivalent.
+(``MUTANT_UNDER_TEST=NAME pytest TESTS``); docs/reliability.md says, under the table, which
+of the rest are argued equivalent and which are not yet killed.
 
     python scripts/mutation_table.py /tmp/mut-ckpt2 /tmp/mut-part --record mutation-core \\
         --later fedadapt.federation.server.checkpoint.x_save_client_context__mutmut_4 ...
@@ -60,7 +60,7 @@ def main() -> None:
         args.record, source="scripts/mutation_table.py", rows=rows, command=args.command,
         footer=args.footer,
         columns=["module", "commit", "mutants", "killed in the run", "score of the run",
-                 "killed by later tests", "left, argued equivalent", "score"])
+                 "killed by later tests", "left (see below)", "score"])
     print(f"mutation_table: wrote {records.save(record)}")
     print(records.render(record))
     for doc in records.render_docs(only={args.record}):

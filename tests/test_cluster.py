@@ -81,7 +81,6 @@ def test_bad_addresses_are_refused(address, needle):
 
 
 @pytest.mark.slow
-@pytest.mark.alone  # its bound is measured against a reference in the test
 def test_something_that_is_not_a_ray_gcs_is_refused_within_the_timeout():
     """A listener that accepts and never speaks: refused, not waited on forever. The probe's
     time grows with its timeout (1 s, then 3 s: the second takes about 2 s more), measured
@@ -105,7 +104,6 @@ def test_something_that_is_not_a_ray_gcs_is_refused_within_the_timeout():
 
 
 @pytest.mark.slow
-@pytest.mark.alone  # its bound is measured against a reference in the test
 def test_unreachable_ray_address_fails_fast_with_one_line(tmp_path, cache_dir):
     """Refused at once (the port is closed), not after Ray's minute of retries: measured
     against a command that fails on a bad value after the same imports and composition
