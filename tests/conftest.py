@@ -74,10 +74,6 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     import torch
 
-    if "PYTEST_XDIST_WORKER" in os.environ:
-        # the long tests first (every worker sorts alike), the short ones fill in at the end: a
-        # worker that drew a 60 s test last no longer finishes alone
-        items.sort(key=lambda item: "slow" not in item.keywords)
 
     if torch.cuda.is_available():
         return

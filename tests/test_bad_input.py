@@ -34,11 +34,24 @@ def fedadapt(args, cache_dir, cwd, timeout=120):
 
 def main_in_process(args, cwd, monkeypatch, capsys) -> list[str]:
     """``fedadapt ARGS`` as ``cli.main`` runs it (composition, checks, Hydra's job) in this
-    process, from ``cwd``: its exit code must be 2; its stderr's non-empty lines."""
+    process, from ``cwd``: its exit code must be 2; its stderr's non-empty lines.
+
+    What the command sets once per process is this call's alone and undone after it: the plain
+    output (:func:`fedadapt.progress.configure_output` wraps the streams, here the capture's,
+    and points the loggers' handlers at them) and Hydra's job logging (a handler on this
+    capture's stdout). Left in place, the next test that logs writes to a closed capture file
+    (``ValueError: I/O operation on closed file``, seen when the tests ran in another order)."""
+    import logging
+
     from hydra.core.global_hydra import GlobalHydra
 
+    from fedadapt import progress
     from fedadapt.cli import main
 
+    loggers = [logging.getLogger(name) for name in ("", "flwr", "hydra")]
+    saved = [(lg, lg.handlers[:], lg.level, lg.propagate,
+              [(h, getattr(h, "stream", None)) for h in lg.handlers]) for lg in loggers]
+    monkeypatch.setattr(progress, "_STATE", progress._State())
     monkeypatch.setattr(sys, "argv", ["fedadapt", *args])
     monkeypatch.chdir(cwd)
     try:
@@ -46,6 +59,13 @@ def main_in_process(args, cwd, monkeypatch, capsys) -> list[str]:
             main()
     finally:
         GlobalHydra.instance().clear()
+        for lg, handlers, level, propagate, streams in saved:
+            lg.handlers[:] = handlers
+            lg.setLevel(level)
+            lg.propagate = propagate
+            for handler, stream in streams:
+                if stream is not None:
+                    handler.setStream(stream)
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert done.value.code == 2, err
     return err
