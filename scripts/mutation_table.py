@@ -20,7 +20,8 @@ from pathlib import Path
 
 from fedadapt.results import records
 
-MUTANT = re.compile(r"\s*(\S+)\.x_\w+__mutmut_\d+: (\w[\w ]*)$")
+#: ``module.x_function__mutmut_N`` or, for a method, ``module.xǁClassǁmethod__mutmut_N``
+MUTANT = re.compile(r"\s*(\S+?)\.x(?:_|ǁ)\S+__mutmut_\d+: (\w[\w ]*)$")
 
 
 def rows_of(out: Path, later: set[str]) -> list[list[str]]:
