@@ -107,10 +107,7 @@ def main() -> None:
         args.record, source="scripts/evidence_table.py", rows=rows, command=args.command,
         footer=args.footer, **records.of_runs(r["dir"] for r in every),
         columns=["row"] + [COLUMNS[c][0](seeds, args.target) for c in args.columns])
-    print(f"evidence_table: wrote {records.save(record)}")
-    print(records.render(record))
-    for doc in records.render_docs(only={args.record}):
-        print(f"evidence_table: {doc} re-rendered")
+    records.keep(record, "evidence_table")
 
 
 if __name__ == "__main__":

@@ -108,9 +108,7 @@ def main(argv=None) -> int:
         record = records.measured(args.record, columns=head, rows=body, command=args.command,
                                   source="scripts/lora_ranks_table.py",
                                   **records.of_runs(r["dir"] for r in runs))
-        print(f"lora_ranks_table: wrote {records.save(record)}")
-        for doc in records.render_docs(only={args.record}):
-            print(f"lora_ranks_table: {doc} re-rendered")
+        records.keep(record, "lora_ranks_table")
     return 0
 
 

@@ -62,10 +62,7 @@ def main() -> None:
         footer=args.footer,
         columns=["module", "commit", "mutants", "killed in the run", "score of the run",
                  "killed by later tests", "left (see below)", "score"])
-    print(f"mutation_table: wrote {records.save(record)}")
-    print(records.render(record))
-    for doc in records.render_docs(only={args.record}):
-        print(f"mutation_table: {doc} re-rendered")
+    records.keep(record, "mutation_table")
 
 
 if __name__ == "__main__":

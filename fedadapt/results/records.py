@@ -103,6 +103,18 @@ def save(record: Record, folder: Path = RECORDS) -> Path:
     return path
 
 
+def keep(record: Record, writer: str, folder: Path = RECORDS) -> Path:
+    """What a table's writer does last: save ``record``, print it and where it went, and
+    re-render the docs tables that show it (for the project's own records folder)."""
+    path = save(record, folder)
+    print(f"{writer}: wrote {path}")
+    print(render(record))
+    if Path(folder).resolve() == RECORDS.resolve():
+        for doc in render_docs(only={record.name}):
+            print(f"{writer}: {doc} re-rendered")
+    return path
+
+
 def measured(name: str, columns: list[str], rows: list[list[str]], command: str, source: str,
              **more) -> Record:
     """A record of what was measured now: this machine, today, this checkout's commit
