@@ -100,8 +100,9 @@ def main(argv=None) -> int:
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(text)
     tmp.replace(out)
-    print(text)
-    if args.record:
+    if not args.record:
+        print(text)
+    else:  # records.keep prints it
         from fedadapt.results import records
 
         head, body = records.parse_table(text)
