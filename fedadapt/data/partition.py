@@ -9,6 +9,7 @@ that draw it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -390,7 +391,8 @@ def _save_cached(path: Path, key: str, part: Partition) -> None:
             np.savez(fh, **arrays)
         seal_and_rename(tmp, path)
     except OSError as err:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # absent, or its folder is not one
+            tmp.unlink()
         log(f"[cache] partition {path}: not saved ({err}); the next run recomputes it")
 
 
