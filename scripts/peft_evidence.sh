@@ -17,7 +17,8 @@
 # Offline; on 2 CPU cores in process about 28 min for the EfficientNet half and 1 h for the small
 # ViT's (2026-11-27). A sweep that finished is not run again: rerun the script to go on after a stop.
 #   bash scripts/peft_evidence.sh [OUT] [OVERRIDE ...]
-#   (default OUT: outputs/peft_evidence; OVERRIDEs go to every run, e.g. federation.backend=inprocess)
+#   (default OUT: outputs/peft_evidence; OVERRIDEs go to every run, e.g. federation.backend=inprocess;
+#   PEFT_BACKBONES="small_vit" runs the small ViT's half alone, "efficientnet" the other)
 set -euo pipefail
 out=${1:-outputs/peft_evidence}
 extra=("${@:2}")
@@ -27,10 +28,16 @@ common=()
 
 alphas=partition.alpha=0.1,1000
 seeds=seed=0,1,2
+halves=" ${PEFT_BACKBONES:-efficientnet small_vit} "
+if [[ $halves == *" efficientnet "* ]]; then
 sweep eff_lora experiment=quickstart compare=[] method=lora method.rank=4,8,16 $alphas $seeds
 sweep eff_ffa experiment=quickstart compare=[] method=lora method.ffa=true $alphas $seeds
 sweep eff_other experiment=quickstart compare=[] method=ia3,bitfit,linear_head $alphas $seeds
+sweep eff_lr experiment=quickstart compare=[] method=lora,linear_head train.lr=0.01 $alphas
+fedadapt-report "$out"/eff_* --out "$out/report_efficientnet" --against linear_head
+fi
 
+[[ $halves == *" small_vit "* ]] || exit 0
 ensure_small_vit
 vit=(experiment=acc_offline setting=conventional compare=[])
 sweep vit_lora "${vit[@]}" method=lora method.rank=4,8,16 $alphas
@@ -48,7 +55,4 @@ sweep vit_tuned "${vit[@]}" method=lora,lw_linear train.lr=0.2 $alphas seed=1,2
 sweep vit_tuned_pa "${vit[@]}" method=accumulator_pa train.lr=0.05 $alphas seed=1,2
 sweep vit_lw_pa "${vit[@]}" method=lw_linear_pa train.lr=0.005,0.05,0.2 $alphas
 sweep vit_lw_pa_s12 "${vit[@]}" method=lw_linear_pa train.lr=0.05 $alphas seed=1,2
-sweep eff_lr experiment=quickstart compare=[] method=lora,linear_head train.lr=0.01 $alphas
-
-fedadapt-report "$out"/eff_* --out "$out/report_efficientnet" --against linear_head
 fedadapt-report "$out"/vit_* --out "$out/report_small_vit" --against lw_linear

@@ -126,7 +126,11 @@ def run_variant(overrides: list[str], rounds: int) -> dict:
         print(f"  round {rnd:3d} | acc {100 * acc:5.1f}% | loss {c['loss']:.3f} | grad median "
               f"{c['grad_norm_median']:.3g} max {c['grad_norm_max']:.3g} | non-finite steps "
               f"{c['non_finite_steps']} | token change {c['token_change']:.3f}", flush=True)
-    return {"overrides": BASE + overrides, "curve": curve}
+    from fedadapt.results.records import pretrained
+    from fedadapt.results.store import git_commit
+
+    return {"overrides": BASE + overrides, "curve": curve, "git_commit": git_commit(),
+            "backbone": pretrained(cfg.backbone.weights)}
 
 
 def plot(results: dict, path: Path) -> None:
@@ -160,12 +164,18 @@ def main() -> None:
     p.add_argument("--out", default="outputs/token_replace")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="plot and tabulate the variants of earlier runs' JSON files instead")
+    p.add_argument("--record", metavar="NAME",
+                   help="keep the table as the record benchmarks/records/NAME.json (with "
+                        "--command) and re-render the docs that show it")
+    p.add_argument("--command", help="the record's commands (with --record)")
     args = p.parse_args()
+    if args.record and not args.command:
+        p.error("--record needs --command (the commands that made the runs)")
     if args.merge:
         results = {}
         for path in args.merge:
             results.update(json.loads(Path(path).read_text()))
-        finish(results, Path(args.out))
+        finish(results, Path(args.out), args.record, args.command)
         return
     if args.base is not None:
         BASE[:] = args.base
@@ -179,24 +189,55 @@ def main() -> None:
     for name, overrides in variants.items():
         print(f"[token_replace] {name}: {' '.join(BASE + overrides)}", flush=True)
         results[name] = run_variant(overrides, args.rounds)
-    finish(results, Path(args.out))
+    finish(results, Path(args.out), args.record, args.command)
 
 
-def finish(results: dict, out: Path) -> None:
-    """``<out>.json``, ``<out>.png`` and a Markdown table of the last round on stdout."""
+def backbone_of(overrides: list[str]) -> str | None:
+    """The pretrained backbone a variant's overrides name (for results written without it)."""
+    from fedadapt.entry import compose_config, to_run_config
+    from fedadapt.results.records import pretrained
+
+    return pretrained(to_run_config(compose_config(overrides)).backbone.weights)
+
+
+COLUMNS = ["variant", "rounds", "final acc", "best acc", "token change, last round",
+           "median gradient norm, last round", "non-finite steps"]
+
+
+def rows_of(results: dict) -> list[list[str]]:
+    """The table's rows: each variant's last round; the best final accuracy in bold."""
+    rows, finals = [], [100 * res["curve"][-1]["accuracy"] for res in results.values()]
+    for (name, res), final in zip(results.items(), finals):
+        c = res["curve"]
+        cell = f"{final:.1f}"
+        rows.append([name, str(len(c)), f"**{cell}**" if final == max(finals) else cell,
+                     f"{100 * max(r['accuracy'] for r in c):.1f}",
+                     f"{c[-1]['token_change']:.2f}", f"{c[-1]['grad_norm_median']:.3g}",
+                     str(sum(r["non_finite_steps"] for r in c))])
+    return rows
+
+
+def finish(results: dict, out: Path, record: str | None = None, command: str | None = None
+           ) -> None:
+    """``<out>.json``, ``<out>.png`` and a Markdown table of the last round on stdout (kept
+    as the record ``record`` when given)."""
     from fedadapt.files import atomic_write
+    from fedadapt.results import records
 
     atomic_write(out.with_suffix(".json"), lambda fh: json.dump(results, fh, indent=1))
     plot(results, out.with_suffix(".png"))
-    print("| variant | rounds | final acc | best acc | token change, last round | "
-          "median gradient norm, last round | non-finite steps |")
-    print("|---|---|---|---|---|---|---|")
-    for name, res in results.items():
-        c = res["curve"]
-        print(f"| {name} | {len(c)} | {100 * c[-1]['accuracy']:.1f} | "
-              f"{100 * max(r['accuracy'] for r in c):.1f} | {c[-1]['token_change']:.2f} | "
-              f"{c[-1]['grad_norm_median']:.3g} | {sum(r['non_finite_steps'] for r in c)} |")
     print(f"[token_replace] wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    rows = rows_of(results)
+    if record is None:
+        print(records.render(records.Record(name="token-replace", columns=COLUMNS, rows=rows,
+                                            command="", source="", machine="", date="")))
+        return
+    commits = sorted({res.get("git_commit") or "unknown" for res in results.values()})
+    backbones = sorted({res.get("backbone") or backbone_of(res["overrides"]) or "unknown"
+                        for res in results.values()})
+    records.keep(records.measured(record, COLUMNS, rows, command, "scripts/token_replace.py",
+                                  commit=", ".join(commits), backbone=" | ".join(backbones)),
+                 "token_replace.py")
 
 
 if __name__ == "__main__":

@@ -165,34 +165,41 @@ def machine() -> str:
             f"{torch.get_num_threads()} torch threads")
 
 
-def backbone_of(run_dirs) -> str | None:
-    """Which backbone the runs in ``run_dirs`` ran on, in a record's words: for a folder made by
-    ``fedadapt-pretrain`` (``backbone.weights``), its architecture, data set, test accuracy,
-    date and the SHA-256 of its ``model.safetensors``; and the weights' fingerprint the runs'
-    summaries recorded (several backbones: each, joined by " | "). None where no run names
-    either."""
+def pretrained(weights) -> str | None:
+    """A folder made by ``fedadapt-pretrain`` in a record's words: its architecture, data set,
+    epochs, day, test accuracy and the SHA-256 of its ``model.safetensors``; None for weights
+    that are not such a folder."""
     import hashlib
 
+    info = Path(str(weights)) / "pretrain.json" if weights else None
+    if info is None or not info.is_file():
+        return None
+    made = json.loads(info.read_text())
+    model = info.with_name("model.safetensors")
+    digest = hashlib.sha256(model.read_bytes()).hexdigest()[:16] if model.is_file() \
+        else "its file missing"
+    made_on = time.strftime("%Y-%m-%d", time.localtime(info.stat().st_mtime))
+    return (f"{made['backbone']} made by fedadapt-pretrain on {made['dataset']}, "
+            f"{made['epochs']} epochs, on {made_on} ({100 * made['final_test_acc']:.2f}% "
+            f"on its test set; model.safetensors SHA-256 {digest}…)")
+
+
+def backbone_of(run_dirs) -> str | None:
+    """Which backbone the runs in ``run_dirs`` ran on, in a record's words: for a folder made by
+    ``fedadapt-pretrain`` (``backbone.weights``), :func:`pretrained`'s words; and the weights'
+    fingerprint the runs' summaries recorded (several backbones: each, joined by " | "). None
+    where no run names either."""
     import yaml
 
     found = []
     for run_dir in map(Path, run_dirs):
         config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
         summary = json.loads((run_dir / "summary.json").read_text())
-        weights = (config.get("backbone") or {}).get("weights")
         fingerprint = summary.get("backbone_weights")
         text = f"weights fingerprint {fingerprint}" if fingerprint else ""
-        info = Path(str(weights)) / "pretrain.json" if weights else None
-        if info is not None and info.is_file():
-            made = json.loads(info.read_text())
-            model = info.with_name("model.safetensors")
-            digest = hashlib.sha256(model.read_bytes()).hexdigest()[:16] if model.is_file() \
-                else "its file missing"
-            made_on = time.strftime("%Y-%m-%d", time.localtime(info.stat().st_mtime))
-            text = (f"{made['backbone']} made by fedadapt-pretrain on {made['dataset']}, "
-                    f"{made['epochs']} epochs, on {made_on} ({100 * made['final_test_acc']:.2f}% "
-                    f"on its test set; model.safetensors SHA-256 {digest}…)"
-                    + (f"; {text}" if text else ""))
+        made = pretrained((config.get("backbone") or {}).get("weights"))
+        if made:
+            text = made + (f"; {text}" if text else "")
         if text and text not in found:
             found.append(text)
     return " | ".join(found) or None
