@@ -29,7 +29,7 @@ if [ ! -f "$out/pers_fl/.done" ]; then
   fedadapt "${common[@]}" setting=multitier "${extra[@]}" output_dir="$out/pers_fl"
   touch "$out/pers_fl/.done"
 fi
-fl=$(dirname "$(find "$out/pers_fl" -name summary.json | head -n 1)")
+fl=$(dirname "$(find "$out/pers_fl/" -name summary.json | head -n 1)")
 parts=(setting.personalize=trainable,adapters,accumulator,client_token "setting.init_from='$fl'")
 sweep pers_lr_fl "${parts[@]}"
 sweep pers_lr_0.001 "${parts[@]}" setting.lr=0.001
@@ -57,14 +57,14 @@ python "$here/report_record.py" acc-offline "$out/acc_offline" --layout paper --
   "partition.alpha=1000.0, setting.name=multitier:multi-tier, alpha 1000" \
   "partition.alpha=0.1, setting.name=conventional:conventional, alpha 0.1" \
   "partition.alpha=1000.0, setting.name=conventional:conventional, alpha 1000"
-seed0=$(find "$out/acc_offline" -maxdepth 1 -name "*partition.alpha=1000,setting=multitier*")
+seed0=$(find "$out/acc_offline/" -maxdepth 1 -name "*partition.alpha=1000,setting=multitier*")
 short=()
 for m in lw_finetune lw_linear lw_mlp accumulator accumulator_pa acc_no_replace; do
   short+=("$m:\`$m\`")
 done
 python "$here/report_record.py" acc-offline-seeds "$seed0" "$out/acc_offline_seeds" \
   --layout paper --bold --command "$command   # the alpha-1000 multi-tier point and its seeds 1-2" \
-  --rows "${short[@]}" --columns "seed=0, seed=1, seed=2:multi-tier, alpha 1000, seeds 0-2"
+  --rows "${short[@]}" --columns "all:multi-tier, alpha 1000, seeds 0-2"
 python "$here/report_record.py" acc-offline-communication "$seed0" --layout communication \
   --command "$command   # the alpha-1000 multi-tier point, fedadapt-report --layout communication" \
   --rows accumulator:\`accumulator\` accumulator_pa:\`accumulator_pa\` \

@@ -120,3 +120,56 @@ def test_the_backbone_is_named_by_what_made_it_and_its_hash(tmp_path):
     (runs[2] / "summary.json").write_text("{}")
     (runs[2] / "config.yaml").write_text("seed: 0\n")
     assert records.backbone_of(runs[2:]) is None
+
+
+def _script(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(tmp_path, name: str, method: str, alpha: float, seed: int, acc: float) -> dict:
+    run = tmp_path / name
+    run.mkdir()
+    (run / "config.yaml").write_text(f"partition:\n  alpha: {alpha}\nseed: {seed}\n")
+    summary = {"method": method, "seed": seed, "final": {"global_acc": acc},
+               "git_commit": "c0ffee"}
+    (run / "summary.json").write_text(json.dumps(summary))
+    return {"dir": str(run), "summary": summary,
+            "config": {"partition.alpha": alpha, "seed": seed, "method.name": method}}
+
+
+def test_a_report_layout_is_kept_in_the_docs_words(tmp_path):
+    """``scripts/report_record.py``: the paper layout's cells, its rows picked, ordered and
+    named, its columns named; each column's best mean in bold (ties both, never the interval);
+    a row the report lacks is one line naming what it has."""
+    rr = _script("report_record")
+    runs = [_run(tmp_path, f"r{i}", m, a, 0, acc) for i, (m, a, acc) in enumerate(
+        [("lora", 0.1, 0.5), ("lora", 1000, 0.9), ("bitfit", 0.1, 0.6), ("bitfit", 1000, 0.9)])]
+    columns, rows = rr.table(runs, "paper", {"bitfit": "BitFit", "lora": "LoRA"},
+                             {"partition.alpha=1000": "alpha 1000",
+                              "partition.alpha=0.1": "alpha 0.1"}, bold=True)
+    assert columns == ["method", "alpha 1000", "alpha 0.1"]
+    assert rows == [["BitFit", "**90.00**", "**60.00**"], ["LoRA", "**90.00**", "50.00"]]
+    cells = [["a", "48.26 ± 1.15 [45.41, 51.11]"], ["b", "46.49 ± 1.69 [42.29, 50.69]"]]
+    assert rr.embolden(cells) == [["a", "**48.26 ± 1.15** [45.41, 51.11]"], cells[1]]
+    with pytest.raises(SystemExit, match="the report has no \\['ia3'\\]"):
+        rr.table(runs, "paper", {"ia3": "(IA)^3"}, {}, bold=False)
+
+
+def test_the_token_replace_table_bolds_the_best_final_accuracy():
+    """``scripts/token_replace.py``'s rows: rounds, final and best accuracy, the last round's
+    token change and median gradient norm, the non-finite steps summed; the best final in bold."""
+    tr = _script("token_replace")
+    curve = [{"accuracy": 0.2, "token_change": 0.5, "grad_norm_median": 3.0,
+              "non_finite_steps": 1},
+             {"accuracy": 0.125, "token_change": 0.25, "grad_norm_median": 2.5,
+              "non_finite_steps": 2}]
+    rows = tr.rows_of({"a": {"curve": curve}, "b": {"curve": curve[:1]}})
+    assert rows == [["a", "2", "12.5", "20.0", "0.25", "2.5", "3"],
+                    ["b", "1", "**20.0**", "20.0", "0.50", "3", "1"]]

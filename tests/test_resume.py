@@ -15,7 +15,7 @@ from fedadapt.results.store import read_jsonl
 #: Rounds of the killed run: enough that the kill, polled after round 5, lands before the end
 #: (a round of these tiny runs takes ~0.05 s; with 10 rounds the run could finish between two
 #: polls).
-ROUNDS = 30
+ROUNDS = 15  # long enough that a run stopped at round 5 is still running (10 rounds on)
 TINY = ["backbone=small_cnn", "backbone.image_size=16", "dataset.max_samples=300",
         "partition.num_clients=4", f"rounds={ROUNDS}", "federation.eval_every=1",
         "federation.checkpoint_every=2", "train.precision=fp32"]  # compared exactly, any device

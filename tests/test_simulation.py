@@ -1,23 +1,32 @@
-"""Federated runs end to end through Flower's run_simulation (Ray): a 10-client, 4-round run
-that learns, with its run directory and byte counts; seeded runs that repeat."""
+"""Federated runs end to end: a 10-client, 4-round run that learns, with its run directory and
+byte counts (in process); seeded runs that repeat on Flower's run_simulation (Ray) and in
+process, to the last bit."""
 
 import json
 
 import pytest
-from conftest import learning_run, tiny_run
+from conftest import accuracy_of, final_checkpoint, learning_run, tiny_run
 
 from fedadapt.adapters.heads import FinetuneConfig, LinearHeadConfig
 from fedadapt.experiment import run_experiment
 from fedadapt.results.store import read_jsonl
 
-pytestmark = pytest.mark.slow  # Ray: Flower's simulation engine
+pytestmark = pytest.mark.slow  # whole runs, one of them on Ray
 
 
 def test_ten_clients_four_rounds_learn(cache_dir, tmp_path):
+    """Ten clients, four rounds of a linear head, in process (Ray's run of the same server and
+    ClientApp is the same run to the last bit: test_same_seed_same_metrics_on_ray_and_in_process):
+    every file of a run, every round's row, and a final accuracy that is the final global
+    model's, recomputed here from its logits, far above chance (measured: 78.1%)."""
+    from fedadapt.experiment import prepare_run
+    from fedadapt.federation.simulation.inprocess import in_process
+
     cfg = learning_run(cache_dir, LinearHeadConfig())
     cfg.federation.eval_every = 1
-    cfg.federation.backend = "simulation"  # Ray (auto would run this one-worker job in process)
-    summary = run_experiment(cfg, tmp_path / "run", config_yaml="test: true\n")
+    prep = prepare_run(cfg, quiet=True)
+    summary = run_experiment(cfg, tmp_path / "run", config_yaml="test: true\n", prepared=prep,
+                             execute=in_process(nodes="workers"))
     run = tmp_path / "run"
     for name in ("config.yaml", "partition.json", "partition.png", "metrics.jsonl", "summary.json",
                  "table.md", "curves.png"):
@@ -29,17 +38,9 @@ def test_ten_clients_four_rounds_learn(cache_dir, tmp_path):
         assert r["clients_trained"] == 10 and r["late_clients"] == []
         assert r["communicated_params"] == r["trainable_params"] == head
         assert r["bytes_up"] >= 10 * head * 4  # ten clients each send the head (float32)
-    # it learns (chance is 10%), and rounds help; every round's accuracies are the reference
-    # run's: the same config in process (no Ray), to the last bit
-    from fedadapt.federation.simulation.inprocess import in_process
-
-    cfg.federation.backend = "inprocess"
-    run_experiment(cfg, tmp_path / "ref", config_yaml="test: true\n",
-                   execute=in_process(nodes="workers"))
-    ref = read_jsonl(tmp_path / "ref" / "metrics.jsonl")
-    for key in ("global_acc", "client_acc", "global_loss", "train_loss"):
-        assert [r[key] for r in rows] == [r[key] for r in ref], key
-    assert rows[-1]["global_acc"] > 0.5 and rows[-1]["client_acc"] > 0.5
+    acc = accuracy_of(prep, final_checkpoint(run))
+    assert rows[-1]["global_acc"] == pytest.approx(acc, rel=1e-6, abs=0) and acc > 0.5
+    assert rows[-1]["client_acc"] > 0.5
     assert rows[-1]["train_loss"] < rows[0]["train_loss"]
     assert rows[-1]["cum_bytes"] == sum(r["bytes_up"] + r["bytes_down"] for r in rows)
     on_disk = json.loads((run / "summary.json").read_text())
