@@ -51,6 +51,23 @@ ORDERED = {
                 lambda fp, s: fp.GroupedNaturalIdPartitioner(
                     partition_by="client", group_size=2, mode="allow-smaller",
                     sort_unique_ids=True)),
+    # the ids first seen out of their sorted order (w0, w7, w6, ...): sorting them matters
+    "natural-unsorted": (dict(kind="natural", ids_per_client=2),
+                         {"client": [f"w{(7 * i) % 8}" for i in range(120)]},
+                         lambda fp, s: fp.GroupedNaturalIdPartitioner(
+                             partition_by="client", group_size=2, mode="allow-smaller",
+                             sort_unique_ids=True)),
+    "pathological-deterministic": (
+        dict(kind="pathological", classes_per_client=2, class_assignment="deterministic"), {},
+        lambda fp, s: fp.PathologicalPartitioner(
+            num_partitions=4, partition_by="label", num_classes_per_partition=2,
+            class_assignment_mode="deterministic", shuffle=True, seed=s)),
+    "shard-incomplete": (dict(kind="shard", shards_per_client=2, shard_size=14,
+                              keep_incomplete_shard=True), {},
+                         lambda fp, s: fp.ShardPartitioner(
+                             num_partitions=4, partition_by="label",
+                             num_shards_per_partition=2, shard_size=14,
+                             keep_incomplete_shard=True, shuffle=True, seed=s)),
 }
 
 
@@ -60,18 +77,19 @@ def test_each_client_is_flwr_datasets_partition_in_its_order_then_split(kind):
     partition's rows *in flwr-datasets' order* (the order decides the seeded split): pins a
     partitioner built with ``shuffle=False`` (or None) instead of True, the superclass
     partitioner with another assignment mode, class count or partition count, and a grouped
-    natural partition that is not grouped (``ids_per_client`` > 2 asked instead of > 1) or
-    groups other ids (``mode``, ``sort_unique_ids``)."""
+    natural partition that is not grouped (``ids_per_client`` > 2 asked instead of > 1), groups
+    other ids (``sort_unique_ids``) or names a client by another row's id; the class assignment
+    and the incomplete shards the config asks for not passed on."""
     from flwr_datasets import partitioner as fp
 
     settings, extra, theirs = ORDERED[kind]
-    cfg = PartitionConfig(kind=kind, num_clients=4, val_fraction=0.2, test_fraction=0.3,
-                          **settings)
+    settings = {"kind": kind, **settings}
+    cfg = PartitionConfig(num_clients=4, val_fraction=0.2, test_fraction=0.3, **settings)
     data = labelled(120, num_classes=6, extra=extra)
     seed = 5
     part = partition_dataset(data, cfg, CARD, seed=seed)
     flwr = theirs(fp, seed)
-    key = {"superclass": "coarse_label", "natural": "client"}.get(kind)
+    key = {"superclass": "coarse_label", "natural": "client"}.get(cfg.kind)
     flwr.dataset = data.select_columns(["label"] + ([key] if key else [])).add_column(
         "row", range(len(data)))
     assert len(part.clients) == flwr.num_partitions == 4
@@ -79,6 +97,8 @@ def test_each_client_is_flwr_datasets_partition_in_its_order_then_split(kind):
         want = split_client(np.asarray(flwr.load_partition(i)["row"]), cfg, seed, i)
         for name in ("train", "val", "test"):
             assert np.array_equal(getattr(client, name), getattr(want, name)), (kind, i, name)
+    if cfg.kind == "natural":  # each grouped client is named by its partition's first row's id
+        assert part.names == [str(flwr.load_partition(i)["client"][0]) for i in range(4)]
 
 
 def test_a_superclass_partition_names_its_clients_by_number():
@@ -412,3 +432,59 @@ def test_every_partitioner_fedadapt_builds_is_read_off_its_map():
         partitioner.load_partition(0)
         positions = P._positions(partitioner, 3)
         assert positions is not None and all(p.dtype == np.int64 for p in positions)
+
+
+def _with_test_users(n_train: int = 40):
+    """A training split of 4 users (ids 3, 5, 7, 9) and the source's own test users 2 and 10
+    (ids of numbers, as some sources have: their order as text is 10, 2)."""
+    users = [3, 5, 7, 9] * (n_train // 4) + [2] * 5 + [10] * 6
+    data = labelled(len(users), extra=None)
+    return data.add_column("client", users).add_column(
+        "test_client", [0] * n_train + [1] * 11)
+
+
+def test_the_sources_own_test_users_are_unseen_clients_named_in_text_order():
+    """A source with its own test users: each is an unseen client ``test:<id>`` (after the
+    training clients, in the order of the ids' text) holding all its rows as test data; too many
+    training clients are refused saying the test users come on top. Pins the names or rows
+    dropped, the order by number and the refusal's words."""
+    data = _with_test_users()
+    part = partition_dataset(data, PartitionConfig(kind="natural", num_clients=4,
+                                                   test_fraction=0.25), CARD, seed=0)
+    assert part.names == ["3", "5", "7", "9", "test:10", "test:2"]
+    assert [len(c.test) for c in part.clients[4:]] == [6, 5]
+    assert all(not len(c.train) and not len(c.val) for c in part.clients[4:])
+    assert np.array_equal(part.clients[5].test, np.arange(40, 45))
+    with pytest.raises(ConfigError) as err:
+        partition_dataset(data, PartitionConfig(kind="natural", num_clients=5), CARD, seed=0)
+    assert str(err.value) == ("partition.num_clients=5 is invalid: dataset=digits has 4 natural "
+                              f"ids ({CARD.client_key or 'client'}) to train on (its test users "
+                              "come on top, from its test split)")
+
+
+def test_an_unknown_held_out_domain_is_refused_naming_the_domains():
+    """``partition.holdout`` not among the domains: one line naming it and the domains (pins the
+    message lost)."""
+    data = labelled(30, extra={"domain": [("photo", "sketch")[i % 2] for i in range(30)]})
+    with pytest.raises(ConfigError) as err:
+        partition_dataset(data, PartitionConfig(kind="domain", holdout="cartoon"), CARD, 0)
+    assert str(err.value) == ("partition.holdout='cartoon' is invalid: domains are "
+                              "['photo', 'sketch']")
+
+
+def test_a_cached_domain_partition_holds_out_the_cards_default_domain(tmp_path):
+    """Without ``partition.holdout`` a domain partition holds out the card's default domain,
+    through the cache too (pins the card not passed on when the cache computes)."""
+    import dataclasses as dc
+
+    card = dc.replace(CARD, default_holdout="sketch")
+    data = labelled(30, extra={"domain": [("photo", "sketch", "art")[i % 3] for i in range(30)]})
+
+    class Prepared:
+        fingerprint, name = "D", "digits"
+
+        def load(self):
+            return {"train": data}
+
+    part = P.cached_partition(Prepared(), PartitionConfig(kind="domain"), card, 0, str(tmp_path))
+    assert part.unseen_name == "sketch" and sorted(part.names) == ["art", "photo"]

@@ -262,7 +262,7 @@ def _named_partitions(indices: list[np.ndarray], firsts: list, cfg: PartitionCon
 def _add_test_users(train_ds, held: np.ndarray, clients: list[ClientSplit],
                     indices: list[np.ndarray], names: list[str]) -> None:
     """The source's own test users appended as unseen clients (``test:<user>``) holding test
-    data only."""
+    data only, in the order of their ids' text (ids of any type)."""
     users = column(train_ds.select(held), "client")
     for uid in sorted(np.unique(users).tolist(), key=str):
         whole = np.sort(held[users == uid]).astype(np.int64)
