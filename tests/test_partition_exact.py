@@ -488,3 +488,21 @@ def test_a_cached_domain_partition_holds_out_the_cards_default_domain(tmp_path):
 
     part = P.cached_partition(Prepared(), PartitionConfig(kind="domain"), card, 0, str(tmp_path))
     assert part.unseen_name == "sketch" and sorted(part.names) == ["art", "photo"]
+
+
+def test_mixed_clients_are_the_superclass_partitions_alone():
+    """``partition.mixed_fraction`` mixes clients for the superclass partition only: an IID
+    partition with it set keeps every row in its clients (pins mixing for any kind)."""
+    part = partition_dataset(labelled(40), PartitionConfig(kind="iid", num_clients=4,
+                                                           mixed_fraction=0.5), CARD, seed=0)
+    assert np.array_equal(np.sort(np.concatenate([members(c) for c in part.clients])),
+                          np.arange(40))
+
+
+def test_ids_per_client_groups_natural_ids_only():
+    """``partition.ids_per_client`` groups a natural partition's ids; a domain partition keeps
+    one client per domain whatever it says (pins grouping for any kind)."""
+    data = labelled(30, extra={"domain": [("photo", "sketch", "art")[i % 3] for i in range(30)]})
+    part = partition_dataset(data, PartitionConfig(kind="domain", holdout="none",
+                                                   ids_per_client=2), CARD, seed=0)
+    assert sorted(part.names) == ["art", "photo", "sketch"]
