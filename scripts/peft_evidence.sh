@@ -56,3 +56,25 @@ sweep vit_tuned_pa "${vit[@]}" method=accumulator_pa train.lr=0.05 $alphas seed=
 sweep vit_lw_pa "${vit[@]}" method=lw_linear_pa train.lr=0.005,0.05,0.2 $alphas
 sweep vit_lw_pa_s12 "${vit[@]}" method=lw_linear_pa train.lr=0.05 $alphas seed=1,2
 fedadapt-report "$out"/vit_* --out "$out/report_small_vit" --against lw_linear
+# the docs' small-ViT tables (docs/peft.md), kept as the records peft-small-vit and
+# peft-small-vit-lr: each method at its rate (seeds 0-2 for the first four rows), and the sweep
+table=(python "$(dirname "$0")/evidence_table.py" "$out")
+cmd="bash scripts/peft_evidence.sh OUT ${extra[*]}   # PEFT_BACKBONES=small_vit: its small-ViT half"
+"${table[@]}" --record peft-small-vit --command "$cmd" --first method --bold \
+  --columns lr trainable bytes "global?partition.alpha=0.1:alpha 0.1" \
+  "global?partition.alpha=1000.0:alpha 1000" --rows \
+  "vit_lr+vit_tuned?method.name=lora?method.rank=8?method.ffa=False?train.lr=0.2:LoRA r = 8 (\`lora\`)" \
+  "vit_lw_pa+vit_lw_pa_s12?train.lr=0.05:L.W. linear + PA (\`lw_linear_pa\`)" \
+  "vit_lr+vit_tuned_pa?method.name=accumulator_pa?train.lr=0.05:Accumulator + PA (\`accumulator_pa\`)" \
+  "vit_lr+vit_tuned?method.name=lw_linear?train.lr=0.2:L.W. linear (\`lw_linear\`)" \
+  "vit_lr_rank?method.rank=4:LoRA r = 4" "vit_lr_rank?method.rank=16:LoRA r = 16" \
+  "vit_lr_ffa:FFA-LoRA r = 8 (\`method.ffa=true\`)" \
+  "vit_lr_other?method.name=bitfit:BitFit (\`bitfit\`)" "vit_lr_other?method.name=ia3:(IA)^3 (\`ia3\`)" \
+  "vit_lr_acc?train.lr=0.02:Accumulator (\`accumulator\`)"
+"${table[@]}" --record peft-small-vit-lr --command "$cmd   # its learning-rate sweep, seed 0" \
+  --first lr --columns "pair?method.name=lora?method.rank=8?method.ffa=False:LoRA r = 8" \
+  "pair?method.name=lw_linear_pa:L.W. linear + PA" "pair?method.name=accumulator_pa:Accumulator + PA" \
+  "pair?method.name=lw_linear:L.W. linear" "pair?method.name=accumulator:Accumulator" --rows \
+  "vit_base+vit_lora+vit_lw_pa?train.lr=0.005:0.005 (preset)" "vit_lr+vit_lr_acc?train.lr=0.02:0.02" \
+  "vit_lr+vit_lw_pa?train.lr=0.05:0.05" "vit_lr+vit_lr_acc?train.lr=0.1:0.1" \
+  "vit_lr+vit_lw_pa?train.lr=0.2:0.2" "vit_lr_lora?train.lr=0.4:0.4"
