@@ -173,3 +173,26 @@ def test_the_token_replace_table_bolds_the_best_final_accuracy():
     rows = tr.rows_of({"a": {"curve": curve}, "b": {"curve": curve[:1]}})
     assert rows == [["a", "2", "12.5", "20.0", "0.25", "2.5", "3"],
                     ["b", "1", "**20.0**", "20.0", "0.50", "3", "1"]]
+
+
+def test_an_evidence_table_picks_its_cells_by_row_and_column_conditions():
+    """``scripts/evidence_table.py``: a column's conditions pick among a row's runs (an empty
+    cell where none match); the pair column is alpha 0.1 / alpha 1000; ``--bold`` marks each
+    accuracy column's best mean; an unknown column is one line naming the known ones."""
+    et = _script("evidence_table")
+    rows = [("LoRA", [{"config": {"partition.alpha": a, "method.name": "lora"},
+                       "summary": {"seed": s, "final": {"global_acc": acc}}}
+                      for a, s, acc in [(0.1, 0, 0.5), (0.1, 1, 0.7), (1000.0, 0, 0.9)]]),
+            ("BitFit", [{"config": {"partition.alpha": 0.1, "method.name": "bitfit"},
+                         "summary": {"seed": 0, "final": {"global_acc": 0.6}}}])]
+    columns = [et.column("global?partition.alpha=0.1:alpha 0.1"),
+               et.column("global?partition.alpha=1000.0:alpha 1000"), et.column("pair")]
+    assert columns[0] == ("global", {"partition.alpha": "0.1"}, "alpha 0.1")
+    cells = et.table(rows, columns, 0.8)
+    assert cells == [["LoRA", "60.00 ± 14.14", "90.00", "70.00 / 90.00"],
+                     ["BitFit", "60.00", "", "60.00 / "]]
+    assert et.bold(cells, [1, 2]) == [["LoRA", "**60.00 ± 14.14**", "**90.00**",
+                                       "70.00 / 90.00"],
+                                      ["BitFit", "**60.00**", "", "60.00 / "]]
+    with pytest.raises(SystemExit, match="column 'accuracy' is not one of"):
+        et.column("accuracy")
