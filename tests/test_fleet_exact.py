@@ -1,0 +1,168 @@
+"""The simulated fleet to the word and to the boundary: each trace refusal's whole line, the
+bounds an interval or a cycle may touch, the optimiser's state count that sizes a client's
+memory. Written for fleet.py's mutation survivors (docs/reliability.md): each docstring names
+the bugs it pins."""
+
+import pickle
+
+import numpy as np
+import pytest
+
+from fedadapt.config import FEDSCALE_TRACES, ConfigError, TrainConfig
+from fedadapt.federation.simulation import fleet as F
+
+BEHAVE = ("a pickled dict of client id -> {'active': [s], 'inactive': [s], 'finish_time': s, "
+          "...} (FedScale's client_behave_trace)")
+CAPACITY = ("a pickled dict of client id -> {'computation': ms per sample, 'communication': "
+            "kbit/s} (FedScale's client_device_capacity)")
+
+
+def pickled(tmp_path, data, name="trace.pkl") -> str:
+    path = tmp_path / name
+    path.write_bytes(pickle.dumps(data))
+    return str(path)
+
+
+def refusal(call, *args) -> str:
+    with pytest.raises(ConfigError) as err:
+        call(*args)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("optimizer,momentum,states", [
+    ("sgd", 0.0, 0), ("sgd", 0.9, 1), ("adam", 0.0, 2), ("adamw", 0.9, 2)])
+def test_optimizer_states_are_adams_two_moments_or_sgds_momentum(optimizer, momentum, states):
+    """The optimiser tensors held per trainable tensor (the memory a client needs): Adam and
+    AdamW two, SGD with momentum one, plain SGD none. Pins every branch of it."""
+    assert F.optimizer_states(TrainConfig(optimizer=optimizer, momentum=momentum)) == states
+
+
+def test_each_behaviour_refusal_is_its_whole_line(tmp_path):
+    """Every way a client_behave_trace entry is refused, in its words, naming the key, the
+    client and what is needed: pins each message lost or changed, the shape's description lost,
+    and the checks joined by ``or`` where they need ``and``."""
+    where = lambda p: f"fleet.behaviour={p!r} is invalid"  # noqa: E731
+
+    def says(entry):
+        path = pickled(tmp_path, {7: entry})
+        return refusal(F.read_behaviour, path), where(path)
+
+    msg, w = says([1, 2])
+    assert msg == f"{w}: client 7's entry is list, not a dict ({BEHAVE})"
+    msg, w = says({"finish_time": 0, "active": [], "inactive": []})
+    assert msg == f"{w}: client 7's 'finish_time' is 0: a cycle of > 0 seconds is needed ({BEHAVE})"
+    msg, w = says({"finish_time": 10, "active": "0", "inactive": [1]})
+    assert msg == f"{w}: client 7's 'active' is not a list of numbers ({BEHAVE})"
+    msg, w = says({"finish_time": 10, "active": [0], "inactive": [float("nan")]})
+    assert msg == f"{w}: client 7's 'inactive' is not a list of numbers ({BEHAVE})"
+    msg, w = says({"finish_time": 10, "active": [0], "inactive": ["1"]})
+    assert msg == f"{w}: client 7's 'inactive' is not a list of numbers ({BEHAVE})"
+    msg, w = says({"finish_time": 10, "active": [0, 1], "inactive": [2]})
+    assert msg == (f"{w}: client 7 has 2 'active' and 1 'inactive' times: one of each per "
+                   f"interval")
+    msg, w = says({"finish_time": 10, "active": [5], "inactive": [4]})
+    assert msg == (f"{w}: client 7's interval 0 has 'active' 5 and 'inactive' 4: it needs "
+                   f"0 <= active <= inactive")
+
+
+def test_a_behaviour_cycle_keeps_only_what_lies_inside_it(tmp_path):
+    """A cycle shorter than a second is a cycle (> 0, not > 1); an empty interval (active ==
+    inactive) is allowed and dropped; an interval from the cycle's end on is never reached and
+    dropped, one across it cut at it: pins ``<`` for ``<=`` (and back) in those bounds, and
+    ``or`` for ``and``."""
+    path = pickled(tmp_path, {1: {"finish_time": 0.5, "active": [0.1], "inactive": [0.3]},
+                              2: {"finish_time": 10, "active": [2, 4, 10, 8],
+                                  "inactive": [2, 6, 12, 15]}})
+    trace = F.read_behaviour(path)
+    assert trace[1] == (0.5, [(0.1, 0.3)])
+    assert trace[2] == (10.0, [(4.0, 6.0), (8.0, 10.0)])
+
+
+def test_each_capacity_refusal_is_its_whole_line(tmp_path):
+    """Every way a client_device_capacity entry is refused, in its words: pins the messages and
+    the shape's description."""
+    def says(entry):
+        path = pickled(tmp_path, {"a": entry})
+        return refusal(F.read_capacity, path), f"fleet.capacity={path!r} is invalid"
+
+    msg, w = says(3.0)
+    assert msg == (f"{w}: client 'a''s entry is float, not a dict with 'computation' and "
+                   f"'communication' ({CAPACITY})")
+    msg, w = says({"communication": 5.0})
+    assert msg == f"{w}: client 'a' has no 'computation': a number is needed ({CAPACITY})"
+    msg, w = says({"computation": True, "communication": 5.0})
+    assert msg == f"{w}: client 'a' has True 'computation': a number is needed ({CAPACITY})"
+    msg, w = says({"computation": 5.0, "communication": 0.0})
+    assert msg == f"{w}: client 'a''s 'communication' is 0.0: a speed must be > 0"
+
+
+def test_each_trace_file_refusal_is_its_whole_line(tmp_path):
+    """A missing file says where FedScale publishes its traces; a pickle naming a class, a
+    foreign file, a list, an empty dict and a client id that is neither an integer nor a string
+    each get their line: pins each message and its parts lost."""
+    missing = str(tmp_path / "none.pkl")
+    assert refusal(F.read_capacity, missing) == (
+        f"fleet.capacity={missing!r} is invalid: no such file ({FEDSCALE_TRACES})")
+    evil = tmp_path / "evil.pkl"
+    evil.write_bytes(pickle.dumps(np.zeros(2)))
+    assert refusal(F.read_capacity, str(evil)).startswith(
+        f"fleet.capacity={str(evil)!r} is invalid: refused, it names numpy.")
+    junk = tmp_path / "junk.pkl"
+    junk.write_bytes(b"")
+    assert refusal(F.read_behaviour, str(junk)) == (
+        f"fleet.behaviour={str(junk)!r} is invalid: not a pickle FedScale's simulator reads "
+        f"(EOFError: Ran out of input)")
+    for data, holds in (([1], "list"), ({}, "an empty dict")):
+        path = pickled(tmp_path, data, f"{holds}.pkl")
+        assert refusal(F.read_behaviour, path) == (
+            f"fleet.behaviour={path!r} is invalid: {BEHAVE} (it holds {holds})")
+    path = pickled(tmp_path, {1.5: {}}, "float-key.pkl")
+    assert refusal(F.read_capacity, path) == (
+        f"fleet.capacity={path!r} is invalid: client id 1.5 is not an integer or a string "
+        f"({CAPACITY})")
+
+
+def test_numpy_numbers_in_a_trace_are_read_and_nothing_else_of_numpys(tmp_path):
+    """A numpy float or integer in a pickle is read as a Python number; a numpy dtype that is
+    not a number's, or a scalar whose bytes are not its dtype's size, is refused before it is
+    built: pins the checks of ``_numeric_dtype`` and ``_numeric_scalar`` loosened."""
+    path = pickled(tmp_path, {np.int64(3): {"computation": np.float64(2.5),
+                                            "communication": np.float32(4.0)}})
+    assert F.read_capacity(path) == {3: (2.5, 4.0)}
+    assert type(next(iter(F.read_capacity(path)))) is int
+    with pytest.raises(pickle.UnpicklingError, match="only numbers are read"):
+        F._numeric_dtype("U5")
+    with pytest.raises(pickle.UnpicklingError, match="only numbers are read"):
+        F._numeric_dtype(3)
+    assert F._numeric_dtype("f8") == np.dtype("f8")
+    for dtype, data in ((np.dtype("f8"), b"\x00" * 4), (np.dtype("U1"), b"\x00" * 4),
+                        ("f8", b"\x00" * 8), (np.dtype("f8"), "x" * 8)):
+        with pytest.raises(pickle.UnpicklingError, match="not a number"):
+            F._numeric_scalar(dtype, data)
+    assert F._numeric_scalar(np.dtype("i2"), (7).to_bytes(2, "little")) == 7
+
+
+def test_each_availability_trace_refusal_is_its_whole_line(tmp_path):
+    """``fleet.trace``'s CSV: a missing file, no header, a row that is not numbers, a client
+    outside the run, an interval that ends before it starts; each in its words: pins each
+    message lost or changed."""
+    def says(text, clients=3):
+        path = tmp_path / "trace.csv"
+        path.write_text(text)
+        return refusal(F.read_trace, str(path), clients), f"fleet.trace={str(path)!r} is invalid"
+
+    missing = str(tmp_path / "no.csv")
+    assert refusal(F.read_trace, missing, 3) == (
+        f"fleet.trace={missing!r} is invalid: No such file or directory")
+    msg, w = says("a,b\n1,2\n")
+    assert msg == (f"{w}: a CSV with the header client,start,end and one row per available "
+                   f"interval is needed")
+    msg, w = says("client,start,end\n0,x,2\n")
+    assert msg == (f"{w}: line 2 ({{'client': '0', 'start': 'x', 'end': '2'}}) is not an "
+                   f"integer client and two numbers")
+    msg, w = says("client,start,end\n0,0,1\n3,0,1\n")
+    assert msg == f"{w}: line 3 names client 3, but the run has clients 0..2"
+    msg, w = says("client,start,end\n1,5,5\n")
+    assert msg == f"{w}: line 2: an interval needs 0 <= start < end (got 5.0, 5.0)"
+    msg, w = says("client,start,end\n")
+    assert msg.startswith(f"{w}: a CSV with the header")
