@@ -166,3 +166,35 @@ def test_each_availability_trace_refusal_is_its_whole_line(tmp_path):
     assert msg == f"{w}: line 2: an interval needs 0 <= start < end (got 5.0, 5.0)"
     msg, w = says("client,start,end\n")
     assert msg.startswith(f"{w}: a CSV with the header")
+
+
+def test_tiers_from_the_fleet_cost_an_anytime_cap_at_its_exits_mean(cache_dir):
+    """``setting.tiers_from=fleet``: a multi-tier client's exit costs that exit's FLOPs, an
+    anytime client's cap the mean of the exits up to it (its steps draw any of them); so a
+    deadline between the two costs gives the slow devices exit 1 when anytime and exit 0 when
+    multi-tier. ``setting.tiers`` limits a multi-tier client to those exits (the shallowest
+    where none fits). Pins the anytime branch lost or turned round, the cost of one exit used
+    for both, and ``setting.tiers`` ignored."""
+    from fedadapt.entry import compose_config, to_run_config
+    from fedadapt.experiment import prepare_run
+
+    base = ["method=lw_linear", "backbone=tiny_vit", "dataset.max_samples=300", "partition=iid",
+            "partition.num_clients=6", "setting.tiers_from=fleet", "fleet=tiers",
+            "fleet.compute=[1e6,1e9]", f"cache_dir={cache_dir}"]
+
+    def config(*more):
+        return to_run_config(compose_config([*base, *more]))
+
+    prep = prepare_run(config("setting=anytime", "federation.round_timeout=1e9"), quiet=True)
+    spec, model = prep.spec, prep.model
+    one, both = F._flops_at(spec, model, [1]), F._flops_at(spec, model, [0, 1])
+    sizes = [len(c.train) for c in spec.clients]
+    assert both * max(sizes) * 1.02 < one * min(sizes)  # room for a deadline between them
+    deadline = both * max(sizes) / 1e6 * 1.01
+    tiers = [p.tier for p in prep.fleet.profiles]
+    assert 0 in tiers and 1 in tiers
+    for setting, slow_exit in (("anytime", 1), ("multitier", 0)):
+        cfg = config(f"setting={setting}", f"federation.round_timeout={deadline}")
+        assert F.tiers_from_fleet(cfg, spec, model) == [1 if t else slow_exit for t in tiers]
+    cfg = config("setting=multitier", "setting.tiers=[1]", f"federation.round_timeout={deadline}")
+    assert F.tiers_from_fleet(cfg, spec, model) == [1] * 6
