@@ -198,3 +198,41 @@ def test_tiers_from_the_fleet_cost_an_anytime_cap_at_its_exits_mean(cache_dir):
         assert F.tiers_from_fleet(cfg, spec, model) == [1 if t else slow_exit for t in tiers]
     cfg = config("setting=multitier", "setting.tiers=[1]", f"federation.round_timeout={deadline}")
     assert F.tiers_from_fleet(cfg, spec, model) == [1] * 6
+
+
+def test_partial_work_is_the_most_examples_that_arrive_by_the_deadline():
+    """``fleet.partial_work``: a client trains the largest number of its examples whose
+    training plus both transfers ends at or before the deadline, checked against every count
+    by brute force over devices, work, bytes and deadlines (exactly at the deadline counts);
+    all of them when it finishes, none when its bytes alone miss it. Pins each term of the
+    time left, the examples it buys, and the bounds of the loop that trims a rounding. (It found
+    one short: 0.8 s left at 7.5 FLOP/s and 1 FLOP an example is 5.999... examples in floating
+    point, and the sixth, ending at 4.0 s of a 4.0 s deadline, was not trained.)"""
+    from fedadapt.config import FleetConfig
+
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        compute = float(rng.choice([1.0, 3.0, 7.5]))
+        n = int(rng.integers(1, 30))
+        work = float(rng.choice([1.0, 2.5, 4.0])) * n
+        cfg = FleetConfig(name="tiers", compute=[compute], downlink=float(rng.choice([50, 100])),
+                          uplink=float(rng.choice([20, 50])), partial_work=True)
+        deadline = float(rng.choice([0.5, 2.0, 4.0, 8.0, 12.0, work / compute + 3.0]))
+        down, up = int(rng.integers(0, 300)), int(rng.integers(0, 100))
+        fleet = Fleet(cfg, 1, 0, [work], deadline=deadline, examples=[n]) \
+            if work / n / compute <= deadline else None
+        if fleet is None:
+            continue
+        want = max([k for k in range(n + 1)
+                    if fleet.seconds(0, down, up, k) <= deadline] or [0])
+        if fleet.seconds(0, down, up, 0) > deadline:
+            want = 0
+        assert fleet.partial_examples(0, down, up) == want, (trial, compute, n, work, deadline,
+                                                            down, up)
+    exact = Fleet(FleetConfig(name="tiers", compute=[1.0], downlink=10.0, uplink=10.0,
+                              partial_work=True), 1, 0, [10.0], deadline=7.0, examples=[10])
+    assert exact.partial_examples(0, 10, 10) == 5  # 5 s of training + 1 s + 1 s = 7 s exactly
+    assert exact.partial_examples(0, 70, 0) == 0   # the bytes alone take the deadline
+
+
+Fleet = F.Fleet

@@ -443,6 +443,8 @@ class Fleet:
         k = min(n, int(math.floor(left * p.compute / (self.work[cid] / n))))
         while k > 0 and self.seconds(cid, bytes_down, bytes_up, k) > self.deadline:
             k -= 1  # a rounding past the deadline
+        while k < n and self.seconds(cid, bytes_down, bytes_up, k + 1) <= self.deadline:
+            k += 1  # a rounding short of it (5.999... examples' time left: 6 fit)
         return k
 
     # -- availability -----------------------------------------------------------------------
