@@ -236,3 +236,54 @@ def test_partial_work_is_the_most_examples_that_arrive_by_the_deadline():
 
 
 Fleet = F.Fleet
+
+
+def test_a_cycle_that_ends_available_joins_the_next_from_every_start(tmp_path):
+    """FedScale's cycles: a client on for [0, 30) and [90, 100) of every 100 s is online at
+    ``t`` exactly when ``t mod 100`` is in one of them, until 30 s into that cycle, or until 30 s
+    into the next one from [90, 100) (the two join across the cycle's end), for any order of
+    questions (each question draws cycles on from the ones drawn before). Pins the join
+    written to another interval than the last or from another interval's start."""
+    from fedadapt.config import FleetConfig
+
+    cap = pickled(tmp_path, {1: {"computation": 1.0, "communication": 1.0}}, "cap.pkl")
+    beh = pickled(tmp_path, {1: {"active": [0, 90], "inactive": [30, 100], "finish_time": 100,
+                                 "duration": 1, "model": "m"}}, "beh.pkl")
+
+    def want(t):
+        k, r = divmod(t, 100.0)
+        return 100 * k + 30 if r < 30 else 100 * k + 130 if r >= 90 else None
+
+    times = [0.0, 10.0, 29.9, 30.0, 50.0, 89.9, 90.0, 95.0, 100.0, 110.0, 129.9, 130.0, 190.0,
+             205.0, 229.0, 230.0, 395.0, 410.0]
+    for order in (times, times[::-1], times[::3] + times[1::3] + times[2::3]):
+        fleet = Fleet(FleetConfig(name="fedscale", capacity=cap, behaviour=beh), 1, 0, [1.0])
+        assert [fleet.online_until(0, t) for t in order] == [want(t) for t in order]
+
+
+def test_two_trace_files_of_one_size_and_time_are_two_traces(tmp_path):
+    """The traces read are kept by file, size and modification time: two files that agree on
+    size and time are still each read (pins the file left out of that key)."""
+    import os
+
+    a = pickled(tmp_path, {1: {"computation": 2.0, "communication": 3.0}}, "a.pkl")
+    b = pickled(tmp_path, {1: {"computation": 5.0, "communication": 7.0}}, "b.pkl")
+    assert os.path.getsize(a) == os.path.getsize(b)
+    stat = os.stat(a)
+    os.utime(b, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert F.read_capacity(a) == {1: (2.0, 3.0)} and F.read_capacity(b) == {1: (5.0, 7.0)}
+
+
+def test_trace_entries_are_drawn_from_their_sorted_keys_with_the_seed():
+    """``draw_entries``: the keys sorted (numbers before strings, so a trace may mix them), then
+    as many distinct ones as clients drawn by ``rng.choice`` without replacement, also when
+    there are exactly as many clients as keys; more clients than keys: every key once per
+    seeded pass. Pins the sort's key lost and the all-distinct case sent to the passes."""
+    keys = ["b", 3, "a", 1]
+    ordered = [1, 3, "a", "b"]
+    for n in (2, 4):
+        pick = np.random.default_rng(5).choice(4, n, replace=False)
+        assert F.draw_entries(keys, n, np.random.default_rng(5)) == [ordered[i] for i in pick]
+    many = F.draw_entries(keys, 10, np.random.default_rng(5))
+    assert sorted(map(str, many[:4])) == sorted(map(str, ordered))
+    assert sorted(map(str, many[4:8])) == sorted(map(str, ordered))
