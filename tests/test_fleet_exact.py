@@ -198,6 +198,13 @@ def test_tiers_from_the_fleet_cost_an_anytime_cap_at_its_exits_mean(cache_dir):
         assert F.tiers_from_fleet(cfg, spec, model) == [1 if t else slow_exit for t in tiers]
     cfg = config("setting=multitier", "setting.tiers=[1]", f"federation.round_timeout={deadline}")
     assert F.tiers_from_fleet(cfg, spec, model) == [1] * 6
+    # a client's memory at an exit: fixed + per example x its batch, as measured
+    from fedadapt.federation.client.worker import first_train_index
+
+    fixed, per = F.train_memory_bytes(model, spec.train_source, first_train_index(spec), 1,
+                                      device=spec.device, precision=spec.precision,
+                                      optimizer_states=F.optimizer_states(spec.train))
+    assert per > 0 and F._memory_at(spec, model, [1], 7) == fixed + 7 * per
 
 
 def test_partial_work_is_the_most_examples_that_arrive_by_the_deadline():
