@@ -145,19 +145,6 @@ def table(selected: list[tuple[str, list[dict]]], columns, target: float) -> lis
             for label, runs in selected]
 
 
-def bold(rows: list[list[str]], at: list[int]) -> list[list[str]]:
-    """The best mean of each column in ``at`` in bold (every tied cell)."""
-    rows = [list(r) for r in rows]
-    for j in at:
-        means = [float(r[j].split()[0]) if r[j] else None for r in rows]
-        best = max((m for m in means if m is not None), default=None)
-        for r, m in zip(rows, means):
-            if m is not None and m == best:
-                head, sep, tail = r[j].partition(" [")
-                r[j] = f"**{head}**" + (f" [{tail}" if sep else "")
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("out", type=Path, help="the evidence folder: one sweep folder per row")
@@ -179,7 +166,7 @@ def main() -> None:
     seeds = "seeds " + ", ".join(map(str, sorted({r["summary"]["seed"] for r in every})))
     rows = table(selected, columns, args.target)
     if args.bold:
-        rows = bold(rows, [j + 1 for j, (name, _, _) in enumerate(columns)
+        rows = records.bold_best(rows, [j + 1 for j, (name, _, _) in enumerate(columns)
                            if name in ("global", "clients")])
     record = records.measured(
         args.record, source="scripts/evidence_table.py", rows=rows, command=args.command,

@@ -16,7 +16,6 @@ runs' own (``records.of_runs``).
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
@@ -36,25 +35,6 @@ def _pairs(specs: list[str], what: str) -> dict[str, str]:
     return pairs
 
 
-def _mean(cell: str) -> float | None:
-    match = re.match(r"\s*(-?\d+(?:\.\d+)?)", cell)
-    return float(match[1]) if match else None
-
-
-def embolden(rows: list[list[str]]) -> list[list[str]]:
-    """Each column's highest mean (the cell's first number) in bold: the mean ± std, not its
-    confidence interval; every tied cell."""
-    rows = [list(r) for r in rows]
-    for j in range(1, len(rows[0]) if rows else 0):
-        means = [_mean(r[j]) for r in rows]
-        best = max((m for m in means if m is not None), default=None)
-        for r, m in zip(rows, means):
-            if best is not None and m == best:
-                head, sep, tail = r[j].partition(" [")
-                r[j] = f"**{head}**" + (f" [{tail}" if sep else "")
-    return rows
-
-
 def table(runs: list[dict], layout: str, rows: dict[str, str], columns: dict[str, str],
           bold: bool) -> tuple[list[str], list[list[str]]]:
     """The layout's table with the rows and columns picked, ordered and named."""
@@ -68,7 +48,8 @@ def table(runs: list[dict], layout: str, rows: dict[str, str], columns: dict[str
     index = [heads.index(c) for c in picked]
     out = [[label] + [by_name[m][i] for i in index] for m, label in
            (rows or {r[0]: r[0] for r in body}).items()]
-    return [heads[0]] + [columns.get(c, c) for c in picked], embolden(out) if bold else out
+    return ([heads[0]] + [columns.get(c, c) for c in picked],
+            records.bold_best(out, range(1, len(picked) + 1)) if bold else out)
 
 
 def main() -> None:

@@ -206,15 +206,16 @@ COLUMNS = ["variant", "rounds", "final acc", "best acc", "token change, last rou
 
 def rows_of(results: dict) -> list[list[str]]:
     """The table's rows: each variant's last round; the best final accuracy in bold."""
-    rows, finals = [], [100 * res["curve"][-1]["accuracy"] for res in results.values()]
-    for (name, res), final in zip(results.items(), finals):
+    from fedadapt.results.records import bold_best
+
+    rows = []
+    for name, res in results.items():
         c = res["curve"]
-        cell = f"{final:.1f}"
-        rows.append([name, str(len(c)), f"**{cell}**" if final == max(finals) else cell,
+        rows.append([name, str(len(c)), f"{100 * c[-1]['accuracy']:.1f}",
                      f"{100 * max(r['accuracy'] for r in c):.1f}",
                      f"{c[-1]['token_change']:.2f}", f"{c[-1]['grad_norm_median']:.3g}",
                      str(sum(r["non_finite_steps"] for r in c))])
-    return rows
+    return bold_best(rows, [2])
 
 
 def finish(results: dict, out: Path, record: str | None = None, command: str | None = None

@@ -157,7 +157,7 @@ def test_a_report_layout_is_kept_in_the_docs_words(tmp_path):
     assert columns == ["method", "alpha 1000", "alpha 0.1"]
     assert rows == [["BitFit", "**90.00**", "**60.00**"], ["LoRA", "**90.00**", "50.00"]]
     cells = [["a", "48.26 ± 1.15 [45.41, 51.11]"], ["b", "46.49 ± 1.69 [42.29, 50.69]"]]
-    assert rr.embolden(cells) == [["a", "**48.26 ± 1.15** [45.41, 51.11]"], cells[1]]
+    assert records.bold_best(cells, [1]) == [["a", "**48.26 ± 1.15** [45.41, 51.11]"], cells[1]]
     with pytest.raises(SystemExit, match="the report has no \\['ia3'\\]"):
         rr.table(runs, "paper", {"ia3": "(IA)^3"}, {}, bold=False)
 
@@ -191,7 +191,7 @@ def test_an_evidence_table_picks_its_cells_by_row_and_column_conditions():
     cells = et.table(rows, columns, 0.8)
     assert cells == [["LoRA", "60.00 ± 14.14", "90.00", "70.00 / 90.00"],
                      ["BitFit", "60.00", "", "60.00 / "]]
-    assert et.bold(cells, [1, 2]) == [["LoRA", "**60.00 ± 14.14**", "**90.00**",
+    assert records.bold_best(cells, [1, 2]) == [["LoRA", "**60.00 ± 14.14**", "**90.00**",
                                        "70.00 / 90.00"],
                                       ["BitFit", "**60.00**", "", "60.00 / "]]
     with pytest.raises(SystemExit, match="column 'accuracy' is not one of"):

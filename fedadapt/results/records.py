@@ -84,6 +84,21 @@ def parse_table(markdown: str) -> tuple[list[str], list[list[str]]]:
     return _cells(lines[0]), [_cells(ln) for ln in lines[2:]]
 
 
+def bold_best(rows: list[list[str]], columns) -> list[list[str]]:
+    """``rows`` with the highest leading number of each of ``columns`` (indices) in bold, every
+    tied cell: a cell's mean ± std, not its bracketed interval; empty cells left alone."""
+    rows = [list(r) for r in rows]
+    for j in columns:
+        means = [float(m[1]) if (m := re.match(r"\s*(-?\d+(?:\.\d+)?)", r[j])) else None
+                 for r in rows]
+        best = max((m for m in means if m is not None), default=None)
+        for r, m in zip(rows, means):
+            if m is not None and m == best:
+                head, sep, tail = r[j].partition(" [")
+                r[j] = f"**{head}**" + (f" [{tail}" if sep else "")
+    return rows
+
+
 def render(record: Record) -> str:
     """The table's markdown (header, rule, rows) and the footer, as the docs show it."""
     lines = [_row(record.columns), "|" + "---|" * len(record.columns)]
