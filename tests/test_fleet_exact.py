@@ -315,3 +315,59 @@ def test_a_step_that_trains_nothing_holds_its_weights_and_nothing_per_example():
 
     assert F.train_memory_bytes(Frozen(), Source(), 0, None, device="cpu", precision="fp32",
                                 optimizer_states=1) == (4 * (16 * 10 + 10), 0.0)
+
+
+def test_interval_ends_are_open_and_touching_intervals_join(tmp_path):
+    """An interval ``[a, b)``: a client is online at ``a``, not at ``b``; work ending exactly at
+    ``b`` finishes online; ``[0, 1)`` and ``[1, 2)`` in a trace are one interval. Pins ``<=``
+    at the end, ``>=`` for the work's end, and touching intervals kept apart."""
+    from fedadapt.config import FleetConfig
+
+    trace = tmp_path / "trace.csv"
+    trace.write_text("client,start,end\n0,0,1\n0,1,2\n0,10,30\n")
+    fleet = Fleet(FleetConfig(name="trace", trace=str(trace)), 1, 0, [1.0])
+    assert F.read_trace(str(trace), 1) == [[(0.0, 2.0), (10.0, 30.0)]]
+    assert fleet.online_until(0, 0.5) == 2.0 and fleet.online_until(0, 10.0) == 30.0
+    assert fleet.online_until(0, 30.0) is None and fleet.online_until(0, 2.0) is None
+    assert fleet.offline_before(0, 15.0, 15.0) is None
+    assert fleet.offline_before(0, 15.0, 15.5) == 30.0
+
+
+def test_on_off_availability_starts_on_with_the_stationary_share():
+    """On/off availability: each client starts on with probability ``mean_on / (mean_on +
+    mean_off)`` (the stationary share), so about a quarter of 400 clients at 1 s on, 3 s off
+    (seeded: exactly the same clients each time). Pins the share computed otherwise."""
+    from fedadapt.config import FleetConfig
+
+    def on_at_start(seed):
+        fleet = Fleet(FleetConfig(name="tiers", compute=[1.0], mean_on=1.0, mean_off=3.0), 400,
+                      seed, [1.0] * 400)
+        return fleet.available(0.0)
+
+    first = on_at_start(0)
+    assert 0.18 < len(first) / 400 < 0.32 and on_at_start(0) == first
+
+
+def test_fleet_json_names_each_clients_device_and_the_traces_notes(tmp_path):
+    """``fleet.json`` (``describe``): every client's tier even where it is None, its memory
+    and fit where memory is capped, FedScale's reference FLOPs for a FedScale fleet only; a
+    behaviour trace with fewer entries than clients is noted naming its key, with no capacity
+    trace too. Pins those keys' names and conditions, and the note skipped."""
+    from fedadapt.config import FleetConfig
+
+    beh = pickled(tmp_path, {1: {"active": [0], "inactive": [5], "finish_time": 10}}, "b.pkl")
+    cap = pickled(tmp_path, {i: {"computation": 1.0, "communication": 1.0} for i in range(3)},
+                  "c.pkl")
+    fleet = Fleet(FleetConfig(name="fedscale", capacity=cap, behaviour=beh), 3, 0, [1.0] * 3)
+    described = fleet.describe()
+    assert "reference_flops" in described
+    assert all("tier" in row for row in described["clients"])
+    assert described["notes"] == fleet.notes() == [
+        "fleet=fedscale: 3 clients and 1 entries in fleet.behaviour: entries are reused (a "
+        "seeded draw; each by at most 3 clients)"]
+    tiers = Fleet(FleetConfig(name="tiers", compute=[1.0, 2.0], memory=[1e6, 2e6]), 2, 0,
+                  [1.0] * 2, train_memory=[5e5, 3e6])
+    rows = tiers.describe()["clients"]
+    assert "reference_flops" not in tiers.describe()
+    assert [(r["train_memory"], r["fits"]) for r in rows] == [
+        (5e5, True), (3e6, rows[1]["memory"] >= 3e6)]
