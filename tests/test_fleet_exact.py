@@ -130,14 +130,16 @@ def test_numpy_numbers_in_a_trace_are_read_and_nothing_else_of_numpys(tmp_path):
                                             "communication": np.float32(4.0)}})
     assert F.read_capacity(path) == {3: (2.5, 4.0)}
     assert type(next(iter(F.read_capacity(path)))) is int
-    with pytest.raises(pickle.UnpicklingError, match="only numbers are read"):
+    with pytest.raises(pickle.UnpicklingError,
+                       match=r"^it names numpy\.dtype\('U5'\); only numbers are read$"):
         F._numeric_dtype("U5")
     with pytest.raises(pickle.UnpicklingError, match="only numbers are read"):
         F._numeric_dtype(3)
     assert F._numeric_dtype("f8") == np.dtype("f8")
     for dtype, data in ((np.dtype("f8"), b"\x00" * 4), (np.dtype("U1"), b"\x00" * 4),
                         ("f8", b"\x00" * 8), (np.dtype("f8"), "x" * 8)):
-        with pytest.raises(pickle.UnpicklingError, match="not a number"):
+        with pytest.raises(pickle.UnpicklingError,
+                           match="^it holds a numpy scalar that is not a number$"):
             F._numeric_scalar(dtype, data)
     assert F._numeric_scalar(np.dtype("i2"), (7).to_bytes(2, "little")) == 7
 
@@ -173,8 +175,10 @@ def test_tiers_from_the_fleet_cost_an_anytime_cap_at_its_exits_mean(cache_dir):
     anytime client's cap the mean of the exits up to it (its steps draw any of them); so a
     deadline between the two costs gives the slow devices exit 1 when anytime and exit 0 when
     multi-tier. ``setting.tiers`` limits a multi-tier client to those exits (the shallowest
-    where none fits). Pins the anytime branch lost or turned round, the cost of one exit used
-    for both, and ``setting.tiers`` ignored."""
+    where none fits). On FedScale's devices an exit's time is its share of the whole model's
+    FLOPs at 3 x the device's ms per sample. Pins the anytime branch lost or turned round, the
+    cost of one exit used for both, ``setting.tiers`` ignored, and FedScale's reference FLOPs
+    lost or taken from another model."""
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import prepare_run
 
@@ -198,6 +202,24 @@ def test_tiers_from_the_fleet_cost_an_anytime_cap_at_its_exits_mean(cache_dir):
         assert F.tiers_from_fleet(cfg, spec, model) == [1 if t else slow_exit for t in tiers]
     cfg = config("setting=multitier", "setting.tiers=[1]", f"federation.round_timeout={deadline}")
     assert F.tiers_from_fleet(cfg, spec, model) == [1] * 6
+    # FedScale's devices: an example of the whole model takes 3 x its ms per sample, so an
+    # exit's share of that; a deadline between exit 0's and exit 1's time on the slow device
+    import pickle as pk
+
+    cap = cache_dir + "/fedscale-capacity.pkl"
+    with open(cap, "wb") as fh:
+        pk.dump({1: {"computation": 1.0, "communication": 1e6},
+                 2: {"computation": 1000.0, "communication": 1e6}}, fh)
+    whole = F._flops_at(spec, model, None)
+    n, epochs = max(sizes), spec.train.local_epochs
+    f0, f1 = F._flops_at(spec, model, [0]), one
+    slow = lambda flops: flops * n * epochs * 3 * 1000.0 / 1000.0 / whole  # noqa: E731
+    assert slow(f0) < slow(f1)
+    cfg = config("setting=multitier", "fleet=fedscale", f"fleet.capacity={cap}",
+                 f"federation.round_timeout={(slow(f0) + slow(f1)) / 2}")
+    ids = [p.capacity_id for p in F.profiles(cfg.fleet, 6, cfg.seed, whole)]
+    assert set(ids) == {1, 2}
+    assert F.tiers_from_fleet(cfg, spec, model) == [1 if i == 1 else 0 for i in ids]
     # a client's memory at an exit: fixed + per example x its batch, as measured
     from fedadapt.federation.client.worker import first_train_index
 
@@ -371,3 +393,12 @@ def test_fleet_json_names_each_clients_device_and_the_traces_notes(tmp_path):
     assert "reference_flops" not in tiers.describe()
     assert [(r["train_memory"], r["fits"]) for r in rows] == [
         (5e5, True), (3e6, rows[1]["memory"] >= 3e6)]
+
+
+def test_a_client_of_one_example_trains_batches_of_one():
+    """The batch a client's memory is sized at: ``train.batch_size``, or all its examples when
+    it has fewer, one at the least (pins a floor of two)."""
+    from types import SimpleNamespace as NS
+
+    spec = NS(train=NS(batch_size=10))
+    assert [F._batch_of(spec, NS(train=list(range(n)))) for n in (0, 1, 4, 30)] == [1, 1, 4, 10]
