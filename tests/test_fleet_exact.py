@@ -402,3 +402,12 @@ def test_a_client_of_one_example_trains_batches_of_one():
 
     spec = NS(train=NS(batch_size=10))
     assert [F._batch_of(spec, NS(train=list(range(n)))) for n in (0, 1, 4, 30)] == [1, 1, 4, 10]
+
+
+def test_a_trace_with_a_persistent_id_is_refused(tmp_path):
+    """A pickle that asks for a persistent object (``persistent_load``) is refused in the
+    key's line, before anything is built."""
+    path = tmp_path / "persistent.pkl"
+    path.write_bytes(b"Pabc\n.")  # protocol 0: the persistent id "abc"
+    assert refusal(F.read_capacity, str(path)) == (
+        f"fleet.capacity={str(path)!r} is invalid: refused, it holds a persistent id")
