@@ -382,7 +382,7 @@ def test_fleet_json_names_each_clients_device_and_the_traces_notes(tmp_path):
                   "c.pkl")
     fleet = Fleet(FleetConfig(name="fedscale", capacity=cap, behaviour=beh), 3, 0, [1.0] * 3)
     described = fleet.describe()
-    assert "reference_flops" in described
+    assert described["reference_flops"] == 1.0
     assert all("tier" in row for row in described["clients"])
     assert described["notes"] == fleet.notes() == [
         "fleet=fedscale: 3 clients and 1 entries in fleet.behaviour: entries are reused (a "
@@ -411,3 +411,55 @@ def test_a_trace_with_a_persistent_id_is_refused(tmp_path):
     path.write_bytes(b"Pabc\n.")  # protocol 0: the persistent id "abc"
     assert refusal(F.read_capacity, str(path)) == (
         f"fleet.capacity={str(path)!r} is invalid: refused, it holds a persistent id")
+
+
+def test_lognormal_devices_are_the_documented_seeded_draws():
+    """``fleet=lognormal``: compute, downlink and uplink are their medians times ``exp(sigma x
+    z)``, the z drawn in that order from the profile stream ``[seed, PROFILE_STREAM]`` (one per
+    client each). Pins a median divided, and ``sigma / z``."""
+    from fedadapt.config import FleetConfig
+
+    cfg = FleetConfig(name="lognormal", compute_median=2e9, compute_sigma=0.5, downlink=1e6,
+                      uplink=5e5, bandwidth_sigma=0.3)
+    rng = np.random.default_rng([4, F.PROFILE_STREAM])
+    c, d, u = (rng.standard_normal(5) for _ in range(3))
+    got = F.profiles(cfg, 5, 4)
+    assert [p.compute for p in got] == pytest.approx(list(2e9 * np.exp(0.5 * c)), rel=1e-12)
+    assert [p.downlink for p in got] == pytest.approx(list(1e6 * np.exp(0.3 * d)), rel=1e-12)
+    assert [p.uplink for p in got] == pytest.approx(list(5e5 * np.exp(0.3 * u)), rel=1e-12)
+
+
+def test_a_fleet_refuses_what_it_cannot_simulate_in_its_words():
+    """A deadline no device meets (whole work, or one example with ``fleet.partial_work``; met
+    exactly is met), memory no device holds (in MiB), and the programming errors' words: pins
+    the bounds, the numbers' units and each message."""
+    from fedadapt.config import FleetConfig
+
+    tiers = FleetConfig(name="tiers", compute=[1.0, 2.0])
+    Fleet(tiers, 2, 0, [10.0, 10.0], deadline=5.0)  # the fast device: 10 / 2 = 5 s, exactly
+    with pytest.raises(ConfigError) as err:
+        Fleet(tiers, 2, 0, [10.0, 10.0], deadline=4.0)
+    assert str(err.value) == ("federation.round_timeout=4.0 is invalid with fleet=tiers: no "
+                              "client can meet it (the fastest needs 5 simulated seconds to "
+                              "train, before any bytes travel)")
+    partial = FleetConfig(name="tiers", compute=[1.0, 2.0], partial_work=True)
+    Fleet(partial, 2, 0, [10.0, 10.0], deadline=0.5, examples=[10, 10])  # one example: 0.5 s
+    with pytest.raises(ConfigError, match="the fastest needs 0.5 simulated seconds to train "
+                                          "one example, before"):
+        Fleet(partial, 2, 0, [10.0, 10.0], deadline=0.4, examples=[10, 10])
+    capped = FleetConfig(name="tiers", compute=[1.0, 2.0], memory=[2**20, 2**21])
+    with pytest.raises(ConfigError) as err:
+        Fleet(capped, 2, 0, [1.0, 1.0], train_memory=[3 * 2**20, 4 * 2**20])
+    assert str(err.value) == ("fleet.memory=[1048576, 2097152] is invalid: no device can hold "
+                              "its client's training (the least a client needs is 3 MiB, the "
+                              "largest device has 2 MiB)")
+    for kwargs, says in ((dict(work=[1.0]), "work for 1 clients, the run has 2"),
+                         (dict(cfg=partial, deadline=1.0),
+                          "fleet.partial_work needs each client's examples and a deadline"),
+                         (dict(cfg=partial, examples=[1, 1]),
+                          "fleet.partial_work needs each client's examples and a deadline"),
+                         (dict(cfg=capped), "fleet.memory needs each client's training memory")):
+        args = {"cfg": tiers, "num_clients": 2, "seed": 0, "work": [1.0, 1.0], **kwargs}
+        with pytest.raises(ValueError) as err:
+            Fleet(**args)
+        assert str(err.value) == says
