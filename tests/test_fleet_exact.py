@@ -258,10 +258,6 @@ def test_partial_work_is_the_most_examples_that_arrive_by_the_deadline():
             want = 0
         assert fleet.partial_examples(0, down, up) == want, (trial, compute, n, work, deadline,
                                                             down, up)
-    exact = Fleet(FleetConfig(name="tiers", compute=[1.0], downlink=10.0, uplink=10.0,
-                              partial_work=True), 1, 0, [10.0], deadline=7.0, examples=[10])
-    assert exact.partial_examples(0, 10, 10) == 5  # 5 s of training + 1 s + 1 s = 7 s exactly
-    assert exact.partial_examples(0, 70, 0) == 0   # the bytes alone take the deadline
 
 
 Fleet = F.Fleet
@@ -463,3 +459,19 @@ def test_a_fleet_refuses_what_it_cannot_simulate_in_its_words():
         with pytest.raises(ValueError) as err:
             Fleet(**args)
         assert str(err.value) == says
+
+
+def test_partial_work_by_hand_at_exactly_the_deadline():
+    """10 examples of 1 FLOP at 1 FLOP/s, 10 bytes each way at 10 B/s, a 7 s deadline: 5
+    examples (5 s + 1 s + 1 s, exactly 7 s); 70 bytes down alone take the deadline: none; 2 s of
+    bytes leave all 10 to fit a 12 s deadline. Pins the terms of the time left and the
+    bounds at equality."""
+    from fedadapt.config import FleetConfig
+
+    cfg = FleetConfig(name="tiers", compute=[1.0], downlink=10.0, uplink=10.0,
+                      partial_work=True)
+    exact = Fleet(cfg, 1, 0, [10.0], deadline=7.0, examples=[10])
+    assert exact.partial_examples(0, 10, 10) == 5
+    assert exact.partial_examples(0, 70, 0) == 0
+    assert exact.partial_examples(0, 0, 60) == 1  # 6 s of upload, 1 s of training
+    assert Fleet(cfg, 1, 0, [10.0], deadline=12.0, examples=[10]).partial_examples(0, 10, 10) == 10
