@@ -544,6 +544,10 @@ def test_training_memory_is_weights_gradients_optimizer_state_and_activations():
     frozen = 4 * (16 * 16 + 16)
     assert train_memory_bytes(Frozen(), Source(), 0, None, optimizer_states=0, **at) == (
         frozen + 2 * head + 4, 4 * 16 + 4 * 10 + 8)
+    # a step that trains nothing reads its weights and saves nothing for a backward: its
+    # weights alone, none per example (pins a floor of 1 byte per example; fleet.py's mutants)
+    assert train_memory_bytes(Head().requires_grad_(False), Source(), 0, None,
+                              optimizer_states=1, **at) == (head, 0.0)
 
 
 def test_memory_goes_with_compute_and_a_device_too_small_is_never_sampled():

@@ -314,27 +314,6 @@ def test_trace_entries_are_drawn_from_their_sorted_keys_with_the_seed():
     assert sorted(map(str, many[4:8])) == sorted(map(str, ordered))
 
 
-def test_a_step_that_trains_nothing_holds_its_weights_and_nothing_per_example():
-    """A frozen model's step reads its weights and saves nothing for a backward: its memory is
-    the weights alone, none per example (pins a floor of 1 byte per example)."""
-    import torch
-
-    class Source:
-        def get(self, idx, device):
-            return torch.randn(len(idx), 16), torch.zeros(len(idx), dtype=torch.long)
-
-    class Frozen(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = torch.nn.Linear(16, 10).requires_grad_(False)
-
-        def training_loss(self, x, y):
-            return torch.nn.functional.cross_entropy(self.fc(x), y)
-
-    assert F.train_memory_bytes(Frozen(), Source(), 0, None, device="cpu", precision="fp32",
-                                optimizer_states=1) == (4 * (16 * 10 + 10), 0.0)
-
-
 def test_interval_ends_are_open_and_touching_intervals_join(tmp_path):
     """An interval ``[a, b)``: a client is online at ``a``, not at ``b``; work ending exactly at
     ``b`` finishes online; ``[0, 1)`` and ``[1, 2)`` in a trace are one interval. Pins ``<=``
