@@ -206,13 +206,16 @@ def backbone_of(run_dirs) -> str | None:
     where no run names either."""
     import yaml
 
-    found = []
+    found, made_by = [], {}  # each weights folder described (its file hashed) once
     for run_dir in map(Path, run_dirs):
         config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
         summary = json.loads((run_dir / "summary.json").read_text())
         fingerprint = summary.get("backbone_weights")
         text = f"weights fingerprint {fingerprint}" if fingerprint else ""
-        made = pretrained((config.get("backbone") or {}).get("weights"))
+        weights = (config.get("backbone") or {}).get("weights")
+        if weights not in made_by:
+            made_by[weights] = pretrained(weights)
+        made = made_by[weights]
         if made:
             text = made + (f"; {text}" if text else "")
         if text and text not in found:
