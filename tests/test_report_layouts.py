@@ -250,3 +250,12 @@ def test_a_plot_legend_names_the_method_setting_and_strategy_and_only_what_else_
     rows = [{**rows[0], "train.lr": lr} for lr in (0.2, 0.05)]
     assert legend_keys(varying, rows) == ["method.name", "setting.name", "strategy.name",
                                           "train.lr"]
+
+
+def test_a_gain_that_rounds_to_zero_is_plus_zero():
+    """Both personalization tables print a gain with its sign and two decimals, and one that
+    rounds to zero as "+0.00", never "-0.00"."""
+    from fedadapt.results.tables import fmt_gain
+
+    assert [fmt_gain(g) for g in (-0.0001, -0.004, -0.006, 2.857, 0.0)] == [
+        "+0.00", "+0.00", "-0.01", "+2.86", "+0.00"]

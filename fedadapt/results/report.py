@@ -37,6 +37,7 @@ from fedadapt.results.tables import (
     delay_table,
     fmt_bytes,
     fmt_count,
+    fmt_gain,
     markdown,
 )
 
@@ -323,8 +324,7 @@ def personalization_layout(runs: list[dict]) -> str:
         if not ps:
             return "—"
         gain = statistics.fmean(100 * p["gain"] for p in ps)
-        gain = 0.0 if round(gain, 2) == 0 else gain  # no "-0.00"
-        return f"{_mean_std([100 * p['after'] for p in ps])} ({gain:+.2f})"
+        return f"{_mean_std([100 * p['after'] for p in ps])} ({fmt_gain(gain)})"
     return _pivot(relabeled, cell, exclude=("setting.personalize", "setting.init_from"))
 
 

@@ -7,6 +7,12 @@ def fmt_pct(x) -> str:
     return "—" if x is None else f"{100 * x:.2f}"
 
 
+def fmt_gain(points: float) -> str:
+    """A change in points, signed, two decimals; one that rounds to zero is "+0.00", not
+    "-0.00"."""
+    return f"{0.0 if round(points, 2) == 0 else points:+.2f}"
+
+
 def fmt_count(n) -> str:
     if n is None:
         return "—"
@@ -78,7 +84,7 @@ def personalization_table(summaries: list[dict]) -> str:
     body = []
     for s in rows:
         p = s["personalization"]
-        gain = "—" if p["gain"] is None else f"{100 * p['gain']:+.2f}"
+        gain = "—" if p["gain"] is None else fmt_gain(100 * p["gain"])
         body.append([s["method"], p["part"], str(p["clients"]), fmt_pct(p["before"]),
                      fmt_pct(p["after"]), gain])
     return ("Personalization on each client's own data (mean over clients of the accuracy on its "
