@@ -91,12 +91,13 @@ def _optimizer(params: list, lr: float, total_steps: int):
 
 
 def train_backbone(run: RunConfig, *, epochs: int, lr: float, batch_size: int,
-                   log: Callable[[str], None] = _log):
+                   test_samples: int | None = None, log: Callable[[str], None] = _log):
     """Train ``run.backbone`` from random weights with a linear classifier on its pooled output:
-    ``run``'s data set (``train`` trains, ``test`` evaluates), backbone, seed and cache_dir;
-    AdamW (weight decay 0.05 on matrices), cosine schedule after a short warm-up; one ``log``
-    line per epoch. Returns the trained backbone (frozen, eval mode) and the facts
-    ``pretrain.json`` records."""
+    ``run``'s data set (``train`` trains, ``test`` evaluates: its first ``test_samples``
+    samples after each epoch, all of them when None), backbone, seed and cache_dir; AdamW
+    (weight decay 0.05 on matrices), cosine schedule after a short warm-up; one ``log`` line per
+    epoch. Returns the trained backbone (frozen, eval mode) and the facts ``pretrain.json``
+    records."""
     import transformers
 
     from fedadapt.backbones import build_backbone
@@ -117,6 +118,8 @@ def train_backbone(run: RunConfig, *, epochs: int, lr: float, batch_size: int,
                               store=image_store(prepared, split, geo, run.cache_dir))
                    for split in ("train", "test"))
 
+    num_test = prepared.num_test if test_samples is None else min(test_samples,
+                                                                    prepared.num_test)
     torch.manual_seed(run.seed)
     gen = torch.Generator().manual_seed(run.seed)
     head = nn.Linear(backbone.embed_dim, prepared.num_classes)
@@ -125,7 +128,7 @@ def train_backbone(run: RunConfig, *, epochs: int, lr: float, batch_size: int,
     optimizer, schedule = _optimizer(params, lr, epochs * steps_per_epoch)
     log(f"[pretrain] {run.backbone.name} ({backbone.num_params():,} params, "
         f"{backbone.num_layers} blocks) on {prepared.name}: {prepared.num_train} train / "
-        f"{prepared.num_test} test, {epochs} epoch(s) x {steps_per_epoch} steps")
+        f"{num_test} test, {epochs} epoch(s) x {steps_per_epoch} steps")
 
     losses, accs = [], []
     for epoch in range(1, epochs + 1):
@@ -143,7 +146,7 @@ def train_backbone(run: RunConfig, *, epochs: int, lr: float, batch_size: int,
             schedule.step()
             total += loss.item() * len(y)
         losses.append(total / prepared.num_train)
-        accs.append(accuracy(backbone, head, test, prepared.num_test))
+        accs.append(accuracy(backbone, head, test, num_test))
         secs = time.time() - t_epoch
         log(f"[pretrain] epoch {epoch}/{epochs} | loss {losses[-1]:.4f} | "
             f"test acc {100 * accs[-1]:.2f}% | {secs:.1f} s | ~{secs * (epochs - epoch):.0f} s "
@@ -155,7 +158,7 @@ def train_backbone(run: RunConfig, *, epochs: int, lr: float, batch_size: int,
         "image_std": list(backbone.std), "num_classes": prepared.num_classes, "epochs": epochs,
         "lr": lr, "batch_size": batch_size, "weight_decay": WEIGHT_DECAY, "seed": run.seed,
         "train_loss": losses, "test_acc": accs, "final_test_acc": accs[-1],
-        "train_samples": prepared.num_train, "test_samples": prepared.num_test,
+        "train_samples": prepared.num_train, "test_samples": num_test,
         "wall_s": time.time() - t0,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }

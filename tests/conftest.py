@@ -83,33 +83,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(autouse=True)
-def alone_under_xdist(request, tmp_path_factory):
-    """Under pytest-xdist, a test marked ``alone`` (it sets a wall-clock bound, such as a
-    round's timeout, from a reference run in the same test) runs with no test beside it: the
-    other workers' load changes between its reference and its measured run. Every test holds
-    a shared lock on a file of the session; an ``alone`` test holds it alone. A gate taken
-    first keeps the ``alone`` test from waiting for ever behind the other workers' next tests.
-    Without xdist there is no one beside it: nothing to do."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        yield
-        return
-    import fcntl
-
-    shared = tmp_path_factory.getbasetemp().parent  # the session's folder, every worker's
-    with open(shared / "alone.gate", "a") as gate, open(shared / "alone.lock", "a") as lock:
-        fcntl.flock(gate, fcntl.LOCK_EX)
-        try:
-            alone = request.node.get_closest_marker("alone") is not None
-            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        finally:
-            fcntl.flock(gate, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> str:
     """One cache (prepared data, features) for the whole session."""

@@ -119,11 +119,16 @@ def test_altered_weights_are_refused_naming_the_file(trained, tmp_path):
 
 
 def test_pretraining_again_gives_the_same_weights(trained):
-    """The same run pretrains the same bytes: a backbone in the cache can be made again."""
-    run, backbone, _ = trained
-    again, _ = train_backbone(run, epochs=1, lr=1e-3, batch_size=64, log=lambda m: None)
+    """The same run pretrains the same bytes: a backbone in the cache can be made again; and
+    evaluating on fewer test samples (``test_samples``) changes what is recorded, not what is
+    trained."""
+    run, backbone, out = trained
+    again, info = train_backbone(run, epochs=1, lr=1e-3, batch_size=64, test_samples=7,
+                                 log=lambda m: None)
     want, got = backbone.state_dict(), again.state_dict()
     assert all(torch.equal(want[k], got[k]) for k in want)
+    assert info["test_samples"] == 7 < json.loads((out / PRETRAIN_JSON).read_text())["test_samples"]
+    assert round(info["final_test_acc"] * 7, 9) == int(round(info["final_test_acc"] * 7))
 
 
 def test_a_run_records_which_weights_it_read(trained, cache_dir):

@@ -33,10 +33,11 @@ def metrics(run_dir: Path):
             for r in read_jsonl(run_dir / "metrics.jsonl")]
 
 
-def straight_through(args: list[str], run_dir: Path) -> list[dict]:
+def straight_through(args: list[str], run_dir: Path, *, resume: bool = False) -> list[dict]:
     """The metrics of the run ``args`` describe (the command line's overrides), run straight
     through in this process: the same rounds as through Ray, without Ray's start-up (the
-    in-process run records Flower's strategy metrics besides: compare with :func:`same`)."""
+    in-process run records Flower's strategy metrics besides: compare with :func:`same`). With
+    ``resume``, ``run_dir`` holds a stopped run of ``args``, continued from its checkpoint."""
     from omegaconf import OmegaConf
 
     from fedadapt.entry import compose_config, to_run_config
@@ -45,7 +46,7 @@ def straight_through(args: list[str], run_dir: Path) -> list[dict]:
 
     composed = compose_config(args, default_experiment="quickstart")
     run_experiment(to_run_config(composed), run_dir, execute=in_process("workers"),
-                   config_yaml=OmegaConf.to_yaml(composed, resolve=True))
+                   config_yaml=OmegaConf.to_yaml(composed, resolve=True), resume=resume)
     return metrics(run_dir)
 
 
