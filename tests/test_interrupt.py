@@ -16,8 +16,10 @@ from fedadapt.federation.server.checkpoint import latest_checkpoint, load_checkp
 from fedadapt.federation.server.interrupt import STOP, RunStopped, StoppableGrid
 
 #: Flower's simulation engine on Ray: what these stops must end cleanly (the default,
-#: federation.backend=auto, runs a one-worker job in process, without Ray)
-RAY = ["federation.backend=simulation"]
+#: federation.backend=auto, runs a one-worker job in process, without Ray). Its worker has one
+#: CPU (one torch thread): the default two threads made each round 100x slower whenever the
+#: other pytest worker kept a core busy (tests/test_faults.py, LATE_TIMEOUT).
+RAY = ["federation.backend=simulation", "federation.ray_num_cpus=1"]
 
 
 def started(out: Path, rounds: int, proc, timeout: float = 300) -> Path:
