@@ -7,6 +7,8 @@
 #   bash scripts/mutation.sh [OUT]            # OUT: where the copy and the results go
 #   MUTATE="fedadapt/federation/simulation/fleet.py" bash scripts/mutation.sh OUT  # some modules
 #   REV=<commit> bash scripts/mutation.sh OUT                            # another commit
+#   MUTANTS='fedadapt.federation.simulation.fleet.x*partial_examples__mutmut_*' \
+#       MUTATE=... bash scripts/mutation.sh OUT   # only these mutants (mutmut's name globs)
 #
 # It mutates a clone of the committed tree (HEAD), never the working copy: mutmut rewrites the
 # files it mutates, and the fedadapt.strategies / .clients / .conf / .catalogue packages live in
@@ -63,7 +65,10 @@ _torch.set_num_threads = lambda n: None
 PY
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 export FEDADAPT_CACHE="$out/cache"
-python -m mutmut run 2>&1 | tail -n 40 | tee "$out/run.log" || true
+set -f  # MUTANTS: globs that mutmut matches (fnmatch), not the shell
+# shellcheck disable=SC2086
+python -m mutmut run ${MUTANTS:-} 2>&1 | tail -n 40 | tee "$out/run.log" || true
+set +f
 python -m mutmut results --all true > "$out/results.txt" 2>&1 || python -m mutmut results > "$out/results.txt" 2>&1
 python - "$out" <<'EOF'
 import collections, re, sys
