@@ -440,6 +440,31 @@ def test_a_fleet_refuses_what_it_cannot_simulate_in_its_words():
         assert str(err.value) == says
 
 
+def test_partial_work_trims_an_estimate_one_past_the_deadline():
+    """The examples the time left buys, ``floor(left x FLOP/s / FLOPs an example)``, can be one
+    more than arrive in time: 6.4 s left (15 s less 4.2 s and 4.4 s of bytes) at 7.5 FLOP/s buy
+    exactly 4 examples of 12 FLOPs, but the fourth ends at 15.000000000000002 s in floating
+    point: 3 are trained; at 48 FLOPs an example, 1 is bought and none arrives in time; a client
+    of 3 examples buys all 3, whose round ends at 30.000000000000004 s of a 30 s deadline: 2.
+    Pins the loop that trims the estimate down, and what it asks (mutants that stop it at 1,
+    turn it round, or ask with other bytes: the brute force above never overshoots)."""
+    import math
+
+    from fedadapt.config import FleetConfig
+
+    for (compute, link, n, per_example, down, up, deadline, bought, trained) in (
+            (7.5, 10.0, 48, 12.0, 42, 44, 15.0, 4, 3), (7.5, 10.0, 48, 48.0, 42, 44, 15.0, 1, 0),
+            (0.3, 3.0, 3, 1.2, 46, 8, 30.0, 3, 2)):
+        cfg = FleetConfig(name="tiers", compute=[compute], downlink=link, uplink=link,
+                          partial_work=True)
+        fleet = Fleet(cfg, 1, 0, [n * per_example], deadline=deadline, examples=[n])
+        left = deadline - down / link - up / link
+        assert int(math.floor(left * compute / per_example)) == bought  # it overshoots
+        assert fleet.seconds(0, down, up, bought) > deadline >= fleet.seconds(0, down, up,
+                                                                              trained)
+        assert fleet.partial_examples(0, down, up) == trained
+
+
 def test_partial_work_by_hand_at_exactly_the_deadline():
     """10 examples of 1 FLOP at 1 FLOP/s, 10 bytes each way at 10 B/s, a 7 s deadline: 5
     examples (5 s + 1 s + 1 s, exactly 7 s); 70 bytes down alone take the deadline: none; 2 s of

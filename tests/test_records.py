@@ -196,3 +196,23 @@ def test_an_evidence_table_picks_its_cells_by_row_and_column_conditions():
                                       ["BitFit", "**60.00**", "", "60.00 / "]]
     with pytest.raises(SystemExit, match="column 'accuracy' is not one of"):
         et.column("accuracy")
+
+
+def test_a_rerun_of_one_functions_mutants_replaces_only_their_statuses(tmp_path):
+    """scripts/mutation_table.py: a module's first run, then a rerun of one function's mutants
+    (``MUTANTS=``; the others "not checked"): each mutant takes the last status that checked
+    it, a survivor killed by a later test counts as such, and the row names both commits."""
+    mt = _script("mutation_table")
+    first, rerun = tmp_path / "first", tmp_path / "rerun"
+    for out, commit, lines in (
+            (first, "a" * 40, ["m.x_f__mutmut_1: killed", "m.x_f__mutmut_2: survived",
+                               "m.xǁCǁg__mutmut_1: survived", "m.x_h__mutmut_1: timeout"]),
+            (rerun, "b" * 40, ["m.x_f__mutmut_1: not checked", "m.x_f__mutmut_2: not checked",
+                               "m.xǁCǁg__mutmut_1: killed", "m.xǁCǁg__mutmut_2: survived",
+                               "m.x_h__mutmut_1: not checked"])):
+        out.mkdir()
+        (out / "commit.txt").write_text(f"mutation: fedadapt {commit}\n")
+        (out / "results.txt").write_text("\n".join(f"    {ln}" for ln in lines) + "\n")
+    rows = mt.rows_of([first, rerun], {"m.x_f__mutmut_2"})
+    # 5 mutants: f_1 and h_1 (a timeout) killed in the first run, g_1 in the rerun; f_2 later
+    assert rows == [["`m.py`", "`aaaaaaa` + `bbbbbbb`", "5", "3", "60.0%", "1", "1", "80.0%"]]
