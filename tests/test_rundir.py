@@ -20,14 +20,15 @@ TINY = ["method=linear_head", "backbone=small_cnn", "backbone.image_size=16",
         "rounds=2", "federation.eval_every=1", "train.lr=0.05"]
 
 
-def _claim(args) -> str:
-    return rundir.claim_new_dir(args)
-
-
 @pytest.mark.slow
 def test_simultaneous_claims_get_distinct_directories(tmp_path):
-    with multiprocessing.get_context("fork").Pool(6) as pool:
-        names = pool.map(_claim, [tmp_path / "2026-01-01_00-00-00"] * 6)
+    """Six processes claim one name at once. They are forked from a fresh fork server, not from
+    this pytest worker: a fork of a worker that still held Ray's gRPC threads from an earlier
+    test hung (five children gone, the sixth waiting for ever on the pool's lock)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["fedadapt.rundir"])
+    with ctx.Pool(6) as pool:
+        names = pool.map(rundir.claim_new_dir, [tmp_path / "2026-01-01_00-00-00"] * 6)
     assert len(set(names)) == 6
     assert sorted(Path(n).name for n in names) == ["2026-01-01_00-00-00"] + [
         f"2026-01-01_00-00-00_{i}" for i in range(2, 7)]
