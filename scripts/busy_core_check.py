@@ -12,7 +12,6 @@ seconds and the median round of each sizing.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -34,6 +33,7 @@ def rounds(cache: str, federation: dict) -> list[float]:
         TrainConfig,
     )
     from fedadapt.experiment import run_experiment
+    from fedadapt.results.store import read_jsonl
 
     cfg = RunConfig(
         dataset=DatasetConfig(name="digits", max_samples=600),
@@ -45,7 +45,7 @@ def rounds(cache: str, federation: dict) -> list[float]:
         federation=FederationConfig(eval_every=4, backend="simulation", **federation))
     with tempfile.TemporaryDirectory() as out:
         run_experiment(cfg, Path(out), config_yaml="busy_core_check\n")
-        return [json.loads(line)["round_s"] for line in open(Path(out) / "metrics.jsonl")]
+        return [row["round_s"] for row in read_jsonl(Path(out) / "metrics.jsonl")]
 
 
 def main() -> None:
