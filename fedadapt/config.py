@@ -423,6 +423,18 @@ class FleetConfig:
     memory: Optional[list[float]] = None
     #: The share of the clients with each entry of ``memory``; null: equal shares.
     memory_fractions: Optional[list[float]] = None
+    #: fedscale: ``fedadapt`` (fedadapt's reading: FedScale's speeds, availability as fixed
+    #: half-open intervals, each client's own examples x epochs, entries by a seeded draw) or
+    #: ``exact`` (FedScale's simulator to the letter: its stateful availability over closed
+    #: intervals, ``train.batch_size`` x ``local_steps`` samples a round, client k on entry
+    #: k % n, and its round rule: 1.3x over-selection among the clients online at the round's
+    #: start, those still online at completion kept, the round ending at the target count's
+    #: fastest). See docs/fleet.md.
+    fedscale_semantics: str = "fedadapt"
+    #: fedscale_semantics=exact: the local steps FedScale charges every client a round (its
+    #: ``--local_steps``), each of ``train.batch_size`` samples; null: the steps of each
+    #: client's own local epochs (ceil(examples / batch) x ``train.local_epochs``).
+    local_steps: Optional[int] = None
 
 
 @dataclass
@@ -584,6 +596,14 @@ def validate(cfg: RunConfig) -> RunConfig:
           "fleet.partial_work", cfg.fleet.partial_work,
           "true needs a fleet and its deadline federation.round_timeout (simulated seconds), "
           "at which a client's work is cut (not strategy=fedbuff, which has no deadline)")
+    if cfg.fleet.fedscale_semantics == "exact":
+        check(cfg.federation.round_timeout is None, "federation.round_timeout",
+              cfg.federation.round_timeout,
+              "fleet.fedscale_semantics=exact runs FedScale's round rule, which has no "
+              "deadline: leave it null")
+        check(cfg.strategy.name != "fedbuff", "fleet.fedscale_semantics",
+              cfg.fleet.fedscale_semantics,
+              "'exact' runs FedScale's synchronous round rule; strategy=fedbuff is asynchronous")
     check(cfg.backbone.image_size >= 8, "backbone.image_size", cfg.backbone.image_size,
           "must be >= 8")
     _check_domains(cfg)
@@ -739,6 +759,8 @@ def _validate_faults(fl: FaultConfig, f: FederationConfig) -> None:
 
 
 FLEETS = ("none", "tiers", "lognormal", "trace", "fedscale")
+#: ``fleet.fedscale_semantics``: fedadapt's reading of FedScale's traces, or FedScale's own.
+FEDSCALE_SEMANTICS = ("fedadapt", "exact")
 #: Where FedScale publishes its device traces (said when ``fleet.capacity`` is missing).
 FEDSCALE_TRACES = ("FedScale publishes client_device_capacity and client_behave_trace in "
                    "https://github.com/SymbioticLab/FedScale under "
@@ -750,6 +772,26 @@ def _validate_fleet(fl: FleetConfig, p: PartitionConfig) -> None:
     check(fl.name != "none" or fl.memory is None, "fleet.memory", fl.memory,
           "a memory cap needs a fleet (fleet=tiers|lognormal|trace|fedscale): it is each "
           "device's")
+    check(fl.fedscale_semantics in FEDSCALE_SEMANTICS, "fleet.fedscale_semantics",
+          fl.fedscale_semantics, f"one of {FEDSCALE_SEMANTICS}")
+    exact = fl.fedscale_semantics == "exact"
+    check(not exact or fl.name == "fedscale", "fleet.fedscale_semantics", fl.fedscale_semantics,
+          "'exact' reads FedScale's traces as FedScale's simulator does: it needs fleet=fedscale")
+    check(fl.local_steps is None or exact, "fleet.local_steps", fl.local_steps,
+          "only fleet=fedscale with fleet.fedscale_semantics=exact charges FedScale's "
+          "train.batch_size x local_steps samples a round: leave it null")
+    check(fl.local_steps is None or fl.local_steps >= 1, "fleet.local_steps", fl.local_steps,
+          "must be >= 1 or null")
+    if exact:
+        check(fl.keep_first is None, "fleet.keep_first", fl.keep_first,
+              "fleet.fedscale_semantics=exact keeps FedScale's target count of the 1.3x it "
+              "over-selects: leave it null")
+        check(not fl.partial_work, "fleet.partial_work", fl.partial_work,
+              "fleet.fedscale_semantics=exact has FedScale's round rule, which cuts no work: "
+              "leave it false")
+        check(fl.memory is None, "fleet.memory", fl.memory,
+              "fleet.fedscale_semantics=exact simulates what FedScale's simulator does, which "
+              "caps no memory: leave it null")
     if fl.name == "none":
         return
     for key in ("compute_median", "downlink", "uplink"):
