@@ -439,8 +439,9 @@ class FleetConfig:
 
 @dataclass
 class TrackingConfig:
-    """Experiment tracking, fed by the per-round hook (optional extra ``fedadapt[tracking]``;
-    see :mod:`fedadapt.tracking`). Both off by default; both work offline."""
+    """Experiment tracking, fed by the per-round hook (optional extras ``fedadapt[tracking]``
+    and ``fedadapt[wandb]``; see :mod:`fedadapt.tracking`). All off by default; all work
+    offline."""
 
     #: TensorBoard event files under ``<run dir>/tensorboard`` (per-round scalars, the config).
     tensorboard: bool = False
@@ -451,6 +452,15 @@ class TrackingConfig:
     mlflow_uri: Optional[str] = None
     #: MLflow experiment; None = the config's ``experiment``.
     mlflow_experiment: Optional[str] = None
+    #: One Weights & Biases run per run directory (the same scalars, the config, the run's
+    #: table and curves, the run directory's files), W&B's files under ``<output_dir>/wandb``.
+    wandb: bool = False
+    #: ``offline`` (nothing leaves the machine; ``wandb sync`` uploads later) or ``online``.
+    wandb_mode: str = "offline"
+    #: W&B project; None = the config's ``experiment``.
+    wandb_project: Optional[str] = None
+    #: W&B entity (user or team); None = W&B's default for the logged-in user.
+    wandb_entity: Optional[str] = None
 
 
 @dataclass
@@ -586,6 +596,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     _validate_original(cfg.original)
     _validate_faults(cfg.faults, cfg.federation)
     _validate_fleet(cfg.fleet, cfg.partition)
+    check(cfg.tracking.wandb_mode in ("offline", "online"), "tracking.wandb_mode",
+          cfg.tracking.wandb_mode, "one of ('offline', 'online')")
     check(cfg.setting.tiers_from != "fleet" or (cfg.fleet.name != "none"
                                                and cfg.federation.round_timeout is not None),
           "setting.tiers_from", cfg.setting.tiers_from,

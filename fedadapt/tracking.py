@@ -1,7 +1,9 @@
-"""Experiment tracking: TensorBoard event files and MLflow runs, fed by the per-round hook.
+"""Experiment tracking: TensorBoard event files, MLflow runs and Weights & Biases runs, fed by
+the per-round hook.
 
-Both are optional extras (``pip install 'fedadapt[tracking]'``), off by default, and work
-offline. What they receive is what the run directory holds:
+All are optional extras (``pip install 'fedadapt[tracking]'`` for TensorBoard and MLflow,
+``pip install 'fedadapt[wandb]'`` for W&B), off by default, and work offline. What they receive
+is what the run directory holds:
 
 * every round: each number of the round's ``metrics.jsonl`` row (losses, accuracies, per-exit
   ``exit_acc/<exit>``, per-tier ``tier_acc/<exit>``, per-client ``client_accs/<id>``, bytes,
@@ -16,6 +18,15 @@ offline. What they receive is what the run directory holds:
   ``MLFLOW_ALLOW_FILE_STORE=true``); ``tracking.mlflow_uri`` points elsewhere (a server, another
   database). The MLflow run id is kept in ``<run dir>/tracking.json``, so ``resume=`` continues
   the same MLflow run.
+* W&B: the resolved config as the run's config (nested, as in ``config.yaml``), tags naming the
+  method, data set, backbone, seed and commit, the run directory in the notes, and at the end
+  the run's table (``table``: ``table.md``'s row as a W&B table) and curves (``curves``:
+  ``curves.png``) at the last round's step, and the run directory's files saved with the run.
+  W&B's files go under ``<output_dir>/wandb`` (beside MLflow's default store: a run directory
+  holds no copy of itself). ``tracking.wandb_mode`` is ``offline`` by default
+  (nothing leaves the machine; ``wandb sync <output_dir>/wandb/offline-run-*`` uploads a run
+  later) or ``online``; the W&B run id is kept in ``tracking.json``, so ``resume=`` continues
+  the same W&B run.
 """
 
 from __future__ import annotations
@@ -70,11 +81,25 @@ def check_available(cfg: TrackingConfig) -> None:
         raise _missing("tensorboard", "tensorboard")
     if cfg.mlflow and find_spec("mlflow") is None:
         raise _missing("mlflow", "mlflow-skinny")
+    if cfg.wandb and find_spec("wandb") is None:
+        raise _missing("wandb", "wandb", extra="wandb")
 
 
-def _missing(setting: str, package: str) -> ConfigError:
+def _missing(setting: str, package: str, extra: str = "tracking") -> ConfigError:
     return ConfigError(f"tracking.{setting}=true needs the package '{package}': "
-                       f"pip install 'fedadapt[tracking]'")
+                       f"pip install 'fedadapt[{extra}]'")
+
+
+def _remember(run_dir: Path, **values: str) -> None:
+    """Merge ``values`` into ``<run_dir>/tracking.json`` (each tracker keeps its own keys)."""
+    from fedadapt.results.store import write_json
+
+    write_json(run_dir / TRACKING_FILE, {**_known(run_dir), **values})
+
+
+def _known(run_dir: Path) -> dict:
+    saved = run_dir / TRACKING_FILE
+    return json.loads(saved.read_text()) if saved.is_file() else {}
 
 
 class TensorBoardSink:
@@ -118,8 +143,7 @@ class MlflowSink:
         if uri.startswith("sqlite:///") and not cfg.mlflow_uri:
             root.mkdir(parents=True, exist_ok=True)
         self.client = MlflowClient(tracking_uri=uri)
-        saved = run_dir / TRACKING_FILE
-        known = json.loads(saved.read_text()) if saved.is_file() else {}
+        known = _known(run_dir)
         if known.get("mlflow_uri") == uri and known.get("mlflow_run_id"):
             self.run_id = known["mlflow_run_id"]  # resume: the same MLflow run
             self.client.update_run(self.run_id, status="RUNNING")
@@ -132,14 +156,12 @@ class MlflowSink:
         import yaml
         from mlflow.entities import Param
 
-        from fedadapt.results.store import write_json
-
         params = [Param(k, v[:6000]) for k, v in
                   flatten_config(yaml.safe_load(config_yaml) or {}).items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=params[i:i + 100])
-        write_json(saved, {"mlflow_uri": uri, "mlflow_run_id": self.run_id,
-                           "mlflow_experiment": exp_name})
+        _remember(run_dir, mlflow_uri=uri, mlflow_run_id=self.run_id,
+                  mlflow_experiment=exp_name)
 
     def log_round(self, step: int, values: dict[str, float]) -> None:
         from mlflow.entities import Metric
@@ -154,6 +176,69 @@ class MlflowSink:
             if path.is_file() and not path.name.startswith("."):
                 self.client.log_artifact(self.run_id, str(path))
         self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+class WandbSink:
+    """One Weights & Biases run per run directory (its own run object, not ``wandb.run``: the
+    round hook runs on the ServerApp's thread, and a notebook may hold a run of its own)."""
+
+    def __init__(self, cfg: TrackingConfig, *, run_dir: Path, config_yaml: str, name: str,
+                 experiment: str, output_dir: str, tags: dict[str, str],
+                 resume_round: int) -> None:
+        try:
+            import wandb
+        except ImportError as err:
+            raise _missing("wandb", "wandb", extra="wandb") from err
+        import yaml
+
+        root = Path(output_dir).expanduser().resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        known = _known(run_dir)
+        run_id = known.get("wandb_run_id")  # resume: the same W&B run
+        self.run = wandb.init(
+            project=cfg.wandb_project or experiment, entity=cfg.wandb_entity, name=name,
+            id=run_id, resume="allow" if run_id else None, mode=cfg.wandb_mode,
+            dir=str(root), config=yaml.safe_load(config_yaml) or {},
+            tags=[f"{k.removeprefix('fedadapt.')}={v}"[:64] for k, v in tags.items()
+                  if k != "fedadapt.run_dir"],
+            notes=f"fedadapt run directory: {run_dir}", reinit="create_new",
+            # fedadapt's own console lines stay as they are (no stdout wrapper)
+            settings=wandb.Settings(console="off", quiet=True, save_code=False))
+        # A W&B step cannot be logged again: the rounds a resumed run repeats (after its
+        # checkpoint, up to where the interrupted process got) keep their first values
+        self.run_dir = run_dir
+        self.last_step = max(resume_round, known.get("wandb_last_round", 0)) if run_id else 0
+        self.step = self.last_step
+        if not run_id:
+            _remember(run_dir, wandb_run_id=self.run.id, wandb_project=self.run.project,
+                      wandb_mode=cfg.wandb_mode)
+
+    def log_round(self, step: int, values: dict[str, float]) -> None:
+        if step <= self.last_step:
+            return
+        self.run.log(values, step=step)
+        self.step = step
+        _remember(self.run_dir, wandb_last_round=step)
+
+    def close(self, run_dir: Path, failed: bool) -> None:
+        import wandb
+
+        from fedadapt.results.records import parse_table
+
+        final: dict[str, Any] = {}
+        table = run_dir / "table.md"
+        if table.is_file():
+            columns, rows = parse_table(table.read_text())
+            final["table"] = wandb.Table(columns=columns, data=rows)
+        curves = run_dir / "curves.png"
+        if curves.is_file():
+            final["curves"] = wandb.Image(str(curves))
+        if final:
+            self.run.log(final, step=self.step)
+        for path in sorted(run_dir.iterdir()):
+            if path.is_file() and not path.name.startswith("."):
+                self.run.save(str(path), base_path=str(run_dir), policy="now")
+        self.run.finish(exit_code=1 if failed else 0)
 
 
 class Tracker:
@@ -174,7 +259,7 @@ class Tracker:
             sink.log_round(int(row["round"]), values)
 
     def close(self, run_dir: Path, *, failed: bool = False) -> None:
-        """Flush and close; MLflow also receives the run directory's files."""
+        """Flush and close; MLflow and W&B also receive the run directory's files."""
         for sink in self.sinks:
             sink.close(run_dir, failed)
         self.sinks = []
@@ -192,4 +277,8 @@ def open_tracker(cfg: TrackingConfig, *, run_dir: Path, config_yaml: str, name: 
         sinks.append(MlflowSink(cfg, run_dir=run_dir, config_yaml=config_yaml, name=name,
                                 experiment=experiment, output_dir=output_dir,
                                 tags={"fedadapt.run_dir": str(run_dir), **(tags or {})}))
+    if cfg.wandb:
+        sinks.append(WandbSink(cfg, run_dir=run_dir, config_yaml=config_yaml, name=name,
+                               experiment=experiment, output_dir=output_dir, tags=tags or {},
+                               resume_round=resume_round))
     return Tracker(sinks)

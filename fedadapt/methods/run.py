@@ -101,7 +101,7 @@ def run_tracker(cfg: RunConfig, run_dir: Path, config_yaml: str, label: str,
     from fedadapt.results.store import git_commit
     from fedadapt.tracking import open_tracker
 
-    if not (cfg.tracking.tensorboard or cfg.tracking.mlflow):
+    if not (cfg.tracking.tensorboard or cfg.tracking.mlflow or cfg.tracking.wandb):
         return open_tracker(cfg.tracking, run_dir=run_dir, config_yaml=config_yaml, name=label,
                             experiment=cfg.experiment, output_dir=cfg.output_dir)
     tags = {"fedadapt.method": label, "fedadapt.dataset": cfg.dataset.name,

@@ -42,8 +42,9 @@ from fedadapt.results.tables import (
 )
 
 IGNORED = ("seed", "output_dir", "cache_dir", "compare", "hydra")
-#: MLflow's stores (``tracking.mlflow``) hold copies of run directories as artifacts: not runs.
-TRACKING_STORES = ("mlartifacts", "mlruns")
+#: MLflow's stores (``tracking.mlflow``) hold copies of run directories as artifacts, and
+#: W&B's folder (``tracking.wandb``) links to their files: not runs.
+TRACKING_STORES = ("mlartifacts", "mlruns", "wandb")
 METRICS = [("final global acc", ("final", "global_acc"), 100.0),
            ("best global acc", ("best", "global_acc"), 100.0),
            ("final client-mean acc", ("final", "client_acc"), 100.0),
