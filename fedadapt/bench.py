@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fedadapt import progress
 from fedadapt.results.records import machine
 
 BASE = ["experiment=quickstart", "method=linear_head", "federation.eval_every=1000"]
@@ -305,16 +306,21 @@ def throughput(cfg, *, steps: int, repeats: int, data_only: bool = False,
     dev = torch.device(spec.device)
     every = training_loops(prep, cfg, clients=clients, steps=steps)
     loops = {"data": every["data"]} if data_only else every
-    for fn in loops.values():
-        fn()  # warm-up: kernels, allocator, the store's pages
     rates: dict[str, list[float]] = {name: [] for name in loops}
     samples: list[float] = []
-    for _ in range(repeats):  # the sides interleaved: load on the machine hits them alike
+    with progress.task(f"[fedadapt-bench] {clients} x {steps} steps, {len(loops)} loops",
+                       total=(repeats + 1) * len(loops), unit="loop", interval=0) as bar:
         for name, fn in loops.items():
-            with _Utilisation(dev) as u:
-                rates[name].append(_rate(fn, clients * steps * bs, dev))
-            if name == "fedadapt":
-                samples += u.samples
+            fn()  # warm-up: kernels, allocator, the store's pages
+            bar.advance(info=f"{name} warmed up")
+        for r in range(repeats):  # the sides interleaved: load on the machine hits them alike
+            for name, fn in loops.items():
+                with _Utilisation(dev) as u:
+                    rates[name].append(_rate(fn, clients * steps * bs, dev))
+                if name == "fedadapt":
+                    samples += u.samples
+                bar.advance(info=f"repeat {r + 1}/{repeats} {name}: "
+                                 f"{rates[name][-1]:.0f} images/s")
     util = statistics.mean(samples) if samples else None
     med = {k: statistics.median(v) for k, v in rates.items()}
     if profile is not None and not data_only:

@@ -177,14 +177,18 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, config_yaml: str,
     client. With ``resume``, a run in rounds continues from the run directory's last checkpoint
     (or starts over when it has none).
     """
+    from fedadapt import cores
     from fedadapt.clients.app import make_client_app
 
     label = label or cfg.method.name
     t0 = time.time()
     prep = prepared or prepare_run(cfg)
-    return prep.method_family.run(cfg, run_dir, prep, config_yaml=config_yaml, label=label,
-                                  client_app=make_client_app(SpecRef(prep.spec)),
-                                  execute=execute, resume=resume, t0=t0)
+    try:
+        return prep.method_family.run(cfg, run_dir, prep, config_yaml=config_yaml, label=label,
+                                      client_app=make_client_app(SpecRef(prep.spec)),
+                                      execute=execute, resume=resume, t0=t0)
+    finally:  # the next run's free cores are counted from here, without this run's Ray workers
+        cores.mark()
 
 
 def resolve_compile(value: str, device: str) -> bool:

@@ -1,71 +1,125 @@
-"""Rounds through Ray with one core kept busy by another process: the default worker against a
-one-CPU worker (docs/scaling.md, "A core taken by another job").
+"""The main job's fine-tuning row on a machine that does other work: alone, two runs started side
+by side, and beside a one-thread busy loop; fedadapt's default (threads sized to the free cores,
+the wait policy chosen at start-up: fedadapt.cores) against the sizing before it (two threads per
+worker whatever the load, OpenMP spinning: ``federation.num_cpus=2 GOMP_SPINCOUNT=300000``).
 
-    python scripts/busy_core_check.py [--repeats 2]
+    python scripts/busy_core_check.py [--repeats 2] [--backends inprocess,simulation]
+        [--rounds 2] [--out benchmarks/records/busy-core.json]
 
-The run: 10 linear heads on cached digits features (600 images, 4 rounds of 10 local epochs;
-the 20%-faulty test's clean run), through Flower's simulation engine. Each repeat runs the two
-sizings one after the other, with a busy loop on one core throughout; prints each run's round
-seconds and the median round of each sizing.
+Each run is ``fedadapt method=finetune rounds=2`` in its own process (a warm feature and image
+cache: one run first warms it). The scenarios' repeats are interleaved (repeat 1 of every
+scenario and sizing, then repeat 2, ...). Reported per scenario and sizing: the median of the
+row's ``wall s`` (the run's own wall clock, as the table prints it) and of the whole process's,
+and each as a ratio to the same sizing alone. Writes the record atomically when ``--out`` is
+given. Run it with nothing else on the machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-SIZINGS = {"default": {}, "ray_num_cpus=1": {"ray_num_cpus": 1}}
+SIZINGS = {
+    "default": ([], {}),
+    "before (2 threads, spinning)": (["federation.num_cpus=2"], {"GOMP_SPINCOUNT": "300000"}),
+}
+SCENARIOS = ("alone", "two side by side", "beside a busy loop")
 
 
-def rounds(cache: str, federation: dict) -> list[float]:
-    from fedadapt.adapters.heads import LinearHeadConfig
-    from fedadapt.config import (
-        BackboneConfig,
-        DatasetConfig,
-        FederationConfig,
-        PartitionConfig,
-        RunConfig,
-        TrainConfig,
-    )
-    from fedadapt.experiment import run_experiment
-    from fedadapt.results.store import read_jsonl
+def start(out: Path, backend: str, rounds: int, sizing: str) -> subprocess.Popen:
+    args, env = SIZINGS[sizing]
+    cmd = ["fedadapt", "method=finetune", f"rounds={rounds}", f"output_dir={out}",
+           f"federation.backend={backend}", *args]
+    return subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1", **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
-    cfg = RunConfig(
-        dataset=DatasetConfig(name="digits", max_samples=600),
-        backbone=BackboneConfig(name="small_cnn", family="small_cnn", image_size=16,
-                                arch={"width": 8, "pool": 2, "init": "kaiming"}),
-        method=LinearHeadConfig(), rounds=4, seed=7, cache_dir=cache,
-        partition=PartitionConfig(kind="iid", num_clients=10, fraction_fit=1.0),
-        train=TrainConfig(lr=0.2, batch_size=16, local_epochs=10, precision="fp32"),
-        federation=FederationConfig(eval_every=4, backend="simulation", **federation))
-    with tempfile.TemporaryDirectory() as out:
-        run_experiment(cfg, Path(out), config_yaml="busy_core_check\n")
-        return [row["round_s"] for row in read_jsonl(Path(out) / "metrics.jsonl")]
+
+def finish(proc: subprocess.Popen, out: Path, t0: float) -> dict:
+    text, _ = proc.communicate()
+    wall = time.monotonic() - t0
+    if proc.returncode != 0:
+        sys.exit(f"busy_core_check: a run failed ({proc.args}):\n{text[-2000:]}")
+    summary = json.loads(next(out.glob("quickstart/*/finetune/summary.json")).read_text())
+    layout = summary["layout"]
+    return {"row_s": summary["wall_s"], "process_s": wall, "threads": layout.get("threads"),
+            "omp_wait": layout.get("omp_wait"),
+            "final_acc": summary["final"].get("global_acc")}
+
+
+def scenario(name: str, backend: str, rounds: int, sizing: str, tmp: Path) -> list[dict]:
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) \
+        if name == "beside a busy loop" else None
+    try:
+        if busy is not None:
+            time.sleep(0.5)
+        outs = [Path(tempfile.mkdtemp(dir=tmp)) for _ in range(2 if name.startswith("two")
+                                                                 else 1)]
+        t0 = time.monotonic()
+        procs = [start(o, backend, rounds, sizing) for o in outs]
+        return [finish(p, o, t0) for p, o in zip(procs, outs)]
+    finally:
+        if busy is not None:
+            busy.kill()
+            busy.wait()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--backends", default="inprocess,simulation")
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    cache = os.environ.get("FEDADAPT_CACHE") or tempfile.mkdtemp(prefix="busy-core-")
-    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    got: dict[str, list[float]] = {name: [] for name in SIZINGS}
-    try:
+    backends = [b for b in args.backends.split(",") if b]
+    got: dict = {b: {s: {z: [] for z in SIZINGS} for s in SCENARIOS} for b in backends}
+    with tempfile.TemporaryDirectory(prefix="busy-core-") as tmp:
+        print("warming the caches with one run ...", flush=True)
+        scenario("alone", backends[0], 1, "default", Path(tmp))
         for repeat in range(args.repeats):
-            for name, federation in SIZINGS.items():
-                secs = rounds(cache, federation)
-                got[name] += secs
-                print(f"repeat {repeat + 1} {name}: rounds "
-                      f"{', '.join(f'{s:.2f}' for s in secs)} s", flush=True)
-    finally:
-        busy.kill()
-    for name, secs in got.items():
-        print(f"{name}: median round {statistics.median(secs):.2f} s ({len(secs)} rounds)")
+            for backend in backends:
+                for name in SCENARIOS:
+                    for sizing in SIZINGS:
+                        runs = scenario(name, backend, args.rounds, sizing, Path(tmp))
+                        got[backend][name][sizing] += runs
+                        print(f"repeat {repeat + 1}/{args.repeats} {backend} | {name} | {sizing}: "
+                              + "; ".join(f"row {r['row_s']:.1f} s, process {r['process_s']:.1f}"
+                                          f" s, {r['threads']} thread(s), {r['omp_wait']}"
+                                          for r in runs), flush=True)
+    table = []
+    for backend in backends:
+        for sizing in SIZINGS:
+            alone = statistics.median(r["row_s"] for r in got[backend]["alone"][sizing])
+            alone_p = statistics.median(r["process_s"] for r in got[backend]["alone"][sizing])
+            for name in SCENARIOS:
+                runs = got[backend][name][sizing]
+                row = statistics.median(r["row_s"] for r in runs)
+                proc = statistics.median(r["process_s"] for r in runs)
+                table.append({"backend": backend, "sizing": sizing, "scenario": name,
+                              "runs": len(runs), "row_s": round(row, 2),
+                              "row_x_alone": round(row / alone, 2),
+                              "process_s": round(proc, 2),
+                              "process_x_alone": round(proc / alone_p, 2),
+                              "threads": sorted({r["threads"] for r in runs}),
+                              "omp_wait": sorted({str(r["omp_wait"]) for r in runs})})
+    print("\n| backend | sizing | scenario | runs | row s (median) | x alone | process s | "
+          "x alone | threads |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for t in table:
+        print(f"| {t['backend']} | {t['sizing']} | {t['scenario']} | {t['runs']} | "
+              f"{t['row_s']:.1f} | {t['row_x_alone']:.2f} | {t['process_s']:.1f} | "
+              f"{t['process_x_alone']:.2f} | {', '.join(map(str, t['threads']))} |")
+    if args.out is not None:
+        from fedadapt.results.store import write_json
+
+        write_json(args.out, {"command": "python scripts/busy_core_check.py " + " ".join(
+            sys.argv[1:]), "rows": table, "runs": got})
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
 # fp32 means fp32 on CUDA too (no TF32 matmuls), here and in the Ray workers tests start: the
 # tests that compare results exactly run in fp32 (fedadapt.devices.setup)
 os.environ["FEDADAPT_TF32"] = "0"
+# every run's threads as on an idle machine, whatever else runs (the other pytest worker):
+# tests compare runs to the last bit (fedadapt.cores; tests/test_cores.py measures for real)
+os.environ["FEDADAPT_FREE_CORES"] = str(os.cpu_count() or 1)
 
 import pytest
 

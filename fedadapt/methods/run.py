@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from fedadapt import cores
 from fedadapt.adapters import AdaptedModel
 from fedadapt.config import RunConfig
 from fedadapt.data.partition import Partition
@@ -173,7 +174,7 @@ def summary_tail(prep: PreparedRun) -> dict:
                                 ("num_clients", "samples_per_client", "classes_per_client")},
             "versions": versions(), "git_commit": git_commit(), "device": prep.spec.device,
             "precision": prep.spec.precision, "layout": prep.layout,
-            "reproducibility": reproducibility(prep.spec)}
+            "reproducibility": reproducibility(prep.spec, prep.layout)}
 
 
 def side_by_side(model, compile: bool) -> dict:
@@ -193,7 +194,7 @@ def side_by_side(model, compile: bool) -> dict:
             "compiled": bool(compile and engine == "forms")}
 
 
-def reproducibility(spec) -> dict:
+def reproducibility(spec, layout: Optional[dict] = None) -> dict:
     """What, besides the config and seed, decides a run's numbers to the last bit: the CPU
     kernels torch dispatches to (its instruction set), torch's thread counts (the server's
     evaluation; each client's, pinned to ``federation.num_cpus``), the GPU and whether its
@@ -205,7 +206,7 @@ def reproducibility(spec) -> dict:
     import torch
 
     out = {"cpu_capability": torch.backends.cpu.get_cpu_capability(),
-           "torch_threads_server": torch.get_num_threads(),
+           "torch_threads_server": (layout or {}).get("threads") or torch.get_num_threads(),
            "torch_threads_client": spec.client_threads,
            "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
            "device": spec.device, "precision": spec.precision,
@@ -217,7 +218,7 @@ def reproducibility(spec) -> dict:
 
 
 def node_layout(cfg: RunConfig, prep: PreparedRun, execute: Optional[Callable],
-                 sampled: int) -> dict:
+                 sampled: int, resume: Optional[dict] = None) -> dict:
     """The plan's nodes: on the deployment engine (``execute`` given) one per client; in
     simulation the workers, their Ray resources and the clients each trains side by side."""
     from fedadapt.federation.simulation.sizing import announce, probe_group, size_simulation
@@ -240,11 +241,31 @@ def node_layout(cfg: RunConfig, prep: PreparedRun, execute: Optional[Callable],
                              >= prep.counts["backbone_params"] / 2,
                              features=spec.train_source.kind == "features")
     announce(sizing)
+    threads, why = worker_threads(fed, sizing, backend, resume)
     prep.layout = {"backend": backend, "workers": sizing.workers,
                    "clients_per_worker": sizing.group_size, "num_cpus": sizing.num_cpus,
-                   "num_gpus": sizing.num_gpus, "note": sizing.note}
+                   "num_gpus": sizing.num_gpus, "note": sizing.note, "threads": threads,
+                   "threads_why": why, "omp_wait": cores.WAIT_POLICY[0]}
+    log(f"[federation] {threads} torch thread(s) per worker ({why}); OpenMP waits: "
+        f"{cores.describe_policy()}")
     if sizing.group_size > 1 and probe is not None:
         prep.layout.update(side_by_side(prep.model, spec.compile))
-    spec.client_threads = max(1, int(sizing.num_cpus))  # each worker's torch threads
+    spec.client_threads = threads  # each worker's torch threads
     return {"nodes": "workers", "num_nodes": sizing.workers, "group_size": sizing.group_size,
-            "resources": {"num_cpus": sizing.num_cpus, "num_gpus": sizing.num_gpus}}
+            "resources": {"num_cpus": sizing.num_cpus, "num_gpus": sizing.num_gpus},
+            "server_threads": threads}
+
+
+def worker_threads(fed, sizing, backend: str, resume: Optional[dict]) -> tuple[int, str]:
+    """Each worker's torch threads and why (fedadapt.cores): ``federation.num_cpus`` when set;
+    a resumed run's first part's (its last bits depend on them); on a remote Ray cluster its
+    workers' CPUs; else those CPUs capped by the cores free on this machine."""
+    want = max(1, int(sizing.num_cpus))
+    if fed.num_cpus is not None:
+        return want, f"federation.num_cpus={fed.num_cpus:g}"
+    if resume and resume.get("threads"):
+        return int(resume["threads"]), "as the run's part before the resume"
+    if fed.ray_address is not None:
+        return want, "the cluster's CPUs per worker"
+    local = 1 if backend == "inprocess" else sizing.workers  # in process they take turns
+    return cores.threads_for(sizing.num_cpus, local)

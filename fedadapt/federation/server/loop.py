@@ -37,6 +37,7 @@ from logging import WARNING
 from typing import Callable, Optional
 
 import numpy as np
+import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
@@ -173,6 +174,9 @@ class ServerPlan:
     resources: dict = field(default_factory=lambda: {"num_cpus": 1.0, "num_gpus": 0.0})
     #: Clients a worker trains side by side (1: one after another).
     group_size: int = 1
+    #: torch's threads for the server's own work (its evaluation) while the plan runs, as the
+    #: workers' (fedadapt.cores); None = the process's as they are.
+    server_threads: Optional[int] = None
     #: ``sent_names(client)``: the names of the tensors a client trains, receives and sends
     #: back; None = every global tensor.
     sent_names: Optional[Callable[[int], list[str]]] = None
@@ -373,6 +377,12 @@ def _offer_available(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd
     if fleet is None:
         return None, sim
     start = fleet.next_available(state.sim_time)
+    exact = getattr(fleet, "exact", False)  # fleet.fedscale_semantics=exact
+    if start is None and exact:
+        raise RoundFailed(f"round {rnd}: no client of the fleet is online at simulated second "
+                          f"{state.sim_time:.1f} by FedScale's availability "
+                          f"(fleet.fedscale_semantics=exact: its round waits for no one, and "
+                          f"FedScale's simulator fails there too)")
     if start is None:
         raise RoundFailed(f"round {rnd}: no client of the fleet is ever available again "
                           f"after simulated second {state.sim_time:.1f} (fleet.trace)")
@@ -380,6 +390,8 @@ def _offer_available(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd
     # fleet.memory: a client whose training does not fit in its device is not sampled
     fits = getattr(fleet, "fits", None)
     grid.only = {c for c in available if fits is None or fits[c]}
+    if exact:  # FedScale's over-selection: the strategy takes every client it offers
+        grid.only = set(fleet.select(available))
     sim["sim_unavailable"] = plan.num_clients - len(available)
     if getattr(fleet, "memory_capped", False):
         sim["sim_no_memory"] = len(available) - len(grid.only)
@@ -437,7 +449,8 @@ def _train_row(rnd: int, plan: ServerPlan, strategy, sent, screened, served, tra
 #: Why a fleet's clock drops a client (its failure kind is ``sim_<why>``).
 SIM_DROPS = {"offline": "went offline before it finished",
              "late": "after the simulated deadline federation.round_timeout",
-             "discarded": "beyond fleet.keep_first"}
+             "discarded": "beyond fleet.keep_first (or, with fleet.fedscale_semantics=exact, "
+                          "beyond the round's target count of fastest clients)"}
 
 
 def _drop_simulated(screened: Screened, replies: dict, sent: dict, up: dict,
@@ -656,6 +669,9 @@ def execute_plan(grid: Grid, plan: ServerPlan) -> ServerState:
     ``evaluate_fn``) becomes a :class:`~fedadapt.userimport.UserCodeError`: one line naming
     their function and the round, then their frames."""
     held: list[ServerState] = []  # the state, once there is one: it says when it raised
+    threads = torch.get_num_threads()
+    if plan.server_threads:
+        torch.set_num_threads(plan.server_threads)
     try:
         return _execute(grid, plan, held)
     except FedadaptError:
@@ -665,6 +681,8 @@ def execute_plan(grid: Grid, plan: ServerPlan) -> ServerState:
         if raised is None:
             raise
         raise raised from err
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _execute(grid: Grid, plan: ServerPlan, held: list) -> ServerState:

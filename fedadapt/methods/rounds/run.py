@@ -292,7 +292,7 @@ def _federate(cfg: RunConfig, run_dir: Path, prep: PreparedRun, initial: dict, n
     show = [None]  # the round bar's hook, set once the bar exists (below)
     plan = _rounds_plan(cfg, prep, ArrayRecord(initial), num_rounds, execute,
                         on_round=_round_hook(
-                            cfg, run_dir, config_sha, tracker, show,
+                            cfg, run_dir, config_sha, tracker, show, lambda: prep.layout or {},
                             # the user's strategy: its state after round 1 checked too
                             (lambda: make_strategy(cfg, prep))
                             if cfg.strategy.name == "custom" else None),
@@ -341,21 +341,32 @@ def _global_eval(prep: PreparedRun) -> Callable:
 
 
 def _round_hook(cfg: RunConfig, run_dir: Path, config_sha: str, tracker, show: list,
-                rebuild: Optional[Callable] = None) -> Callable:
+                layout: Callable[[], dict], rebuild: Optional[Callable] = None) -> Callable:
     """After each round: the metrics row, progress (``show[0]``, the round bar's hook), the
-    tracker, and every ``checkpoint_every`` rounds (and after the last) a checkpoint; after
+    tracker, a word if the round ran far slower than the first ones while other processes used
+    the cores (:class:`fedadapt.cores.SlowdownWatch`), and every ``checkpoint_every`` rounds
+    (and after the last) a checkpoint, which keeps the workers' threads (``layout()``'s); after
     the first round this process runs, when it writes no checkpoint, the strategy's state saved
     and loaded into ``rebuild()`` as a checkpoint would (what a hook made refused then)."""
+    from fedadapt.cores import SlowdownWatch
     from fedadapt.federation.server.checkpoint import save_checkpoint
     from fedadapt.results.store import METRICS, append_jsonl
 
     every = cfg.federation.checkpoint_every
     checked = [False]
+    watch: list = []
 
     def on_round(state) -> None:
-        append_jsonl(run_dir / METRICS, state.history[-1])
+        row = state.history[-1]
+        append_jsonl(run_dir / METRICS, row)
         show[0](state)
-        tracker.log_round(state.history[-1])
+        tracker.log_round(row)
+        if not watch:
+            watch.append(SlowdownWatch(int(layout().get("threads") or 1)))
+        if state.server_round and "round_s" in row:
+            said = watch[0].round(state.server_round, row["round_s"], "client_acc" in row)
+            if said:
+                log(f"[federation] {said}")
         rnd = state.server_round
         checkpoint = bool(rnd and ((every and rnd % every == 0) or rnd == state.num_rounds))
         if rnd and not checked[0] and not checkpoint and rebuild is not None:
@@ -370,7 +381,8 @@ def _round_hook(cfg: RunConfig, run_dir: Path, config_sha: str, tracker, show: l
                             state={"history": state.history, "cum_bytes": state.cum_bytes,
                                    "strategy": strategy,
                                    "client_metrics": state.client_metrics,
-                                   "wall_s": state.history[-1]["wall_s"]},
+                                   "wall_s": state.history[-1]["wall_s"],
+                                   "threads": layout().get("threads")},
                             config_sha=config_sha, strategy_arrays=strategy_arrays)
             state.checkpoint_round = rnd
 
@@ -424,7 +436,7 @@ def _rounds_plan(cfg: RunConfig, prep: PreparedRun, initial, num_rounds: int,
         resume=resume,
         sent_names=lambda cid: sent_names(spec, cid, model),
         sent_shape=_rank_shape(spec.client_ranks, cfg.strategy.name),
-        **node_layout(cfg, prep, execute, sampled),
+        **node_layout(cfg, prep, execute, sampled, resume),
     )
 
 
@@ -600,8 +612,12 @@ def _make(cfg: RunConfig, num_clients: int, federated: bool = True, ranks=None,
     p = cfg.partition
     global_rank = getattr(cfg.method, "global_rank", None)
     ranks = ranks or [global_rank] * num_clients
+    # fleet.fedscale_semantics=exact: the fleet over-selects as FedScale does (Fleet.select)
+    # and the strategy trains every client it is offered
+    exact = cfg.fleet.name == "fedscale" and cfg.fleet.fedscale_semantics == "exact"
     return build_strategy(cfg.strategy, cfg.dp, num_clients=num_clients,
-                          fraction_train=p.fraction_fit, fraction_evaluate=p.fraction_evaluate,
+                          fraction_train=1.0 if exact else p.fraction_fit,
+                          fraction_evaluate=p.fraction_evaluate,
                           weighting=cfg.method.weighting, lr=cfg.train.lr,
                           federated=federated,
                           rank_of=lambda node: ranks[node - NODE_BASE], seed=cfg.seed,
