@@ -21,8 +21,9 @@ both stated in the run's layout line and kept in its summary (``layout``):
   fine-tuning step 0.45 s against 0.55-0.85 s throttled or passive); when other processes at
   its priority are runnable at that moment, ``GOMP_SPINCOUNT=1000`` (the count libgomp itself
   uses when it has more threads than cores), so that a thread whose partner is descheduled
-  sleeps instead of spinning against it (the same step beside a busy loop: 0.8 s against 1.6-1.8 s). A user's own
-  ``OMP_WAIT_POLICY`` / ``GOMP_SPINCOUNT`` is kept. Ray's workers inherit it.
+  sleeps instead of spinning against it (the same step beside a busy loop: 0.8 s against
+  1.6-1.8 s). A user's own ``OMP_WAIT_POLICY`` / ``GOMP_SPINCOUNT`` is kept. Ray's workers
+  inherit it.
 
 And once a run is under way, :class:`SlowdownWatch` says once when a round takes far longer than
 the run's first rounds of its kind while other processes use the cores, with the key that helps.
