@@ -1,8 +1,9 @@
 """Write a generated pair of device traces in exactly FedScale's format, for `fleet=fedscale`
-where FedScale's own files are not at hand (they are a download of FedScale's, not in its git
-repository; this project's machines reach no such host).
+where FedScale's own files are not at hand. FedScale keeps its own pair in its git repository
+(https://github.com/SymbioticLab/FedScale, `benchmark/dataset/data/device_info/`); this
+project's machines reach no network, so they are not used here.
 
-    python scripts/fedscale_traces.py OUT_DIR [--devices 500] [--seed 0]
+    python scripts/fedscale_traces.py OUT_DIR [--devices 500] [--seed 0] [--to-finish]
 
 writes OUT_DIR/client_device_capacity and OUT_DIR/client_behave_trace, pickles of
 
@@ -20,7 +21,12 @@ them says what it ran on:
 - communication: log-normal, median 2,000 kbit/s, sigma 1.0 (5% under 390, 5% over 10,000);
 - availability: a cycle of `finish_time` = 600 s (the runs it is made for last minutes of
   simulated time, so a day's cycle would leave a device always on or always off), with one to
-  three active intervals covering a share of the cycle drawn uniformly from 40% to 100%;
+  three active intervals covering a share of the cycle drawn uniformly from 40% to 100%, in
+  whole seconds. An interval that would reach the cycle's end ends at `finish_time - 1`
+  (599 s): FedScale's own simulator (`ClientMetadata.is_active`) never moves past an interval
+  that ends at `finish_time`, so an entry with one would stay on it for good
+  (`fleet.fedscale_semantics=exact` reads it so; docs/fleet.md). `--to-finish` writes such
+  intervals to `finish_time` as this script did before (the same bytes as then);
 - models: one of a few phone names, unused by fedadapt (as by FedScale's simulator).
 
 Seeded: the same seed writes the same bytes."""
@@ -46,7 +52,7 @@ def capacity(devices: int, rng: np.random.Generator) -> dict:
             for i in range(devices)}
 
 
-def one_behaviour(rng: np.random.Generator) -> dict:
+def one_behaviour(rng: np.random.Generator, to_finish: bool = False) -> dict:
     intervals = int(rng.integers(1, 4))
     on_share = rng.uniform(0.4, 1.0)
     # the cycle cut at sorted points into 2 x intervals pieces, alternately on and off (the on
@@ -64,21 +70,27 @@ def one_behaviour(rng: np.random.Generator) -> dict:
         t += on[i] + (off[i] if i < len(off) else 0.0)
     active, inactive = [], []
     for start, end in sorted(s for s in spans if s[1] > s[0]):
-        active.append(int(round(start * CYCLE_S)))
-        inactive.append(max(active[-1] + 1, int(round(end * CYCLE_S))))
+        a = int(round(start * CYCLE_S))
+        b = max(a + 1, int(round(end * CYCLE_S)))
+        if not to_finish:
+            b = min(b, CYCLE_S - 1)  # not at finish_time, where FedScale's cursor sticks
+            if b <= a:
+                continue  # under a second left before the cycle's end
+        active.append(a)
+        inactive.append(b)
     duration = int(sum(b - a for a, b in zip(active, inactive)))
     return {"duration": duration, "inactive": inactive, "finish_time": CYCLE_S,
             "active": active, "model": MODELS[int(rng.integers(len(MODELS)))]}
 
 
-def behaviour(devices: int, rng: np.random.Generator) -> dict:
-    return {i + 1: one_behaviour(rng) for i in range(devices)}
+def behaviour(devices: int, rng: np.random.Generator, to_finish: bool = False) -> dict:
+    return {i + 1: one_behaviour(rng, to_finish) for i in range(devices)}
 
 
-def write(out: Path, devices: int, seed: int) -> tuple[Path, Path]:
+def write(out: Path, devices: int, seed: int, to_finish: bool = False) -> tuple[Path, Path]:
     rng = np.random.default_rng(seed)
     files = (out / "client_device_capacity", out / "client_behave_trace")
-    for path, data in zip(files, (capacity(devices, rng), behaviour(devices, rng))):
+    for path, data in zip(files, (capacity(devices, rng), behaviour(devices, rng, to_finish))):
         blob = pickle.dumps(data)
         atomic_write(path, lambda fh, blob=blob: fh.write(blob), mode="wb")
     return files
@@ -89,10 +101,13 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--devices", type=int, default=500)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--to-finish", action="store_true",
+                        help="let an interval end at finish_time (where FedScale's simulator "
+                             "never moves past it), as this script did before")
     args = parser.parse_args()
     if args.devices < 1:
         raise SystemExit("fedscale_traces: --devices must be >= 1")
-    for path in write(Path(args.out), args.devices, args.seed):
+    for path in write(Path(args.out), args.devices, args.seed, args.to_finish):
         print(f"fedscale_traces: wrote {path} (generated, not FedScale's data)")
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import csv
 import math
 import pickle
+import random
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional, Union
@@ -52,6 +53,12 @@ FEDSCALE_AUGMENTATION = 3.0
 #: FedScale's sizes are kbit of 1,024 bits (``bytes / 1024 * 8``) over bandwidths in kbit/s:
 #: one kbit/s carries this many bytes a second.
 KBPS_BYTES = 1024 / 8
+#: ``fleet.fedscale_semantics=exact``: FedScale's aggregator over-selects this many times the
+#: round's target count (its ``--overcommitment`` default).
+FEDSCALE_OVERCOMMITMENT = 1.3
+#: ``fleet.fedscale_semantics=exact``: the speeds FedScale's aggregator gives a client whose
+#: mapped key (``k % n``) is not in its capacity file: 1 ms per sample, 1 kbit/s.
+FEDSCALE_MISSING_SPEEDS = (1.0, 1.0)
 
 TraceId = Union[int, str]
 
@@ -114,6 +121,8 @@ def _devices(cfg: FleetConfig, num_clients: int, seed: int,
     takes FedScale's time, 3 x its milliseconds per sample; its bandwidths its kbit/s both
     ways (the default ``reference_flops`` of 1 keeps only the devices' order)."""
     rng = np.random.default_rng([int(seed), PROFILE_STREAM])
+    if cfg.name == "fedscale" and exact_fedscale(cfg):
+        return _mapped_devices(cfg, num_clients, reference_flops)
     if cfg.name == "fedscale":
         capacity = read_capacity(cfg.capacity)
         out = []
@@ -142,6 +151,66 @@ def _devices(cfg: FleetConfig, num_clients: int, seed: int,
         tier_of[order[lo:hi]] = t
     return [Profile(float(cfg.compute[t]), float(cfg.downlink), float(cfg.uplink), int(t))
             for t in tier_of]
+
+
+def exact_fedscale(cfg: FleetConfig) -> bool:
+    """``fleet=fedscale`` with ``fleet.fedscale_semantics=exact``: FedScale's simulator to the
+    letter (see :class:`FedScaleTrace` and :meth:`Fleet.select`)."""
+    return cfg.name == "fedscale" and getattr(cfg, "fedscale_semantics", "fedadapt") == "exact"
+
+
+def fedscale_entry(cid: int, entries: int) -> int:
+    """The position FedScale gives fedadapt's client ``cid``: its aggregator numbers clients
+    from 1 (client k = cid + 1) and maps client k to capacity key ``k % n`` and to the behaviour
+    file's ``k % n``-th key (in the file's order)."""
+    return (cid + 1) % entries
+
+
+def _mapped_devices(cfg: FleetConfig, num_clients: int, reference_flops: float
+                    ) -> list[Profile]:
+    """``fleet.fedscale_semantics=exact``: each client's device by FedScale's mapping (no
+    randomness; :func:`fedscale_entry`), a capacity key the file lacks giving FedScale's
+    fallback speeds (:data:`FEDSCALE_MISSING_SPEEDS`)."""
+    capacity = read_capacity(cfg.capacity)
+    out = []
+    for cid in range(num_clients):
+        key = fedscale_entry(cid, len(capacity))
+        ms, kbps = capacity.get(key, FEDSCALE_MISSING_SPEEDS)
+        out.append(Profile(reference_flops / (FEDSCALE_AUGMENTATION * ms / 1000.0),
+                           kbps * KBPS_BYTES, kbps * KBPS_BYTES, capacity_id=key,
+                           ms_per_sample=ms, kbps=kbps))
+    if cfg.behaviour is not None:
+        keys = list(behaviour_lists(cfg.behaviour))
+        out = [replace(p, behaviour_id=keys[fedscale_entry(c, len(keys))])
+               for c, p in enumerate(out)]
+    return out
+
+
+class FedScaleTrace:
+    """One client's availability as FedScale's simulator decides it (``ClientMetadata.
+    is_active``): the clock read modulo ``finish_time``, both ends of an interval online, and a
+    cursor into the entry's intervals (in the file's order) that moves on by one interval when
+    a query falls after the current one's end, and wraps to the first after the last. So the
+    answer depends on the queries before it: after a jump over an interval, or a cycle's wrap,
+    the cursor lags behind the clock; an entry whose last interval ends at ``finish_time`` is
+    never past it, and stays on it. An entry without an interval is never online (FedScale's
+    own code fails on one)."""
+
+    def __init__(self, finish: float, active: list[float], inactive: list[float]) -> None:
+        self.finish = float(finish)
+        self.intervals = list(zip(active, inactive))
+        self.cursor = 0
+
+    def online(self, t: float) -> bool:
+        """Whether the client is online at simulated second ``t``; moves the cursor."""
+        if not self.intervals:
+            return False
+        within = t % self.finish
+        if within > self.intervals[self.cursor][1]:
+            self.cursor += 1
+        self.cursor %= len(self.intervals)
+        start, end = self.intervals[self.cursor]
+        return start <= within <= end
 
 
 def merged_intervals(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -313,13 +382,10 @@ def read_capacity(path: str) -> dict[TraceId, tuple[float, float]]:
     return out
 
 
-def read_behaviour(path: str) -> dict[TraceId, tuple[float, list[tuple[float, float]]]]:
-    """FedScale's ``client_behave_trace``: ``{client id: (finish_time, [(active, inactive),
-    ...])}``, the intervals (seconds into a cycle of ``finish_time``) sorted, merged and cut at
-    ``finish_time`` (FedScale reads the clock modulo ``finish_time``: nothing later is ever
-    reached); ``duration`` and ``model`` are not used. :class:`ConfigError` naming
-    ``fleet.behaviour`` and the entry's key for a wrong shape, or an interval that ends before
-    it starts."""
+def behaviour_lists(path: str) -> dict[TraceId, tuple[float, list[float], list[float]]]:
+    """FedScale's ``client_behave_trace`` as its file holds it, in its order: ``{client id:
+    (finish_time, active, inactive)}``; :class:`ConfigError` naming ``fleet.behaviour`` and the
+    entry's key for a wrong shape, or an interval that ends before it starts."""
     what = ("a pickled dict of client id -> {'active': [s], 'inactive': [s], 'finish_time': s, "
             "...} (FedScale's client_behave_trace)")
     where, data = _load_trace(path, "fleet.behaviour", what)
@@ -342,14 +408,25 @@ def read_behaviour(path: str) -> dict[TraceId, tuple[float, list[tuple[float, fl
             raise ConfigError(f"{where} is invalid: client {cid!r} has {len(lists[0])} "
                               f"'active' and {len(lists[1])} 'inactive' times: one of each per "
                               f"interval")
-        spans = []
         for i, (a, b) in enumerate(zip(*lists)):
             if not 0 <= a <= b:
                 raise ConfigError(f"{where} is invalid: client {cid!r}'s interval {i} has "
                                   f"'active' {a} and 'inactive' {b}: it needs 0 <= active <= "
                                   f"inactive")
-            if a < finish and a < b:
-                spans.append((float(a), float(min(b, finish))))
+        out[cid] = (finish, list(lists[0]), list(lists[1]))
+    return out
+
+
+def read_behaviour(path: str) -> dict[TraceId, tuple[float, list[tuple[float, float]]]]:
+    """FedScale's ``client_behave_trace`` as fedadapt reads it by default: ``{client id:
+    (finish_time, [(active, inactive), ...])}``, the intervals (seconds into a cycle of
+    ``finish_time``) sorted, merged and cut at ``finish_time`` (FedScale reads the clock modulo
+    ``finish_time``: nothing later is ever reached); ``duration`` and ``model`` are not used.
+    :class:`ConfigError` as :func:`behaviour_lists` says."""
+    out = {}
+    for cid, (finish, active, inactive) in behaviour_lists(path).items():
+        spans = [(float(a), float(min(b, finish))) for a, b in zip(active, inactive)
+                 if a < finish and a < b]
         out[cid] = (float(finish), merged_intervals(spans))
     return out
 
@@ -361,9 +438,28 @@ class Fleet:
     def __init__(self, cfg: FleetConfig, num_clients: int, seed: int, work: list[float],
                  deadline: Optional[float] = None, reference_flops: float = 1.0,
                  examples: Optional[list[int]] = None,
-                 train_memory: Optional[list[float]] = None) -> None:
+                 train_memory: Optional[list[float]] = None, *,
+                 target: Optional[int] = None, samples: Optional[list[int]] = None,
+                 exit_share: Optional[list[float]] = None) -> None:
+        """``target``, ``samples`` and ``exit_share``: ``fleet.fedscale_semantics=exact`` only:
+        the clients a round keeps (FedScale's ``num_participants``), the samples each client is
+        charged a round (``train.batch_size`` x its local steps) and the share of the model's own
+        training step its exit costs (1: the whole model)."""
         if len(work) != num_clients:
             raise ValueError(f"work for {len(work)} clients, the run has {num_clients}")
+        #: fleet.fedscale_semantics=exact: FedScale's simulator to the letter
+        self.exact = exact_fedscale(cfg)
+        if self.exact:
+            if target is None or target < 1 or samples is None or len(samples) != num_clients:
+                raise ValueError("fleet.fedscale_semantics=exact needs the round's target count "
+                                 "and each client's charged samples")
+            if deadline is not None or cfg.partial_work or cfg.keep_first or cfg.memory:
+                raise ValueError("fleet.fedscale_semantics=exact takes no deadline, "
+                                 "partial_work, keep_first or memory")
+            self.target = int(target)
+            self.samples = [int(n) for n in samples]
+            self.exit_share = ([1.0] * num_clients if exit_share is None
+                               else [float(x) for x in exit_share])
         self.cfg, self.seed, self.work = cfg, int(seed), [float(w) for w in work]
         self.deadline = deadline
         #: Each client's training examples (``work`` is for all of them); needed to cut a
@@ -393,7 +489,16 @@ class Fleet:
         #: fedscale with fleet.behaviour: each client's (finish_time, intervals in a cycle);
         #: None for one available all through its cycle
         self._cycles: Optional[list[Optional[tuple[float, list[tuple[float, float]]]]]] = None
-        if cfg.name == "fedscale" and cfg.behaviour is not None:
+        #: exact: each client's FedScale availability (None: always online), its cursor's state
+        #: moved by each query; the clients online at the round's start (next_available's); the
+        #: over-selection's generator (Python's, seeded by the run's seed: FedScale's is 233)
+        self._stateful: Optional[list[Optional[FedScaleTrace]]] = None
+        self._asked: Optional[tuple[float, list[int]]] = None
+        self._selector = random.Random(self.seed)
+        if self.exact and cfg.behaviour is not None:
+            entries = behaviour_lists(cfg.behaviour)
+            self._stateful = [FedScaleTrace(*entries[p.behaviour_id]) for p in self.profiles]
+        elif cfg.name == "fedscale" and cfg.behaviour is not None:
             behaviour = read_behaviour(cfg.behaviour)
             self._cycles = [None if behaviour[p.behaviour_id][1] == [
                 (0.0, behaviour[p.behaviour_id][0])] else behaviour[p.behaviour_id]
@@ -424,10 +529,23 @@ class Fleet:
         ``bytes_down`` / its downlink and ``bytes_up`` / its uplink. ``examples``: it trains
         that many of its examples (``fleet.partial_work``), its FLOPs their share."""
         p = self.profiles[cid]
+        if self.exact:
+            return self._fedscale_seconds(cid, bytes_down, bytes_up)
         work = self.work[cid]
         if examples is not None and self.examples is not None and self.examples[cid]:
             work *= examples / self.examples[cid]
         return work / p.compute + bytes_down / p.downlink + bytes_up / p.uplink
+
+    def _fedscale_seconds(self, cid: int, bytes_down: int, bytes_up: int) -> float:
+        """``fleet.fedscale_semantics=exact``: FedScale's ``get_completion_time`` in its own
+        arithmetic: 3 x the samples charged x ms per sample / 1000 (times the exit's share of
+        the model's step), plus the kbit down and up (``bytes / 1024 * 8``) / kbit/s."""
+        p = self.profiles[cid]
+        compute = FEDSCALE_AUGMENTATION * self.samples[cid] * float(p.ms_per_sample) / 1000.
+        if self.exit_share[cid] != 1.0:
+            compute *= self.exit_share[cid]
+        kbit = bytes_up / 1024.0 * 8.0 + bytes_down / 1024.0 * 8.0
+        return compute + kbit / float(p.kbps)
 
     def partial_examples(self, cid: int, bytes_down: int, bytes_up: int) -> int:
         """``fleet.partial_work``: how many of its examples client ``cid`` trains in a round so
@@ -499,6 +617,9 @@ class Fleet:
     def online_until(self, cid: int, t: float) -> Optional[float]:
         """When the client's available interval holding ``t`` ends; None: it is not available
         at ``t``."""
+        if self.exact:
+            raise RuntimeError("fleet.fedscale_semantics=exact: availability is FedScale's "
+                               "stateful query (Fleet.available, Fleet.round), not intervals")
         for a, b in self._intervals(cid, t):
             if a <= t < b:
                 return b
@@ -512,7 +633,13 @@ class Fleet:
 
     def available(self, t: float) -> list[int]:
         """The clients available at simulated time ``t`` (whether or not they fit in their
-        device's memory: :attr:`fits`)."""
+        device's memory: :attr:`fits`). exact: FedScale's query of every client in turn (which
+        moves their cursors), or the answer :meth:`next_available` got at ``t``."""
+        if self.exact:
+            if self._asked is not None and self._asked[0] == t:
+                online, self._asked = self._asked[1], None
+                return list(online)
+            return self._online(t)
         return [c for c in range(self.num_clients) if self.online_until(c, t) is not None]
 
     def _next_start(self, cid: int, t: float) -> Optional[float]:
@@ -532,12 +659,66 @@ class Fleet:
 
     def next_available(self, t: float) -> Optional[float]:
         """The first time >= ``t`` at which some client that fits in its device's memory is
-        available (None: never again)."""
+        available (None: never again). exact: FedScale's round starts at ``t`` whoever is
+        online (its simulator waits for no one): ``t``, or None when no client is online then
+        (where FedScale's own simulator fails with an IndexError)."""
+        if self.exact:
+            self._asked = (t, self._online(t))
+            return t if self._asked[1] else None
         if any(self.fits[c] for c in self.available(t)):
             return t
         starts = [s for c in range(self.num_clients)
                   if self.fits[c] and (s := self._next_start(c, t)) is not None]
         return min(starts) if starts else None
+
+    def _online(self, t: float) -> list[int]:
+        """exact: the clients FedScale's ``getFeasibleClients`` finds online at ``t``, each
+        client's trace asked in turn (clients without one are always online)."""
+        if self._stateful is None:
+            return list(range(self.num_clients))
+        return [c for c, trace in enumerate(self._stateful) if trace is None or trace.online(t)]
+
+    def _still_online(self, cid: int, t: float) -> bool:
+        trace = None if self._stateful is None else self._stateful[cid]
+        return trace is None or trace.online(t)
+
+    def select(self, online: list[int]) -> list[int]:
+        """exact: the clients a round over-selects among ``online`` (sorted), as FedScale's
+        aggregator and client manager do: ``int(target x 1.3)`` of them, all of them when they
+        are no more, else the first of a shuffle (by this fleet's seeded generator) of the online
+        list, at most all but one."""
+        wanted = int(self.target * FEDSCALE_OVERCOMMITMENT)
+        pool = list(online)
+        if len(pool) <= wanted:
+            return sorted(pool)
+        self._selector.shuffle(pool)
+        return sorted(pool[:min(wanted, len(pool) - 1)])
+
+    def _fedscale_round(self, start: float, sampled: list[int], sent: dict[int, int],
+                        received: dict[int, int]) -> tuple[dict[int, str], float]:
+        """exact: FedScale's round rule (``tictak_client_tasks``): each sampled client in
+        order of its id is kept if it is online when it would complete (``offline`` if not);
+        the ``target`` fastest of those kept stay, a tie to the lower id (``discarded``: the
+        rest); the round lasts until the last of them completes. With no client kept
+        (FedScale's simulator fails with an IndexError there), until the last sampled one would
+        have completed."""
+        dropped: dict[int, str] = {}
+        kept: list[tuple[float, int]] = []
+        times = []
+        for c in sorted(sampled):
+            t = self.seconds(c, sent.get(c, 0), received.get(c, 0))
+            times.append(t)
+            if self._still_online(c, start + t):
+                kept.append((t, c))
+            else:
+                dropped[c] = "offline"
+        order = sorted(range(len(kept)), key=lambda i: kept[i][0])
+        keep = min(self.target, len(kept))
+        for i in order[keep:]:
+            dropped[kept[i][1]] = "discarded"
+        if keep:
+            return dropped, kept[order[keep - 1]][0]
+        return dropped, max(times, default=0.0)
 
     # -- the round --------------------------------------------------------------------------
     def round(self, start: float, sampled: list[int], sent: dict[int, int],
@@ -548,6 +729,8 @@ class Fleet:
         examples of those whose work was cut at the deadline): ``({client: why}`` of the
         clients dropped (``offline``, ``late``, ``discarded``), the round's simulated
         seconds)."""
+        if self.exact:
+            return self._fedscale_round(start, sampled, sent, received)
         trained = trained or {}
         times = {c: self.seconds(c, sent.get(c, 0), received.get(c, 0), trained.get(c))
                  for c in sampled}
@@ -577,6 +760,8 @@ class Fleet:
         out = []
         if self.cfg.name != "fedscale":
             return out
+        if self.exact:
+            return self._mapping_notes()
         for key, path, field in (("fleet.capacity", self.cfg.capacity, "capacity_id"),
                                  ("fleet.behaviour", self.cfg.behaviour, "behaviour_id")):
             if path is None:
@@ -590,6 +775,28 @@ class Fleet:
                            f"{most} clients)")
         return out
 
+    def _mapping_notes(self) -> list[str]:
+        """exact: what FedScale's mapping does with these files (entries reused, keys the
+        capacity file lacks)."""
+        out = []
+        capacity = read_capacity(self.cfg.capacity)
+        files = [("fleet.capacity", len(capacity))]
+        if self.cfg.behaviour is not None:
+            files.append(("fleet.behaviour", len(behaviour_lists(self.cfg.behaviour))))
+        for key, entries in files:
+            if entries < self.num_clients:
+                out.append(f"fleet=fedscale (exact): {self.num_clients} clients and {entries} "
+                           f"entries in {key}: client k (from 1) takes entry k % {entries}, as "
+                           f"FedScale maps them, so entries are reused")
+        missing = [c for c, p in enumerate(self.profiles) if p.capacity_id not in capacity]
+        if missing:
+            out.append(f"fleet=fedscale (exact): {len(missing)} client(s) ({missing[:5]}"
+                       f"{' ...' if len(missing) > 5 else ''}) map to a key fleet.capacity "
+                       f"lacks (k % {len(capacity)}) and get FedScale's fallback of "
+                       f"{FEDSCALE_MISSING_SPEEDS[0]:g} ms per sample and "
+                       f"{FEDSCALE_MISSING_SPEEDS[1]:g} kbit/s")
+        return out
+
     def describe(self) -> dict:
         """What ``fleet.json`` holds: the config, each client's profile and work (fedscale:
         the trace entries it was given, as the files hold them, and its availability's cycle),
@@ -599,12 +806,19 @@ class Fleet:
             row = {k: v for k, v in asdict(p).items() if v is not None or k == "tier"}
             if self._cycles is not None and self._cycles[c] is not None:
                 row["cycle_s"], row["available"] = self._cycles[c][0], self._cycles[c][1]
+            if self._stateful is not None and self._stateful[c] is not None:
+                trace = self._stateful[c]
+                row["cycle_s"], row["available"] = trace.finish, trace.intervals
+            if self.exact:
+                row["samples"] = self.samples[c]
             if self.memory_capped:
                 row["train_memory"], row["fits"] = self.train_memory[c], self.fits[c]
             clients.append({"client": c, **row, "train_flops": self.work[c]})
         return {"config": asdict(self.cfg), "seed": self.seed, "deadline_s": self.deadline,
                 **({"reference_flops": self.reference_flops} if self.cfg.name == "fedscale"
                    else {}),
+                **({"target": self.target, "overcommitment": FEDSCALE_OVERCOMMITMENT}
+                   if self.exact else {}),
                 "notes": self.notes(), "clients": clients}
 
 
@@ -794,6 +1008,36 @@ def tiers_from_fleet(cfg, spec, model) -> list[int]:
     return out
 
 
+def charged_samples(fleet_cfg: FleetConfig, train, examples: int) -> int:
+    """``fleet.fedscale_semantics=exact``: the samples FedScale charges a client a round,
+    ``train.batch_size`` x its local steps: ``fleet.local_steps``, or (null) the steps of the
+    client's own local epochs, ``ceil(examples / batch) x train.local_epochs``."""
+    steps = fleet_cfg.local_steps
+    if steps is None:
+        steps = math.ceil(examples / train.batch_size) * train.local_epochs
+    return int(train.batch_size) * int(steps)
+
+
+def _fedscale_fleet(cfg, spec, model) -> Fleet:
+    """``fleet.fedscale_semantics=exact``: the fleet with FedScale's work (each client charged
+    :func:`charged_samples` at its exit's share of the model's own step) and target count (the
+    clients ``partition.fraction_fit`` samples of the run's, as the strategy counts them)."""
+    from fedadapt.federation.client.worker import client_exits
+    from fedadapt.strategies.zoo import sample_size
+
+    reference = _flops_at(spec, model, None)
+    per_example = [_flops_at(spec, model, client_exits(spec, cid))
+                   for cid in range(spec.num_clients)]
+    samples = [charged_samples(cfg.fleet, cfg.train, len(client.train))
+               for client in spec.clients]
+    return Fleet(cfg.fleet, spec.num_clients, cfg.seed,
+                 [f * n for f, n in zip(per_example, samples)], deadline=None,
+                 reference_flops=reference,
+                 examples=[len(client.train) for client in spec.clients],
+                 target=sample_size(spec.num_clients, cfg.partition.fraction_fit),
+                 samples=samples, exit_share=[f / reference for f in per_example])
+
+
 def build_fleet(cfg, spec, model) -> Optional[Fleet]:
     """The run's :class:`Fleet` (``fleet=``; None for ``fleet=none``): each client's training
     FLOPs per round measured on ``model`` at its exits, times its examples and local epochs."""
@@ -803,6 +1047,11 @@ def build_fleet(cfg, spec, model) -> Optional[Fleet]:
         return None
     from fedadapt.log import log
 
+    if exact_fedscale(cfg.fleet):
+        fleet = _fedscale_fleet(cfg, spec, model)
+        for note in fleet.notes():
+            log(note)
+        return fleet
     work = [_flops_at(spec, model, client_exits(spec, cid)) * len(client.train)
             * cfg.train.local_epochs for cid, client in enumerate(spec.clients)]
     fleet = Fleet(cfg.fleet, spec.num_clients, cfg.seed, work,
@@ -819,6 +1068,7 @@ def build_fleet(cfg, spec, model) -> Optional[Fleet]:
     return fleet
 
 
-__all__ = ["Fleet", "Profile", "TraceUnpickler", "assign_memory", "build_fleet", "draw_entries",
-           "profiles", "read_behaviour", "read_capacity", "read_trace", "tiers_from_fleet",
-           "train_flops_per_example", "train_memory_bytes"]
+__all__ = ["FedScaleTrace", "Fleet", "Profile", "TraceUnpickler", "assign_memory",
+           "behaviour_lists", "build_fleet", "charged_samples", "draw_entries", "exact_fedscale",
+           "fedscale_entry", "profiles", "read_behaviour", "read_capacity", "read_trace",
+           "tiers_from_fleet", "train_flops_per_example", "train_memory_bytes"]
