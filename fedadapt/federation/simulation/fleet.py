@@ -7,7 +7,11 @@ and a simulated clock for the rounds; nothing sleeps.
   and bandwidths from log-normals around the medians (seeded per client); ``fedscale`` gives
   each client an entry of FedScale's ``client_device_capacity`` by a seeded draw, read as
   FedScale's simulator reads it (3 x its ms per sample per training example, its kbit/s both
-  ways; :func:`read_capacity`, through :class:`TraceUnpickler`, which runs no code).
+  ways; :func:`read_capacity`, through :class:`TraceUnpickler`, which runs no code). With
+  ``fleet.fedscale_semantics=exact`` the rest is FedScale's simulator's too: client k on entry
+  ``k % n``, its stateful availability (:class:`FedScaleTrace`), ``batch x local_steps``
+  samples a round (:func:`charged_samples`) and its round rule (:meth:`Fleet.select`,
+  :meth:`Fleet.round`); docs/fleet.md's table says each difference.
 * **Availability**: a two-state on/off process per client (exponential periods of means
   ``mean_on`` / ``mean_off``, the first state drawn from the stationary split), or the intervals
   of a CSV trace (``client,start,end`` in simulated seconds), or those of an entry of FedScale's
