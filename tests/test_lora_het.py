@@ -529,6 +529,27 @@ def test_hetlora_keeps_sending_a_client_the_rank_it_pruned_itself_to(flower_task
         strategy.aggregate_train(2, replies_of(again))
 
 
+def test_hetlora_the_rank_a_client_pruned_itself_to_never_rises(flower_task):
+    """Pins ``min(rank, pruned.get(node, rank))`` in HetLoRA.aggregate_train (issue 71: the
+    mutant ``pruned.get(None, rank)`` survived, as every layer the server holds is checked
+    against the pruned rank first). Client 1 pruned itself to rank 1; its next reply holds
+    first a LoRA pair of a layer the server does not have, at rank 3 (neither checked nor
+    aggregated), then its own layer at rank 1: the rank remembered stays 1."""
+    strategy = HetLoRA(**kwargs(prune_gamma=0.5))
+    factors = client_factors()
+    a, b, h, n = factors[1]
+    factors[1] = (a[:1], b[:, :1], h, n)
+    new, _ = run_round(strategy, global_record(), replies_of(factors))
+    assert strategy.client_rank(node_id(1)) == 1
+    strategy.configure_train(2, new, ConfigRecord({}), Grid())
+    other = {"x.lora_A.weight": torch.ones(3, IN), "x.lora_B.weight": torch.ones(OUT, 3)}
+    replies = [reply(cid, {**(other if cid == 1 else {}), A: a, B: b, "head.weight": h}, n)
+               for cid, (a, b, h, n) in factors.items()]
+    again, _ = strategy.aggregate_train(2, replies)
+    assert "x.lora_A.weight" not in again and again[A].shape == (R_MAX, IN)
+    assert strategy.client_rank(node_id(1)) == 1 and strategy.pruned[str(node_id(1))] == 1
+
+
 def test_flora_draws_the_fresh_a_up_to_peft_kaiming_bound():
     """Pins FLoRA's fresh ``A`` bound: uniform(-1/sqrt(in), 1/sqrt(in)) as peft initialises it,
     not 1/in. 64 x 256 draws: their largest magnitude is within 1% of 1/sqrt(in) and their mean
