@@ -23,6 +23,7 @@ from typing import Callable
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedadapt.federation.client.secagg import secagg_mod
 from fedadapt.federation.client.training import RunSpec, cached_model, make_optimizer
 from fedadapt.federation.wire import records
 from fedadapt.methods import client_handler, family_of
@@ -80,7 +81,9 @@ def make_client_app(get_spec: Callable[[Context], RunSpec]) -> ClientApp:
     def query(msg: Message, context: Context) -> Message:
         return reply("query", msg, context)
 
-    @app.train()
+    # secagg=secaggplus: Flower's secaggplus_mod (SecAgg+'s messages only; every other message
+    # passes through unchanged)
+    @app.train(mods=[secagg_mod])
     def train(msg: Message, context: Context) -> Message:
         return reply("train", msg, context)
 

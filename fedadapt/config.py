@@ -129,6 +129,37 @@ class DPConfig:
 
 
 @dataclass
+class SecAggConfig:
+    """``secagg=NAME``: secure aggregation of the clients' updates. ``none`` (the default):
+    the server sees each client's update. ``secaggplus``: Flower's SecAgg+ (its
+    ``SecAggPlusWorkflow`` on the server, its ``secaggplus_mod`` on each client; see
+    :mod:`fedadapt.federation.server.secagg`): the server learns only the example-weighted mean
+    of the updates of the clients that finished, computed from quantised, masked integers. The
+    keys are Flower's ``SecAggPlusWorkflow`` parameters."""
+
+    name: str = "none"
+    #: Shares each client's secrets are split into: an int > 2, or a float, that share of the
+    #: clients sampled in the round (1.0: every other client).
+    num_shares: float = 1.0
+    #: Shares needed to rebuild a secret: an int < num_shares, or a float, that share of
+    #: num_shares. Fewer surviving neighbours than this and the round fails.
+    reconstruction_threshold: float = 0.5
+    #: Each parameter (times its client's weight, at most 1) is clipped to
+    #: [-clipping_range, clipping_range] before it is quantised.
+    clipping_range: float = 8.0
+    #: Quantisation levels over [-clipping_range, clipping_range] (Flower's default 2**22).
+    quantization_range: int = 4194304
+    #: The masks' modulus, a power of 2 above quantization_range x the clients sampled.
+    modulus_range: int = 4294967296
+    #: The largest weight (training examples) a client may send; null: the largest client's
+    #: training examples in the partition (every weight ratio then at most 1).
+    max_weight: Optional[float] = None
+    #: Seconds the server waits at each of the protocol's four stages; null:
+    #: ``federation.round_timeout`` (null there: no limit).
+    timeout: Optional[float] = None
+
+
+@dataclass
 class PartitionConfig:
     """How the training split is divided into clients (flwr-datasets partitioners).
 
@@ -508,6 +539,8 @@ class RunConfig:
     #: The Flower strategy (``strategy=`` group) and its DP wrapper (``dp=`` group).
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     dp: DPConfig = field(default_factory=DPConfig)
+    #: Secure aggregation of the clients' updates (``secagg=`` group).
+    secagg: SecAggConfig = field(default_factory=SecAggConfig)
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     setting: SettingConfig = field(default_factory=SettingConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -596,6 +629,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _validate_original(cfg.original)
     _validate_faults(cfg.faults, cfg.federation)
     _validate_fleet(cfg.fleet, cfg.partition)
+    _validate_secagg(cfg)
     check(cfg.tracking.wandb_mode in ("offline", "online"), "tracking.wandb_mode",
           cfg.tracking.wandb_mode, "one of ('offline', 'online')")
     check(cfg.setting.tiers_from != "fleet" or (cfg.fleet.name != "none"
@@ -856,6 +890,47 @@ def _validate_fleet(fl: FleetConfig, p: PartitionConfig) -> None:
 
 #: Seeds feed numpy's SeedSequence and torch.manual_seed, which take unsigned 64-bit values.
 MAX_SEED = 2**63 - 1
+
+
+#: ``secagg=``: none, or Flower's SecAgg+.
+SECAGG_CHOICES = ("none", "secaggplus")
+
+
+def _validate_secagg(cfg: RunConfig) -> None:
+    """``secagg=secaggplus``: Flower's workflow's own checks of its parameters (named by key),
+    then what it cannot compose with: it hands the weighted sum of the clients' parameters to
+    Flower's FedAvg, so nothing that needs each client's update (another strategy, a DP
+    wrapper, the server's screening of faulty replies, a fleet's per-client clock)."""
+    sa = cfg.secagg
+    check(sa.name in SECAGG_CHOICES, "secagg", sa.name, f"one of {SECAGG_CHOICES}")
+    if sa.name == "none":
+        return
+    from fedadapt.federation.server.secagg import make_workflow
+
+    make_workflow(sa, max_weight=1.0)  # Flower's checks, as ConfigError naming the key
+    check(sa.max_weight is None or sa.max_weight > 0, "secagg.max_weight", sa.max_weight,
+          "must be > 0 or null (the largest client's training examples)")
+    check(sa.timeout is None or sa.timeout > 0, "secagg.timeout", sa.timeout,
+          "must be > 0 or null (federation.round_timeout)")
+    check(cfg.strategy.name == "fedavg", "strategy", cfg.strategy.name,
+          "secagg=secaggplus reveals only the weighted sum of the clients' parameters, which "
+          "Flower's SecAggPlusWorkflow hands to its FedAvg: use strategy=fedavg (this one "
+          "needs each client's update)")
+    check(cfg.dp.name == "none", "dp", cfg.dp.name,
+          "secagg=secaggplus runs Flower's legacy SecAggPlusWorkflow, which fedadapt's DP "
+          "wrappers (Message-API strategies) cannot wrap: use dp=none")
+    check(cfg.method.weighting == "examples", "method.weighting", cfg.method.weighting,
+          "secagg=secaggplus weights each client by its training examples (SecAgg+'s masked "
+          "weight): use method.weighting=examples")
+    check(cfg.faults.fraction == 0, "faults.fraction", cfg.faults.fraction,
+          "secagg=secaggplus hides each client's update, so the server cannot screen a faulty "
+          "one (NaN, wrong shapes): use faults.fraction=0")
+    check(cfg.fleet.name == "none", "fleet", cfg.fleet.name,
+          "secagg=secaggplus runs its four stages on the nodes themselves, not on a simulated "
+          "fleet's clock: use fleet=none")
+    check(cfg.setting.name in ("conventional", "anytime"), "setting", cfg.setting.name,
+          "secagg=secaggplus sums one vector of the same tensors from every client; each tier "
+          "sends its own tensors in this setting")
 
 
 def _check_domains(cfg: RunConfig) -> None:

@@ -32,6 +32,7 @@ def register_configs() -> None:
         DatasetConfig,
         FleetConfig,
         PartitionConfig,
+        SecAggConfig,
         SettingConfig,
         StrategyCustomConfig,
     )
@@ -45,6 +46,7 @@ def register_configs() -> None:
     cs.store(group=SCHEMA_GROUP, name="partition", node=PartitionConfig)
     cs.store(group=SCHEMA_GROUP, name="setting", node=SettingConfig)
     cs.store(group=SCHEMA_GROUP, name="fleet", node=FleetConfig)
+    cs.store(group=SCHEMA_GROUP, name="secagg", node=SecAggConfig)
     for name, spec in load_methods().items():
         cs.store(group=f"{SCHEMA_GROUP}/method", name=name, node=spec.config_cls)
     for name, schema in strategy_schemas().items():

@@ -118,6 +118,10 @@ def _check_method_settings(cfg: RunConfig, card, family: Family) -> None:
                           f"setting=personalization with setting.init_from=<a multi-tier run "
                           f"directory> (the model is federated on another data set, e.g. "
                           f"experiment=acc_speech_multitier)")
+    if cfg.secagg.name != "none" and family.name != "rounds":
+        raise ConfigError(f"secagg={cfg.secagg.name} is invalid for method={cfg.method.name}: "
+                          f"it aggregates the rounds of a method the clients train "
+                          f"(linear_head, lora, ...), and this one has none")
     family.check(cfg, card)
     _check_clients_without_training(cfg, card, family)
     if cfg.federation.select == "best_val" and cfg.partition.val_fraction == 0:

@@ -224,7 +224,8 @@ def node_layout(cfg: RunConfig, prep: PreparedRun, execute: Optional[Callable],
     from fedadapt.federation.simulation.sizing import announce, probe_group, size_simulation
 
     spec = prep.spec
-    if execute is not None and getattr(execute, "nodes", "clients") == "clients":
+    if execute is not None and getattr(execute, "nodes", "clients") == "clients" or \
+            cfg.secagg.name != "none":  # SecAgg+'s keys and masks are a node's: one per client
         return {"nodes": "clients", "num_nodes": spec.num_clients, "group_size": 1}
     probe = (lambda: probe_group(spec, prep.model)) if family_of(cfg.method).clients_train \
         else None

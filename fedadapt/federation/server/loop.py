@@ -200,6 +200,9 @@ class ServerPlan:
     #: a round's simulated start, clients dropped by its simulated deadline, ``sim_*`` keys in each
     #: row. None: no fleet.
     fleet: Optional[object] = None
+    #: ``secagg=secaggplus``: each round's training through Flower's SecAgg+ workflow
+    #: (:class:`fedadapt.federation.server.secagg.SecAggRound`); None: the strategy's hooks.
+    secagg: Optional[object] = None
     #: Filled by the ServerApp: the final state, or the exception that stopped it.
     result: Optional[ServerState] = None
     error: Optional[BaseException] = None
@@ -323,6 +326,8 @@ def _privacy_row(strategy) -> dict:
 def _train_round(grid: ClientGrid, state: ServerState, plan: ServerPlan, rnd: int,
                  config: ConfigRecord) -> tuple[dict, int, int]:
     """One round of training through the strategy's hooks; its row so far and the bytes."""
+    if plan.secagg is not None:  # secagg=secaggplus: Flower's SecAgg+ workflow and FedAvg
+        return plan.secagg.train_round(grid, state, plan, rnd, config)
     strategy, fleet = state.strategy, plan.fleet
     expected = _expected_shapes(state, plan)
     grid.trained = plan.sent_names

@@ -411,6 +411,7 @@ def _rounds_plan(cfg: RunConfig, prep: PreparedRun, initial, num_rounds: int,
     from fedadapt.federation.client.training import lr_at
     from fedadapt.federation.client.worker import sent_names
     from fedadapt.federation.server.loop import ServerPlan
+    from fedadapt.federation.server.secagg import secagg_round
 
     spec, model = prep.spec, prep.model
     sampled = min(spec.num_clients, max(1, int(spec.num_clients * cfg.partition.fraction_fit)))
@@ -437,6 +438,8 @@ def _rounds_plan(cfg: RunConfig, prep: PreparedRun, initial, num_rounds: int,
         sent_names=lambda cid: sent_names(spec, cid, model),
         sent_shape=_rank_shape(spec.client_ranks, cfg.strategy.name),
         **node_layout(cfg, prep, execute, sampled, resume),
+        secagg=secagg_round(cfg, max(len(c.train) for c in spec.clients),
+                            cfg.federation.round_timeout),
     )
 
 
@@ -716,6 +719,8 @@ def check_strategy_with_clients(cfg: RunConfig, prep: PreparedRun) -> None:
                  sampled=sample_size(spec.num_clients, cfg.partition.fraction_fit))
     every = model.communicated_names()
     partial = [c for c in range(spec.num_clients) if len(sent_names(spec, c, model)) < len(every)]
+    if cfg.secagg.name != "none":
+        _check_secagg(cfg, prep, partial, len(every))
     if partial:
         check_every_tensor(cfg.strategy, cfg.dp, f"method={cfg.method.name}: client "
                                                  f"{partial[0]} trains "
@@ -724,6 +729,33 @@ def check_strategy_with_clients(cfg: RunConfig, prep: PreparedRun) -> None:
     # a checkpoint's save and load, done now: what the first checkpoint would refuse fails here
     _checked_state(_built(lambda: make_strategy(cfg, prep)),
                    lambda: _built(lambda: make_strategy(cfg, prep)))
+
+
+def _check_secagg(cfg: RunConfig, prep: PreparedRun, partial: list[int], every: int) -> None:
+    """``secagg=secaggplus`` against the clients: SecAgg+ sums one vector of every global
+    tensor from each (a client that trains a subset, or LoRA factors of its own rank, cannot
+    join it), and the sum of the sampled clients' quantised values must stay below the masks'
+    modulus."""
+    from fedadapt.federation.client.worker import sent_names
+    from fedadapt.strategies.zoo import sample_size
+
+    sa, spec = cfg.secagg, prep.spec
+    if partial or spec.client_ranks and len(set(spec.client_ranks)) > 1:
+        what = (f"client {partial[0]} trains {len(sent_names(spec, partial[0], prep.model))} "
+                f"of the {every} communicated tensors" if partial
+                else f"the clients' LoRA ranks differ ({sorted(set(spec.client_ranks))})")
+        raise ConfigError(f"secagg={sa.name} is invalid for method={cfg.method.name}: it sums "
+                          f"every global tensor from every client, and {what}")
+    sampled = sample_size(spec.num_clients, cfg.partition.fraction_fit)
+    if sampled < 2:
+        raise ConfigError(f"partition.fraction_fit={cfg.partition.fraction_fit} is invalid "
+                          f"with secagg={sa.name}: SecAgg+ needs at least 2 clients a round "
+                          f"({sampled} sampled of {spec.num_clients})")
+    if sampled * sa.quantization_range >= sa.modulus_range:
+        raise ConfigError(f"secagg.quantization_range={sa.quantization_range} is invalid with "
+                          f"{sampled} clients a round: their quantised sum wraps around "
+                          f"secagg.modulus_range={sa.modulus_range} (needs clients x "
+                          f"quantization_range < modulus_range)")
 
 
 def _finish_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, state, *, label: str,
