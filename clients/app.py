@@ -24,7 +24,7 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedadapt.federation.client.secagg import secagg_mod
-from fedadapt.federation.client.training import RunSpec, cached_model, make_optimizer
+from fedadapt.federation.client.training import RunSpec, cached_model, local_optimizer
 from fedadapt.federation.wire import records
 from fedadapt.methods import client_handler, family_of
 
@@ -45,16 +45,17 @@ def phase_of(content: RecordDict) -> str | None:
 
 def warm_up(spec: RunSpec) -> None:
     """Build the model, open the data, let the method's family warm up (the rounds: which
-    tensors each exit trains), and take one step of the configured optimizer on a throwaway
-    tensor (torch's lazy imports take seconds), so that round timeouts measure rounds, not
-    start-up."""
+    tensors each exit trains), and take one step of the local optimizer on a throwaway tensor
+    (a ``torch.optim`` optimizer's first use imports ``torch._dynamo``, about 2 s here), so that
+    round timeouts measure rounds, not start-up. Plain SGD (:class:`PlainSGD`) never uses
+    ``torch.optim``, and so never pays that import."""
     import torch
 
     model = cached_model(spec)
     spec.train_source.labels()
     family_of(spec.method).warm_up(spec, model)
     p = torch.zeros(1, requires_grad=True)
-    opt = make_optimizer([p], spec.train, lr=0.1)
+    opt = local_optimizer([p], spec.train, lr=0.1)
     p.sum().backward()
     opt.step()
 

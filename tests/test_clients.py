@@ -1,5 +1,6 @@
 """What a client sends: only communicated trainable tensors, by name; personal ones stay."""
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -256,3 +257,31 @@ def test_a_message_s_shared_arrays_are_decoded_once_for_all_its_clients():
     first, second, own = (received(records.view(content, c)) for c in (0, 1, 2))
     assert first is second and torch.equal(first["w"], shared["w"])
     assert torch.equal(own["w"], torch.zeros(2, 3))
+
+
+@pytest.mark.slow  # a fresh Python process: torch._dynamo must not be imported already
+@pytest.mark.parametrize("momentum,imported", [(0.0, False), (0.9, True)])
+def test_the_warm_up_imports_torch_dynamo_only_for_an_optimizer_that_needs_it(
+        cache_dir, momentum, imported):
+    """The handshake's warm-up steps the client's own optimizer: plain SGD (PlainSGD) never
+    touches ``torch.optim``, whose first use imports ``torch._dynamo`` (about 2 s of start-up);
+    SGD with momentum is torch's and is warmed up, import included."""
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    code = f"""
+import sys
+sys.path.insert(0, {tests!r})
+from conftest import tiny_run
+from fedadapt.adapters.heads import LinearHeadConfig
+from fedadapt.clients.app import warm_up
+from fedadapt.experiment import prepare_run
+cfg = tiny_run({cache_dir!r}, LinearHeadConfig())
+cfg.train.momentum = {momentum}
+warm_up(prepare_run(cfg, quiet=True).spec)
+print("torch._dynamo" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == str(imported)
