@@ -4,14 +4,14 @@ the wait policy chosen at start-up: fedadapt.cores) against the sizing before it
 worker whatever the load, OpenMP spinning: ``federation.num_cpus=2 GOMP_SPINCOUNT=300000``).
 
     python scripts/busy_core_check.py [--repeats 2] [--backends inprocess,simulation]
-        [--rounds 2] [--out benchmarks/records/busy-core.json]
+        [--rounds 2] [--out runs.json] [--record busy-core] [--from runs.json]
 
 Each run is ``fedadapt method=finetune rounds=2`` in its own process (a warm feature and image
 cache: one run first warms it). The scenarios' repeats are interleaved (repeat 1 of every
 scenario and sizing, then repeat 2, ...). Reported per scenario and sizing: the median of the
 row's ``wall s`` (the run's own wall clock, as the table prints it) and of the whole process's,
-and each as a ratio to the same sizing alone. Writes the record atomically when ``--out`` is
-given. Run it with nothing else on the machine.
+and each as a ratio to the same sizing alone. ``--record busy-core`` keeps the table as the
+record docs/scaling.md shows. Run it with nothing else on the machine.
 """
 
 from __future__ import annotations
@@ -70,56 +70,91 @@ def scenario(name: str, backend: str, rounds: int, sizing: str, tmp: Path) -> li
             busy.wait()
 
 
+COLUMNS = ["backend", "sizing", "scenario", "runs", "row s (median)", "x alone", "process s",
+           "x alone (process)", "threads"]
+
+
+def table(got: dict) -> list[dict]:
+    """Per backend, sizing and scenario: the medians and their ratios to the same sizing
+    alone."""
+    out = []
+    for backend, scenarios in got.items():
+        for sizing in SIZINGS:
+            alone = statistics.median(r["row_s"] for r in scenarios["alone"][sizing])
+            alone_p = statistics.median(r["process_s"] for r in scenarios["alone"][sizing])
+            for name in SCENARIOS:
+                runs = scenarios[name][sizing]
+                row = statistics.median(r["row_s"] for r in runs)
+                proc = statistics.median(r["process_s"] for r in runs)
+                out.append({"backend": backend, "sizing": sizing, "scenario": name,
+                            "runs": len(runs), "row_s": row, "row_x_alone": row / alone,
+                            "process_s": proc, "process_x_alone": proc / alone_p,
+                            "threads": sorted({r["threads"] for r in runs})})
+    return out
+
+
+def cells(t: dict) -> list[str]:
+    return [t["backend"], t["sizing"], t["scenario"], str(t["runs"]), f"{t['row_s']:.1f}",
+            f"**{t['row_x_alone']:.2f}**", f"{t['process_s']:.1f}",
+            f"{t['process_x_alone']:.2f}", ", ".join(map(str, t["threads"]))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--backends", default="inprocess,simulation")
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="every run's numbers, as JSON (written atomically)")
+    parser.add_argument("--record", default=None,
+                        help="keep the table as benchmarks/records/NAME.json (docs/scaling.md "
+                             "shows busy-core)")
+    parser.add_argument("--from", dest="from_json", type=Path, default=None,
+                        help="no runs: the table of a JSON an earlier --out wrote")
     args = parser.parse_args()
-    backends = [b for b in args.backends.split(",") if b]
+    command = "python scripts/busy_core_check.py " + " ".join(
+        a for a in sys.argv[1:] if not a.startswith("--from"))
+    if args.from_json is not None:
+        saved = json.loads(args.from_json.read_text())
+        got, command = saved["runs"], saved["command"]
+    else:
+        got = measure([b for b in args.backends.split(",") if b], args.repeats, args.rounds)
+    rows = table(got)
+    print("\n| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS))
+    for t in rows:
+        print("| " + " | ".join(cells(t)) + " |")
+    if args.out is not None:
+        from fedadapt.results.store import write_json
+
+        write_json(args.out, {"command": command, "rows": rows, "runs": got})
+    if args.record:
+        from fedadapt.results import records
+
+        records.keep(records.measured(
+            args.record, COLUMNS, [cells(t) for t in rows], command=command,
+            source="scripts/busy_core_check.py", extra={"runs": got},
+            footer="*x alone*: the median against the same sizing's run alone on the idle "
+                   "machine; *row s*: the run's own wall clock (the table's `wall s`); "
+                   "*process s*: the whole `fedadapt` process, start-up included."),
+            "busy_core_check")
+
+
+def measure(backends: list[str], repeats: int, rounds: int) -> dict:
     got: dict = {b: {s: {z: [] for z in SIZINGS} for s in SCENARIOS} for b in backends}
     with tempfile.TemporaryDirectory(prefix="busy-core-") as tmp:
         print("warming the caches with one run ...", flush=True)
         scenario("alone", backends[0], 1, "default", Path(tmp))
-        for repeat in range(args.repeats):
+        for repeat in range(repeats):
             for backend in backends:
                 for name in SCENARIOS:
                     for sizing in SIZINGS:
-                        runs = scenario(name, backend, args.rounds, sizing, Path(tmp))
+                        runs = scenario(name, backend, rounds, sizing, Path(tmp))
                         got[backend][name][sizing] += runs
-                        print(f"repeat {repeat + 1}/{args.repeats} {backend} | {name} | {sizing}: "
+                        print(f"repeat {repeat + 1}/{repeats} {backend} | {name} | {sizing}: "
                               + "; ".join(f"row {r['row_s']:.1f} s, process {r['process_s']:.1f}"
                                           f" s, {r['threads']} thread(s), {r['omp_wait']}"
                                           for r in runs), flush=True)
-    table = []
-    for backend in backends:
-        for sizing in SIZINGS:
-            alone = statistics.median(r["row_s"] for r in got[backend]["alone"][sizing])
-            alone_p = statistics.median(r["process_s"] for r in got[backend]["alone"][sizing])
-            for name in SCENARIOS:
-                runs = got[backend][name][sizing]
-                row = statistics.median(r["row_s"] for r in runs)
-                proc = statistics.median(r["process_s"] for r in runs)
-                table.append({"backend": backend, "sizing": sizing, "scenario": name,
-                              "runs": len(runs), "row_s": round(row, 2),
-                              "row_x_alone": round(row / alone, 2),
-                              "process_s": round(proc, 2),
-                              "process_x_alone": round(proc / alone_p, 2),
-                              "threads": sorted({r["threads"] for r in runs}),
-                              "omp_wait": sorted({str(r["omp_wait"]) for r in runs})})
-    print("\n| backend | sizing | scenario | runs | row s (median) | x alone | process s | "
-          "x alone | threads |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for t in table:
-        print(f"| {t['backend']} | {t['sizing']} | {t['scenario']} | {t['runs']} | "
-              f"{t['row_s']:.1f} | {t['row_x_alone']:.2f} | {t['process_s']:.1f} | "
-              f"{t['process_x_alone']:.2f} | {', '.join(map(str, t['threads']))} |")
-    if args.out is not None:
-        from fedadapt.results.store import write_json
-
-        write_json(args.out, {"command": "python scripts/busy_core_check.py " + " ".join(
-            sys.argv[1:]), "rows": table, "runs": got})
+    return got
 
 
 if __name__ == "__main__":
