@@ -61,37 +61,45 @@ def plain_loop(prep, cfg) -> list[float]:
     Clients are drawn by the strategy's own seeded sampler, so both variants train exactly the
     same clients each round, one after another (as a researcher's own loop would).
     """
-    from fedadapt.federation.client.training import derive_seed, evaluate, lr_at, train_local
     from fedadapt.strategies.state import SeededStreams
     from fedadapt.strategies.zoo import sample_size
 
-    spec, model = prep.spec, prep.model
-    names = model.communicated_names()
-    global_t = model.tensors(names)
-    n = spec.num_clients
+    model = prep.model
+    global_t = model.tensors(model.communicated_names())
     sampler = SeededStreams(cfg.seed)
-    k_train = sample_size(n, cfg.partition.fraction_fit)
-    k_eval = int(n * cfg.partition.fraction_evaluate)
     times = []
-    for rnd in range(1, cfg.rounds + 1):
-        t0 = time.perf_counter()
-        results = []
-        for cid in sampler.sample("train", n, k_train):
-            model.load_tensors(global_t)
-            train_local(model, spec.train_source, spec.clients[cid].train, spec.train,
-                        lr=lr_at(spec.train, rnd, cfg.rounds), seed=derive_seed(cfg.seed, rnd, cid),
-                        precision=spec.precision)
-            results.append((model.tensors(names), len(spec.clients[cid].train)))
-        total = sum(w for _, w in results)
-        global_t = {nm: sum(t[nm] * (w / total) for t, w in results) for nm in names}
-        if rnd == cfg.rounds:
-            model.load_tensors(global_t)
-            evaluate(model, spec.test_source, precision=spec.precision)
-            for cid in sampler.sample("evaluate", n, k_eval):  # those Flower's run evaluates
-                evaluate(model, spec.train_source, spec.clients[cid].test,
-                         precision=spec.precision)
-        times.append(time.perf_counter() - t0)
+    with progress.task("[bench] plain loop", total=cfg.rounds, unit="round") as bar:
+        for rnd in range(1, cfg.rounds + 1):
+            t0 = time.perf_counter()
+            global_t = _plain_round(prep, cfg, sampler, rnd, global_t,
+                                    sample_size(prep.spec.num_clients, cfg.partition.fraction_fit))
+            times.append(time.perf_counter() - t0)
+            bar.advance()
     return times
+
+
+def _plain_round(prep, cfg, sampler, rnd: int, global_t: dict, k_train: int) -> dict:
+    """One round of :func:`plain_loop` (evaluation after the last); the new global tensors."""
+    from fedadapt.federation.client.training import derive_seed, evaluate, lr_at, train_local
+
+    spec, model = prep.spec, prep.model
+    names, n = model.communicated_names(), spec.num_clients
+    results = []
+    for cid in sampler.sample("train", n, k_train):
+        model.load_tensors(global_t)
+        train_local(model, spec.train_source, spec.clients[cid].train, spec.train,
+                    lr=lr_at(spec.train, rnd, cfg.rounds), seed=derive_seed(cfg.seed, rnd, cid),
+                    precision=spec.precision)
+        results.append((model.tensors(names), len(spec.clients[cid].train)))
+    total = sum(w for _, w in results)
+    global_t = {nm: sum(t[nm] * (w / total) for t, w in results) for nm in names}
+    if rnd == cfg.rounds:
+        model.load_tensors(global_t)
+        evaluate(model, spec.test_source, precision=spec.precision)
+        for cid in sampler.sample("evaluate", n, int(n * cfg.partition.fraction_evaluate)):
+            evaluate(model, spec.train_source, spec.clients[cid].test,
+                     precision=spec.precision)  # those Flower's run evaluates
+    return global_t
 
 
 def flower_run(cfg, tmp: Path, label: str | None = None) -> list[float]:
@@ -682,10 +690,15 @@ def _run_rounds(args) -> None:
     extra = {name: _prepare_cost(name, cfg) if args.methods else {}
              for name, cfg in configs.items()}
     times: dict[str, list[list[float]]] = {name: [] for name in configs}
+    started, total, done = time.monotonic(), args.repeats * len(configs), 0
     for rep in range(args.repeats):
         for name, cfg in configs.items():
-            print(f"[bench] {name}: repeat {rep + 1}/{args.repeats}", flush=True)
+            left = ("" if not done else " | ~" + progress.fmt_seconds(
+                (time.monotonic() - started) / done * (total - done)) + " left")
+            print(f"[bench] {name}: repeat {rep + 1}/{args.repeats} | run {done + 1}/{total}"
+                  f"{left}", flush=True)
             times[name].append(_one_repeat(name, cfg, args, Path(args.out) / "runs"))
+            done += 1
     results = {name: {"median_s_per_round": statistics.median(
                           [t for run in runs for t in run[1:]]),
                       "median_round1_s": statistics.median(run[0] for run in runs),

@@ -62,3 +62,27 @@ def test_rows_in_one_process_write_each_row_and_record_a_failed_one(tmp_path, ca
     assert ended.value.code == 2
     assert "error: --profile writes beside each --rows row's JSON" in capsys.readouterr().err
 
+
+
+def test_the_round_timing_shows_each_run_with_an_estimate_and_the_plain_loops_rounds(
+        tmp_path, cache_dir, capsys):
+    """``fedadapt-bench`` (seconds per round): every run of every repeat is announced with the
+    runs left and, from the second, an estimate; the plain loop's rounds have their bar (its
+    final line in plain output) and the medians come out as before."""
+    from fedadapt import bench
+
+    with pytest.raises(SystemExit) as ended:
+        bench.main(["--rounds", "2", "--repeats", "2", "--out", str(tmp_path / "out"),
+                    "backbone=small_cnn", "backbone.image_size=16", "dataset.max_samples=300",
+                    "partition.num_clients=4", f"cache_dir={cache_dir}"])
+    assert ended.value.code == 0
+    printed = capsys.readouterr()
+    runs = [line for line in printed.out.splitlines() if line.startswith("[bench] ")
+            and "repeat" in line]
+    assert [line.split("| run ")[1].split(" ")[0] for line in runs] == \
+        [f"{i}/6" for i in range(1, 7)]
+    assert "left" not in runs[0] and all(line.endswith(" left") for line in runs[1:])
+    assert printed.err.count("[bench] plain loop 2/2") == 2  # one bar per plain run, finished
+    meta = json.loads(next((tmp_path / "out").glob("bench*.json")).read_text())
+    assert set(meta["results"]) == {"flower+cache", "flower-nocache", "plain+cache"}
+    assert all(r["median_s_per_round"] > 0 for r in meta["results"].values())
