@@ -104,6 +104,37 @@ def test_partition_png(tmp_path):
     assert not list(tmp_path.glob(".*.tmp"))  # written atomically
 
 
+def test_a_partitions_picture_is_drawn_once_and_copied_for_the_next_run(tmp_path, monkeypatch):
+    """partition.png of the same partition, labels, names and title is copied from the cache
+    (drawing it imports seaborn and takes seconds); anything drawn that differs draws anew."""
+    from types import SimpleNamespace
+
+    from fedadapt.results import plots
+
+    ds = labelled(300)
+    labels = np.asarray(ds["label"])
+    part = partition_dataset(ds, PartitionConfig(kind="iid", num_clients=4), CARD, seed=0)
+    run = SimpleNamespace(partition=PartitionConfig(kind="iid", num_clients=4),
+                          dataset=SimpleNamespace(name="toy"), seed=0,
+                          cache_dir=str(tmp_path / "cache"))
+    drawn = []
+    real = plots.plot_partition
+    monkeypatch.setattr(plots, "plot_partition",
+                        lambda *a, **k: (drawn.append(k["title"]), real(*a, **k)))
+    plots.write_partition_plot(run, part, labels, tmp_path / "a" / "partition.png")
+    plots.write_partition_plot(run, part, labels, tmp_path / "b" / "partition.png")
+    assert drawn == ["toy: partition=iid, 4 clients, seed 0"]  # the second one copied
+    first = (tmp_path / "a" / "partition.png").read_bytes()
+    assert (tmp_path / "b" / "partition.png").read_bytes() == first
+    run.seed = 1  # another title
+    plots.write_partition_plot(run, part, labels, tmp_path / "c" / "partition.png")
+    other = partition_dataset(ds, PartitionConfig(kind="iid", num_clients=4), CARD, seed=1)
+    plots.write_partition_plot(run, other, labels, tmp_path / "d" / "partition.png")  # rows
+    plots.write_partition_plot(run, other, labels[::-1].copy(), tmp_path / "e" / "p.png")
+    assert len(drawn) == 4
+    assert len(list((tmp_path / "cache" / "plots").glob("partition-*.png"))) == 4
+
+
 def test_inspect_partition(tmp_path, cache_dir):
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.inspect import _options, inspect_partition

@@ -106,12 +106,39 @@ def plot_partition(partition, labels, path: str | Path, *, class_names: list[str
 def write_partition_plot(run, partition, labels, path: str | Path,
                          class_names: list[str] | None = None) -> None:
     """:func:`plot_partition` titled with the run's data set, partitioner, clients and seed
-    (``run``: a :class:`~fedadapt.config.RunConfig`)."""
+    (``run``: a :class:`~fedadapt.config.RunConfig`). The picture is kept in
+    ``<cache_dir>/plots/`` under a digest of everything drawn (the title, the class names, the
+    labels and every client's rows), and a later run of the same partition copies it: drawing
+    it imports flwr-datasets' plotting (seaborn, scipy.stats: 1.7 s here) and draws for about a
+    second, which a short run waited for after its last round."""
+    import hashlib
+    import shutil
+
+    import numpy as np
+
+    from fedadapt.files import atomic_write
+
     p = run.partition
     alpha = f" alpha={p.alpha}" if p.kind in ("dirichlet", "inner_dirichlet") else ""
-    plot_partition(partition, labels, path, class_names=class_names,
-                   title=f"{run.dataset.name}: partition={p.kind}{alpha}, "
-                         f"{len(partition.clients)} clients, seed {run.seed}")
+    title = (f"{run.dataset.name}: partition={p.kind}{alpha}, {len(partition.clients)} "
+             f"clients, seed {run.seed}")
+    digest = hashlib.sha256(f"{title}\n{class_names}\n{MAX_PLOTTED_CLIENTS}".encode())
+    digest.update(np.ascontiguousarray(labels, dtype=np.int64).tobytes())
+    for c in partition.clients:
+        for rows in (c.train, c.val, c.test):
+            digest.update(np.ascontiguousarray(rows, dtype=np.int64).tobytes())
+            digest.update(b"|")
+    kept = Path(run.cache_dir).expanduser() / "plots" / f"partition-{digest.hexdigest()[:24]}.png"
+    if kept.is_file():
+        with open(kept, "rb") as src:
+            atomic_write(path, lambda fh: shutil.copyfileobj(src, fh), mode="wb")
+        return
+    plot_partition(partition, labels, path, class_names=class_names, title=title)
+    try:  # for the next run of this partition; a failed copy costs it a drawing
+        with open(path, "rb") as src:
+            atomic_write(kept, lambda fh: shutil.copyfileobj(src, fh), mode="wb")
+    except OSError:
+        pass
 
 
 def plot_accuracy_vs_time(groups: dict[str, list[list[dict]]], path: str | Path) -> None:
