@@ -15,9 +15,10 @@ strategy for evaluation.
 
 Each Flower node must be one client (the protocol's keys and masks are a node's): the deployment
 engine, or in simulation one node per client (``execute=in_process("clients")``,
-``run_in_process``, and ``secagg=secaggplus`` on ``federation.backend`` puts one node per client
-on either backend). The messages of the four stages go to the nodes as Flower's workflow makes
-them (:class:`SecAggGrid` only renames nodes and counts bytes); on the node,
+``run_in_process``; ``secagg=secaggplus`` makes ``node_layout`` put one node per client on
+``federation.backend``, tested in process, not yet on Ray). The messages of the four stages go
+to the nodes as Flower's workflow makes them (:class:`SecAggGrid` counts their bytes); on the
+node,
 :mod:`fedadapt.federation.client.secagg` runs ``secaggplus_mod`` and hands the training stage to
 fedadapt's ClientApp in its own layout.
 
@@ -26,7 +27,7 @@ the third stage (a client that drops out after sharing its keys is unmasked from
 shares), and, in the clear as in Flower's workflow, each client's ``num_examples`` and metrics
 (``train_loss``) in its ``FitRes``.
 
-Quantisation (Flower's, stated in docs/strategies.md): client i with weight n_i sends its
+Quantisation (Flower's, stated in docs/federation.md): client i with weight n_i sends its
 parameters scaled by q_i = round(n_i / W * T) / T (W: ``secagg.max_weight``, T:
 ``secagg.quantization_range``), clipped to [-c, c] (c: ``secagg.clipping_range``) and
 stochastically rounded to T levels over [-c, c]; the server divides the unmasked sum by
