@@ -79,10 +79,10 @@ def _read(path: str) -> Optional[bytes]:
         return None
 
 
-def _autogroup(pid: str) -> Optional[tuple[bytes, int]]:
-    """``(group, nice)`` of the scheduler autogroup ``pid`` is in (``/proc/<pid>/autogroup``:
+def _autogroup(proc: str) -> Optional[tuple[bytes, int]]:
+    """``(group, nice)`` of the scheduler autogroup ``proc`` is in (``/proc/<id>/autogroup``:
     ``/autogroup-6 nice 19``); None where the kernel has none."""
-    text = _read(f"/proc/{pid}/autogroup")
+    text = _read(f"/proc/{proc}/autogroup")
     parts = text.split() if text else []
     return (parts[0], int(parts[2])) if len(parts) == 3 else None
 
@@ -93,18 +93,18 @@ _AUTOGROUPS = _read("/proc/sys/kernel/sched_autogroup_enabled") == b"1\n"
 _MY_GROUP = _autogroup(str(os.getpid())) if _AUTOGROUPS else None
 
 
-def _process(pid: str) -> Optional[tuple[bool, bool, float]]:
-    """``(runnable, yields, cpu seconds)`` of process ``pid``: whether it is running or waiting
+def _process(proc: str) -> Optional[tuple[bool, bool, float]]:
+    """``(runnable, yields, cpu seconds)`` of process ``proc``: whether it is running or waiting
     for a core, whether it yields the core to this process (a higher nice in this process's
     scheduler autogroup, or another autogroup of a higher nice: across autogroups the kernel
     weighs the groups, not the processes), and the CPU time it has used; None when gone."""
-    text = _read(f"/proc/{pid}/stat")
+    text = _read(f"/proc/{proc}/stat")
     if text is None:
         return None
-    fields = text[text.rfind(b")") + 2:].split()  # after "pid (name) "
+    fields = text[text.rfind(b")") + 2:].split()  # after "<id> (name) "
     if len(fields) < 17:
         return None
-    group = _autogroup(pid) if _MY_GROUP is not None else None
+    group = _autogroup(proc) if _MY_GROUP is not None else None
     if group is not None and group[0] != _MY_GROUP[0]:
         yields = group[1] > _MY_GROUP[1]
     else:
@@ -124,10 +124,10 @@ def _others() -> Optional[list[str]]:
 def runnable_others() -> Optional[int]:
     """Other processes runnable now that compete with this one for a core (not those that
     yield it: :func:`_process`); None where there is no ``/proc``."""
-    pids = _others()
-    if pids is None:
+    procs = _others()
+    if procs is None:
         return None
-    return sum(1 for pid in pids if (p := _process(pid)) is not None and p[0] and not p[1])
+    return sum(1 for proc in procs if (p := _process(proc)) is not None and p[0] and not p[1])
 
 
 def choose_wait_policy() -> tuple[str, str]:
@@ -179,8 +179,8 @@ def sample(*, processes: bool = True) -> Sample:
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
     yielding = None
     if processes and busy is not None:
-        yielding = {pid: p[2] for pid in _others() or []
-                    if (p := _process(pid)) is not None and p[1]}
+        yielding = {proc: p[2] for proc in _others() or []
+                    if (p := _process(proc)) is not None and p[1]}
     return Sample(time.monotonic(), busy,
                   me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime, yielding)
 
