@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -896,6 +897,29 @@ MAX_SEED = 2**63 - 1
 SECAGG_CHOICES = ("none", "secaggplus")
 
 
+def make_secagg_workflow(sa: "SecAggConfig", *, max_weight: float,
+                         timeout: Optional[float] = None):
+    """Flower's ``SecAggPlusWorkflow`` with ``secagg.*``; Flower's own checks of the values
+    raise :class:`ConfigError` naming the key."""
+    from flwr.server.workflow import SecAggPlusWorkflow
+
+    def number(value: float):  # an integral value is Flower's int (a count), else a share
+        return int(value) if float(value).is_integer() and value > 1 else float(value)
+
+    try:
+        return SecAggPlusWorkflow(number(sa.num_shares), number(sa.reconstruction_threshold),
+                                  max_weight=float(max_weight),
+                                  clipping_range=float(sa.clipping_range),
+                                  quantization_range=int(sa.quantization_range),
+                                  modulus_range=int(sa.modulus_range), timeout=timeout)
+    except (TypeError, ValueError) as err:
+        named = re.search(r"`(\w+)`", str(err))
+        key = named.group(1) if named and hasattr(sa, named.group(1)) else "num_shares"
+        value = getattr(sa, key)
+        raise ConfigError(f"secagg.{key}={value!r} is invalid: {err} (Flower's "
+                          f"SecAggPlusWorkflow)") from None
+
+
 def _validate_secagg(cfg: RunConfig) -> None:
     """``secagg=secaggplus``: Flower's workflow's own checks of its parameters (named by key),
     then what it cannot compose with: it hands the weighted sum of the clients' parameters to
@@ -905,9 +929,7 @@ def _validate_secagg(cfg: RunConfig) -> None:
     check(sa.name in SECAGG_CHOICES, "secagg", sa.name, f"one of {SECAGG_CHOICES}")
     if sa.name == "none":
         return
-    from fedadapt.federation.server.secagg import make_workflow
-
-    make_workflow(sa, max_weight=1.0)  # Flower's checks, as ConfigError naming the key
+    make_secagg_workflow(sa, max_weight=1.0)  # Flower's checks, as ConfigError naming the key
     check(sa.max_weight is None or sa.max_weight > 0, "secagg.max_weight", sa.max_weight,
           "must be > 0 or null (the largest client's training examples)")
     check(sa.timeout is None or sa.timeout > 0, "secagg.timeout", sa.timeout,

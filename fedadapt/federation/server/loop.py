@@ -312,7 +312,7 @@ def _in_dtypes_of(current: ArrayRecord, new: ArrayRecord) -> ArrayRecord:
                         for n, a in new.items()})
 
 
-def _privacy_row(strategy) -> dict:
+def privacy_row(strategy) -> dict:
     """The round's privacy figures: epsilon spent (an accountant's), the clipping norm (DP)."""
     out = {}
     if hasattr(strategy, "clipping_norm"):
@@ -446,7 +446,7 @@ def _train_row(rnd: int, plan: ServerPlan, strategy, sent, screened, served, tra
                                    if kind in ("timeout", "sim_late")),
             "train_loss": train_loss,
             "global_acc": None, "global_loss": None, "client_acc": None,
-            "client_acc_weighted": None, "clients_evaluated": None, **_privacy_row(strategy),
+            "client_acc_weighted": None, "clients_evaluated": None, **privacy_row(strategy),
             **({"trained_on": served} if len(served) > 1 else {}),
             **_prefixed(STRATEGY_TRAIN, train_metrics), **sim}
 

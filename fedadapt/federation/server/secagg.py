@@ -39,7 +39,6 @@ model's dtype).
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Optional
@@ -47,7 +46,7 @@ from typing import TYPE_CHECKING, Iterable, Optional
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
-from fedadapt.config import ConfigError
+from fedadapt.config import make_secagg_workflow as make_workflow
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedadapt.config import SecAggConfig
@@ -58,28 +57,6 @@ if TYPE_CHECKING:  # pragma: no cover
 #: (which carry no names): one string, the names joined by newlines (a legacy config value is
 #: a scalar).
 NAMES_KEY = "fedadapt.secagg-names"
-
-
-def make_workflow(sa: "SecAggConfig", *, max_weight: float, timeout: Optional[float] = None):
-    """Flower's ``SecAggPlusWorkflow`` with ``secagg.*``; Flower's own checks of the values
-    raise :class:`ConfigError` naming the key."""
-    from flwr.server.workflow import SecAggPlusWorkflow
-
-    def number(value: float):  # an integral value is Flower's int (a count), else a share
-        return int(value) if float(value).is_integer() and value > 1 else float(value)
-
-    try:
-        return SecAggPlusWorkflow(number(sa.num_shares), number(sa.reconstruction_threshold),
-                                  max_weight=float(max_weight),
-                                  clipping_range=float(sa.clipping_range),
-                                  quantization_range=int(sa.quantization_range),
-                                  modulus_range=int(sa.modulus_range), timeout=timeout)
-    except (TypeError, ValueError) as err:
-        named = re.search(r"`(\w+)`", str(err))
-        key = named.group(1) if named and hasattr(sa, named.group(1)) else "num_shares"
-        value = getattr(sa, key)
-        raise ConfigError(f"secagg.{key}={value!r} is invalid: {err} (Flower's "
-                          f"SecAggPlusWorkflow)") from None
 
 
 def quantisation_bound(weights: Iterable[float], max_abs: float, sa: "SecAggConfig",
@@ -236,7 +213,7 @@ class SecAggRound:
         halts (too few clients left for a secret's threshold) or fewer than
         ``federation.min_reply_fraction`` of the sampled clients' parameters are in the sum."""
         from fedadapt.federation.server.faults import RoundFailed
-        from fedadapt.federation.server.loop import _privacy_row
+        from fedadapt.federation.server.loop import privacy_row
 
         sa_grid = SecAggGrid(grid)
         fitted = _Fitted()
@@ -268,7 +245,7 @@ class SecAggRound:
                "late_clients": [], "train_loss": loss,
                "global_acc": None, "global_loss": None, "client_acc": None,
                "client_acc_weighted": None, "clients_evaluated": None,
-               **_privacy_row(state.strategy),
+               **privacy_row(state.strategy),
                "secagg_stage_s": [round(s, 6) for s in sa_grid.stages],
                "secagg_stage_replies": list(sa_grid.replied)}
         return row, sum(sa_grid.down.values()), sum(sa_grid.up.values())
