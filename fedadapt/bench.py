@@ -61,6 +61,7 @@ def plain_loop(prep, cfg) -> list[float]:
     Clients are drawn by the strategy's own seeded sampler, so both variants train exactly the
     same clients each round, one after another (as a researcher's own loop would).
     """
+    from fedadapt import cores
     from fedadapt.strategies.state import SeededStreams
     from fedadapt.strategies.zoo import sample_size
 
@@ -68,13 +69,20 @@ def plain_loop(prep, cfg) -> list[float]:
     global_t = model.tensors(model.communicated_names())
     sampler = SeededStreams(cfg.seed)
     times = []
-    with progress.task("[bench] plain loop", total=cfg.rounds, unit="round") as bar:
-        for rnd in range(1, cfg.rounds + 1):
-            t0 = time.perf_counter()
-            global_t = _plain_round(prep, cfg, sampler, rnd, global_t,
-                                    sample_size(prep.spec.num_clients, cfg.partition.fraction_fit))
-            times.append(time.perf_counter() - t0)
-            bar.advance()
+    # the threads a run's one worker would get now (fedadapt.cores): the two sides compared at
+    # the same threads, on a busy machine too
+    threads, before = cores.threads_for(min(2, cores.usable_cores()), 1)[0], torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with progress.task("[bench] plain loop", total=cfg.rounds, unit="round") as bar:
+            for rnd in range(1, cfg.rounds + 1):
+                t0 = time.perf_counter()
+                global_t = _plain_round(prep, cfg, sampler, rnd, global_t, sample_size(
+                    prep.spec.num_clients, cfg.partition.fraction_fit))
+                times.append(time.perf_counter() - t0)
+                bar.advance()
+    finally:
+        torch.set_num_threads(before)
     return times
 
 
