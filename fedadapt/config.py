@@ -332,7 +332,9 @@ class FederationConfig:
     #: = on a GPU, not on the CPU (each new shape compiles for tens of seconds there);
     #: ``true``; ``false``. See fedadapt.federation.client.grouped.
     compile: str = "auto"
-    #: CPUs per worker; None = the machine's CPUs split over the workers.
+    #: CPUs per worker; None = the machine's CPUs split over the workers, each worker's torch
+    #: threads capped by the cores other processes leave free (fedadapt.cores; the layout line
+    #: says how many). A number fixes them whatever the load.
     num_cpus: Optional[float] = None
     #: GPUs per Ray worker (fractional); 0 = CPU only, CUDA is never touched; None = use a GPU
     #: when one is visible (the share then follows from the backbone's measured memory).
@@ -747,6 +749,12 @@ def _validate_train(t: TrainConfig) -> None:
 
 
 def _validate_federation(f: FederationConfig, method: MethodConfig) -> None:
+    from fedadapt.cores import fixed_free_cores
+
+    try:  # the environment's say on the threads (fedadapt.cores), before anything is written
+        fixed_free_cores()
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     check(method.strategy is None or isinstance(method.strategy, dict), "method.strategy",
           method.strategy, "the strategy is a group of its own: strategy=NAME with its keys "
           "(strategy=fedprox strategy.proximal_mu=0.01); a method preset pins one as "

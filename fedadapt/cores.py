@@ -208,15 +208,29 @@ def mark() -> None:
     _MARK = sample()
 
 
+def fixed_free_cores() -> Optional[float]:
+    """``FEDADAPT_FREE_CORES`` as a number of cores, None when unset; a value that is not a
+    number > 0 raises ``ValueError`` saying so (:func:`fedadapt.config.validate` reports it in
+    one line before a run starts)."""
+    text = os.environ.get(ENV_FREE)
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise ValueError(f"{ENV_FREE}={text!r} is invalid: the cores taken as free for a run, "
+                         f"a number > 0 (or unset: measured)")
+    return value
+
+
 def free_cores() -> tuple[float, str]:
     """``(cores, how)``: the cores free for a run starting now (see the module docstring)."""
     usable = usable_cores()
-    fixed = os.environ.get(ENV_FREE)
-    if fixed:
-        try:
-            return max(1.0, min(float(fixed), usable)), f"{ENV_FREE}={fixed}"
-        except ValueError:
-            pass
+    fixed = fixed_free_cores()
+    if fixed is not None:
+        return min(fixed, usable), f"{ENV_FREE}={os.environ[ENV_FREE]}"
     wait = MIN_WINDOW - (time.monotonic() - _MARK.wall)
     if wait > 0:
         time.sleep(wait)

@@ -63,6 +63,18 @@ def test_the_fixed_free_cores_override_the_measurement(monkeypatch):
     assert cores.threads_for(2, 1) == (2, f"{cores.ENV_FREE}=2")
 
 
+@pytest.mark.parametrize("value", ["two", "0", "-1"])
+def test_a_bad_fixed_free_cores_is_one_line_naming_it(monkeypatch, value, tmp_path):
+    from conftest import tiny_run
+
+    from fedadapt.adapters.heads import LinearHeadConfig
+    from fedadapt.config import ConfigError, validate
+
+    monkeypatch.setenv(cores.ENV_FREE, value)
+    with pytest.raises(ConfigError, match=f"^FEDADAPT_FREE_CORES='{value}' is invalid: "):
+        validate(tiny_run(str(tmp_path), LinearHeadConfig()))  # before a run writes anything
+
+
 def test_a_busy_loop_is_seen_as_a_core_taken_and_a_niced_one_is_not(measured):
     busy, niced, asleep = _loop(), _loop("nice", "-n", "19"), subprocess.Popen(["sleep", "30"])
     try:
