@@ -199,11 +199,15 @@ def test_the_largest_rank_adapter_exports_and_loads_in_peft_to_the_runs_accuracy
 @pytest.mark.slow  # three short runs each, in process
 @pytest.mark.parametrize("strategy,rounds", [("hetlora", 1), ("fedex_lora", 2)])
 def test_clients_of_different_ranks_side_by_side_in_bf16_add_no_more_than_bf16s_own_error(
-        tmp_path, cache_dir, strategy, rounds):
+        tmp_path, cache_dir, strategy, rounds, monkeypatch):
     """bf16 (a GPU's default, forced on this CPU): grouped against one at a time differs by no
     more than bf16 against fp32 does (the tolerance of tests/test_grouped_bf16.py); for
     FedEx-LoRA in round 2, the first whose clients train on the folded frozen weights."""
+    from fedadapt import devices
     from fedadapt.api import load_result
+
+    # forced, as tests/test_grouped_bf16.py does: a CPU without native bf16 (AVX2) refuses it
+    monkeypatch.setattr(devices, "cpu_supports_bf16", lambda: True)
 
     final = {}
     for precision, k in (("bf16", 1), ("bf16", 6), ("fp32", 1)):
