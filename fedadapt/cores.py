@@ -7,11 +7,12 @@ before it sleeps) the waiting thread also burns the very core the late one needs
 took 10.5 s beside a busy loop (docs/scaling.md, "A core taken by another job"). Two decisions,
 both stated in the run's layout line and kept in its summary (``layout``):
 
-* **Threads.** With ``federation.num_cpus`` unset, each worker's torch threads (the clients' and
-  the server's evaluation) are at most the cores free for the run: the cores this process may
-  use, less those other processes used between fedadapt's start (or the previous run's layout)
-  and this run's layout, averaged over that time (``/proc/stat``, less this process's own CPU
-  time). A core that others keep busy costs a thread; on an idle machine nothing changes.
+* **Threads.** With ``federation.num_cpus`` unset, each worker's torch threads (and, when they
+  are capped, the server's evaluation's) are at most the cores free for the run: the cores
+  this process may use, less those other processes used between fedadapt's start (or the
+  previous run's layout) and this run's layout, averaged over that time (``/proc/stat``, less
+  this process's own CPU time). A core that others keep busy costs a thread; on an idle
+  machine nothing changes.
   ``FEDADAPT_FREE_CORES=N`` fixes what is taken as free (runs that must use the same threads
   whatever else the machine does: the test suite sets it); ``federation.num_cpus`` fixes the
   threads themselves. Torch's thread count can change a run's last bits (fine-tuning's), so the

@@ -206,7 +206,8 @@ def reproducibility(spec, layout: Optional[dict] = None) -> dict:
     import torch
 
     out = {"cpu_capability": torch.backends.cpu.get_cpu_capability(),
-           "torch_threads_server": (layout or {}).get("threads") or torch.get_num_threads(),
+           "torch_threads_server": (layout or {}).get("server_threads")
+           or torch.get_num_threads(),
            "torch_threads_client": spec.client_threads,
            "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
            "device": spec.device, "precision": spec.precision,
@@ -243,10 +244,13 @@ def node_layout(cfg: RunConfig, prep: PreparedRun, execute: Optional[Callable],
                              features=spec.train_source.kind == "features")
     announce(sizing)
     threads, why = worker_threads(fed, sizing, backend, resume)
+    # the server's own evaluation at the process's threads, unless the free cores cap them
+    server = threads if threads < max(1, int(sizing.num_cpus)) else None
     prep.layout = {"backend": backend, "workers": sizing.workers,
                    "clients_per_worker": sizing.group_size, "num_cpus": sizing.num_cpus,
                    "num_gpus": sizing.num_gpus, "note": sizing.note, "threads": threads,
-                   "threads_why": why, "omp_wait": cores.WAIT_POLICY[0]}
+                   "threads_why": why, "omp_wait": cores.WAIT_POLICY[0],
+                   "server_threads": server}
     log(f"[federation] {threads} torch thread(s) per worker ({why}); OpenMP waits: "
         f"{cores.describe_policy()}")
     if sizing.group_size > 1 and probe is not None:
@@ -254,7 +258,7 @@ def node_layout(cfg: RunConfig, prep: PreparedRun, execute: Optional[Callable],
     spec.client_threads = threads  # each worker's torch threads
     return {"nodes": "workers", "num_nodes": sizing.workers, "group_size": sizing.group_size,
             "resources": {"num_cpus": sizing.num_cpus, "num_gpus": sizing.num_gpus},
-            "server_threads": threads}
+            "server_threads": server}
 
 
 def worker_threads(fed, sizing, backend: str, resume: Optional[dict]) -> tuple[int, str]:

@@ -174,8 +174,8 @@ class ServerPlan:
     resources: dict = field(default_factory=lambda: {"num_cpus": 1.0, "num_gpus": 0.0})
     #: Clients a worker trains side by side (1: one after another).
     group_size: int = 1
-    #: torch's threads for the server's own work (its evaluation) while the plan runs, as the
-    #: workers' (fedadapt.cores); None = the process's as they are.
+    #: torch's threads for the server's own work (its evaluation) while the plan runs, where
+    #: the free cores cap the workers' (fedadapt.cores); None = the process's as they are.
     server_threads: Optional[int] = None
     #: ``sent_names(client)``: the names of the tensors a client trains, receives and sends
     #: back; None = every global tensor.
