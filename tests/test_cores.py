@@ -175,13 +175,11 @@ def test_no_word_without_others_load_and_rounds_are_compared_with_their_kind(mon
 def test_a_run_states_its_threads_and_a_resume_keeps_the_first_parts(tmp_path, cache_dir,
                                                                     monkeypatch, capsys):
     from omegaconf import OmegaConf
+    from test_resume import TINY, _Killed, _stopping_after
 
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import run_experiment
     from fedadapt.federation.simulation.inprocess import in_process
-
-    sys.path.insert(0, os.path.dirname(__file__))
-    from test_resume import TINY, _Killed, _stopping_after
 
     composed = compose_config(["method=linear_head", *TINY, "rounds=4", f"cache_dir={cache_dir}"])
     yaml = OmegaConf.to_yaml(composed, resolve=True)
