@@ -62,8 +62,8 @@ def plain_loop(prep, cfg) -> list[float]:
     same clients each round, one after another (as a researcher's own loop would).
     """
     from fedadapt import cores
+    from fedadapt.strategies.build import sample_size
     from fedadapt.strategies.state import SeededStreams
-    from fedadapt.strategies.zoo import sample_size
 
     model = prep.model
     global_t = model.tensors(model.communicated_names())

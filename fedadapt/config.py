@@ -17,7 +17,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from omegaconf import MISSING
 
@@ -98,7 +98,7 @@ class MethodConfig:
 class StrategyConfig:
     """``strategy=NAME``: one of Flower's strategies (``flwr.serverapp.strategy``) by its Flower
     name; each option's schema adds the class's own constructor parameters as keys
-    (:mod:`fedadapt.strategies.zoo` reads them from Flower)."""
+    (:mod:`fedadapt.strategies.registry` reads them from Flower)."""
 
     name: str = "fedavg"
 
@@ -280,6 +280,43 @@ class SettingConfig:
     #: personalization: start from this run directory's last checkpoint (a multi-tier run of
     #: the same method) instead of running the FL rounds first.
     init_from: Optional[str] = None
+
+    @property
+    def kind(self) -> "SettingKind":
+        """What this setting does (:data:`SETTINGS`), which the code asks instead of its name."""
+        return SETTINGS[self.name]
+
+
+@dataclass(frozen=True)
+class SettingKind:
+    """What a ``setting=`` does: the code reads these, never a setting's name."""
+
+    #: The model's exits are trained and evaluated (a method with early exits is needed).
+    exits: bool = False
+    #: Each training step draws its exit (anytime).
+    exit_per_step: bool = False
+    #: Each client has a fixed exit, its tier, and sends only its tier's tensors.
+    tiers: bool = False
+    #: ``method.ranks`` follow the clients' tiers.
+    rank_by_tier: bool = False
+    #: ``setting.tiers_from=fleet`` applies (each client's device caps its exits).
+    tiers_from_fleet: bool = False
+    #: After FL, each client fine-tunes a part of the model on its own data and keeps it.
+    personal_phase: bool = False
+
+
+#: ``setting=`` name -> what it does (:func:`register_setting`).
+SETTINGS: dict[str, SettingKind] = {
+    "conventional": SettingKind(),
+    "anytime": SettingKind(exits=True, exit_per_step=True, tiers_from_fleet=True),
+    "multitier": SettingKind(exits=True, tiers=True, rank_by_tier=True, tiers_from_fleet=True),
+    "personalization": SettingKind(exits=True, tiers=True, personal_phase=True),
+}
+
+
+def register_setting(name: str, kind: SettingKind) -> None:
+    """Offer ``setting=name`` (its keys are :class:`SettingConfig`'s) doing what ``kind`` says."""
+    SETTINGS[name] = kind
 
 
 @dataclass
@@ -470,6 +507,11 @@ class FleetConfig:
     #: client's own local epochs (ceil(examples / batch) x ``train.local_epochs``).
     local_steps: Optional[int] = None
 
+    @property
+    def simulated(self) -> bool:
+        """Whether the fleet simulates devices and a clock (every kind but ``none``)."""
+        return self.name != "none"
+
 
 @dataclass
 class TrackingConfig:
@@ -579,7 +621,6 @@ KNOWN_PARTITIONS = ("dirichlet", "iid", "natural", "domain", "superclass", "shar
 CLASS_ASSIGNMENTS = ("random", "deterministic", "first-deterministic")
 #: ``objective``: what the task function can return to a searching sweeper.
 OBJECTIVES = ("val_acc",)
-KNOWN_SETTINGS = ("conventional", "anytime", "multitier", "personalization")
 PERSONALIZE_PARTS = ("trainable", "full", "adapters", "accumulator", "client_token", "tuner")
 KNOWN_OPTIMIZERS = ("sgd", "adam", "adamw")
 KNOWN_WEIGHTINGS = ("examples", "uniform")
@@ -622,6 +663,17 @@ def _validate_ray(f: FederationConfig) -> None:
                   f"cluster's resources are set by each node's `ray start`")
 
 
+#: The checks of the kinds registered above this module (``strategy=``: its capabilities
+#: against the rest of the config), each run by :func:`validate` (:func:`register_kind_check`).
+_KIND_CHECKS: dict[str, Callable[["RunConfig"], None]] = {}
+
+
+def register_kind_check(group: str, fn: Callable[["RunConfig"], None]) -> None:
+    """Have :func:`validate` run ``fn(cfg)`` for the config group ``group`` (its kinds' own
+    refusals, registered by the module that registers the kinds)."""
+    _KIND_CHECKS[group] = fn
+
+
 def validate(cfg: RunConfig) -> RunConfig:
     """Check values a type cannot express; raise :class:`ConfigError` naming the key."""
     check(cfg.rounds >= 1, "rounds", cfg.rounds, "must be >= 1")
@@ -659,7 +711,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     cfg.method.check()
     _validate_partitioners(cfg.partition)
     _validate_objective(cfg)
-    check_numbers(cfg)  # last: a key's own rule, where it has one, is the one a value meets
+    check_numbers(cfg)  # a key's own rule, where it has one, is the one a value meets
+    for check_kind in _KIND_CHECKS.values():
+        check_kind(cfg)
     return cfg
 
 
@@ -705,7 +759,7 @@ def _validate_partition(p: PartitionConfig, dataset: DatasetConfig) -> None:
 
 
 def _validate_setting(st: SettingConfig, p: PartitionConfig) -> None:
-    check(st.name in KNOWN_SETTINGS, "setting", st.name, f"one of {KNOWN_SETTINGS}")
+    check(st.name in SETTINGS, "setting", st.name, f"one of {tuple(SETTINGS)}")
     check(st.tiers is None or (len(st.tiers) > 0 and min(st.tiers) >= 0), "setting.tiers",
            st.tiers, "a non-empty list of exits >= 0, or null for every exit")
     check(st.personalize in PERSONALIZE_PARTS, "setting.personalize", st.personalize,
@@ -715,13 +769,13 @@ def _validate_setting(st: SettingConfig, p: PartitionConfig) -> None:
            "must be > 0 or null")
     check(st.personal_split in ("train", "val"), "setting.personal_split", st.personal_split,
           "'train' or 'val'")
-    check(not (st.name == "personalization" and st.personal_split == "val"
+    check(not (st.kind.personal_phase and st.personal_split == "val"
                and p.val_fraction == 0), "setting.personal_split", st.personal_split,
           "'val' fine-tunes on the clients' validation split: it needs partition.val_fraction "
           "> 0")
     check(st.tiers_from in ("balanced", "fleet"), "setting.tiers_from", st.tiers_from,
           "'balanced' or 'fleet'")
-    check(st.tiers_from == "balanced" or st.name in ("multitier", "anytime"),
+    check(st.tiers_from == "balanced" or st.kind.tiers_from_fleet,
           "setting.tiers_from", st.tiers_from,
           "'fleet' assigns the tiers of setting=multitier or caps the exits of setting=anytime")
     check(len(st.corruptions) > 0, "setting.corruptions", st.corruptions, "must not be empty")
@@ -931,8 +985,9 @@ def make_secagg_workflow(sa: "SecAggConfig", *, max_weight: float,
 def _validate_secagg(cfg: RunConfig) -> None:
     """``secagg=secaggplus``: Flower's workflow's own checks of its parameters (named by key),
     then what it cannot compose with: it hands the weighted sum of the clients' parameters to
-    Flower's FedAvg, so nothing that needs each client's update (another strategy, a DP
-    wrapper, the server's screening of faulty replies, a fleet's per-client clock)."""
+    Flower's FedAvg, so nothing that needs each client's update (a DP wrapper, the server's
+    screening of faulty replies, a fleet's per-client clock; the strategy's own check refuses
+    a strategy that needs more than the weighted sum)."""
     sa = cfg.secagg
     check(sa.name in SECAGG_CHOICES, "secagg", sa.name, f"one of {SECAGG_CHOICES}")
     if sa.name == "none":
@@ -942,10 +997,6 @@ def _validate_secagg(cfg: RunConfig) -> None:
           "must be > 0 or null (the largest client's training examples)")
     check(sa.timeout is None or sa.timeout > 0, "secagg.timeout", sa.timeout,
           "must be > 0 or null (federation.round_timeout)")
-    check(cfg.strategy.name == "fedavg", "strategy", cfg.strategy.name,
-          "secagg=secaggplus reveals only the weighted sum of the clients' parameters, which "
-          "Flower's SecAggPlusWorkflow hands to its FedAvg: use strategy=fedavg (this one "
-          "needs each client's update)")
     check(cfg.dp.name == "none", "dp", cfg.dp.name,
           "secagg=secaggplus runs Flower's legacy SecAggPlusWorkflow, which fedadapt's DP "
           "wrappers (Message-API strategies) cannot wrap: use dp=none")
@@ -958,7 +1009,7 @@ def _validate_secagg(cfg: RunConfig) -> None:
     check(cfg.fleet.name == "none", "fleet", cfg.fleet.name,
           "secagg=secaggplus runs its four stages on the nodes themselves, not on a simulated "
           "fleet's clock: use fleet=none")
-    check(cfg.setting.name in ("conventional", "anytime"), "setting", cfg.setting.name,
+    check(not cfg.setting.kind.tiers, "setting", cfg.setting.name,
           "secagg=secaggplus sums one vector of the same tensors from every client; each tier "
           "sends its own tensors in this setting")
 

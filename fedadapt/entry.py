@@ -36,7 +36,7 @@ def register_configs() -> None:
         SettingConfig,
         StrategyCustomConfig,
     )
-    from fedadapt.strategies.zoo import dp_schemas, strategy_schemas
+    from fedadapt.strategies.registry import CUSTOM, dp_schemas, strategy_schemas
 
     register_resolvers()
     cs = ConfigStore.instance()
@@ -55,7 +55,7 @@ def register_configs() -> None:
     # (to_run_config checks them against the class's signature)
     custom = OmegaConf.structured(StrategyCustomConfig)
     OmegaConf.set_struct(custom, False)
-    cs.store(group=f"{SCHEMA_GROUP}/strategy", name="custom", node=custom)
+    cs.store(group=f"{SCHEMA_GROUP}/strategy", name=CUSTOM, node=custom)
     for name, schema in dp_schemas().items():
         cs.store(group=f"{SCHEMA_GROUP}/dp", name=name, node=schema)
 
@@ -82,21 +82,19 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     for key, node, known in undeclared_keys(cfg):
         raise ConfigError(f"{key} is not a key of {node}{nearest(key.rsplit('.', 1)[-1], known)}"
                           f" (its keys: {', '.join(known)})")
-    from fedadapt.strategies.zoo import check_strategy  # reads Flower's strategies
+    from fedadapt.strategies import checks  # noqa: F401 - registers the strategy's checks
+    from fedadapt.strategies.registry import CUSTOM
 
     cfg = with_method_train(cfg)
-    if cfg.strategy.get("name") == "custom" and OmegaConf.is_missing(cfg.strategy, "target"):
+    if cfg.strategy.get("name") == CUSTOM and OmegaConf.is_missing(cfg.strategy, "target"):
         raise ConfigError("strategy=custom needs strategy.target=pkg.module.Class (your Flower "
                           "strategy), e.g. strategy.target=mystrat.HalfStepFedAvg")
     run = OmegaConf.to_object(cfg)
-    if run.strategy.name == "custom":  # the user's class: its keys checked by its signature
+    if run.strategy.name == CUSTOM:  # the user's class: its keys checked by its signature
         from fedadapt.strategies.custom import custom_config
 
         run.strategy = custom_config(cfg.strategy)
-    run = validate(run)
-    check_strategy(run.strategy, run.dp, weighting=run.method.weighting,
-                   setting=run.setting.name)
-    return run
+    return validate(run)
 
 
 def run_config_from(data) -> RunConfig:
@@ -104,12 +102,13 @@ def run_config_from(data) -> RunConfig:
     mapping: each polymorphic group (method, strategy, dp) typed by its own schema."""
     from fedadapt.adapters import load_methods
     from fedadapt.config import ConfigError, validate
-    from fedadapt.strategies.zoo import dp_schemas, strategy_schemas
+    from fedadapt.strategies import checks  # noqa: F401 - registers the strategy's checks
+    from fedadapt.strategies.registry import CUSTOM, dp_schemas, strategy_schemas
 
     loaded = OmegaConf.load(data) if not isinstance(data, (dict, DictConfig)) else \
         OmegaConf.create(data)
     typed = OmegaConf.structured(RunConfig)
-    custom = loaded.get("strategy", {}).get("name") == "custom"
+    custom = loaded.get("strategy", {}).get("name") == CUSTOM
     for group, schemas in (("method", {n: s.config_cls for n, s in load_methods().items()}),
                            ("strategy", strategy_schemas()), ("dp", dp_schemas())):
         name = loaded.get(group, {}).get("name")
@@ -170,15 +169,15 @@ def with_method_train(cfg: DictConfig) -> DictConfig:
     method = cfg.get("method")
     own = method.get("train") if method is not None else None
     pinned = method.get("strategy") if method is not None else None
-    strategy = (cfg.get("strategy") or {}).get("name")
-    if strategy == "fedsa_lora" and method is not None and method.get("share") == "both":
+    from fedadapt.strategies.registry import CAPABILITIES, strategy_schemas
+
+    caps = CAPABILITIES.get((cfg.get("strategy") or {}).get("name"))
+    if caps and caps.shares_only_a and method is not None and method.get("share") == "both":
         cfg = cfg.copy()  # FedSA-LoRA keeps each client's B on the client: the run says so
         cfg.method.share = "a"
     if not own and not isinstance(pinned, DictConfig):
         return cfg
     from omegaconf.errors import OmegaConfBaseException
-
-    from fedadapt.strategies.zoo import strategy_schemas
 
     out = cfg.copy()
     try:

@@ -21,6 +21,7 @@ from fedadapt.federation.client.training import RunSpec, SpecRef
 from fedadapt.log import log
 from fedadapt.methods import Family, family_of
 from fedadapt.methods.run import PreparedRun
+from fedadapt.strategies.checks import check_strategy
 
 
 def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
@@ -106,19 +107,16 @@ def _class_text(cfg: RunConfig, backbone, class_names):
 
 def _check_method_settings(cfg: RunConfig, card, family: Family) -> None:
     """Settings that hold only for some methods (before anything is loaded)."""
-    from fedadapt.strategies.zoo import check_strategy
-
-    # also checked where the config is composed (fedadapt.entry.to_run_config); here for runs
+    # also checked where the config is validated (fedadapt.config.validate); here for runs
     # built in Python
-    check_strategy(cfg.strategy, cfg.dp, weighting=cfg.method.weighting,
-                   setting=cfg.setting.name)
-    if card.personalize_only and not (cfg.setting.name == "personalization"
+    check_strategy(cfg)
+    if card.personalize_only and not (cfg.setting.kind.personal_phase
                                       and cfg.setting.init_from):
         raise ConfigError(f"dataset={card.name} holds personalization clients only: it needs "
                           f"setting=personalization with setting.init_from=<a multi-tier run "
                           f"directory> (the model is federated on another data set, e.g. "
                           f"experiment=acc_speech_multitier)")
-    if cfg.secagg.name != "none" and family.name != "rounds":
+    if cfg.secagg.name != "none" and not family.clients_train:
         raise ConfigError(f"secagg={cfg.secagg.name} is invalid for method={cfg.method.name}: "
                           f"it aggregates the rounds of a method the clients train "
                           f"(linear_head, lora, ...), and this one has none")

@@ -25,12 +25,6 @@ import numpy as np
 from fedadapt.config import ConfigError, SettingConfig
 from fedadapt.data.partition import ClientSplit
 
-EXIT_SETTINGS = ("anytime", "multitier", "personalization")
-
-
-def uses_exits(setting: SettingConfig) -> bool:
-    return setting.name in EXIT_SETTINGS
-
 
 def assign_tiers(num_clients: int, tiers: list[int], seed: int) -> list[int]:
     """Balanced, seeded tiers: client ``perm[j]`` gets ``tiers[j % len(tiers)]``."""
@@ -44,7 +38,7 @@ def assign_tiers(num_clients: int, tiers: list[int], seed: int) -> list[int]:
 def client_tiers(setting: SettingConfig, num_clients: int, num_exits: int, seed: int
                  ) -> list[int]:
     """Each client's exit, its tier (multitier, personalization); [] when clients have none."""
-    if setting.name not in ("multitier", "personalization"):
+    if not setting.kind.tiers:
         return []
     tiers = list(range(num_exits)) if setting.tiers is None else list(setting.tiers)
     bad = [t for t in tiers if not 0 <= t < num_exits]
@@ -58,9 +52,9 @@ def step_exits(setting: SettingConfig, exit_of_client: int, num_exits: int
                ) -> Optional[list[int]]:
     """The exits a client uses: a training step draws one uniformly, local evaluation averages
     over them. None = the model's own forward (conventional: the last exit)."""
-    if setting.name == "conventional":
+    if not setting.kind.exits:
         return None
-    if setting.name == "anytime":  # capped by the client's device (setting.tiers_from=fleet)
+    if setting.kind.exit_per_step:  # capped by the client's device (setting.tiers_from=fleet)
         return list(range(exit_of_client + 1 if setting.tiers_from == "fleet" else num_exits))
     return [exit_of_client]
 

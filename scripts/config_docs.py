@@ -11,7 +11,7 @@ The page is the hand-written introduction (scripts/config_docs_intro.md), then, 
   and each method's own schema, as :func:`fedadapt.entry.register_configs` stores them in
   Hydra's ConfigStore) with its type, its default and the ``#:`` comment above the field;
 * the keys of every ``strategy=`` and ``dp=`` option (read from Flower's signatures by
-  :mod:`fedadapt.strategies.zoo`).
+  :mod:`fedadapt.strategies.registry`).
 
 ``tests/test_docs.py`` checks that the file equals what this script writes now.
 """

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from fedadapt.strategies.zoo import noise_for_epsilon
+from fedadapt.strategies.privacy import noise_for_epsilon
 
 
 def main() -> None:

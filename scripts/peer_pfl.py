@@ -194,8 +194,8 @@ def child_export(a) -> int:
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import prepare_run
     from fedadapt.federation.client.training import derive_seed, local_schedule
+    from fedadapt.strategies.build import sample_size
     from fedadapt.strategies.state import SeededStreams
-    from fedadapt.strategies.zoo import sample_size
 
     out_dir = Path(a.export_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

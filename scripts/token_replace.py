@@ -90,8 +90,8 @@ def run_variant(overrides: list[str], rounds: int) -> dict:
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import prepare_run
     from fedadapt.federation.client.training import derive_seed, evaluate, lr_at
+    from fedadapt.strategies.build import sample_size
     from fedadapt.strategies.state import SeededStreams
-    from fedadapt.strategies.zoo import sample_size
 
     cfg = to_run_config(compose_config(BASE + overrides + [f"rounds={rounds}"]))
     prep = prepare_run(cfg, quiet=True)

@@ -5,7 +5,7 @@
 Flower's API alone. Its keys are its constructor's parameters, typed and checked against the
 class's signature as the built-in strategies' are (a key it does not take, a value of the wrong
 type, a parameter without default left out: one line naming ``strategy.<key>``); the parameters
-that follow from the rest of the config (:data:`~fedadapt.strategies.zoo.DERIVED`: clients per
+that follow from the rest of the config (:data:`~fedadapt.strategies.schema.DERIVED`: clients per
 round, weighting, metric names, ...) are passed when the class takes them, as for Flower's own.
 A subclass of ``FedAvg`` composes with the per-tensor averaging and with ``dp=`` exactly as
 FedAvg's family does; a class that combines whole updates is treated like Krum (refused where
@@ -17,7 +17,7 @@ or the class's own ``state_dict()`` / ``load_state_dict()`` when it defines them
 and loads it once before round 1
 (:func:`fedadapt.methods.rounds.run.check_strategy_with_clients`). A key the class passes on
 through ``**kwargs`` to a constructor that refuses it is named when the class is built
-(:func:`fedadapt.strategies.zoo.build_strategy`).
+(:func:`fedadapt.strategies.build.build_strategy`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Per-tensor FedAvg, the local-only reference, and the client metrics every strategy reports.
 
-Flower's strategies drive the rounds unchanged (:mod:`fedadapt.strategies.zoo` builds them from
+Flower's strategies drive the rounds unchanged (:mod:`fedadapt.strategies.build` builds them from
 the ``strategy=`` and ``dp=`` config groups). fedadapt adds what its methods need and Flower's
 FedAvg cannot express, each as a subclass overriding only what differs:
 

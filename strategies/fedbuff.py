@@ -47,6 +47,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from fedadapt.codec import as_numpy, to_array
 from fedadapt.config import ConfigError
+from fedadapt.strategies.capabilities import Capabilities
 from fedadapt.strategies.state import StrategyStateError
 
 STALENESS = ("sqrt", "constant")
@@ -62,6 +63,8 @@ class FedBuff(FedAvg):
     :class:`~fedadapt.strategies.asynchronous.AsynchronousStrategy`. FedAvg's other parameters
     are FedAvg's (``weighted_by_key``, the metric aggregation); ``fraction_train`` sets
     ``concurrency`` when it is 0."""
+
+    capabilities = Capabilities(each_tensor=True, asynchronous=True)
 
     _transient = ("_sent_arrays", "arrivals")
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from fedadapt.adapters.lora import base_delta_name, pair_of
+from fedadapt.strategies.capabilities import FOLD_NO_DP, Capabilities
 from fedadapt.strategies.lora_rank import (
     LoRARankStrategy,
     array_of,
@@ -63,6 +64,9 @@ class FedExLoRA(LoRARankStrategy):
     (``B``, ``A`` on the right: the global factors sent), so the new global model is again
     exactly the mean of the clients' models ``W0 + s (D_k + B_k A_k)``. Every other tensor:
     FedAvg's mean."""
+
+    capabilities = Capabilities(each_tensor=True, rank_aware=True, folds_into_base=True,
+                                global_fold=True, no_dp=FOLD_NO_DP)
 
     def client_arrays(self, arrays, pairs, rank):
         out = super().client_arrays(arrays, pairs, rank)

@@ -36,6 +36,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from fedadapt.codec import UNIFORM_KEY, as_numpy, to_array
 from fedadapt.config import ConfigError
+from fedadapt.strategies.capabilities import Capabilities
 
 
 def step_weights(steps: int, momentum: float = 0.0) -> float:
@@ -54,10 +55,17 @@ def local_steps(examples: int, batch_size: int, epochs: int) -> int:
     return int(epochs) * math.ceil(int(examples) / int(batch_size))
 
 
+#: Why no ``dp=`` composes with FedNova.
+NO_DP = ("its noise is calibrated to FedAvg's mean of the clipped updates, and FedNova rescales "
+         "each update by its client's steps")
+
+
 class FedNova(FedAvg):
     """FedNova's normalised averaging (see the module docstring). ``local_momentum``,
     ``local_batch_size``, ``local_epochs`` are the clients' (``train.*``); ``examples_of(node)``
     a client's training examples (its data share; None: what it reports, ``num-examples``)."""
+
+    capabilities = Capabilities(each_tensor=True, counts_sgd_steps=True, no_dp=NO_DP)
 
     #: Set by ``configure_train`` every round: never part of a checkpoint.
     _transient = ("_sent_arrays",)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from fedadapt.adapters.lora import LORA_B, is_lora_a, lora_pairs, pair_of
+from fedadapt.strategies.capabilities import Capabilities
 from fedadapt.strategies.lora_rank import LoRARankStrategy, normalise, pad_rank
 
 __all__ = ["FedSALoRA", "fedsa_aggregate"]
@@ -38,6 +39,9 @@ class FedSALoRA(LoRARankStrategy):
     and is never sent: the global model has no B of its own (evaluate it on the clients, with
     theirs). Raw A: the scaling ``s`` multiplies the client's own ``B A``. Every other tensor:
     FedAvg's mean."""
+
+    capabilities = Capabilities(each_tensor=True, rank_aware=True, fedavg_sensitivity=True,
+                                shares_only_a=True)
 
     shares_b = False
 

@@ -11,6 +11,7 @@ import torch
 from flwr.app import ArrayRecord
 
 from fedadapt.adapters.lora import base_delta_name, pair_of
+from fedadapt.strategies.capabilities import Capabilities
 from fedadapt.strategies.lora_rank import (
     LoRARankStrategy,
     array_of,
@@ -35,6 +36,12 @@ def flexlora_aggregate(As: Sequence[Tensor], Bs: Sequence[Tensor], p: Sequence[f
     return svd_split(weighted_product_sum(As, Bs, p), r_max)
 
 
+#: Why no ``dp=`` composes with FlexLoRA.
+NO_DP = ("its aggregate is the SVD of the mean of the products B_k A_k, quadratic in a client's "
+         "update, so clipping the update does not bound what one client moves (the noise's "
+         "calibration)")
+
+
 class FlexLoRA(LoRARankStrategy):
     """FlexLoRA (Bai et al., "Federated Fine-tuning of Large Language Models under Heterogeneous
     Tasks and Client Resources", NeurIPS 2024).
@@ -56,6 +63,9 @@ class FlexLoRA(LoRARankStrategy):
     SVD would give zero A and B, which never train, so the client is sent the truncation of the
     global factors instead. Products of raw factors: the client applies its scaling
     ``alpha / r``. Every other tensor: FedAvg's mean."""
+
+    capabilities = Capabilities(each_tensor=True, rank_aware=True, global_fold=True,
+                                no_dp=NO_DP)
 
     def client_arrays(self, arrays, pairs, rank):
         out = super().client_arrays(arrays, pairs, rank)

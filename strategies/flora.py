@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from fedadapt.adapters.lora import base_delta_name
+from fedadapt.strategies.capabilities import FOLD_NO_DP, Capabilities
 from fedadapt.strategies.lora_rank import LoRARankStrategy, array_of, normalise, torch_dtype
 
 __all__ = ["FLoRA", "flora_stack"]
@@ -46,6 +47,9 @@ class FLoRA(LoRARankStrategy):
     and trains the new LoRA. ``base_delta`` stands for the stacked factors, which the paper
     sends instead (``sum r_k`` ranks: fewer numbers than the dense ``out x in`` when
     ``sum r_k < out in / (out + in)``). Every other tensor: FedAvg's mean."""
+
+    capabilities = Capabilities(each_tensor=True, rank_aware=True, folds_into_base=True,
+                                global_fold=True, no_dp=FOLD_NO_DP)
 
     def __init__(self, rank_of: Callable[[int], int], seed: int = 0, **kwargs) -> None:
         super().__init__(rank_of, **kwargs)

@@ -13,6 +13,7 @@ from flwr.app import ConfigRecord
 
 from fedadapt.adapters.lora import is_lora_a
 from fedadapt.config import ConfigError
+from fedadapt.strategies.capabilities import Capabilities
 from fedadapt.strategies.lora_rank import (
     LoRARankStrategy,
     matrix_a,
@@ -101,6 +102,27 @@ class HetLoRA(LoRARankStrategy):
     the plain zero-padded average. The new global factors are then the padded truncations
     sent (public) plus the mean of the clients' updates, which is what client-side DP's noise
     is calibrated to (``dp=client_fixed``; the sparsity weights depend on the updates)."""
+
+    capabilities = Capabilities(each_tensor=True, rank_aware=True, prunes_rank=True,
+                                fedavg_sensitivity=True)
+
+    @staticmethod
+    def check_dp(cfg) -> None:
+        """HetLoRA's own refusals of a DP wrapper, from the config alone: under client-side
+        DP (whose noise is calibrated to the plain mean of the clipped updates) neither its
+        sparsity weights nor its pruning."""
+        st, dp = cfg.strategy, cfg.dp
+        if st.sparsity_weighted:
+            raise ConfigError(f"strategy.sparsity_weighted=true is invalid with dp={dp.name}: "
+                              f"HetLoRA's weights ||B_k A_k|| depend on the clients' updates, so "
+                              f"one client moves the aggregate by more than clipping_norm / "
+                              f"clients (the noise's calibration); set "
+                              f"strategy.sparsity_weighted=false (the plain zero-padded mean)")
+        if st.prune_gamma > 0:
+            raise ConfigError(f"strategy.prune_gamma={st.prune_gamma} is invalid with "
+                              f"dp={dp.name}: a client that prunes replies at a smaller rank "
+                              f"than it was sent, and the clipping mod measures the update "
+                              f"against what was sent; set strategy.prune_gamma=0")
 
     def __init__(self, rank_of: Callable[[int], int], data_weighted: bool = False,
                  prune_gamma: float = 0.0, sparsity_weighted: bool = True, **kwargs) -> None:

@@ -1,6 +1,6 @@
 """A Flower class's constructor as a config schema: its parameters become typed keys.
 
-Shared by Flower's strategies and DP wrappers (:mod:`fedadapt.strategies.zoo`) and the
+Shared by Flower's strategies and DP wrappers (:mod:`fedadapt.strategies.registry`) and the
 researcher's own strategy (:mod:`fedadapt.strategies.custom`).
 """
 

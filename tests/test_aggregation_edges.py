@@ -33,8 +33,8 @@ from fedadapt.strategies.flexlora import FlexLoRA
 from fedadapt.strategies.flora import FLoRA
 from fedadapt.strategies.hetlora import HetLoRA
 from fedadapt.strategies.lora_rank import matrix_b, svd_split
+from fedadapt.strategies.registry import keys_of, strategy_schemas
 from fedadapt.strategies.state import StrategyStateError
-from fedadapt.strategies.zoo import keys_of, strategy_schemas
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "strategy"
 A, B, D = "enc.q.lora_A.default.weight", "enc.q.lora_B.default.weight", "enc.q.base_delta"

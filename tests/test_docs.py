@@ -1,6 +1,6 @@
 """The documentation site's generated page is current: docs/configuration.md is what
 scripts/config_docs.py writes from the schemas and conf/ now (as docs/strategies.md is checked in
-tests/test_strategy_zoo.py)."""
+tests/test_strategy_registry.py)."""
 
 import importlib.util
 from pathlib import Path

@@ -73,7 +73,7 @@ def test_no_import_cycle():
 
 def room(name: str) -> str:
     """The part of the package a module belongs to: its subpackage (``fedadapt.data.loading``:
-    ``data``, ``fedadapt.strategies.zoo``: ``strategies``) or top-level module
+    ``data``, ``fedadapt.strategies.registry``: ``strategies``) or top-level module
     (``fedadapt.experiment``: ``experiment``)."""
     parts = name.split(".")
     return parts[1] if len(parts) > 1 else parts[0]

@@ -15,7 +15,8 @@ from fedadapt.codec import UNIFORM_KEY
 from fedadapt.config import ConfigError
 from fedadapt.entry import compose_config, to_run_config
 from fedadapt.federation.wire.grid import node_id
-from fedadapt.strategies.zoo import build_strategy, check_strategy
+from fedadapt.strategies.build import build_strategy
+from fedadapt.strategies.checks import check_strategy
 
 A, B = "enc.q.lora_A.default.weight", "enc.q.lora_B.default.weight"
 OUT, IN, R_MAX = 96, 80, 8
@@ -203,7 +204,7 @@ def test_adaptive_clipping_clips_each_rank_and_adapts_the_norm(flower_task):
 def test_what_the_maths_does_not_allow_is_refused_in_one_line(strategy, extra, says):
     with pytest.raises(ConfigError) as err:
         cfg = dp_cfg(strategy, *extra)
-        check_strategy(cfg.strategy, cfg.dp, weighting="uniform", setting="standard")
+        check_strategy(cfg)
     assert str(err.value).startswith(says) and "\n" not in str(err.value)
 
 

@@ -436,9 +436,9 @@ def test_conv_lora_shapes(flower_task):
 def test_constructors_take_fedavgs_parameters_by_name(cls):
     """fedadapt's build_strategy passes FedAvg's parameters (through the classes' ``**kwargs``)
     and ``rank_of``."""
+    from fedadapt.strategies.build import build_strategy
     from fedadapt.strategies.fedavg import aggregate_client_metrics
     from fedadapt.strategies.schema import accepted_params
-    from fedadapt.strategies.zoo import build_strategy
 
     ours = accepted_params(cls)
     assert set(inspect.signature(FedAvg.__init__).parameters) - {"self"} <= ours

@@ -333,8 +333,8 @@ def test_a_custom_fedavg_subclass_composes_with_per_tensor_averaging_and_dp(user
     from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
 
     from fedadapt.entry import compose_config, to_run_config
+    from fedadapt.strategies.build import build_strategy, describe
     from fedadapt.strategies.fedavg import PerTensorFedAvg
-    from fedadapt.strategies.zoo import build_strategy, describe
 
     def build(*extra):
         cfg = to_run_config(compose_config(["strategy=custom", "strategy.step=0.25",

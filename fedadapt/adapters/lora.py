@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 from torch import nn
@@ -180,6 +180,10 @@ class LoraExitModel(Folding, TunedExitModel):
 class LoraMethodConfig(TunerConfig):
     """``method=lora``: the rank, scale, dropout and targets of peft's LoRA."""
 
+    #: Its update is the product ``B A`` alone, which a strategy can fold into the frozen
+    #: weights (FLoRA, FedEx-LoRA); DoRA's magnitude vector is not.
+    plain_lora: ClassVar[bool] = True
+
     name: str = "lora"
     #: The rank ``r`` of ``B A``.
     rank: int = 8
@@ -238,6 +242,8 @@ class LoraMethodConfig(TunerConfig):
 @dataclass
 class DoraMethodConfig(LoraMethodConfig):
     """``method=dora``: LoRA with peft's weight-decomposed variant (``use_dora``)."""
+
+    plain_lora: ClassVar[bool] = False
 
     name: str = "dora"
 

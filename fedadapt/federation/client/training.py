@@ -160,7 +160,7 @@ def build_run_model(spec: RunSpec, backbone=None) -> AdaptedModel:
                          class_text=spec.class_text)
     model = model.to(spec.device)
     st = spec.setting
-    personalize_all = st.name == "personalization" and st.personalize == "full"
+    personalize_all = st.kind.personal_phase and st.personalize == "full"
     if needs_backbone and not personalize_all:  # full personalization trains the backbone
         hold_frozen(model.backbone, spec.precision)
     return model

@@ -53,8 +53,8 @@ from fedadapt.federation.wire.grid import ClientGrid, Nodes, handshake, node_id
 from fedadapt.settings import per_tier_accuracy
 from fedadapt.strategies.asynchronous import AsynchronousStrategy
 from fedadapt.strategies.fedavg import aggregate_client_metrics
+from fedadapt.strategies.privacy import privacy_spent
 from fedadapt.strategies.state import SeededStreams, load_strategy_state, strategy_state
-from fedadapt.strategies.zoo import privacy_spent
 from fedadapt.userimport import UserCodeError, user_error
 
 __all__ = ["Nodes", "ServerPlan", "ServerState", "execute_plan", "flower_result", "handshake",

@@ -1027,7 +1027,7 @@ def _fedscale_fleet(cfg, spec, model) -> Fleet:
     :func:`charged_samples` at its exit's share of the model's own step) and target count (the
     clients ``partition.fraction_fit`` samples of the run's, as the strategy counts them)."""
     from fedadapt.federation.client.worker import client_exits
-    from fedadapt.strategies.zoo import sample_size
+    from fedadapt.strategies.build import sample_size
 
     reference = _flops_at(spec, model, None)
     per_example = [_flops_at(spec, model, client_exits(spec, cid))

@@ -27,6 +27,7 @@ from fedadapt.methods.run import (
     summary_tail,
     write_partition,
 )
+from fedadapt.strategies.registry import capabilities_of, is_custom
 
 if TYPE_CHECKING:  # pragma: no cover
     from flwr.clientapp import ClientApp
@@ -38,7 +39,7 @@ def client_mods(cfg: RunConfig) -> tuple[list, list]:
     here, so a wrong name or argument fails before anything runs, and a ``file.py`` named by
     its absolute path (a Ray worker's working directory may differ)."""
     from fedadapt.federation.client.mods import resolve
-    from fedadapt.strategies.zoo import DP_MODS
+    from fedadapt.strategies.registry import DP_MODS
     from fedadapt.userimport import absolute
 
     def portable(entry):
@@ -60,12 +61,12 @@ def client_mods(cfg: RunConfig) -> tuple[list, list]:
 def apply_setting(cfg: RunConfig, spec: RunSpec, model: AdaptedModel) -> None:
     """Fill the spec's exits, tiers and corruptions for the setting; fail on a mismatch."""
     from fedadapt.data.corruptions import check_kinds
-    from fedadapt.settings import assign_client_corruptions, client_tiers, part_names, uses_exits
+    from fedadapt.settings import assign_client_corruptions, client_tiers, part_names
 
     st = cfg.setting
-    if not uses_exits(st):
+    if not st.kind.exits:
         return
-    if not model.has_exits and st.name == "personalization":
+    if not model.has_exits and st.kind.personal_phase:
         # a model without exits: FL, then local fine-tuning at its own output
         part_names(model, st.personalize)
         if any(sev > 0 for sev in st.severities):
@@ -87,7 +88,7 @@ def apply_setting(cfg: RunConfig, spec: RunSpec, model: AdaptedModel) -> None:
         from fedadapt.federation.simulation.fleet import tiers_from_fleet
 
         spec.client_exits = tiers_from_fleet(cfg, spec, model)
-    if st.name == "personalization":
+    if st.kind.personal_phase:
         part_names(model, st.personalize)  # fails early for a part the method lacks
         if spec.train_source.kind != "images":
             raise ConfigError("setting=personalization corrupts images: it needs "
@@ -295,7 +296,7 @@ def _federate(cfg: RunConfig, run_dir: Path, prep: PreparedRun, initial: dict, n
                             cfg, run_dir, config_sha, tracker, show, lambda: prep.layout or {},
                             # the user's strategy: its state after round 1 checked too
                             (lambda: make_strategy(cfg, prep))
-                            if cfg.strategy.name == "custom" else None),
+                            if is_custom(cfg.strategy) else None),
                         resume=resume_state)
     with progress.task(f"[{label}] round", total=max(num_rounds, 1), interval=0,
                        for_job=True) as bar:
@@ -395,9 +396,7 @@ def folded_updates(cfg: RunConfig, model, arrays: dict) -> dict:
     each LoRA layer's folded update ``X.base_delta`` (the frozen weight's shape): ``arrays``'
     own (a checkpoint's), else zero; {} under any other strategy. In float32 whatever the
     frozen weight's precision (bf16 holds it in bf16; what is communicated stays float32)."""
-    from fedadapt.strategies.zoo import GLOBAL_FOLD
-
-    if cfg.strategy.name not in GLOBAL_FOLD:
+    if not capabilities_of(cfg.strategy).global_fold:
         return {}
     import torch
 
@@ -421,7 +420,7 @@ def _rounds_plan(cfg: RunConfig, prep: PreparedRun, initial, num_rounds: int,
         seed=cfg.seed,
         initial_arrays=initial,
         num_rounds=num_rounds,
-        phases=[personalization_phase] if cfg.setting.name == "personalization" else [],
+        phases=[personalization_phase] if cfg.setting.kind.personal_phase else [],
         lr_at=lambda r: lr_at(cfg.train, r, cfg.rounds),
         eval_every=cfg.federation.eval_every,
         global_eval=(_global_eval(prep) if model.federated and cfg.federation.global_eval
@@ -436,14 +435,15 @@ def _rounds_plan(cfg: RunConfig, prep: PreparedRun, initial, num_rounds: int,
         on_round=on_round,
         resume=resume,
         sent_names=lambda cid: sent_names(spec, cid, model),
-        sent_shape=_rank_shape(spec.client_ranks, cfg.strategy.name),
+        sent_shape=_rank_shape(spec.client_ranks,
+                               capabilities_of(cfg.strategy).prunes_rank),
         **node_layout(cfg, prep, execute, sampled, resume),
         secagg=secagg_round(cfg, max(len(c.train) for c in spec.clients),
                             cfg.federation.round_timeout),
     )
 
 
-def _rank_shape(ranks: list[int], strategy: str) -> Optional[Callable]:
+def _rank_shape(ranks: list[int], prunes: bool) -> Optional[Callable]:
     """The shape a client's LoRA factor has in its reply: its own rank (at most: HetLoRA's
     clients may prune), ``sent_shape`` of the plan; None without ``method.ranks``."""
     if not ranks:
@@ -455,7 +455,7 @@ def _rank_shape(ranks: list[int], strategy: str) -> Optional[Callable]:
         if axis is None:
             return global_shape
         out = list(global_shape)
-        out[axis] = -ranks[cid] if strategy == "hetlora" else ranks[cid]
+        out[axis] = -ranks[cid] if prunes else ranks[cid]
         return tuple(out)
 
     return shape
@@ -467,9 +467,9 @@ def assign_client_ranks(cfg: RunConfig, spec: RunSpec) -> None:
         return
     from fedadapt.adapters.lora import assign_ranks
 
-    tiers = spec.client_exits if cfg.setting.name == "multitier" else []
+    tiers = spec.client_exits if cfg.setting.kind.rank_by_tier else []
     speeds = None
-    if cfg.fleet.name != "none" and not tiers:  # a fleet: the slowest devices the smallest rank
+    if cfg.fleet.simulated and not tiers:  # a fleet: the slowest devices the smallest rank
         from fedadapt.federation.simulation.fleet import profiles
 
         speeds = [p.compute for p in profiles(cfg.fleet, spec.num_clients, cfg.seed)]
@@ -507,7 +507,7 @@ def evaluate_fn(cfg: RunConfig) -> Optional[Callable]:
 def user_code_names(cfg: RunConfig) -> list[tuple[str, str]]:
     """``(key, name)`` of each object of the user's that the config names: the strategy class,
     the ``evaluate_fn``, the mods."""
-    out = [("strategy.target", cfg.strategy.target)] if cfg.strategy.name == "custom" else []
+    out = [("strategy.target", cfg.strategy.target)] if is_custom(cfg.strategy) else []
     if cfg.federation.evaluate_fn:
         out.append(("federation.evaluate_fn", cfg.federation.evaluate_fn))
     for key, entries in (("federation.train_mods", cfg.federation.train_mods),
@@ -551,7 +551,7 @@ def check_code(cfg: RunConfig) -> None:
     client count."""
     evaluate_fn(cfg)
     client_mods(cfg)
-    if cfg.strategy.name != "custom":
+    if not is_custom(cfg.strategy):
         return  # fedadapt's and Flower's strategies: check_strategy_with_clients, with the data
 
     def build():
@@ -610,7 +610,7 @@ def _checked_state(strategy, rebuild: Callable, global_arrays=None,
 def _make(cfg: RunConfig, num_clients: int, federated: bool = True, ranks=None,
           sizes: Optional[list[int]] = None):
     from fedadapt.federation.wire.grid import NODE_BASE
-    from fedadapt.strategies.zoo import build_strategy
+    from fedadapt.strategies.build import build_strategy
 
     p = cfg.partition
     global_rank = getattr(cfg.method, "global_rank", None)
@@ -624,85 +624,27 @@ def _make(cfg: RunConfig, num_clients: int, federated: bool = True, ranks=None,
                           weighting=cfg.method.weighting, lr=cfg.train.lr,
                           federated=federated,
                           rank_of=lambda node: ranks[node - NODE_BASE], seed=cfg.seed,
-                          sample_available=cfg.fleet.name != "none", train=cfg.train,
+                          sample_available=cfg.fleet.simulated, train=cfg.train,
                           examples_of=(None if sizes is None else
                                        lambda node: sizes[node - NODE_BASE]))
 
 
 def make_strategy(cfg: RunConfig, prep: PreparedRun):
     """The run's Flower strategy (``strategy=``, wrapped by ``dp=``; see
-    :mod:`fedadapt.strategies.zoo`)."""
+    :mod:`fedadapt.strategies.build`)."""
     return _make(cfg, prep.spec.num_clients, prep.model.federated, prep.spec.client_ranks,
                  [len(client.train) for client in prep.spec.clients])
 
 
 def check_rounds_config(cfg: RunConfig) -> None:
     """The rounds family's refusals of config values, from the config alone (before any data
-    is loaded): the strategy against the rest of the config, and the training settings that
-    need the clients' images; ``federation.evaluate_fn`` loaded (a wrong name fails before any
-    data is loaded)."""
-    check_strategy_config(cfg)
+    is loaded; the strategy's are its kind's, :mod:`fedadapt.strategies.checks`): the training
+    settings that need the clients' images; ``federation.evaluate_fn`` loaded (a wrong name
+    fails before any data is loaded)."""
     evaluate_fn(cfg)
     if cfg.train.crop_scale is not None and cfg.method.use_cache:
         raise ConfigError("train.crop_scale augments images: it needs method.use_cache=false "
                           "(cached features cannot be cropped)")
-
-
-def check_strategy_config(cfg: RunConfig) -> None:
-    """The strategy against the rest of the config (the method, the optimizer, the fleet,
-    ``dp=``), from the config alone: the family's check, before any data is loaded."""
-    _check_lora_method(cfg)
-    _check_optimizer_and_clock(cfg)
-    _check_lora_aggregation(cfg)
-
-
-def _check_lora_method(cfg: RunConfig) -> None:
-    """A strategy that aggregates LoRA factors needs a method with LoRA ranks."""
-    from fedadapt.strategies.zoo import LORA_RANK
-
-    name = cfg.strategy.name
-    if name in LORA_RANK and not hasattr(cfg.method, "ranks"):
-        raise ConfigError(f"strategy={name} is invalid for method={cfg.method.name}: it "
-                          f"aggregates LoRA factors (method=lora, with method.ranks for "
-                          f"clients of different ranks)")
-
-
-def _check_optimizer_and_clock(cfg: RunConfig) -> None:
-    """FedNova counts SGD steps; FedBuff needs a fleet's clock and has no rounds to time out;
-    ``dp=``'s noise needs a fixed number of clients per round, which a fleet does not keep."""
-    name = cfg.strategy.name
-    if name == "fednova" and cfg.train.optimizer != "sgd":
-        raise ConfigError(f"train.optimizer={cfg.train.optimizer} is invalid with "
-                          f"strategy=fednova: its normalisation counts SGD steps (with or "
-                          f"without momentum)")
-    if name == "fedbuff" and cfg.fleet.name == "none":
-        raise ConfigError("strategy=fedbuff is invalid without a fleet: its clients arrive on a "
-                          "simulated clock (fleet=tiers|lognormal|trace|fedscale)")
-    if name == "fedbuff" and cfg.federation.round_timeout is not None:
-        raise ConfigError(f"federation.round_timeout={cfg.federation.round_timeout} is invalid "
-                          f"with strategy=fedbuff: it has no rounds to time out (the server "
-                          f"applies each buffer as it fills)")
-    if cfg.fleet.name != "none" and cfg.dp.name != "none":
-        raise ConfigError(f"dp={cfg.dp.name} is invalid with fleet={cfg.fleet.name}: its noise "
-                          f"is calibrated to a fixed number of clients per round, and a fleet's "
-                          f"rounds sample among the clients available and drop late ones")
-
-
-def _check_lora_aggregation(cfg: RunConfig) -> None:
-    """What each LoRA strategy aggregates against the method's LoRA: FFA-LoRA's frozen A, the
-    folding strategies' plain LoRA, mixed ranks' rank-aware strategies."""
-    from fedadapt.strategies.zoo import LORA_FOLD, LORA_RANK
-
-    name, ranks = cfg.strategy.name, getattr(cfg.method, "ranks", None)
-    if name in LORA_RANK and getattr(cfg.method, "ffa", False):
-        raise ConfigError(f"method.ffa=true is invalid with strategy={name}: it aggregates A "
-                          f"and B (FFA-LoRA's A is frozen and never sent)")
-    if name in LORA_FOLD and cfg.method.name != "lora":
-        raise ConfigError(f"strategy={name} is invalid for method={cfg.method.name}: it folds "
-                          f"an update into the frozen weights of plain LoRA (method=lora)")
-    if ranks and len(set(ranks)) > 1 and name not in LORA_RANK:
-        raise ConfigError(f"method.ranks={list(ranks)} needs a strategy that aggregates LoRA of "
-                          f"different ranks: strategy={' | '.join(LORA_RANK)} (not {name})")
 
 
 def check_strategy_with_clients(cfg: RunConfig, prep: PreparedRun) -> None:
@@ -710,7 +652,8 @@ def check_strategy_with_clients(cfg: RunConfig, prep: PreparedRun) -> None:
     (before anything is written): refuses a strategy that needs every client to send every
     tensor where some do not, and builds it once (Flower's own checks of its values)."""
     from fedadapt.federation.client.worker import sent_names
-    from fedadapt.strategies.zoo import check_counts, check_every_tensor, sample_size
+    from fedadapt.strategies.build import sample_size
+    from fedadapt.strategies.checks import check_counts, check_every_tensor
 
     spec, model = prep.spec, prep.model
     if not model.federated:
@@ -737,7 +680,7 @@ def _check_secagg(cfg: RunConfig, prep: PreparedRun, partial: list[int], every: 
     join it), and the sum of the sampled clients' quantised values must stay below the masks'
     modulus."""
     from fedadapt.federation.client.worker import sent_names
-    from fedadapt.strategies.zoo import sample_size
+    from fedadapt.strategies.build import sample_size
 
     sa, spec = cfg.secagg, prep.spec
     if partial or spec.client_ranks and len(set(spec.client_ranks)) > 1:
@@ -848,7 +791,7 @@ def _strategy_summary(cfg: RunConfig, strategy) -> dict:
     """Which Flower strategy ran, with its keys (``strategy=`` / ``dp=``)."""
     from dataclasses import asdict
 
-    from fedadapt.strategies.zoo import describe
+    from fedadapt.strategies.build import describe
 
     return {"class": describe(strategy),
             "strategy": {**asdict(cfg.strategy), **getattr(cfg.strategy, "kwargs", {})},
@@ -858,7 +801,7 @@ def _strategy_summary(cfg: RunConfig, strategy) -> dict:
 def _privacy_summary(cfg: RunConfig, strategy) -> Optional[dict]:
     """``dp=``'s guarantee at the end: epsilon at delta (fixed clipping with accounting), the
     noise multiplier and the final clipping norm; None without DP."""
-    from fedadapt.strategies.zoo import privacy_spent
+    from fedadapt.strategies.privacy import privacy_spent
 
     if cfg.dp.name == "none" or not hasattr(strategy, "noise_multiplier"):
         return None  # no DP, or a method that is not federated (local_only): nothing released

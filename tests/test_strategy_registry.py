@@ -22,23 +22,27 @@ from fedadapt.cli import config_problem
 from fedadapt.config import ConfigError
 from fedadapt.entry import compose_config, to_run_config
 from fedadapt.federation.wire.grid import ClientGrid, Nodes
+from fedadapt.strategies.build import build_strategy, describe
+from fedadapt.strategies.docs import markdown_table
 from fedadapt.strategies.fedavg import PerTensorFedAvg
+from fedadapt.strategies.privacy import privacy_spent
+from fedadapt.strategies.registry import CAPABILITIES, DP_WRAPPERS, STRATEGIES
+from fedadapt.strategies.schema import DERIVED
 from fedadapt.strategies.state import SeededStreams, load_strategy_state, strategy_state
-from fedadapt.strategies.zoo import (
-    DERIVED,
-    DP_WRAPPERS,
-    STRATEGIES,
-    build_strategy,
-    describe,
-    markdown_table,
-    privacy_spent,
-)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_config(*overrides):
     return to_run_config(compose_config(["method=linear_head", *overrides]))
+
+
+def needs(name: str) -> list[str]:
+    """What the rest of a config needs for ``strategy=name`` (its capabilities): a LoRA method,
+    a fleet's clock."""
+    caps = CAPABILITIES[name]
+    return ((["method=lora"] if caps.rank_aware else [])
+            + (["fleet=tiers"] if caps.asynchronous else []))
 
 
 def build(cfg, num_clients=10):
@@ -51,7 +55,7 @@ def build(cfg, num_clients=10):
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_every_flower_strategy_is_an_option_with_its_own_keys(name):
-    cfg = run_config(f"strategy={name}", "partition.fraction_fit=1.0")
+    cfg = run_config(f"strategy={name}", "partition.fraction_fit=1.0", *needs(name))
     flower = STRATEGIES[name]
     own = [p.name for p in list(inspect.signature(flower.__init__).parameters.values())[1:]
            if p.name not in DERIVED and p.kind is not p.VAR_KEYWORD]
@@ -118,7 +122,7 @@ def test_bad_strategy_settings_are_refused_naming_the_key(overrides, key, says):
 
 
 def test_krum_needs_enough_clients_per_round():
-    from fedadapt.strategies.zoo import check_counts
+    from fedadapt.strategies.checks import check_counts
 
     cfg = run_config("strategy=krum", "strategy.num_malicious_nodes=2")
     check_counts(cfg.strategy, cfg.dp, num_clients=10, sampled=7)
@@ -131,7 +135,7 @@ def test_krum_needs_enough_clients_per_round():
 
 def test_the_docs_strategy_table_is_current():
     assert (ROOT / "docs" / "strategies.md").read_text() == markdown_table(), \
-        "regenerate: python -m fedadapt.strategies.zoo > docs/strategies.md"
+        "regenerate: python -m fedadapt.strategies.docs > docs/strategies.md"
 
 
 # -- state round trip -------------------------------------------------------------------------
@@ -237,7 +241,7 @@ def test_the_global_model_keeps_its_dtype_under_flowers_fedopt(tmp_path, cache_d
 
 def test_a_config_with_its_strategy_pickles():
     """A spawned process (fedadapt-bench's isolated runs, a joblib sweep) gets the config
-    pickled: the generated schemas are found by name in fedadapt.strategies.zoo."""
+    pickled: the generated schemas are found by name in fedadapt.strategies.registry."""
     import pickle
 
     cfg = run_config("strategy=fedadam", "strategy.eta=0.02", "dp=client_adaptive",
