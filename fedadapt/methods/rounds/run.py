@@ -469,7 +469,7 @@ def assign_client_ranks(cfg: RunConfig, spec: RunSpec) -> None:
 
     tiers = spec.client_exits if cfg.setting.name == "multitier" else []
     speeds = None
-    if cfg.fleet.name != "none" and not tiers:  # a fleet: the slowest devices the smallest rank
+    if cfg.fleet.simulated and not tiers:  # a fleet: the slowest devices the smallest rank
         from fedadapt.federation.simulation.fleet import profiles
 
         speeds = [p.compute for p in profiles(cfg.fleet, spec.num_clients, cfg.seed)]
@@ -617,14 +617,14 @@ def _make(cfg: RunConfig, num_clients: int, federated: bool = True, ranks=None,
     ranks = ranks or [global_rank] * num_clients
     # fleet.fedscale_semantics=exact: the fleet over-selects as FedScale does (Fleet.select)
     # and the strategy trains every client it is offered
-    exact = cfg.fleet.name == "fedscale" and cfg.fleet.fedscale_semantics == "exact"
+    exact = cfg.fleet.exact
     return build_strategy(cfg.strategy, cfg.dp, num_clients=num_clients,
                           fraction_train=1.0 if exact else p.fraction_fit,
                           fraction_evaluate=p.fraction_evaluate,
                           weighting=cfg.method.weighting, lr=cfg.train.lr,
                           federated=federated,
                           rank_of=lambda node: ranks[node - NODE_BASE], seed=cfg.seed,
-                          sample_available=cfg.fleet.name != "none", train=cfg.train,
+                          sample_available=cfg.fleet.simulated, train=cfg.train,
                           examples_of=(None if sizes is None else
                                        lambda node: sizes[node - NODE_BASE]))
 
