@@ -114,10 +114,11 @@ def run_config_from(data) -> RunConfig:
         OmegaConf.create(data)
     typed = OmegaConf.structured(RunConfig)
     custom = loaded.get("strategy", {}).get("name") == "custom"
-    kind = fleet_kinds().get(loaded.get("fleet", {}).get("name", "none"))
+    fleet = dict(loaded.get("fleet") or {"name": "none"})
+    kind = fleet_kinds().get(fleet.get("name"))
     if kind is not None:  # an older run directory holds every fleet kind's keys: its kind's
         own = {f.name for f in dataclasses.fields(kind)}
-        loaded.fleet = {k: v for k, v in loaded.get("fleet", {}).items() if k in own}
+        loaded.fleet = {k: v for k, v in fleet.items() if k in own}
     for group, schemas in (("method", {n: s.config_cls for n, s in load_methods().items()}),
                            ("strategy", strategy_schemas()), ("dp", dp_schemas()),
                            ("fleet", fleet_kinds())):

@@ -129,6 +129,24 @@ def test_each_fleet_kind_says_what_it_simulates():
     assert kinds["fedscale"](fedscale_semantics="exact").exact
 
 
+def test_a_run_directorys_config_types_its_fleet_by_its_kind():
+    """``config.yaml`` read back (export): the fleet typed by its kind; one written before the
+    kinds had their own keys (every kind's keys in one node), or with no fleet, still reads."""
+    from omegaconf import OmegaConf
+
+    from fedadapt.entry import compose_config, run_config_from, to_run_config
+
+    cfg = to_run_config(compose_config(["method=linear_head", "backbone=small_cnn",
+                                        "fleet=lognormal", "fleet.compute_sigma=0.3"]))
+    saved = OmegaConf.to_container(OmegaConf.structured(cfg))
+    assert run_config_from(saved).fleet == LognormalFleet(compute_sigma=0.3)
+    saved["fleet"] = {"name": "tiers", "compute": [1.0, 2.0], "trace": None, "capacity": None,
+                      "fedscale_semantics": "fedadapt", "compute_median": 3e9}
+    assert run_config_from(saved).fleet == TiersFleet(compute=[1.0, 2.0])
+    del saved["fleet"]
+    assert not run_config_from(saved).fleet.simulated
+
+
 def test_training_flops_are_counted_by_torchs_flop_counter():
     """A linear head on D features, C classes: 2DC forward and 2DC for its weight's gradient
     per example (no gradient flows into the cached features)."""
