@@ -55,6 +55,7 @@ from fedadapt.federation.simulation.fleet.kinds import (
     TiersFleet,
     TraceFleet,
     fleet_kinds,
+    register_fleet,
 )
 from fedadapt.federation.simulation.fleet.profiles import (
     FEDSCALE_MISSING_SPEEDS,
@@ -77,9 +78,9 @@ from fedadapt.federation.simulation.fleet.traces import (
 )
 
 __all__ = ["FEDSCALE_MISSING_SPEEDS", "FEDSCALE_OVERCOMMITMENT", "FEDSCALE_TRACES",
-           "PROFILE_STREAM", "FedScaleFleet", "FedScaleTrace", "Fleet", "LognormalFleet", "Profile",
-           "SimulatedFleet", "TiersFleet", "TraceFleet", "TraceUnpickler", "assign_memory",
-           "behaviour_lists", "build_fleet", "charged_samples", "draw_entries", "fedscale_entry",
-           "fleet_kinds", "merged_intervals", "optimizer_states", "profiles", "read_behaviour",
-           "read_capacity", "read_trace", "tiers_from_fleet", "train_flops_per_example",
-           "train_memory_bytes"]
+           "PROFILE_STREAM", "FedScaleFleet", "FedScaleTrace", "Fleet", "LognormalFleet",
+           "Profile", "SimulatedFleet", "TiersFleet", "TraceFleet", "TraceUnpickler",
+           "assign_memory", "behaviour_lists", "build_fleet", "charged_samples", "draw_entries",
+           "fedscale_entry", "fleet_kinds", "merged_intervals", "optimizer_states", "profiles",
+           "read_behaviour", "read_capacity", "read_trace", "register_fleet", "tiers_from_fleet",
+           "train_flops_per_example", "train_memory_bytes"]

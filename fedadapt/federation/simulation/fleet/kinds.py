@@ -2,9 +2,10 @@
 (whose own kind is ``none``) with its keys, its capabilities as class attributes
 (``simulated``, ``fedscale_traces``, ``availability_csv``: not config keys), its devices
 (``devices``) and its refusals (``check``, which :func:`fedadapt.config.validate` calls before
-any data is read). :func:`fleet_kinds` is the registry :func:`fedadapt.entry.register_configs`
-stores as ``schema/fleet/<name>``; a kind is compared by its capabilities, never by its name,
-outside this module."""
+any data is read). :func:`register_fleet` registers a kind (a user's too: a subclass of
+:class:`SimulatedFleet` with its ``devices``); :func:`fleet_kinds` is the registry
+:func:`fedadapt.entry.register_configs` stores as ``schema/fleet/<name>``. Outside this module
+a kind is asked for its capabilities, never compared by its name."""
 
 from __future__ import annotations
 
@@ -24,6 +25,15 @@ from fedadapt.federation.simulation.fleet.traces import FEDSCALE_TRACES
 
 #: ``fleet.fedscale_semantics``: fedadapt's reading of FedScale's traces, or FedScale's own.
 FEDSCALE_SEMANTICS = ("fedadapt", "exact")
+#: The kinds by ``fleet=`` option (:func:`register_fleet`); ``none`` is the base itself.
+_KINDS: dict[str, type[FleetConfig]] = {"none": FleetConfig}
+
+
+def register_fleet(kind: type[FleetConfig]) -> type[FleetConfig]:
+    """Class decorator: ``kind`` becomes the ``fleet=`` option named by its ``name`` default (a
+    preset ``conf/fleet/<name>.yaml`` extends ``/schema/fleet/<name>@_here_``)."""
+    _KINDS[kind.name] = kind
+    return kind
 
 
 def _shares(fractions: Optional[list[float]], entries: int) -> bool:
@@ -104,6 +114,7 @@ class SimulatedFleet(FleetConfig):
               self.keep_first, "must be >= 1 or null")
 
 
+@register_fleet
 @dataclass
 class TiersFleet(SimulatedFleet):
     """``fleet=tiers``: ``compute[i]`` for a seeded share ``fractions[i]`` of the clients, every
@@ -133,26 +144,7 @@ class TiersFleet(SimulatedFleet):
         super().check(cfg)
 
 
-@dataclass
-class TraceFleet(TiersFleet):
-    """``fleet=trace``: compute and bandwidths by tier (as ``tiers``), the availability read from
-    the CSV ``trace``."""
-
-    name: str = "trace"
-    availability_csv: ClassVar[bool] = True
-    #: A CSV with a header ``client,start,end``: the simulated seconds each client is available
-    #: (one row per interval; a client without a row is never available).
-    trace: Optional[str] = None
-
-    def check(self, cfg: RunConfig) -> None:
-        check(self.trace is not None, "fleet.trace", self.trace,
-              "fleet=trace reads its availability from fleet.trace (a CSV client,start,end)")
-        _existing("fleet.trace", self.trace)
-        check(self.mean_on is None, "fleet.mean_on", self.mean_on,
-              "fleet=trace reads availability from its CSV: leave fleet.mean_on null")
-        super().check(cfg)
-
-
+@register_fleet
 @dataclass
 class LognormalFleet(SimulatedFleet):
     """``fleet=lognormal``: each client's compute and bandwidths drawn log-normally (seeded)
@@ -180,6 +172,28 @@ class LognormalFleet(SimulatedFleet):
         super().check(cfg)
 
 
+@register_fleet
+@dataclass
+class TraceFleet(TiersFleet):
+    """``fleet=trace``: compute and bandwidths by tier (as ``tiers``), the availability read from
+    the CSV ``trace``."""
+
+    name: str = "trace"
+    availability_csv: ClassVar[bool] = True
+    #: A CSV with a header ``client,start,end``: the simulated seconds each client is available
+    #: (one row per interval; a client without a row is never available).
+    trace: Optional[str] = None
+
+    def check(self, cfg: RunConfig) -> None:
+        check(self.trace is not None, "fleet.trace", self.trace,
+              "fleet=trace reads its availability from fleet.trace (a CSV client,start,end)")
+        _existing("fleet.trace", self.trace)
+        check(self.mean_on is None, "fleet.mean_on", self.mean_on,
+              "fleet=trace reads availability from its CSV: leave fleet.mean_on null")
+        super().check(cfg)
+
+
+@register_fleet
 @dataclass
 class FedScaleFleet(SimulatedFleet):
     """``fleet=fedscale``: FedScale's device traces: speeds from ``capacity``, availability from
@@ -256,9 +270,8 @@ class FedScaleFleet(SimulatedFleet):
 def fleet_kinds() -> dict[str, type[FleetConfig]]:
     """``{fleet= option: its schema}``: ``none`` is :class:`~fedadapt.config.FleetConfig`
     itself (no devices, no clock)."""
-    return {kind.name: kind for kind in (FleetConfig, TiersFleet, LognormalFleet, TraceFleet,
-                                         FedScaleFleet)}
+    return dict(_KINDS)
 
 
 __all__ = ["FEDSCALE_SEMANTICS", "FedScaleFleet", "LognormalFleet", "SimulatedFleet",
-           "TiersFleet", "TraceFleet", "fleet_kinds"]
+           "TiersFleet", "TraceFleet", "fleet_kinds", "register_fleet"]
