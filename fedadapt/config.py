@@ -17,7 +17,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 from omegaconf import MISSING
 
@@ -442,75 +442,32 @@ class FaultConfig:
 
 @dataclass
 class FleetConfig:
-    """Simulated devices (``fleet=`` group; :mod:`fedadapt.federation.simulation.fleet`): each
-    client gets a seeded profile (compute, downlink, uplink) and an availability, and each round
-    runs on a simulated clock: a client's time is its training FLOPs / its FLOP/s plus the bytes it
-    receives / its downlink and sends / its uplink; ``federation.round_timeout`` is then the
-    round's deadline in simulated seconds. ``none`` (the default) changes nothing."""
+    """Simulated devices (``fleet=`` group): the base of every fleet kind, and itself the kind
+    ``none`` (the default: no devices, no clock; nothing changes). The kinds that simulate
+    devices and a clock (``tiers``, ``lognormal``, ``trace``, ``fedscale``) and their keys are
+    registered by :mod:`fedadapt.federation.simulation.fleet.kinds`. A kind says what it can do
+    by its class attributes (not config keys) and refuses its bad values in :meth:`check`."""
 
-    #: ``none``, ``tiers`` (``compute[i]`` for a seeded share ``fractions[i]`` of the clients),
-    #: ``lognormal`` (compute and bandwidths drawn log-normally around their medians),
-    #: ``trace`` (as ``tiers``, availability read from the CSV ``trace``) or ``fedscale``
-    #: (FedScale's device traces: speeds from ``capacity``, availability from ``behaviour``).
+    #: ``none``, ``tiers``, ``lognormal``, ``trace`` or ``fedscale``: the ``fleet=`` option.
     name: str = "none"
-    #: tiers / trace: each tier's compute in FLOP/s, slowest first.
-    compute: list[float] = field(default_factory=lambda: [1e9, 3e9, 1e10])
-    #: tiers / trace: the share of clients in each tier; null: equal shares.
-    fractions: Optional[list[float]] = None
-    #: lognormal: the median compute (FLOP/s) and the sigma of its log.
-    compute_median: float = 3e9
-    compute_sigma: float = 0.8
-    #: Downlink and uplink in bytes/s (lognormal: the medians).
-    downlink: float = 2.5e6
-    uplink: float = 1.25e6
-    #: lognormal: the sigma of the bandwidths' log (0: every client the medians).
-    bandwidth_sigma: float = 0.5
-    #: Availability: a two-state on/off process per client with these mean durations in
-    #: simulated seconds (exponential); null: always available (``trace``: from the CSV).
-    mean_on: Optional[float] = None
-    mean_off: Optional[float] = None
-    #: trace: a CSV with a header ``client,start,end``: the simulated seconds each client is
-    #: available (one row per interval; a client without a row is never available).
-    trace: Optional[str] = None
-    #: Over-selection: keep only the first N clients to arrive (the others are discarded, as
-    #: FedScale's over-commitment); null: every client that arrives in time.
-    keep_first: Optional[int] = None
-    #: fedscale: FedScale's ``client_device_capacity`` pickle (client id -> ``{'computation': ms
-    #: per sample, 'communication': kbit/s}``), read as FedScale's simulator reads it.
-    capacity: Optional[str] = None
-    #: fedscale: FedScale's ``client_behave_trace`` pickle (client id -> ``{'active': [s],
-    #: 'inactive': [s], 'finish_time': s, ...}``, cycling every ``finish_time``); null: every
-    #: device always available.
-    behaviour: Optional[str] = None
-    #: A client that cannot finish by the deadline (``federation.round_timeout``) trains the
-    #: share of its examples it can in time and sends that (its weight scaled by its work)
-    #: instead of being dropped; ``sim_partial`` counts them per round.
-    partial_work: bool = False
-    #: Each device's memory in bytes, smallest first: the clients, ordered by their device's
-    #: compute, take the values in the shares ``memory_fractions`` (the slowest the smallest).
-    #: A client whose training (measured per exit) does not fit is not sampled
-    #: (``sim_no_memory``), or with ``setting.tiers_from=fleet`` trains the deepest exit that
-    #: fits. null: no cap.
-    memory: Optional[list[float]] = None
-    #: The share of the clients with each entry of ``memory``; null: equal shares.
-    memory_fractions: Optional[list[float]] = None
-    #: fedscale: ``fedadapt`` (fedadapt's reading: FedScale's speeds, availability as fixed
-    #: half-open intervals, each client's own examples x epochs, entries by a seeded draw) or
-    #: ``exact`` (FedScale's simulator to the letter: its stateful availability over closed
-    #: intervals, ``train.batch_size`` x ``local_steps`` samples a round, client k on entry
-    #: k % n, and its round rule: 1.3x over-selection among the clients online at the round's
-    #: start, those still online at completion kept, the round ending at the target count's
-    #: fastest). See docs/fleet.md.
-    fedscale_semantics: str = "fedadapt"
-    #: fedscale_semantics=exact: the local steps FedScale charges every client a round (its
-    #: ``--local_steps``), each of ``train.batch_size`` samples; null: the steps of each
-    #: client's own local epochs (ceil(examples / batch) x ``train.local_epochs``).
-    local_steps: Optional[int] = None
+    #: Whether the kind simulates devices on a clock (False only for ``none``).
+    simulated: ClassVar[bool] = False
+    #: Whether its devices are FedScale's traces: speeds per sample, turned into FLOP/s by the
+    #: model's own training step (the reference FLOPs), read as ``fleet.fedscale_semantics``
+    #: says.
+    fedscale_traces: ClassVar[bool] = False
+    #: Whether it reads the clients' availability from a CSV (``fleet.trace``).
+    availability_csv: ClassVar[bool] = False
 
     @property
-    def simulated(self) -> bool:
-        """Whether the fleet simulates devices and a clock (every kind but ``none``)."""
-        return self.name != "none"
+    def exact(self) -> bool:
+        """Whether it runs FedScale's simulator to the letter
+        (``fleet.fedscale_semantics=exact``)."""
+        return False
+
+    def check(self, cfg: RunConfig) -> None:
+        """Refuse this kind's values that a type cannot (``none`` has none), naming the key."""
+
 
 
 @dataclass
@@ -683,28 +640,15 @@ def validate(cfg: RunConfig) -> RunConfig:
     _validate_federation(cfg.federation, cfg.method)
     _validate_original(cfg.original)
     _validate_faults(cfg.faults, cfg.federation)
-    _validate_fleet(cfg.fleet, cfg.partition)
+    cfg.fleet.check(cfg)
     _validate_secagg(cfg)
     check(cfg.tracking.wandb_mode in ("offline", "online"), "tracking.wandb_mode",
           cfg.tracking.wandb_mode, "one of ('offline', 'online')")
-    check(cfg.setting.tiers_from != "fleet" or (cfg.fleet.name != "none"
+    check(cfg.setting.tiers_from != "fleet" or (cfg.fleet.simulated
                                                and cfg.federation.round_timeout is not None),
           "setting.tiers_from", cfg.setting.tiers_from,
           "'fleet' needs a fleet (fleet=tiers|lognormal|trace|fedscale) and its deadline "
           "(federation.round_timeout, in simulated seconds)")
-    check(not cfg.fleet.partial_work or (cfg.fleet.name != "none"
-                                         and cfg.federation.round_timeout is not None),
-          "fleet.partial_work", cfg.fleet.partial_work,
-          "true needs a fleet and its deadline federation.round_timeout (simulated seconds), "
-          "at which a client's work is cut (not strategy=fedbuff, which has no deadline)")
-    if cfg.fleet.fedscale_semantics == "exact":
-        check(cfg.federation.round_timeout is None, "federation.round_timeout",
-              cfg.federation.round_timeout,
-              "fleet.fedscale_semantics=exact runs FedScale's round rule, which has no "
-              "deadline: leave it null")
-        check(cfg.strategy.name != "fedbuff", "fleet.fedscale_semantics",
-              cfg.fleet.fedscale_semantics,
-              "'exact' runs FedScale's synchronous round rule; strategy=fedbuff is asynchronous")
     check(cfg.backbone.image_size >= 8, "backbone.image_size", cfg.backbone.image_size,
           "must be >= 8")
     _check_domains(cfg)
@@ -867,90 +811,6 @@ def _validate_faults(fl: FaultConfig, f: FederationConfig) -> None:
            "a 'straggler' fault needs faults.delay_s > 0 (how many seconds late it replies)")
 
 
-FLEETS = ("none", "tiers", "lognormal", "trace", "fedscale")
-#: ``fleet.fedscale_semantics``: fedadapt's reading of FedScale's traces, or FedScale's own.
-FEDSCALE_SEMANTICS = ("fedadapt", "exact")
-#: Where FedScale publishes its device traces (said when ``fleet.capacity`` is missing).
-FEDSCALE_TRACES = ("FedScale publishes client_device_capacity and client_behave_trace in "
-                   "https://github.com/SymbioticLab/FedScale under "
-                   "benchmark/dataset/data/device_info/")
-
-
-def _validate_fleet(fl: FleetConfig, p: PartitionConfig) -> None:
-    check(fl.name in FLEETS, "fleet.name", fl.name, f"one of {FLEETS}")
-    check(fl.name != "none" or fl.memory is None, "fleet.memory", fl.memory,
-          "a memory cap needs a fleet (fleet=tiers|lognormal|trace|fedscale): it is each "
-          "device's")
-    check(fl.fedscale_semantics in FEDSCALE_SEMANTICS, "fleet.fedscale_semantics",
-          fl.fedscale_semantics, f"one of {FEDSCALE_SEMANTICS}")
-    exact = fl.fedscale_semantics == "exact"
-    check(not exact or fl.name == "fedscale", "fleet.fedscale_semantics", fl.fedscale_semantics,
-          "'exact' reads FedScale's traces as FedScale's simulator does: it needs fleet=fedscale")
-    check(fl.local_steps is None or exact, "fleet.local_steps", fl.local_steps,
-          "only fleet=fedscale with fleet.fedscale_semantics=exact charges FedScale's "
-          "train.batch_size x local_steps samples a round: leave it null")
-    check(fl.local_steps is None or fl.local_steps >= 1, "fleet.local_steps", fl.local_steps,
-          "must be >= 1 or null")
-    if exact:
-        check(fl.keep_first is None, "fleet.keep_first", fl.keep_first,
-              "fleet.fedscale_semantics=exact keeps FedScale's target count of the 1.3x it "
-              "over-selects: leave it null")
-        check(not fl.partial_work, "fleet.partial_work", fl.partial_work,
-              "fleet.fedscale_semantics=exact has FedScale's round rule, which cuts no work: "
-              "leave it false")
-        check(fl.memory is None, "fleet.memory", fl.memory,
-              "fleet.fedscale_semantics=exact simulates what FedScale's simulator does, which "
-              "caps no memory: leave it null")
-    if fl.name == "none":
-        return
-    for key in ("compute_median", "downlink", "uplink"):
-        value = getattr(fl, key)
-        check(math.isfinite(value) and value > 0, f"fleet.{key}", value,
-              "must be > 0 (a speed can be neither 0 nor negative)")
-    for key in ("compute_sigma", "bandwidth_sigma"):
-        value = getattr(fl, key)
-        check(math.isfinite(value) and value >= 0, f"fleet.{key}", value, "must be >= 0")
-    check(bool(fl.compute) and all(math.isfinite(c) and c > 0 for c in fl.compute),
-          "fleet.compute", list(fl.compute),
-          "each tier's FLOP/s must be > 0 (a speed can be neither 0 nor negative)")
-    if fl.fractions is not None:
-        fr = list(fl.fractions)
-        check(len(fr) == len(fl.compute) and all(f >= 0 for f in fr) and abs(sum(fr) - 1) < 1e-6,
-              "fleet.fractions", fr, "one share >= 0 per entry of fleet.compute, summing to 1")
-    check((fl.mean_on is None) == (fl.mean_off is None), "fleet.mean_on", fl.mean_on,
-          "set fleet.mean_on and fleet.mean_off together (null both: always available)")
-    for key in ("mean_on", "mean_off"):
-        value = getattr(fl, key)
-        check(value is None or (math.isfinite(value) and value > 0), f"fleet.{key}", value,
-              "must be > 0 simulated seconds, or null")
-    check((fl.name == "trace") == (fl.trace is not None), "fleet.trace", fl.trace,
-          "fleet=trace reads its availability from fleet.trace (a CSV client,start,end); the "
-          "other fleets take none")
-    check(fl.name != "trace" or fl.mean_on is None, "fleet.mean_on", fl.mean_on,
-          "fleet=trace reads availability from its CSV: leave fleet.mean_on null")
-    check((fl.name == "fedscale") == (fl.capacity is not None), "fleet.capacity", fl.capacity,
-          f"fleet=fedscale reads each device's speeds from fleet.capacity (FedScale's "
-          f"client_device_capacity pickle; {FEDSCALE_TRACES}); the other fleets take none")
-    check(fl.name == "fedscale" or fl.behaviour is None, "fleet.behaviour", fl.behaviour,
-          "only fleet=fedscale reads FedScale's client_behave_trace")
-    if fl.memory is not None:
-        mem = list(fl.memory)
-        check(bool(mem) and all(math.isfinite(m) and m > 0 for m in mem), "fleet.memory", mem,
-              "each device's memory in bytes must be > 0")
-        check(mem == sorted(mem), "fleet.memory", mem,
-              "smallest first (the slowest devices take the first entry)")
-    if fl.memory_fractions is not None:
-        fr = list(fl.memory_fractions)
-        check(fl.memory is not None and len(fr) == len(fl.memory) and all(f >= 0 for f in fr)
-              and abs(sum(fr) - 1) < 1e-6, "fleet.memory_fractions", fr,
-              "one share >= 0 per entry of fleet.memory, summing to 1")
-    check(fl.name != "fedscale" or fl.mean_on is None, "fleet.mean_on", fl.mean_on,
-          "fleet=fedscale takes its availability from fleet.behaviour (null: always "
-          "available): leave fleet.mean_on null")
-    check(fl.keep_first is None or fl.keep_first >= 1, "fleet.keep_first", fl.keep_first,
-          "must be >= 1 or null")
-
-
 #: Seeds feed numpy's SeedSequence and torch.manual_seed, which take unsigned 64-bit values.
 MAX_SEED = 2**63 - 1
 
@@ -1006,7 +866,7 @@ def _validate_secagg(cfg: RunConfig) -> None:
     check(cfg.faults.fraction == 0, "faults.fraction", cfg.faults.fraction,
           "secagg=secaggplus hides each client's update, so the server cannot screen a faulty "
           "one (NaN, wrong shapes): use faults.fraction=0")
-    check(cfg.fleet.name == "none", "fleet", cfg.fleet.name,
+    check(not cfg.fleet.simulated, "fleet", cfg.fleet.name,
           "secagg=secaggplus runs its four stages on the nodes themselves, not on a simulated "
           "fleet's clock: use fleet=none")
     check(not cfg.setting.kind.tiers, "setting", cfg.setting.name,

@@ -30,12 +30,12 @@ def register_configs() -> None:
     from fedadapt.config import (
         BackboneConfig,
         DatasetConfig,
-        FleetConfig,
         PartitionConfig,
         SecAggConfig,
         SettingConfig,
         StrategyCustomConfig,
     )
+    from fedadapt.federation.simulation.fleet.kinds import fleet_kinds
     from fedadapt.strategies.registry import CUSTOM, dp_schemas, strategy_schemas
 
     register_resolvers()
@@ -45,12 +45,13 @@ def register_configs() -> None:
     cs.store(group=SCHEMA_GROUP, name="backbone", node=BackboneConfig)
     cs.store(group=SCHEMA_GROUP, name="partition", node=PartitionConfig)
     cs.store(group=SCHEMA_GROUP, name="setting", node=SettingConfig)
-    cs.store(group=SCHEMA_GROUP, name="fleet", node=FleetConfig)
     cs.store(group=SCHEMA_GROUP, name="secagg", node=SecAggConfig)
     for name, spec in load_methods().items():
         cs.store(group=f"{SCHEMA_GROUP}/method", name=name, node=spec.config_cls)
     for name, schema in strategy_schemas().items():
         cs.store(group=f"{SCHEMA_GROUP}/strategy", name=name, node=schema)
+    for name, schema in fleet_kinds().items():
+        cs.store(group=f"{SCHEMA_GROUP}/fleet", name=name, node=schema)
     # strategy=custom: the constructor's keys are the user's class's, so the node takes any key
     # (to_run_config checks them against the class's signature)
     custom = OmegaConf.structured(StrategyCustomConfig)
@@ -99,18 +100,27 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
 
 def run_config_from(data) -> RunConfig:
     """A :class:`RunConfig` from a run directory's ``config.yaml`` (a path) or its plain
-    mapping: each polymorphic group (method, strategy, dp) typed by its own schema."""
+    mapping: each polymorphic group (method, strategy, dp, fleet) typed by its own schema."""
+    import dataclasses
+
     from fedadapt.adapters import load_methods
     from fedadapt.config import ConfigError, validate
     from fedadapt.strategies import checks  # noqa: F401 - registers the strategy's checks
     from fedadapt.strategies.registry import CUSTOM, dp_schemas, strategy_schemas
+    from fedadapt.federation.simulation.fleet.kinds import fleet_kinds
 
     loaded = OmegaConf.load(data) if not isinstance(data, (dict, DictConfig)) else \
         OmegaConf.create(data)
     typed = OmegaConf.structured(RunConfig)
     custom = loaded.get("strategy", {}).get("name") == CUSTOM
+    fleet = dict(loaded.get("fleet") or {"name": "none"})
+    kind = fleet_kinds().get(fleet.get("name"))
+    if kind is not None:  # an older run directory holds every fleet kind's keys: its kind's
+        own = {f.name for f in dataclasses.fields(kind)}
+        loaded.fleet = {k: v for k, v in fleet.items() if k in own}
     for group, schemas in (("method", {n: s.config_cls for n, s in load_methods().items()}),
-                           ("strategy", strategy_schemas()), ("dp", dp_schemas())):
+                           ("strategy", strategy_schemas()), ("dp", dp_schemas()),
+                           ("fleet", fleet_kinds())):
         name = loaded.get(group, {}).get("name")
         if group == "strategy" and custom:
             continue

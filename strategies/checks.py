@@ -158,10 +158,9 @@ def _check_clock(cfg: RunConfig, caps: Capabilities) -> None:
         raise ConfigError(f"federation.round_timeout={cfg.federation.round_timeout} is invalid "
                           f"with strategy={name}: it has no rounds to time out (the server "
                           f"applies each buffer as it fills)")
-    if caps.asynchronous and getattr(fleet, "fedscale_semantics", None) == "exact":
-        raise ConfigError(f"fleet.fedscale_semantics=exact is invalid with strategy={name}: "
-                          f"'exact' runs FedScale's synchronous round rule; strategy={name} is "
-                          f"asynchronous")
+    check(not (caps.asynchronous and fleet.exact), "fleet.fedscale_semantics",
+          getattr(fleet, "fedscale_semantics", None),
+          f"'exact' runs FedScale's synchronous round rule; strategy={name} is asynchronous")
     if simulated and cfg.dp.name != "none":
         raise ConfigError(f"dp={cfg.dp.name} is invalid with fleet={fleet.name}: its noise "
                           f"is calibrated to a fixed number of clients per round, and a fleet's "

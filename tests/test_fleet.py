@@ -8,8 +8,15 @@ import math
 import numpy as np
 import pytest
 
-from fedadapt.config import ConfigError, FleetConfig
-from fedadapt.federation.simulation.fleet import Fleet, profiles, read_trace
+from fedadapt.config import ConfigError
+from fedadapt.federation.simulation.fleet import (
+    Fleet,
+    LognormalFleet,
+    TiersFleet,
+    TraceFleet,
+    profiles,
+    read_trace,
+)
 from fedadapt.results.store import read_jsonl
 
 TINY = ["method=linear_head", "backbone=small_cnn", "backbone.image_size=16",
@@ -17,18 +24,18 @@ TINY = ["method=linear_head", "backbone=small_cnn", "backbone.image_size=16",
 
 
 def test_tiers_and_lognormal_profiles_are_seeded_and_shared_as_configured():
-    cfg = FleetConfig(name="tiers", compute=[1e9, 1e10], fractions=[0.25, 0.75])
+    cfg = TiersFleet(compute=[1e9, 1e10], fractions=[0.25, 0.75])
     got = profiles(cfg, 8, seed=3)
     assert [p.tier for p in got].count(0) == 2 and got == profiles(cfg, 8, seed=3)
     assert {p.compute for p in got if p.tier == 1} == {1e10}
     assert got != profiles(cfg, 8, seed=4)
-    logn = profiles(FleetConfig(name="lognormal", compute_median=2e9, compute_sigma=0.5), 4000, 0)
+    logn = profiles(LognormalFleet(compute_median=2e9, compute_sigma=0.5), 4000, 0)
     assert np.median([p.compute for p in logn]) == pytest.approx(2e9, rel=0.05)
     assert np.std(np.log([p.compute for p in logn])) == pytest.approx(0.5, rel=0.05)
 
 
 def _fleet(work, deadline=None, **kw):
-    return Fleet(FleetConfig(name="tiers", compute=[1.0, 10.0], downlink=100.0, uplink=50.0,
+    return Fleet(TiersFleet(compute=[1.0, 10.0], downlink=100.0, uplink=50.0,
                              **kw), len(work), 0, work, deadline=deadline)
 
 
@@ -46,7 +53,7 @@ def test_the_round_drops_late_clients_at_the_deadline_and_keeps_the_first_n():
     fast = [c for c in range(4) if c not in slow]
     dropped, seconds = fleet.round(0.0, fast, {}, {})
     assert dropped == {} and seconds == pytest.approx(2.0)  # ends with the last arrival
-    keep = Fleet(FleetConfig(name="tiers", compute=[1.0, 10.0], keep_first=1), 4, 0, [20.0] * 4,
+    keep = Fleet(TiersFleet(compute=[1.0, 10.0], keep_first=1), 4, 0, [20.0] * 4,
                  deadline=None)
     dropped, seconds = keep.round(0.0, [0, 1, 2, 3], {}, {})
     assert len(dropped) == 3 and set(dropped.values()) == {"discarded"}
@@ -56,7 +63,7 @@ def test_the_round_drops_late_clients_at_the_deadline_and_keeps_the_first_n():
 
 
 def test_on_off_availability_is_seeded_stationary_and_drops_clients_going_offline(tmp_path):
-    cfg = FleetConfig(name="tiers", compute=[1.0], mean_on=30.0, mean_off=10.0)
+    cfg = TiersFleet(compute=[1.0], mean_on=30.0, mean_off=10.0)
     fleet = Fleet(cfg, 400, 0, [1.0] * 400)
     shares = [len(fleet.available(t)) / 400 for t in np.linspace(0, 2000, 41)]
     assert np.mean(shares) == pytest.approx(0.75, abs=0.05)  # mean_on / (mean_on + mean_off)
@@ -75,7 +82,7 @@ def test_a_trace_gives_availability_and_its_bad_input_is_one_line(tmp_path):
     trace.write_text("client,start,end\n0,0,10\n0,5,20\n2,30,40\n")
     spans = read_trace(str(trace), 3)
     assert spans == [[(0.0, 20.0)], [], [(30.0, 40.0)]]
-    fleet = Fleet(FleetConfig(name="trace", compute=[1.0], trace=str(trace)), 3, 0, [1.0] * 3)
+    fleet = Fleet(TraceFleet(compute=[1.0], trace=str(trace)), 3, 0, [1.0] * 3)
     assert fleet.available(10.0) == [0] and fleet.available(25.0) == []
     assert fleet.next_available(25.0) == 30.0 and fleet.next_available(45.0) is None
     for text, says in (("client,start,end\n7,0,1\n", "names client 7, but the run has clients"),
@@ -87,6 +94,57 @@ def test_a_trace_gives_availability_and_its_bad_input_is_one_line(tmp_path):
             read_trace(str(trace), 3)
         assert str(err.value).startswith("fleet.trace=") and says in str(err.value)
         assert "\n" not in str(err.value)
+
+
+def test_a_missing_trace_file_is_refused_by_the_config_with_its_resolved_path(tmp_path,
+                                                                            monkeypatch):
+    """A ``fleet.trace`` (or FedScale file) that is not there is refused when the config is
+    checked, before any data is read, in one line that shows where it was looked for."""
+    from fedadapt.entry import compose_config, to_run_config
+
+    monkeypatch.chdir(tmp_path)
+    for overrides, key in ((["fleet=trace", "fleet.trace=traces/avail.csv"], "fleet.trace"),
+                           (["fleet=fedscale", "fleet.capacity=cap.pkl"], "fleet.capacity"),
+                           (["fleet=fedscale", f"fleet.capacity={__file__}",
+                             "fleet.behaviour=beh.pkl"], "fleet.behaviour")):
+        with pytest.raises(ConfigError) as err:
+            to_run_config(compose_config(["method=linear_head", "backbone=small_cnn",
+                                          *overrides]))
+        wanted = tmp_path / overrides[-1].split("=")[1]
+        assert str(err.value).startswith(f"{key}={overrides[-1].split('=')[1]!r} is invalid: "
+                                         f"no such file: {wanted}"), str(err.value)
+        assert "\n" not in str(err.value)
+
+
+def test_each_fleet_kind_says_what_it_simulates():
+    """The capabilities the code asks instead of a kind's name."""
+    from fedadapt.federation.simulation.fleet import fleet_kinds
+
+    kinds = fleet_kinds()
+    assert list(kinds) == ["none", "tiers", "lognormal", "trace", "fedscale"]
+    assert [k for k, c in kinds.items() if not c.simulated] == ["none"]
+    assert [k for k, c in kinds.items() if c.fedscale_traces] == ["fedscale"]
+    assert [k for k, c in kinds.items() if c.availability_csv] == ["trace"]
+    assert not any(c().exact for c in kinds.values())
+    assert kinds["fedscale"](fedscale_semantics="exact").exact
+
+
+def test_a_run_directorys_config_types_its_fleet_by_its_kind():
+    """``config.yaml`` read back (export): the fleet typed by its kind; one written before the
+    kinds had their own keys (every kind's keys in one node), or with no fleet, still reads."""
+    from omegaconf import OmegaConf
+
+    from fedadapt.entry import compose_config, run_config_from, to_run_config
+
+    cfg = to_run_config(compose_config(["method=linear_head", "backbone=small_cnn",
+                                        "fleet=lognormal", "fleet.compute_sigma=0.3"]))
+    saved = OmegaConf.to_container(OmegaConf.structured(cfg))
+    assert run_config_from(saved).fleet == LognormalFleet(compute_sigma=0.3)
+    saved["fleet"] = {"name": "tiers", "compute": [1.0, 2.0], "trace": None, "capacity": None,
+                      "fedscale_semantics": "fedadapt", "compute_median": 3e9}
+    assert run_config_from(saved).fleet == TiersFleet(compute=[1.0, 2.0])
+    del saved["fleet"]
+    assert not run_config_from(saved).fleet.simulated
 
 
 def test_training_flops_are_counted_by_torchs_flop_counter():
@@ -352,7 +410,7 @@ def test_keep_first_ends_the_round_at_the_nth_of_distinct_arrivals():
     """Pins the fleet's ``keep_first`` off by one (the round ending at the (N+1)-th arrival, or
     keeping N+1): four clients of one speed with works 10, 20, 30, 40 arrive at 1, 2, 3, 4 s;
     ``keep_first=2`` keeps the first two and the round lasts 2 s."""
-    fleet = Fleet(FleetConfig(name="tiers", compute=[10.0], keep_first=2), 4, 0,
+    fleet = Fleet(TiersFleet(compute=[10.0], keep_first=2), 4, 0,
                   [30.0, 10.0, 40.0, 20.0])
     dropped, seconds = fleet.round(0.0, [0, 1, 2, 3], {}, {})
     assert dropped == {0: "discarded", 2: "discarded"}
@@ -365,7 +423,7 @@ def test_a_client_going_offline_ends_the_round_at_its_time_online_after_the_star
     """Pins an offline period ending at ``until`` (an absolute time) instead of ``until -
     start`` (seconds into the round): a round that starts at t > 0 with a client that goes
     offline before it finishes lasts ``until - start``."""
-    cfg = FleetConfig(name="tiers", compute=[1.0], mean_on=30.0, mean_off=10.0)
+    cfg = TiersFleet(compute=[1.0], mean_on=30.0, mean_off=10.0)
     probe = Fleet(cfg, 50, 0, [1.0] * 50)
     start = 100.0
     cid = probe.available(start)[0]
@@ -422,7 +480,7 @@ def test_a_client_that_cannot_finish_trains_the_examples_it_can_by_the_deadline(
     """Worked by hand: 20 examples, 1 FLOP each, 300 bytes down at 100 B/s and 100 up at
     50 B/s (5 s), a deadline of 10 s. The 1 FLOP/s device has 5 s left to train: 5 examples,
     arriving at 10 s. The 10 FLOP/s device trains all 20 (2 s + 5 s)."""
-    cfg = FleetConfig(name="tiers", compute=[1.0, 10.0], downlink=100.0, uplink=50.0,
+    cfg = TiersFleet(compute=[1.0, 10.0], downlink=100.0, uplink=50.0,
                       partial_work=True)
     fleet = Fleet(cfg, 4, 0, [20.0] * 4, deadline=10.0, examples=[20] * 4)
     slow = [c for c, p in enumerate(fleet.profiles) if p.tier == 0]
@@ -553,10 +611,10 @@ def test_training_memory_is_weights_gradients_optimizer_state_and_activations():
 def test_memory_goes_with_compute_and_a_device_too_small_is_never_sampled():
     from fedadapt.federation.simulation.fleet import assign_memory
 
-    cfg = FleetConfig(name="tiers", compute=[1.0, 10.0], memory=[1e3, 5e3, 9e3],
+    cfg = TiersFleet(compute=[1.0, 10.0], memory=[1e3, 5e3, 9e3],
                       memory_fractions=[0.25, 0.5, 0.25])
     assert assign_memory(cfg, [5.0, 1.0, 9.0, 2.0]) == [5e3, 1e3, 9e3, 5e3]
-    cfg = FleetConfig(name="tiers", compute=[1.0, 10.0], memory=[1e3, 9e3])
+    cfg = TiersFleet(compute=[1.0, 10.0], memory=[1e3, 9e3])
     fleet = Fleet(cfg, 4, 0, [1.0] * 4, train_memory=[2e3] * 4)
     slow = [c for c, p in enumerate(fleet.profiles) if p.tier == 0]
     assert [p.memory for p in fleet.profiles] == [1e3 if c in slow else 9e3 for c in range(4)]
@@ -568,7 +626,7 @@ def test_memory_goes_with_compute_and_a_device_too_small_is_never_sampled():
     assert text.startswith("fleet.memory=[1000.0, 9000.0] is invalid: no device can hold")
     assert "\n" not in text
     # a client that does not fit is not waited for: the next start is a fitting one's
-    trace = FleetConfig(name="tiers", compute=[1.0, 10.0], memory=[1e3, 9e3], mean_on=30.0,
+    trace = TiersFleet(compute=[1.0, 10.0], memory=[1e3, 9e3], mean_on=30.0,
                         mean_off=10.0)
     onoff = Fleet(trace, 40, 0, [1.0] * 40, train_memory=[2e3] * 40)
     t = onoff.next_available(0.0)
@@ -604,7 +662,7 @@ def test_a_client_whose_training_does_not_fit_is_not_sampled(tmp_path, cache_dir
 def test_tiers_from_the_fleet_take_the_deepest_exit_that_fits_in_memory(cache_dir):
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import prepare_run
-    from fedadapt.federation.simulation.fleet import _batch_of, _memory_at
+    from fedadapt.federation.simulation.fleet.costs import _batch_of, _memory_at
 
     base = ["method=lw_linear", "backbone=tiny_vit", "dataset.max_samples=300",
             "partition.num_clients=6", "setting=multitier", "setting.tiers_from=fleet",
@@ -627,7 +685,7 @@ def test_tiers_from_the_fleet_take_the_deepest_exit_that_fits_in_memory(cache_di
 def test_fleet_json_describes_each_clients_device_and_work():
     """``fleet.json``: the config, the seed, the deadline, and per client its profile and its
     training FLOPs, as the fleet uses them."""
-    cfg = FleetConfig(name="tiers", compute=[1.0, 10.0], downlink=100.0, uplink=50.0)
+    cfg = TiersFleet(compute=[1.0, 10.0], downlink=100.0, uplink=50.0)
     fleet = Fleet(cfg, 3, 7, [5.0, 6.0, 7.0], deadline=9.0)
     got = fleet.describe()
     assert got["seed"] == 7 and got["deadline_s"] == 9.0 and got["config"]["compute"] == [1.0, 10.0]

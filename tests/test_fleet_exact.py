@@ -8,8 +8,17 @@ import pickle
 import numpy as np
 import pytest
 
-from fedadapt.config import FEDSCALE_TRACES, ConfigError, TrainConfig
+from fedadapt.config import ConfigError, TrainConfig
 from fedadapt.federation.simulation import fleet as F
+from fedadapt.federation.simulation.fleet import (
+    FEDSCALE_TRACES,
+    FedScaleFleet,
+    LognormalFleet,
+    TiersFleet,
+    TraceFleet,
+    costs,
+    traces,
+)
 
 BEHAVE = ("a pickled dict of client id -> {'active': [s], 'inactive': [s], 'finish_time': s, "
           "...} (FedScale's client_behave_trace)")
@@ -132,16 +141,16 @@ def test_numpy_numbers_in_a_trace_are_read_and_nothing_else_of_numpys(tmp_path):
     assert type(next(iter(F.read_capacity(path)))) is int
     with pytest.raises(pickle.UnpicklingError,
                        match=r"^it names numpy\.dtype\('U5'\); only numbers are read$"):
-        F._numeric_dtype("U5")
+        traces._numeric_dtype("U5")
     with pytest.raises(pickle.UnpicklingError, match="only numbers are read"):
-        F._numeric_dtype(3)
-    assert F._numeric_dtype("f8") == np.dtype("f8")
+        traces._numeric_dtype(3)
+    assert traces._numeric_dtype("f8") == np.dtype("f8")
     for dtype, data in ((np.dtype("f8"), b"\x00" * 4), (np.dtype("U1"), b"\x00" * 4),
                         ("f8", b"\x00" * 8), (np.dtype("f8"), "x" * 8)):
         with pytest.raises(pickle.UnpicklingError,
                            match="^it holds a numpy scalar that is not a number$"):
-            F._numeric_scalar(dtype, data)
-    assert F._numeric_scalar(np.dtype("i2"), (7).to_bytes(2, "little")) == 7
+            traces._numeric_scalar(dtype, data)
+    assert traces._numeric_scalar(np.dtype("i2"), (7).to_bytes(2, "little")) == 7
 
 
 def test_each_availability_trace_refusal_is_its_whole_line(tmp_path):
@@ -186,12 +195,13 @@ def test_tiers_from_the_fleet_cost_an_anytime_cap_at_its_exits_mean(cache_dir):
             "partition.num_clients=6", "setting.tiers_from=fleet", "fleet=tiers",
             "fleet.compute=[1e6,1e9]", f"cache_dir={cache_dir}"]
 
-    def config(*more):
-        return to_run_config(compose_config([*base, *more]))
+    def config(*more):  # another fleet kind: tiers' keys are not its keys
+        kept = base if not any(m.startswith("fleet=") for m in more) else base[:-3] + base[-1:]
+        return to_run_config(compose_config([*kept, *more]))
 
     prep = prepare_run(config("setting=anytime", "federation.round_timeout=1e9"), quiet=True)
     spec, model = prep.spec, prep.model
-    one, both = F._flops_at(spec, model, [1]), F._flops_at(spec, model, [0, 1])
+    one, both = costs._flops_at(spec, model, [1]), costs._flops_at(spec, model, [0, 1])
     sizes = [len(c.train) for c in spec.clients]
     assert both * max(sizes) * 1.02 < one * min(sizes)  # room for a deadline between them
     deadline = both * max(sizes) / 1e6 * 1.01
@@ -210,9 +220,9 @@ def test_tiers_from_the_fleet_cost_an_anytime_cap_at_its_exits_mean(cache_dir):
     with open(cap, "wb") as fh:
         pk.dump({1: {"computation": 1.0, "communication": 1e6},
                  2: {"computation": 1000.0, "communication": 1e6}}, fh)
-    whole = F._flops_at(spec, model, None)
+    whole = costs._flops_at(spec, model, None)
     n, epochs = max(sizes), spec.train.local_epochs
-    f0, f1 = F._flops_at(spec, model, [0]), one
+    f0, f1 = costs._flops_at(spec, model, [0]), one
     slow = lambda flops: flops * n * epochs * 3 * 1000.0 / 1000.0 / whole  # noqa: E731
     assert slow(f0) < slow(f1)
     cfg = config("setting=multitier", "fleet=fedscale", f"fleet.capacity={cap}",
@@ -226,7 +236,7 @@ def test_tiers_from_the_fleet_cost_an_anytime_cap_at_its_exits_mean(cache_dir):
     fixed, per = F.train_memory_bytes(model, spec.train_source, first_train_index(spec), 1,
                                       device=spec.device, precision=spec.precision,
                                       optimizer_states=F.optimizer_states(spec.train))
-    assert per > 0 and F._memory_at(spec, model, [1], 7) == fixed + 7 * per
+    assert per > 0 and costs._memory_at(spec, model, [1], 7) == fixed + 7 * per
 
 
 def test_partial_work_is_the_most_examples_that_arrive_by_the_deadline():
@@ -237,14 +247,12 @@ def test_partial_work_is_the_most_examples_that_arrive_by_the_deadline():
     time left, the examples it buys, and the bounds of the loop that trims a rounding. (It found
     one short: 0.8 s left at 7.5 FLOP/s and 1 FLOP an example is 5.999... examples in floating
     point, and the sixth, ending at 4.0 s of a 4.0 s deadline, was not trained.)"""
-    from fedadapt.config import FleetConfig
-
     rng = np.random.default_rng(0)
     for trial in range(200):
         compute = float(rng.choice([1.0, 3.0, 7.5]))
         n = int(rng.integers(1, 30))
         work = float(rng.choice([1.0, 2.5, 4.0])) * n
-        cfg = FleetConfig(name="tiers", compute=[compute], downlink=float(rng.choice([50, 100])),
+        cfg = TiersFleet(compute=[compute], downlink=float(rng.choice([50, 100])),
                           uplink=float(rng.choice([20, 50])), partial_work=True)
         deadline = float(rng.choice([0.5, 2.0, 4.0, 8.0, 12.0, work / compute + 3.0]))
         down, up = int(rng.integers(0, 300)), int(rng.integers(0, 100))
@@ -269,8 +277,6 @@ def test_a_cycle_that_ends_available_joins_the_next_from_every_start(tmp_path):
     into the next one from [90, 100) (the two join across the cycle's end), for any order of
     questions (each question draws cycles on from the ones drawn before). Pins the join
     written to another interval than the last or from another interval's start."""
-    from fedadapt.config import FleetConfig
-
     cap = pickled(tmp_path, {1: {"computation": 1.0, "communication": 1.0}}, "cap.pkl")
     beh = pickled(tmp_path, {1: {"active": [0, 90], "inactive": [30, 100], "finish_time": 100,
                                  "duration": 1, "model": "m"}}, "beh.pkl")
@@ -282,7 +288,7 @@ def test_a_cycle_that_ends_available_joins_the_next_from_every_start(tmp_path):
     times = [0.0, 10.0, 29.9, 30.0, 50.0, 89.9, 90.0, 95.0, 100.0, 110.0, 129.9, 130.0, 190.0,
              205.0, 229.0, 230.0, 395.0, 410.0]
     for order in (times, times[::-1], times[::3] + times[1::3] + times[2::3]):
-        fleet = Fleet(FleetConfig(name="fedscale", capacity=cap, behaviour=beh), 1, 0, [1.0])
+        fleet = Fleet(FedScaleFleet(capacity=cap, behaviour=beh), 1, 0, [1.0])
         assert [fleet.online_until(0, t) for t in order] == [want(t) for t in order]
 
 
@@ -318,11 +324,9 @@ def test_interval_ends_are_open_and_touching_intervals_join(tmp_path):
     """An interval ``[a, b)``: a client is online at ``a``, not at ``b``; work ending exactly at
     ``b`` finishes online; ``[0, 1)`` and ``[1, 2)`` in a trace are one interval. Pins ``<=``
     at the end, ``>=`` for the work's end, and touching intervals kept apart."""
-    from fedadapt.config import FleetConfig
-
     trace = tmp_path / "trace.csv"
     trace.write_text("client,start,end\n0,0,1\n0,1,2\n0,10,30\n")
-    fleet = Fleet(FleetConfig(name="trace", trace=str(trace)), 1, 0, [1.0])
+    fleet = Fleet(TraceFleet(trace=str(trace)), 1, 0, [1.0])
     assert F.read_trace(str(trace), 1) == [[(0.0, 2.0), (10.0, 30.0)]]
     assert fleet.online_until(0, 0.5) == 2.0 and fleet.online_until(0, 10.0) == 30.0
     assert fleet.online_until(0, 30.0) is None and fleet.online_until(0, 2.0) is None
@@ -334,10 +338,8 @@ def test_on_off_availability_starts_on_with_the_stationary_share():
     """On/off availability: each client starts on with probability ``mean_on / (mean_on +
     mean_off)`` (the stationary share), so about a quarter of 400 clients at 1 s on, 3 s off
     (seeded: exactly the same clients each time). Pins the share computed otherwise."""
-    from fedadapt.config import FleetConfig
-
     def on_at_start(seed):
-        fleet = Fleet(FleetConfig(name="tiers", compute=[1.0], mean_on=1.0, mean_off=3.0), 400,
+        fleet = Fleet(TiersFleet(compute=[1.0], mean_on=1.0, mean_off=3.0), 400,
                       seed, [1.0] * 400)
         return fleet.available(0.0)
 
@@ -350,19 +352,17 @@ def test_fleet_json_names_each_clients_device_and_the_traces_notes(tmp_path):
     and fit where memory is capped, FedScale's reference FLOPs for a FedScale fleet only; a
     behaviour trace with fewer entries than clients is noted naming its key, with no capacity
     trace too. Pins those keys' names and conditions, and the note skipped."""
-    from fedadapt.config import FleetConfig
-
     beh = pickled(tmp_path, {1: {"active": [0], "inactive": [5], "finish_time": 10}}, "b.pkl")
     cap = pickled(tmp_path, {i: {"computation": 1.0, "communication": 1.0} for i in range(3)},
                   "c.pkl")
-    fleet = Fleet(FleetConfig(name="fedscale", capacity=cap, behaviour=beh), 3, 0, [1.0] * 3)
+    fleet = Fleet(FedScaleFleet(capacity=cap, behaviour=beh), 3, 0, [1.0] * 3)
     described = fleet.describe()
     assert described["reference_flops"] == 1.0
     assert all("tier" in row for row in described["clients"])
     assert described["notes"] == fleet.notes() == [
         "fleet=fedscale: 3 clients and 1 entries in fleet.behaviour: entries are reused (a "
         "seeded draw; each by at most 3 clients)"]
-    tiers = Fleet(FleetConfig(name="tiers", compute=[1.0, 2.0], memory=[1e6, 2e6]), 2, 0,
+    tiers = Fleet(TiersFleet(compute=[1.0, 2.0], memory=[1e6, 2e6]), 2, 0,
                   [1.0] * 2, train_memory=[5e5, 3e6])
     rows = tiers.describe()["clients"]
     assert "reference_flops" not in tiers.describe()
@@ -376,7 +376,7 @@ def test_a_client_of_one_example_trains_batches_of_one():
     from types import SimpleNamespace as NS
 
     spec = NS(train=NS(batch_size=10))
-    assert [F._batch_of(spec, NS(train=list(range(n)))) for n in (0, 1, 4, 30)] == [1, 1, 4, 10]
+    assert [costs._batch_of(spec, NS(train=list(range(n)))) for n in (0, 1, 4, 30)] == [1, 1, 4, 10]
 
 
 def test_a_trace_with_a_persistent_id_is_refused(tmp_path):
@@ -392,9 +392,7 @@ def test_lognormal_devices_are_the_documented_seeded_draws():
     """``fleet=lognormal``: compute, downlink and uplink are their medians times ``exp(sigma x
     z)``, the z drawn in that order from the profile stream ``[seed, PROFILE_STREAM]`` (one per
     client each). Pins a median divided, and ``sigma / z``."""
-    from fedadapt.config import FleetConfig
-
-    cfg = FleetConfig(name="lognormal", compute_median=2e9, compute_sigma=0.5, downlink=1e6,
+    cfg = LognormalFleet(compute_median=2e9, compute_sigma=0.5, downlink=1e6,
                       uplink=5e5, bandwidth_sigma=0.3)
     rng = np.random.default_rng([4, F.PROFILE_STREAM])
     c, d, u = (rng.standard_normal(5) for _ in range(3))
@@ -408,21 +406,19 @@ def test_a_fleet_refuses_what_it_cannot_simulate_in_its_words():
     """A deadline no device meets (whole work, or one example with ``fleet.partial_work``; met
     exactly is met), memory no device holds (in MiB), and the programming errors' words: pins
     the bounds, the numbers' units and each message."""
-    from fedadapt.config import FleetConfig
-
-    tiers = FleetConfig(name="tiers", compute=[1.0, 2.0])
+    tiers = TiersFleet(compute=[1.0, 2.0])
     Fleet(tiers, 2, 0, [10.0, 10.0], deadline=5.0)  # the fast device: 10 / 2 = 5 s, exactly
     with pytest.raises(ConfigError) as err:
         Fleet(tiers, 2, 0, [10.0, 10.0], deadline=4.0)
     assert str(err.value) == ("federation.round_timeout=4.0 is invalid with fleet=tiers: no "
                               "client can meet it (the fastest needs 5 simulated seconds to "
                               "train, before any bytes travel)")
-    partial = FleetConfig(name="tiers", compute=[1.0, 2.0], partial_work=True)
+    partial = TiersFleet(compute=[1.0, 2.0], partial_work=True)
     Fleet(partial, 2, 0, [10.0, 10.0], deadline=0.5, examples=[10, 10])  # one example: 0.5 s
     with pytest.raises(ConfigError, match="the fastest needs 0.5 simulated seconds to train "
                                           "one example, before"):
         Fleet(partial, 2, 0, [10.0, 10.0], deadline=0.4, examples=[10, 10])
-    capped = FleetConfig(name="tiers", compute=[1.0, 2.0], memory=[2**20, 2**21])
+    capped = TiersFleet(compute=[1.0, 2.0], memory=[2**20, 2**21])
     with pytest.raises(ConfigError) as err:
         Fleet(capped, 2, 0, [1.0, 1.0], train_memory=[3 * 2**20, 4 * 2**20])
     assert str(err.value) == ("fleet.memory=[1048576, 2097152] is invalid: no device can hold "
@@ -450,12 +446,10 @@ def test_partial_work_trims_an_estimate_one_past_the_deadline():
     turn it round, or ask with other bytes: the brute force above never overshoots)."""
     import math
 
-    from fedadapt.config import FleetConfig
-
     for (compute, link, n, per_example, down, up, deadline, bought, trained) in (
             (7.5, 10.0, 48, 12.0, 42, 44, 15.0, 4, 3), (7.5, 10.0, 48, 48.0, 42, 44, 15.0, 1, 0),
             (0.3, 3.0, 3, 1.2, 46, 8, 30.0, 3, 2)):
-        cfg = FleetConfig(name="tiers", compute=[compute], downlink=link, uplink=link,
+        cfg = TiersFleet(compute=[compute], downlink=link, uplink=link,
                           partial_work=True)
         fleet = Fleet(cfg, 1, 0, [n * per_example], deadline=deadline, examples=[n])
         left = deadline - down / link - up / link
@@ -470,9 +464,7 @@ def test_partial_work_by_hand_at_exactly_the_deadline():
     examples (5 s + 1 s + 1 s, exactly 7 s); 70 bytes down alone take the deadline: none; 2 s of
     bytes leave all 10 to fit a 12 s deadline. Pins the terms of the time left and the
     bounds at equality."""
-    from fedadapt.config import FleetConfig
-
-    cfg = FleetConfig(name="tiers", compute=[1.0], downlink=10.0, uplink=10.0,
+    cfg = TiersFleet(compute=[1.0], downlink=10.0, uplink=10.0,
                       partial_work=True)
     exact = Fleet(cfg, 1, 0, [10.0], deadline=7.0, examples=[10])
     assert exact.partial_examples(0, 10, 10) == 5

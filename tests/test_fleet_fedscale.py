@@ -11,8 +11,14 @@ import pickle
 import numpy as np
 import pytest
 
-from fedadapt.config import ConfigError, FleetConfig
-from fedadapt.federation.simulation.fleet import Fleet, draw_entries, read_behaviour, read_capacity
+from fedadapt.config import ConfigError
+from fedadapt.federation.simulation.fleet import (
+    FedScaleFleet,
+    Fleet,
+    draw_entries,
+    read_behaviour,
+    read_capacity,
+)
 from fedadapt.results.store import read_jsonl
 
 #: Six devices as FedScale's client_device_capacity holds them (ids from 1, floats).
@@ -39,7 +45,7 @@ def test_capacity_is_ms_per_sample_times_three_and_kbps_both_ways(tmp_path):
     """A client's time by hand: 3 x its ms per sample x the examples it trains / 1000, plus
     the kbit it receives and sends (bytes / 1024 * 8, as FedScale sizes a model) over its
     kbit/s. The run's reference FLOPs (its model's own training step) scale out."""
-    cfg = FleetConfig(name="fedscale", capacity=_pickle(tmp_path / "cap", CAPACITY))
+    cfg = FedScaleFleet(capacity=_pickle(tmp_path / "cap", CAPACITY))
     reference = 7.5e6  # FLOPs per example of the model's own training step
     examples = [40, 25, 60, 10, 33, 8]
     fleet = Fleet(cfg, 6, 0, [reference * n * 2 for n in examples], reference_flops=reference)
@@ -57,7 +63,7 @@ def test_capacity_is_ms_per_sample_times_three_and_kbps_both_ways(tmp_path):
 
 
 def test_availability_cycles_with_finish_time(tmp_path):
-    cfg = FleetConfig(name="fedscale", capacity=_pickle(tmp_path / "cap", CAPACITY),
+    cfg = FedScaleFleet(capacity=_pickle(tmp_path / "cap", CAPACITY),
                       behaviour=_pickle(tmp_path / "beh", BEHAVIOUR))
     fleet = Fleet(cfg, 6, 0, [1.0] * 6)
     on = [c for c, p in enumerate(fleet.profiles) if p.behaviour_id == 3834]
@@ -74,12 +80,12 @@ def test_availability_cycles_with_finish_time(tmp_path):
     assert fleet.available(40.0) == sorted(always)
     assert fleet.offline_before(c, 15.0, 10.0) is None  # 15 + 10 < 30
     assert fleet.offline_before(c, 15.0, 20.0) == 30.0
-    only = Fleet(FleetConfig(name="fedscale", capacity=cfg.capacity,
+    only = Fleet(FedScaleFleet(capacity=cfg.capacity,
                              behaviour=_pickle(tmp_path / "one", {3834: BEHAVIOUR[3834]})),
                  6, 0, [1.0] * 6)
     assert only.next_available(40.0) == 60.0 and only.next_available(95.0) == 110.0
     # an interval to the cycle's end joins the next cycle's from 0: one interval, 90 -> 130
-    wrap = Fleet(FleetConfig(name="fedscale", capacity=cfg.capacity, behaviour=_pickle(
+    wrap = Fleet(FedScaleFleet(capacity=cfg.capacity, behaviour=_pickle(
         tmp_path / "wrap", {1: {"active": [0, 90], "inactive": [30, 100], "finish_time": 100,
                                 "duration": 1, "model": "m"}})), 2, 0, [1.0] * 2)
     assert wrap.online_until(0, 95.0) == 130.0 and wrap.online_until(0, 4995.0) == 5030.0
@@ -94,7 +100,7 @@ def test_clients_get_entries_by_a_seeded_draw_and_reuse_is_said(tmp_path):
     assert a != draw_entries(keys, 4, np.random.default_rng(1))
     many = draw_entries(keys, 25, np.random.default_rng(0))  # more clients than entries
     assert sorted(np.unique(many, return_counts=True)[1]) == [2] * 5 + [3] * 5
-    cfg = FleetConfig(name="fedscale", capacity=_pickle(tmp_path / "cap", CAPACITY))
+    cfg = FedScaleFleet(capacity=_pickle(tmp_path / "cap", CAPACITY))
     fleet = Fleet(cfg, 14, 3, [1.0] * 14)
     (note,) = fleet.notes()
     assert "14 clients and 6 entries in fleet.capacity: entries are reused" in note

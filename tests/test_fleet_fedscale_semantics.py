@@ -9,9 +9,10 @@ import random
 import numpy as np
 import pytest
 
-from fedadapt.config import ConfigError, FleetConfig
+from fedadapt.config import ConfigError
 from fedadapt.federation.simulation.fleet import (
     FEDSCALE_MISSING_SPEEDS,
+    FedScaleFleet,
     FedScaleTrace,
     Fleet,
     charged_samples,
@@ -178,7 +179,7 @@ def _pickle(path, data) -> str:
 
 
 def _exact(tmp_path, num_clients, seed=0, target=3, batch=20, steps=5, behaviour=True):
-    cfg = FleetConfig(name="fedscale", fedscale_semantics="exact",
+    cfg = FedScaleFleet(fedscale_semantics="exact",
                       capacity=_pickle(tmp_path / "client_device_capacity", CAPACITY),
                       behaviour=(_pickle(tmp_path / "client_behave_trace", BEHAVIOUR)
                                  if behaviour else None))
@@ -268,7 +269,7 @@ def read_fixture(cid: int):
 def test_fedadapts_default_reading_differs_on_the_same_queries(tmp_path):
     """The two readings of the same files are not the same availability: the default
     (half-open, merged, stateless intervals) disagrees with FedScale's on some queries."""
-    cfg = FleetConfig(name="fedscale", capacity=_pickle(tmp_path / "cap", CAPACITY),
+    cfg = FedScaleFleet(capacity=_pickle(tmp_path / "cap", CAPACITY),
                       behaviour=_pickle(tmp_path / "beh", BEHAVIOUR))
     default = Fleet(cfg, 6, 0, [1.0] * 6)
     exact = _exact(tmp_path, 6)
@@ -343,7 +344,7 @@ class _Train:
     (None, 5, 32 * 1 * 2),  # a short last batch is charged as a whole one
 ])
 def test_the_samples_charged_are_batch_times_steps(local_steps, examples, samples):
-    cfg = FleetConfig(name="fedscale", fedscale_semantics="exact", capacity="x",
+    cfg = FedScaleFleet(fedscale_semantics="exact", capacity="x",
                       local_steps=local_steps)
     assert charged_samples(cfg, _Train, examples) == samples
 
@@ -415,7 +416,7 @@ def test_no_client_kept_ends_at_the_last_sampled_completion(tmp_path):
     # one entry: k % 1 = 0 for every client, so the capacity key is 0
     cap = _pickle(tmp_path / "cap", {0: {"computation": 1000.0, "communication": 1000.0}})
     beh = _pickle(tmp_path / "beh", {1: {"active": [0], "inactive": [10], "finish_time": 100}})
-    cfg = FleetConfig(name="fedscale", fedscale_semantics="exact", capacity=cap, behaviour=beh)
+    cfg = FedScaleFleet(fedscale_semantics="exact", capacity=cap, behaviour=beh)
     fleet = Fleet(cfg, 2, 0, [1.0, 1.0], target=1, samples=[10, 10])  # 30 s each
     assert fleet.next_available(50.0) is None  # 50 is past [0, 10]
     dropped, seconds = fleet.round(100.0, [0, 1], {}, {})
@@ -426,13 +427,24 @@ def test_no_client_kept_ends_at_the_last_sampled_completion(tmp_path):
 
 # -- bad input --------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("overrides, says", [
+    (["fleet=tiers", "fleet.fedscale_semantics=exact"],
+     "fleet.fedscale_semantics is not a key of fleet=tiers"),
+    (["fleet.fedscale_semantics=exact"], "fleet.fedscale_semantics is not a key of fleet=none"),
+    (["fleet=tiers", "fleet.local_steps=20"], "fleet.local_steps is not a key of fleet=tiers"),
+])
+def test_a_fedscale_key_on_another_fleet_is_not_its_key(overrides, says):
+    """Each fleet kind has its own keys: FedScale's are refused on another kind, in one line."""
+    from fedadapt.cli import config_problem
+
+    text = config_problem(["method=linear_head", "backbone=small_cnn", *overrides])
+    assert text.startswith(says) and "\n" not in text, text
+
+
 @pytest.mark.parametrize("overrides, key", [
-    (["fleet=tiers", "fleet.fedscale_semantics=exact"], "fleet.fedscale_semantics='exact'"),
-    (["fleet.fedscale_semantics=exact"], "fleet.fedscale_semantics='exact'"),
     (["fleet=fedscale", "fleet.capacity=c", "fleet.fedscale_semantics=stateful"],
      "fleet.fedscale_semantics='stateful'"),
     (["fleet=fedscale", "fleet.capacity=c", "fleet.local_steps=20"], "fleet.local_steps=20"),
-    (["fleet=tiers", "fleet.local_steps=20"], "fleet.local_steps=20"),
     (["fleet=fedscale", "fleet.capacity=c", "fleet.fedscale_semantics=exact",
       "fleet.local_steps=0"], "fleet.local_steps=0"),
     (["fleet=fedscale", "fleet.capacity=c", "fleet.fedscale_semantics=exact",
@@ -443,7 +455,8 @@ def test_no_client_kept_ends_at_the_last_sampled_completion(tmp_path):
       "fleet.memory=[1e9]"], "fleet.memory=[1000000000.0]"),
     (["fleet=fedscale", "fleet.capacity=c", "fleet.fedscale_semantics=exact",
       "federation.round_timeout=60"], "federation.round_timeout=60.0"),
-    (["fleet=fedscale", "fleet.capacity=c", "fleet.fedscale_semantics=exact",
+    # the fleet's own keys are checked first (its file exists), then the strategy against it
+    (["fleet=fedscale", f"fleet.capacity={__file__}", "fleet.fedscale_semantics=exact",
       "strategy=fedbuff"], "fleet.fedscale_semantics='exact'"),
 ])
 def test_an_exact_mode_key_out_of_place_is_one_line_naming_it(overrides, key):
@@ -456,8 +469,8 @@ def test_an_exact_mode_key_out_of_place_is_one_line_naming_it(overrides, key):
 
 
 def test_the_default_is_fedadapts_reading(tmp_path):
-    assert FleetConfig().fedscale_semantics == "fedadapt" and FleetConfig().local_steps is None
-    cfg = FleetConfig(name="fedscale", capacity=_pickle(tmp_path / "cap", CAPACITY))
+    assert FedScaleFleet().fedscale_semantics == "fedadapt" and FedScaleFleet().local_steps is None
+    cfg = FedScaleFleet(capacity=_pickle(tmp_path / "cap", CAPACITY))
     assert not Fleet(cfg, 3, 0, [1.0] * 3).exact
 
 

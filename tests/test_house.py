@@ -147,3 +147,40 @@ def test_the_core_never_names_a_family():
                  REPO / "clients" / "app.py"):
         hits = [line for line in path.read_text().splitlines() if names.search(line)]
         assert not hits, (path.name, hits)
+
+
+def test_no_kind_is_asked_its_name():
+    """Strategies, settings, fleets and methods are asked for their capabilities, never
+    compared with one of their names, outside the module that registers them (a comparison
+    with ``"<name>"`` or a tuple of names)."""
+    from fedadapt.adapters import load_methods
+    from fedadapt.config import SETTINGS
+    from fedadapt.strategies.registry import STRATEGIES
+
+    from fedadapt.federation.simulation.fleet.kinds import fleet_kinds
+
+    fleets = set(fleet_kinds()) - {"none"}  # "none" is every group's off switch
+    names = set(STRATEGIES) | set(SETTINGS) | fleets | set(load_methods()) | {"custom"}
+    registers = {"fedadapt.strategies.registry"}
+
+    def literals(node) -> set[str]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return {node.value}
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return set().union(*(literals(e) for e in node.elts)) if node.elts else set()
+        return set()
+
+    found = []
+    for name, path in modules().items():
+        if name in registers:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                hit = set().union(*(literals(x) for x in sides)) & names
+                asked = any(re.search(r"name|strategy|setting|fleet|method", ast.unparse(x))
+                            for x in sides if not literals(x))
+                if hit and asked:
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno} compares with "
+                                 f"{sorted(hit)}")
+    assert not found, "\n".join(found)

@@ -24,8 +24,8 @@ from flwr.app import (
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from fedadapt.config import ConfigError, FleetConfig, PartitionConfig
-from fedadapt.federation.simulation.fleet import Fleet, read_trace
+from fedadapt.config import ConfigError, PartitionConfig
+from fedadapt.federation.simulation.fleet import Fleet, fleet_kinds, read_trace
 from fedadapt.federation.wire.grid import node_id
 from fedadapt.strategies.fedavg import PerTensorFedAvg
 from fedadapt.strategies.fedbuff import FedBuff
@@ -420,16 +420,16 @@ def fleets(draw):
     kind = draw(st.sampled_from(["tiers", "lognormal"]))
     if kind == "tiers":
         compute = draw(st.lists(st.floats(1.0, 1e3), min_size=1, max_size=3))
-        cfg = dict(name="tiers", compute=compute)
+        cfg = dict(compute=compute)
     else:
-        cfg = dict(name="lognormal", compute_median=draw(st.floats(1.0, 1e3)),
+        cfg = dict(compute_median=draw(st.floats(1.0, 1e3)),
                    compute_sigma=draw(st.floats(0.0, 1.5)),
                    bandwidth_sigma=draw(st.floats(0.0, 1.5)))
     if draw(st.booleans()):
         cfg.update(mean_on=draw(st.floats(1.0, 50.0)), mean_off=draw(st.floats(1.0, 50.0)))
     keep = draw(st.one_of(st.none(), st.integers(1, n)))
-    fleet_cfg = FleetConfig(**cfg, downlink=draw(st.floats(1.0, 1e4)),
-                            uplink=draw(st.floats(1.0, 1e4)), keep_first=keep)
+    fleet_cfg = fleet_kinds()[kind](**cfg, downlink=draw(st.floats(1.0, 1e4)),
+                                    uplink=draw(st.floats(1.0, 1e4)), keep_first=keep)
     work = draw(st.lists(st.floats(0.0, 1e4), min_size=n, max_size=n))
     deadline = draw(st.one_of(st.none(), st.floats(1.0, 1e4)))
     seed = draw(st.integers(0, 2**20))

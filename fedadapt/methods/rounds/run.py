@@ -617,7 +617,7 @@ def _make(cfg: RunConfig, num_clients: int, federated: bool = True, ranks=None,
     ranks = ranks or [global_rank] * num_clients
     # fleet.fedscale_semantics=exact: the fleet over-selects as FedScale does (Fleet.select)
     # and the strategy trains every client it is offered
-    exact = cfg.fleet.name == "fedscale" and cfg.fleet.fedscale_semantics == "exact"
+    exact = cfg.fleet.exact
     return build_strategy(cfg.strategy, cfg.dp, num_clients=num_clients,
                           fraction_train=1.0 if exact else p.fraction_fit,
                           fraction_evaluate=p.fraction_evaluate,
