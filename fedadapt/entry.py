@@ -105,9 +105,9 @@ def run_config_from(data) -> RunConfig:
 
     from fedadapt.adapters import load_methods
     from fedadapt.config import ConfigError, validate
+    from fedadapt.federation.simulation.fleet.kinds import fleet_kinds
     from fedadapt.strategies import checks  # noqa: F401 - registers the strategy's checks
     from fedadapt.strategies.registry import CUSTOM, dp_schemas, strategy_schemas
-    from fedadapt.federation.simulation.fleet.kinds import fleet_kinds
 
     loaded = OmegaConf.load(data) if not isinstance(data, (dict, DictConfig)) else \
         OmegaConf.create(data)

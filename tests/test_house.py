@@ -155,9 +155,8 @@ def test_no_kind_is_asked_its_name():
     with ``"<name>"`` or a tuple of names)."""
     from fedadapt.adapters import load_methods
     from fedadapt.config import SETTINGS
-    from fedadapt.strategies.registry import STRATEGIES
-
     from fedadapt.federation.simulation.fleet.kinds import fleet_kinds
+    from fedadapt.strategies.registry import STRATEGIES
 
     fleets = set(fleet_kinds()) - {"none"}  # "none" is every group's off switch
     names = set(STRATEGIES) | set(SETTINGS) | fleets | set(load_methods()) | {"custom"}
