@@ -497,7 +497,25 @@ class TrackingConfig:
 
 
 @dataclass
-class OriginalConfig:
+class ServerTrainConfig:
+    """How a model trained on the server is trained: the original model (``original.*``) and
+    the modules of the server-trained methods (ICIIA, DUET, CDC-MMPG: ``method.*``), each with
+    its paper's values (:func:`check_server_train` checks them)."""
+
+    #: The learning rate (SGD's for the original model and ICIIA, AdamW's for DUET and CDC-MMPG).
+    lr: float = 0.01
+    #: SGD's momentum (DUET and CDC-MMPG train with AdamW: only 0).
+    momentum: float = 0.0
+    #: L2 weight decay (AdamW's decoupled decay for DUET and CDC-MMPG).
+    weight_decay: float = 0.0
+    #: Up to ``max_epochs``, stopped after ``patience`` epochs without a better validation
+    #: score; the best epoch's weights are kept.
+    max_epochs: int = 100
+    patience: int = 10
+
+
+@dataclass
+class OriginalConfig(ServerTrainConfig):
     """The *original model* of the server-trained methods (ICIIA, DUET, CDC-MMPG): the backbone's
     classifier they start from and are compared with, trained on the server from the training
     clients' pooled data (never the validation or test clients'), by
@@ -515,17 +533,12 @@ class OriginalConfig:
     """
 
     train_backbone: bool = False
-    #: SGD learning rate of the classifier; the backbone's is ``lr * backbone_lr_scale``
-    #: (ICIIA's authors fine-tune a pretrained EfficientNet at a tenth of the head's).
-    lr: float = 0.01
+    #: SGD: ``lr`` is the classifier's learning rate, the backbone's is ``lr *
+    #: backbone_lr_scale`` (ICIIA's authors fine-tune a pretrained EfficientNet at a tenth of
+    #: the head's).
     backbone_lr_scale: float = 1.0
-    momentum: float = 0.0
     weight_decay: float = 5e-4
     batch_size: int = 32
-    #: Up to ``max_epochs``, stopped after ``patience`` epochs without a better validation
-    #: accuracy; the best epoch's weights are kept.
-    max_epochs: int = 100
-    patience: int = 10
     #: The learning rates are multiplied by ``lr_decay`` every ``decay_every`` epochs.
     lr_decay: float = 1.0
     decay_every: int = 1
@@ -789,13 +802,22 @@ def _validate_federation(f: FederationConfig, method: MethodConfig) -> None:
            "must be >= 0")
 
 
+def check_server_train(t: ServerTrainConfig, prefix: str) -> None:
+    """The domains of the server training keys, named ``<prefix>.<key>``."""
+    check(math.isfinite(t.lr) and t.lr > 0, f"{prefix}.lr", t.lr, "must be > 0")
+    check(0 <= t.momentum < 1, f"{prefix}.momentum", t.momentum, "must be in [0, 1)")
+    check(math.isfinite(t.weight_decay) and t.weight_decay >= 0, f"{prefix}.weight_decay",
+          t.weight_decay, "must be >= 0")
+    for key in ("max_epochs", "patience"):
+        check(getattr(t, key) >= 1, f"{prefix}.{key}", getattr(t, key), "must be >= 1")
+
+
 def _validate_original(o: OriginalConfig) -> None:
-    for key in ("lr", "weight_decay", "backbone_lr_scale", "lr_decay"):
+    check_server_train(o, "original")
+    for key in ("backbone_lr_scale", "lr_decay"):
         value = getattr(o, key)
-        check(math.isfinite(value) and value >= 0 and (key != "lr" or value > 0),
-              f"original.{key}", value, "must be > 0" if key == "lr" else "must be >= 0")
-    check(0 <= o.momentum < 1, "original.momentum", o.momentum, "must be in [0, 1)")
-    for key in ("batch_size", "max_epochs", "patience", "decay_every"):
+        check(math.isfinite(value) and value >= 0, f"original.{key}", value, "must be >= 0")
+    for key in ("batch_size", "decay_every"):
         check(getattr(o, key) >= 1, f"original.{key}", getattr(o, key), "must be >= 1")
 
 

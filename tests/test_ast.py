@@ -112,8 +112,8 @@ def test_counts_from_the_architecture():
     """AST with DeiT-S's sizes: DeiT-S (21,665,664 without head) with a one-channel patch
     kernel (-2 x 384 x 256), a distillation token (+384) and 146 instead of 197 position
     embeddings (-51 x 384)."""
+    from fedadapt.counts import inspect_run
     from fedadapt.entry import compose_config, to_run_config
-    from fedadapt.inspect import inspect_run
 
     run = to_run_config(compose_config(["method=accumulator", "backbone=ast_deit_small",
                                         "dataset=speech_commands"]))

@@ -124,7 +124,7 @@ def test_report_needs_complete_runs(tmp_path):
 @pytest.mark.slow
 def test_inspect_counts_from_architecture_alone():
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-c", "from fedadapt.inspect import main; main()",
+    out = subprocess.run([sys.executable, "-c", "from fedadapt.counts import main; main()",
                           "method=linear_head", "backbone=deit_small", "dataset=cifar100"],
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]

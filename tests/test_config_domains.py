@@ -97,3 +97,21 @@ def test_a_keys_own_rule_is_named_before_the_rule_of_every_number():
     with pytest.raises(ConfigError, match=r"^method\.ranks=\[-2, 4\] is invalid: LoRA ranks, "
                                           r"each an integer >= 1"):
         validate(cfg)
+
+
+def test_the_server_trained_models_share_one_schema_with_their_papers_defaults():
+    """``original.*`` and ICIIA's, DUET's and CDC-MMPG's ``method.*`` server training keys are one
+    :class:`ServerTrainConfig`, each with its own defaults; AdamW's methods refuse a momentum."""
+    from fedadapt.config import OriginalConfig, ServerTrainConfig
+
+    methods = load_methods()
+    shared = ("lr", "momentum", "weight_decay", "max_epochs", "patience")
+    expected = {"original": (0.01, 0.0, 5e-4, 100, 10), "iciia": (0.01, 0.0, 0.0, 100, 10),
+                "duet": (1e-3, 0.0, 0.0, 50, 5), "cdc_mmpg": (1e-4, 0.0, 0.01, 40, 5)}
+    for name, values in expected.items():
+        cfg = OriginalConfig() if name == "original" else methods[name].config_cls()
+        assert isinstance(cfg, ServerTrainConfig)
+        assert tuple(getattr(cfg, key) for key in shared) == values, name
+    cfg = base(methods["duet"].config_cls(momentum=0.9))
+    with pytest.raises(ConfigError, match=r"^method\.momentum=0\.9 is invalid: must be 0"):
+        validate(cfg)

@@ -700,8 +700,8 @@ def test_inspect_counts_duet(overrides, hidden):
     """``fedadapt-inspect method=duet``: what travels is one set of dynamic layers (D*C + C for
     hidden []); the generator is what trains. (small_cnn: a random backbone, no download; the
     digits card is read, not the data.)"""
+    from fedadapt.counts import inspect_run
     from fedadapt.entry import compose_config, to_run_config
-    from fedadapt.inspect import inspect_run
 
     run = to_run_config(compose_config(["method=duet", "backbone=small_cnn", "dataset=digits",
                                         *overrides]))
@@ -726,8 +726,8 @@ def test_inspect_counts_duet(overrides, hidden):
 def test_inspect_counts_cdc_mmpg(preset):
     """CDC-MMPG and F-hyper send one linear layer D -> C; ADR's parameters count only with
     ADR and belong to the trained generator."""
+    from fedadapt.counts import inspect_run
     from fedadapt.entry import compose_config, to_run_config
-    from fedadapt.inspect import inspect_run
 
     run = to_run_config(compose_config([f"method={preset}", "backbone=small_cnn",
                                         "dataset=digits"]))

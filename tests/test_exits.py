@@ -9,10 +9,10 @@ from fedadapt.adapters import build_model
 from fedadapt.adapters.exits import AccumulatorConfig, LwLinearConfig, LwMlpConfig
 from fedadapt.backbones import build_backbone
 from fedadapt.config import BackboneConfig, ConfigError
+from fedadapt.counts import inspect_run
 from fedadapt.entry import compose_config, to_run_config
 from fedadapt.experiment import prepare_run, run_experiment
 from fedadapt.federation.simulation.inprocess import run_in_process
-from fedadapt.inspect import inspect_run
 from fedadapt.results.store import read_jsonl
 
 TINY_VIT = BackboneConfig(name="tiny_vit", family="vit", image_size=32, arch=dict(

@@ -30,8 +30,8 @@ def test_attai_shape_and_parameter_count(dim):
 @pytest.mark.slow
 def test_attai_on_vit_b32_has_525312_parameters_from_the_architecture():
     """The acceptance command's count: ViT-B/32 with random weights (no download)."""
+    from fedadapt.counts import inspect_run
     from fedadapt.entry import compose_config, to_run_config
-    from fedadapt.inspect import inspect_run
 
     run = to_run_config(compose_config(["method=fedclip", "backbone=clip_vit_b32",
                                         "dataset=pacs"]))

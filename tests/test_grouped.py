@@ -176,7 +176,7 @@ def test_the_grouped_step_reads_nothing_back_per_step(cache_dir, monkeypatch):
         calls = [0]
         train = replace(prep.spec.train, local_epochs=epochs)
         model, source, jobs = prep.model, prep.spec.train_source, jobs_for(prep, k, exits=[0, 2])
-        from fedadapt.federation.client import grouped
+        from fedadapt.federation.client import group_forms, group_jobs, group_vmap
         from fedadapt.federation.client.grouped import UsedTensors
 
         used = UsedTensors(model, source, int(jobs[0].indices[0]), precision="fp32")
@@ -189,12 +189,13 @@ def test_the_grouped_step_reads_nothing_back_per_step(cache_dir, monkeypatch):
                 _calls[0] += 1
                 return _orig(self, *a, **kw)
             monkeypatch.setattr(torch.Tensor, name, counted)
-        def schedule(job, train, _orig=grouped._schedule, _calls=calls):
+        def schedule(job, train, _orig=group_jobs.schedule, _calls=calls):
             before = _calls[0]  # the client's batches and exits: host-side generator draws
             out = _orig(job, train)
             _calls[0] = before
             return out
-        monkeypatch.setattr(grouped, "_schedule", schedule)
+        for engine in (group_forms, group_vmap):
+            monkeypatch.setattr(engine, "schedule", schedule)
         train_group(model, _ReadsNotCounted(source, calls), jobs, train, lr=0.05,
                     proximal_mu=0.01, used=used, precision="fp32")
         monkeypatch.undo()
@@ -301,7 +302,7 @@ def test_plain_sgd_updates_in_one_call_and_leaves_unreached_slices_as_they_were(
     gradient and stays as it was, as under the mask; with weight decay the mask still decides
     (torch decays only tensors with a gradient)."""
     from fedadapt.config import TrainConfig
-    from fedadapt.federation.client.grouped import StackedOptimizer
+    from fedadapt.federation.client.group_optim import StackedOptimizer
 
     torch.manual_seed(0)
     p = torch.randn(3, 4, 5, requires_grad=True)
@@ -473,7 +474,7 @@ def test_the_flat_optimizer_steps_as_the_per_tensor_one(opt):
     over one flat buffer; it computes what the per-tensor one (and torch's, per client) does,
     leaving each client's unreached tensors and their state as they were."""
     from fedadapt.config import TrainConfig
-    from fedadapt.federation.client.grouped import FlatOptimizer, StackedOptimizer
+    from fedadapt.federation.client.group_optim import FlatOptimizer, StackedOptimizer
 
     gen = torch.Generator().manual_seed(0)
     shapes = [(3, 4, 5), (3, 1, 5), (3, 7)]

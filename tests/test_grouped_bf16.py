@@ -155,7 +155,7 @@ def test_an_op_cast_by_hand_runs_as_autocast_runs_it(monkeypatch):
     from torch.func import vmap
     from torch.overrides import handle_torch_function, has_torch_function
 
-    from fedadapt.federation.client import grouped
+    from fedadapt.federation.client import group_vmap
 
     seen = {}
 
@@ -175,19 +175,19 @@ def test_an_op_cast_by_hand_runs_as_autocast_runs_it(monkeypatch):
         return op
 
     low_op, high_op = dispatch(low), dispatch(high)
-    monkeypatch.setattr(grouped, "_BF16_OPS", grouped._BF16_OPS | {low_op})
-    monkeypatch.setattr(grouped, "_FP32_OPS", grouped._FP32_OPS | {high_op})
+    monkeypatch.setattr(group_vmap, "_BF16_OPS", group_vmap._BF16_OPS | {low_op})
+    monkeypatch.setattr(group_vmap, "_FP32_OPS", group_vmap._FP32_OPS | {high_op})
     w = torch.randn(4, 3)
 
     def one(x):
         return high_op(low_op(x, w)).sum()
 
-    with torch.autocast("cpu", dtype=torch.bfloat16), grouped.vmap_autocast("cpu", "bf16"):
+    with torch.autocast("cpu", dtype=torch.bfloat16), group_vmap.vmap_autocast("cpu", "bf16"):
         vmap(one)(torch.randn(2, 5, 4))
     assert seen["low"] == (torch.bfloat16, torch.bfloat16, False)
     assert seen["high"] == (torch.float32, False)
     seen.clear()
-    with grouped.vmap_autocast("cpu", "fp32"):
+    with group_vmap.vmap_autocast("cpu", "fp32"):
         vmap(one)(torch.randn(2, 5, 4))
     assert seen["low"][:2] == (torch.float32, torch.float32)  # fp32: nothing cast
 
@@ -197,7 +197,7 @@ def test_flash_under_vmap_is_an_experiment_for_bf16_on_cuda_only(monkeypatch):
     CUDA (math beside it); every other case, and the default, is the math kernel alone."""
     import torch
 
-    from fedadapt.federation.client.grouped import attention_for_vmap
+    from fedadapt.federation.client.group_vmap import attention_for_vmap
 
     def allowed(dev: str, precision: str) -> tuple[bool, bool, bool]:
         b = torch.backends.cuda

@@ -77,8 +77,8 @@ def test_bad_values_name_the_setting(cache_dir):
     ("iciia_b", 1024, 19, 0.30e9), ("iciia_t", 1024, 0.09, 2.8e6)])
 def test_inspect_reproduces_table_1(preset, dim, params_m, flops):
     """Table 1 (N = 3, B = 16) as printed: parameters and FLOPs within the paper's rounding."""
+    from fedadapt.counts import inspect_run
     from fedadapt.entry import compose_config, to_run_config
-    from fedadapt.inspect import inspect_run
 
     run = to_run_config(compose_config([f"method={preset}", "backbone=efficientnet_lite0",
                                         "dataset=fashion_mnist", f"method.feature_dim={dim}"]))

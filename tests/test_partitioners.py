@@ -136,8 +136,8 @@ def test_a_partitions_picture_is_drawn_once_and_copied_for_the_next_run(tmp_path
 
 
 def test_inspect_partition(tmp_path, cache_dir):
+    from fedadapt.counts import _options, inspect_partition
     from fedadapt.entry import compose_config, to_run_config
-    from fedadapt.inspect import _options, inspect_partition
 
     overrides, partition, out = _options(["--partition", "--out", str(tmp_path / "x.png"),
                                           "partition=shard", "partition.num_clients=5"])

@@ -109,14 +109,14 @@ def test_a_run_whose_grouped_step_fails_finishes_one_client_at_a_time(cache_dir,
 
     from fedadapt.entry import compose_config, to_run_config
     from fedadapt.experiment import run_experiment
-    from fedadapt.federation.client import grouped
+    from fedadapt.federation.client import group_vmap, grouped
     from fedadapt.federation.simulation.inprocess import in_process
 
     def broken(*args, **kwargs):
         raise RuntimeError("Input type (float) and bias type (c10::BFloat16) should be the same")
 
-    monkeypatch.setattr(grouped, "_bucket_losses", broken)  # vmap's step
-    monkeypatch.setattr(grouped, "_train_forms", broken)  # the grouped forms'
+    monkeypatch.setattr(group_vmap, "_bucket_losses", broken)  # vmap's step
+    monkeypatch.setattr(grouped, "train_forms", broken)  # the grouped forms'
     cfg = to_run_config(compose_config([
         "experiment=custom", "dataset=digits", "dataset.max_samples=200", "backbone=tiny_vit",
         "backbone.image_size=32", "method=accumulator", "partition.num_clients=4",

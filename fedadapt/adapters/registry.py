@@ -1,21 +1,20 @@
 """The method registry: each method module registers its builder and typed config here.
 
-Method modules are found, not listed: every module of :mod:`fedadapt.adapters` (the
-client-trained methods) and every family package of :mod:`fedadapt.methods` (with the methods
-it trains) is imported once, the first time the registry is read (:func:`load_methods`). A
+Method modules are found, not listed (:mod:`fedadapt.discovery`): every module of
+:mod:`fedadapt.adapters` (the client-trained methods) and every family package of
+:mod:`fedadapt.methods` (with the methods it trains) is imported once, the first time the
+registry is read (:func:`load_methods`). A
 method module imports only this registry, never its own package: no import circle.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional
 
 from fedadapt.adapters.model import AdaptedModel
 from fedadapt.config import ConfigError, MethodConfig
+from fedadapt.discovery import import_plugins, plugin_modules, plugin_registry
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,7 @@ class MethodSpec:
     counts: Optional[Callable[..., dict]] = None
 
 
-METHODS: dict[str, MethodSpec] = {}
+METHODS: dict[str, MethodSpec] = plugin_registry()
 
 
 def register_method(name: str, config_cls: type, *, uses_text: bool = False,
@@ -57,16 +56,10 @@ _LOADED: list[bool] = []
 def load_methods() -> dict[str, MethodSpec]:
     """Import every method module once (their decorators fill :data:`METHODS`); returns it."""
     if not _LOADED:
-        _LOADED.append(True)
-        here = Path(__file__).parent
-        found = [f"fedadapt.adapters.{m.name}" for m in pkgutil.iter_modules([str(here)])
-                 if m.name not in ("model", "registry")]
         # the family packages only (a module beside them, such as server_trained, is their code)
-        found += [f"fedadapt.methods.{m.name}"
-                  for m in pkgutil.iter_modules([str(here.parent / "methods")]) if m.ispkg]
-        for name in found:
-            if not name.rsplit(".", 1)[1].startswith("_"):
-                importlib.import_module(name)
+        import_plugins(plugin_modules("fedadapt.adapters", skip=("model", "registry"))
+                       + plugin_modules("fedadapt.methods", packages_only=True))
+        _LOADED.append(True)  # after every import: one that failed fails again next time
     return METHODS
 
 

@@ -6,33 +6,27 @@ batch of normalised images ``[B, 3, H, W]`` to pooled features ``[B, D]``, froze
 :func:`register_backbone_family`; weights come from a hub id or a local path, or are random when
 ``cfg.weights`` is None (tests, ``fedadapt-inspect``).
 
-Family modules are found, not listed, as methods are
-(:func:`fedadapt.adapters.registry.load_methods`): every module of this package but ``base`` is
-imported once, the first time a backbone is built (:func:`load_backbone_families`). Adding a
-family is a new file here.
+Family modules are found, not listed, as methods are (:mod:`fedadapt.discovery`): every module
+of this package but ``base`` is imported once, the first time a backbone is built
+(:func:`load_backbone_families`). Adding a family is a new file here.
 """
 
 from __future__ import annotations
 
-from fedadapt.backbones.base import FAMILIES, Backbone, register_backbone_family
+from fedadapt.backbones.base import BACKBONE_BUILDERS, Backbone, register_backbone_family
 from fedadapt.config import BackboneConfig, ConfigError
+from fedadapt.discovery import import_plugins, plugin_modules
 
 _LOADED: list[bool] = []
 
 
 def load_backbone_families() -> dict:
     """Import every family module of this package once (their decorators fill
-    :data:`~fedadapt.backbones.base.FAMILIES`); returns it."""
+    :data:`~fedadapt.backbones.base.BACKBONE_BUILDERS`); returns it."""
     if not _LOADED:
-        import importlib
-        import pkgutil
-        from pathlib import Path
-
-        for m in pkgutil.iter_modules([str(Path(__file__).parent)]):
-            if m.name != "base" and not m.name.startswith("_"):
-                importlib.import_module(f"fedadapt.backbones.{m.name}")
+        import_plugins(plugin_modules("fedadapt.backbones", skip=("base",)))
         _LOADED.append(True)  # after every import: one that failed fails again next time
-    return FAMILIES
+    return BACKBONE_BUILDERS
 
 
 def build_backbone(cfg: BackboneConfig, *, load_weights: bool = True) -> Backbone:
@@ -47,9 +41,9 @@ def build_backbone(cfg: BackboneConfig, *, load_weights: bool = True) -> Backbon
         ``fedadapt-inspect`` does.
     """
     load_backbone_families()
-    if cfg.family not in FAMILIES:
+    if cfg.family not in BACKBONE_BUILDERS:
         raise ConfigError(
-            f"backbone.family={cfg.family!r} is invalid: one of {sorted(FAMILIES)}"
+            f"backbone.family={cfg.family!r} is invalid: one of {sorted(BACKBONE_BUILDERS)}"
         )
     import torch
 
@@ -58,7 +52,7 @@ def build_backbone(cfg: BackboneConfig, *, load_weights: bool = True) -> Backbon
     # server's evaluation and every Ray worker build their own copy.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(cfg.arch.get("init_seed", 0)))
-        backbone = FAMILIES[cfg.family](cfg, load_weights)
+        backbone = BACKBONE_BUILDERS[cfg.family](cfg, load_weights)
     if cfg.crop_pct is not None:
         backbone.crop_pct = float(cfg.crop_pct)
     if cfg.interpolation is not None:

@@ -9,6 +9,7 @@ from torch import nn
 
 from fedadapt.assets import MissingAssetError
 from fedadapt.config import BackboneConfig
+from fedadapt.discovery import plugin_registry
 
 
 class Backbone(nn.Module):
@@ -115,14 +116,14 @@ def file_weights_id(path: str, prefix: str) -> str:
 
 
 #: ``backbone.family`` -> ``fn(cfg, load_weights) -> Backbone`` (each family module registers).
-FAMILIES: dict[str, Callable[[BackboneConfig, bool], Backbone]] = {}
+BACKBONE_BUILDERS: dict[str, Callable[[BackboneConfig, bool], Backbone]] = plugin_registry()
 
 
 def register_backbone_family(name: str):
     """Register ``fn(cfg, load_weights) -> Backbone`` under ``backbone.family=name``."""
 
     def deco(fn):
-        FAMILIES[name] = fn
+        BACKBONE_BUILDERS[name] = fn
         return fn
 
     return deco

@@ -1,6 +1,6 @@
 """Method families: how a method is trained and served, one package each.
 
-A method (:mod:`fedadapt.adapters`' registry) names its family; the family owns everything that
+A method (:mod:`fedadapt.adapters`' registry) names its family; the family holds everything that
 differs between the ways of training:
 
 - ``rounds`` (:mod:`fedadapt.methods.rounds`): federated rounds driven by a Flower strategy,
@@ -14,12 +14,14 @@ A family is a :class:`Family` registered with :func:`register_family` in its pac
 ``__init__``; its package also holds its methods, its server and client code. The core
 (:mod:`fedadapt.experiment`, :mod:`fedadapt.cli`, :mod:`fedadapt.clients.app`) dispatches on
 the family in one place each and never branches on a family's name. Packages here are found,
-not listed (:func:`fedadapt.adapters.registry.load_methods`).
+not listed (:func:`fedadapt.adapters.registry.load_methods`, :mod:`fedadapt.discovery`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Optional
+
+from fedadapt.discovery import plugin_registry
 
 if TYPE_CHECKING:  # pragma: no cover
     from pathlib import Path
@@ -73,14 +75,15 @@ class Family:
     handlers: dict[tuple[str, Optional[str]], Handler] = {}
 
 
-FAMILIES: dict[str, Family] = {}
+#: ``Family.name`` -> the registered family.
+METHOD_FAMILIES: dict[str, Family] = plugin_registry()
 
 
 def register_family(family: Family) -> Family:
     """Register ``family`` under its name (in its package's ``__init__``)."""
-    if family.name in FAMILIES:
+    if family.name in METHOD_FAMILIES:
         raise ValueError(f"method family {family.name!r} is registered twice")
-    FAMILIES[family.name] = family
+    METHOD_FAMILIES[family.name] = family
     return family
 
 
@@ -88,7 +91,7 @@ def family_of(method_cfg) -> Family:
     """The family of ``method=`` (a ``MethodConfig``)."""
     from fedadapt.adapters.registry import method_spec
 
-    return FAMILIES[method_spec(method_cfg).family]
+    return METHOD_FAMILIES[method_spec(method_cfg).family]
 
 
 def client_handler(kind: str, phase: Optional[str]) -> Handler:
@@ -96,7 +99,7 @@ def client_handler(kind: str, phase: Optional[str]) -> Handler:
     from fedadapt.adapters.registry import load_methods
 
     load_methods()
-    for family in FAMILIES.values():
+    for family in METHOD_FAMILIES.values():
         if (kind, phase) in family.handlers:
             return family.handlers[(kind, phase)]
     raise ValueError(f"no method family handles a {kind} message of phase {phase!r}")

@@ -84,15 +84,15 @@ def accuracy(logits: torch.Tensor, y: torch.Tensor) -> float:
 
 def fit(model: nn.Module, loss_of: Callable[[], list[torch.Tensor]],
         val_acc: Callable[[], float], *, epochs: int, patience: int, lr: float,
-        momentum: float = 0.9, clip: Optional[float] = None, label: str = "",
-        optimizer: Optional[torch.optim.Optimizer] = None, score: str = "val",
+        momentum: float = 0.9, weight_decay: float = 0.0, clip: Optional[float] = None,
+        label: str = "", optimizer: Optional[torch.optim.Optimizer] = None, score: str = "val",
         schedule: Optional[Callable[[torch.optim.Optimizer], object]] = None) -> dict:
     """SGD (or ``optimizer``) on each loss ``loss_of()`` yields in an epoch (one batch each),
     early stopping on ``val_acc`` (higher is better; ``score`` names it in the log); ``model``
     ends with its best epoch's weights. ``schedule(opt)`` builds a learning-rate scheduler
     stepped after every optimiser step."""
     opt = optimizer or torch.optim.SGD([p for p in model.parameters() if p.requires_grad],
-                                       lr=lr, momentum=momentum)
+                                       lr=lr, momentum=momentum, weight_decay=weight_decay)
     scheduler = schedule(opt) if schedule else None
     best, best_state, best_epoch, waited = float("-inf"), copy.deepcopy(model.state_dict()), 0, 0
     t0 = time.time()

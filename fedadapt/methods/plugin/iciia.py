@@ -35,7 +35,7 @@ from torch import nn
 
 from fedadapt.adapters.heads import check_dropout
 from fedadapt.adapters.registry import register_method
-from fedadapt.config import ConfigError, MethodConfig, check
+from fedadapt.config import ConfigError, MethodConfig, ServerTrainConfig, check, check_server_train
 
 MIXINGS = ("attention", "conv", "none")
 
@@ -269,7 +269,7 @@ def iciia_counts(dim: int, layers: int = 3, groups: int = 1, images: int = 16, h
 # -- the method: ICIIA as a server-trained plug-in ---------------------------------------------
 
 @dataclass
-class IciiaConfig(MethodConfig):
+class IciiaConfig(MethodConfig, ServerTrainConfig):
     """ICIIA, trained once on the server (``fedadapt.methods.plugin.train``), delivered to the
     clients for recognition only. ``iciia_b``: P = 1, ``iciia_t``: P = 256."""
 
@@ -290,12 +290,8 @@ class IciiaConfig(MethodConfig):
     #: A ReLU between the last layer and the classifier (the authors' code has one).
     classifier_relu: bool = False
     #: Server training (Algorithm 1): SGD (the authors' momentum default: 0), gradient-norm
-    #: clipping, early stopping on validation. The same settings train the baselines.
-    lr: float = 0.01
-    momentum: float = 0.0
+    #: clipping at ``clip``, early stopping on validation. The same settings train the baselines.
     clip: float = 5.0
-    max_epochs: int = 100
-    patience: int = 10
     #: Sequences (each of one client) per SGD step; the paper: 1.
     sequences_per_step: int = 1
     #: Baselines in the same run: the original classifier's epochs (when it is trained on the
@@ -345,12 +341,11 @@ def build_iciia(cfg: IciiaConfig, backbone, num_classes, with_backbone):
 
 def _check_config(cfg: IciiaConfig) -> None:
     """The domains of ICIIA's keys (the module's own shape rules: :class:`Iciia`)."""
-    for key in ("layers", "groups", "heads", "images", "max_epochs", "patience",
-                "sequences_per_step", "classifier_epochs", "finetune_batch"):
+    check_server_train(cfg, "method")
+    for key in ("layers", "groups", "heads", "images", "sequences_per_step", "classifier_epochs",
+                "finetune_batch"):
         check(getattr(cfg, key) >= 1, f"method.{key}", getattr(cfg, key), "must be >= 1")
-    for key in ("lr", "clip"):
-        check(getattr(cfg, key) > 0, f"method.{key}", getattr(cfg, key), "must be > 0")
-    check(0 <= cfg.momentum < 1, "method.momentum", cfg.momentum, "must be in [0, 1)")
+    check(cfg.clip > 0, "method.clip", cfg.clip, "must be > 0")
     check_dropout(cfg.dropout)
     check(cfg.mixing in MIXINGS, "method.mixing", cfg.mixing, f"one of {MIXINGS}")
     check(0 <= cfg.min_history <= cfg.images - 1, "method.min_history", cfg.min_history,

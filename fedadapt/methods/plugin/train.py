@@ -105,7 +105,8 @@ def train_on_server(spec: RunSpec) -> dict:
         return correct / max(total, 1)
 
     iciia_log = fit(module, iciia_batches, iciia_val, epochs=m.max_epochs, patience=m.patience,
-                     lr=m.lr, momentum=m.momentum, clip=m.clip, label=f"{m.name} (ICIIA)")
+                    lr=m.lr, momentum=m.momentum, weight_decay=m.weight_decay, clip=m.clip,
+                    label=f"{m.name} (ICIIA)")
 
     # 3. prompt tuning: one token per client, trained with the classifier
     prompt = None
@@ -125,7 +126,7 @@ def train_on_server(spec: RunSpec) -> dict:
 
         prompt_log = fit(prompt, prompt_batches, prompt_val, epochs=m.classifier_epochs,
                          patience=m.patience, lr=m.lr, momentum=m.momentum,
-                         label="prompt tuning")
+                         weight_decay=m.weight_decay, label="prompt tuning")
     return {"original": original.eval(), "module": module.eval(),
             "prompt": None if prompt is None else prompt.eval(),
             "log": {"original": original_log, "iciia": iciia_log, "prompt": prompt_log}}

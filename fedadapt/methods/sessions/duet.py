@@ -46,7 +46,7 @@ from torch import nn
 
 from fedadapt.adapters.model import AdaptedModel
 from fedadapt.adapters.registry import register_method
-from fedadapt.config import MethodConfig, check
+from fedadapt.config import MethodConfig, ServerTrainConfig, check, check_server_train
 
 UPLOADS = ("embeddings", "samples")
 #: Which samples the generator sees (``method.context``); every row scores only the others.
@@ -54,7 +54,7 @@ CONTEXTS = ("first", "previous", "session")
 
 
 @dataclass
-class SessionPluginConfig(MethodConfig):
+class SessionPluginConfig(MethodConfig, ServerTrainConfig):
     """What the session plug-ins (DUET, CDC-MMPG) share: sessions, server training, baselines
     and what the device uploads. Trained once on the server (``fedadapt.methods.sessions.train``)
     from the foundation's cached features."""
@@ -77,7 +77,6 @@ class SessionPluginConfig(MethodConfig):
     upload: str = "embeddings"
     #: Server training: Adam(W), early stopping on the clients' validation sessions.
     lr: float = 1e-3
-    weight_decay: float = 0.0
     max_epochs: int = 50
     patience: int = 5
     sessions_per_step: int = 32
@@ -99,11 +98,13 @@ class SessionPluginConfig(MethodConfig):
 
 
 def check_session_plugin(cfg: SessionPluginConfig) -> None:
-    for key in ("session", "max_epochs", "patience", "sessions_per_step", "classifier_epochs"):
+    check_server_train(cfg, "method")
+    check(cfg.momentum == 0, "method.momentum", cfg.momentum,
+          "must be 0: session plug-ins train with AdamW, which has no momentum")
+    for key in ("session", "sessions_per_step", "classifier_epochs"):
         check(getattr(cfg, key) >= 1, f"method.{key}", getattr(cfg, key), "must be >= 1")
-    for key in ("lr", "classifier_lr", "finetune_lr"):
+    for key in ("classifier_lr", "finetune_lr"):
         check(getattr(cfg, key) > 0, f"method.{key}", getattr(cfg, key), "must be > 0")
-    check(cfg.weight_decay >= 0, "method.weight_decay", cfg.weight_decay, "must be >= 0")
     check(cfg.finetune_steps >= 0, "method.finetune_steps", cfg.finetune_steps, "must be >= 0")
     check(cfg.auc_bins == 0 or cfg.auc_bins >= 2, "method.auc_bins", cfg.auc_bins,
           "0 (no histograms) or >= 2")
