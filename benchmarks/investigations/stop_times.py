@@ -2,7 +2,7 @@
 process, or to its whole process group as Ctrl-C and `timeout` do) at two stages, and timed from
 the signal to its exit; the exit code, the stop line and the lock are checked each time.
 
-    python scripts/stop_times.py [--repeats 3] [OVERRIDES...]
+    python benchmarks/investigations/stop_times.py [--repeats 3] [OVERRIDES...]
 
 Stages: ``start-up`` (1 s after the job folder's job.json appears: data, Ray starting) and
 ``rounds`` (once round 3 is in metrics.jsonl). Prints a markdown table: median and range of the

@@ -1,6 +1,7 @@
-"""What fedadapt's local training adds to the training itself, on scripts/peer_pfl.py's workloads.
+"""What fedadapt's local training adds to the training itself, on peer_pfl.py's workloads.
 
-    python scripts/local_training_overhead.py [--workload W1|W3] [--repeats 30] [--clients 10]
+    python benchmarks/investigations/local_training_overhead.py [--workload W1|W3] [--repeats 30] \\
+        [--clients 10]
 
 Ten clients of the workload's partition (the first ``--clients``) train as a worker trains them
 (``train_local``: the schedule, seeding, the data path, the optimiser), against a bare torch loop

@@ -1,6 +1,7 @@
 """How much more work a grouped step dispatches than a bare step, measured on the CPU.
 
-    python scripts/grouped_overhead.py [--clients 10] [--batch 10] [--steps 8] [--repeats 7]
+    python benchmarks/investigations/grouped_overhead.py [--clients 10] [--batch 10] [--steps 8] \\
+        [--repeats 7]
 
 On a GPU the grouped step is bound by the CPU: launching its operators takes longer than the
 device takes to run them (docs/speed.md, "Where a grouped step's time goes"). The number of

@@ -10,8 +10,10 @@ token entering each block, ``||z_replaced - c_k|| / ||c_k||``, averaged over blo
 Each variant is a list of overrides; the default compares the Accumulator's initialisation
 (``method.zero_init``) with token replace on and off::
 
-    HF_HUB_OFFLINE=1 python scripts/token_replace.py --rounds 30 --out docs/token_replace
-    python scripts/token_replace.py --variant "lr1e-3=method.zero_init=false train.lr=0.001"
+    HF_HUB_OFFLINE=1 python benchmarks/investigations/token_replace.py --rounds 30 \\
+        --out docs/token_replace
+    python benchmarks/investigations/token_replace.py \\
+        --variant "lr1e-3=method.zero_init=false train.lr=0.001"
 
 writes ``<out>.json`` (every curve) and ``<out>.png`` (loss, gradient norm, token change and
 accuracy per round, one line per variant).
@@ -236,7 +238,8 @@ def finish(results: dict, out: Path, record: str | None = None, command: str | N
     commits = sorted({res.get("git_commit") or "unknown" for res in results.values()})
     backbones = sorted({res.get("backbone") or backbone_of(res["overrides"]) or "unknown"
                         for res in results.values()})
-    records.keep(records.measured(record, COLUMNS, rows, command, "scripts/token_replace.py",
+    records.keep(records.measured(record, COLUMNS, rows, command,
+                                  "benchmarks/investigations/token_replace.py",
                                   commit=", ".join(commits), backbone=" | ".join(backbones)),
                  "token_replace.py")
 

@@ -3,7 +3,8 @@ on the 12-block small ViT trained as one group, each step at an exit drawn from 
 against the same group with every client at the deepest exit (what a group cost when it ran to
 its deepest drawn exit). Medians over the repeats, the two sides interleaved.
 
-    python scripts/anytime_grouped.py [--clients 10] [--steps 10] [--repeats 5] [overrides]
+    python benchmarks/investigations/anytime_grouped.py [--clients 10] [--steps 10] [--repeats 5] \\
+        [overrides]
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ counter), and the seconds of the rounds that do not evaluate (``round_s``). A dr
 fails at SecAgg+'s collect-masked-vectors stage, after it has shared its keys (plain FedAvg:
 its training fails), so the server must unmask it from its neighbours' shares.
 
-    nice -n 19 python scripts/secagg_cost.py --clients 10 100 --drop 0 0.1 --json secagg_cost.json
+    nice -n 19 python benchmarks/investigations/secagg_cost.py --clients 10 100 --drop 0 0.1 \\
+        --json secagg_cost.json
 
 prints one Markdown table (docs/federation.md has the numbers) and, with ``--json``, writes
 the rows.
@@ -49,7 +50,7 @@ def _config(args, clients: int, secagg: str):
         from omegaconf import OmegaConf
 
         preset = OmegaConf.to_container(OmegaConf.load(
-            Path(__file__).resolve().parents[1] / "conf" / "backbone" / f"{args.backbone}.yaml"))
+            Path(__file__).resolve().parents[2] / "conf" / "backbone" / f"{args.backbone}.yaml"))
         preset.pop("defaults", None)
         backbone = BackboneConfig(**preset)
     return RunConfig(dataset=DatasetConfig(name="digits"), backbone=backbone,

@@ -3,7 +3,7 @@ on a random DeiT-S (its real tensor sizes: 144 MB up and 144 MB down for 10 clie
 clients, 10 per round, in process under cProfile, on a synthetic CIFAR-100-shaped data set of a
 few images per client at 32 px (so that compute is small and what is not compute shows).
 
-    python scripts/round_overhead.py [--rounds 3] [--images 2000] [overrides...]
+    python benchmarks/investigations/round_overhead.py [--rounds 3] [--images 2000] [overrides...]
 
 Prints, per round on average: the round's wall seconds, the clients' training (the worker's
 ``_run_group``), the aggregation (``average_by_tensor``), the replies' screening, the exchange

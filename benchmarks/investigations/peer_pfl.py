@@ -1,6 +1,6 @@
 """fedadapt side by side with Apple's pfl-research (PyPI ``pfl`` 0.6.0) on this machine.
 
-    python scripts/peer_pfl.py [--rounds 20] [--repeats 2] [--workloads W1,W3]
+    python benchmarks/investigations/peer_pfl.py [--rounds 20] [--repeats 2] [--workloads W1,W3]
                                [--backends simulation,inprocess]
                                [--out outputs/peer_pfl] [--clients 1000]
                                [--max-samples N] [--w3-image-size 64] [--prepare-only]

@@ -3,7 +3,8 @@ by side, and beside a one-thread busy loop; fedadapt's default (threads sized to
 the wait policy chosen at start-up: fedadapt.cores) against the sizing before it (two threads per
 worker whatever the load, OpenMP spinning: ``federation.num_cpus=2 GOMP_SPINCOUNT=300000``).
 
-    python scripts/busy_core_check.py [--repeats 2] [--backends inprocess,simulation]
+    python benchmarks/investigations/busy_core_check.py [--repeats 2] \\
+        [--backends inprocess,simulation]
         [--rounds 2] [--out runs.json] [--record busy-core] [--from runs.json]
 
 Each run is ``fedadapt method=finetune rounds=2`` in its own process (a warm feature and image
@@ -112,7 +113,7 @@ def main() -> None:
     parser.add_argument("--from", dest="from_json", type=Path, default=None,
                         help="no runs: the table of a JSON an earlier --out wrote")
     args = parser.parse_args()
-    command = "python scripts/busy_core_check.py " + " ".join(
+    command = "python benchmarks/investigations/busy_core_check.py " + " ".join(
         a for a in sys.argv[1:] if not a.startswith("--from"))
     if args.from_json is not None:
         saved = json.loads(args.from_json.read_text())
@@ -132,7 +133,7 @@ def main() -> None:
 
         records.keep(records.measured(
             args.record, COLUMNS, [cells(t) for t in rows], command=command,
-            source="scripts/busy_core_check.py", extra={"runs": got},
+            source="benchmarks/investigations/busy_core_check.py", extra={"runs": got},
             footer="*x alone*: the median against the same sizing's run alone on the idle "
                    "machine; *row s*: the run's own wall clock (the table's `wall s`); "
                    "*process s*: the whole `fedadapt` process, start-up included."),

@@ -1,7 +1,7 @@
 """Which scaled-dot-product-attention kernels work under ``vmap``, forward and backward: the
 question behind :func:`fedadapt.federation.client.grouped.attention_for_vmap`.
 
-    python scripts/vmap_attention.py [--clients 10] [--batch 10] [--out table.md]
+    python benchmarks/investigations/vmap_attention.py [--clients 10] [--batch 10] [--out table.md]
 
 For each kernel (math, flash, memory-efficient, cuDNN) and precision (fp32, bf16), K clients'
 attention at DeiT-S's shape (6 heads, 197 tokens, 64 per head) runs under ``torch.func.vmap``

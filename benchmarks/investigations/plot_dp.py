@@ -1,7 +1,9 @@
-"""Accuracy against epsilon from ``dp_fmnist`` run directories: ``python scripts/plot_dp.py
-outputs/dp_fmnist --out docs/dp_epsilon.png``. One point per noise multiplier (mean and sample
-std over seeds of the final global accuracy, at the epsilon Flower's accountant reported); the
-runs without DP as a line."""
+"""Accuracy against epsilon from ``dp_fmnist`` run directories:
+
+    python benchmarks/investigations/plot_dp.py outputs/dp_fmnist --out docs/dp_epsilon.png
+
+One point per noise multiplier (mean and sample std over seeds of the final global accuracy, at
+the epsilon Flower's accountant reported); the runs without DP as a line."""
 
 from __future__ import annotations
 

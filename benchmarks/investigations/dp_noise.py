@@ -1,8 +1,11 @@
-"""The noise multipliers that spend a target epsilon: ``python scripts/dp_noise.py --epsilon 1 4 8
---rounds 30 --clients 100 --sampled 100`` prints, for each target, the smallest
-``dp.noise_multiplier`` (3 significant digits) whose rounds of ``dp=server_fixed`` spend at most
-that epsilon at delta = min(1e-5, N^-1.1), fedadapt's default (or ``--delta``), by Flower's RDP
-accountant, as a run reports it."""
+"""The noise multipliers that spend a target epsilon:
+
+    python benchmarks/investigations/dp_noise.py --epsilon 1 4 8 --rounds 30 --clients 100 \\
+        --sampled 100
+
+prints, for each target, the smallest ``dp.noise_multiplier`` (3 significant digits) whose
+rounds of ``dp=server_fixed`` spend at most that epsilon at delta = min(1e-5, N^-1.1),
+fedadapt's default (or ``--delta``), by Flower's RDP accountant, as a run reports it."""
 
 from __future__ import annotations
 
