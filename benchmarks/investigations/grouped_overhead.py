@@ -14,7 +14,7 @@ patches. Reported:
   clients side by side (``train_group``) against a bare PyTorch step at batch K x B;
 * their milliseconds per step, medians of ``--repeats``, the two sides interleaved.
 
-Data: a CIFAR-100-shaped synthetic set (``scripts/synthetic_cifar100.py``, 5,000 images, made
+Data: a CIFAR-100-shaped synthetic set (``fedadapt/tools/synthetic_cifar100.py``, 5,000 images, made
 once under ``$FEDADAPT_CACHE/grouped_overhead``).
 """
 
@@ -61,7 +61,7 @@ def main() -> None:
     data = Path(os.environ.get("FEDADAPT_CACHE") or Path.home() / ".cache" / "fedadapt") \
         / "grouped_overhead"
     if not (data / "dataset_dict.json").exists():
-        subprocess.run([sys.executable, str(Path(__file__).with_name("synthetic_cifar100.py")),
+        subprocess.run([sys.executable, "-m", "fedadapt.tools.synthetic_cifar100",
                         str(data), "--train", "5000", "--test", "500"], check=True)
     cfg = to_run_config(compose_config(THROUGHPUT_BASE + TINY_DEIT + [
         "dataset=cifar100", f"dataset.path={data}", f"train.batch_size={a.batch}"]))

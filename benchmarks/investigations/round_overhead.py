@@ -41,8 +41,7 @@ def main(argv=None) -> int:
     from fedadapt.federation.simulation.inprocess import in_process
 
     tmp = Path(tempfile.mkdtemp(prefix="round_overhead-"))
-    here = Path(__file__).resolve().parent
-    subprocess.run([sys.executable, str(here / "synthetic_cifar100.py"), str(tmp / "data"),
+    subprocess.run([sys.executable, "-m", "fedadapt.tools.synthetic_cifar100", str(tmp / "data"),
                     "--train", str(args.images), "--test", "100"], check=True)
     composed = compose_config([
         "experiment=acc_conventional", "dataset=cifar100", f"dataset.path={tmp / 'data'}",

@@ -13,7 +13,7 @@ Writes into OUT:
 Uses the ``cryptography`` package that Flower already depends on. For tests and prototypes: in
 production, certificates come from the site's own CA and keys are made on each node.
 
-Usage: python scripts/deploy_certs.py OUT --nodes N [--host HOST ...] [--days 30]
+Usage: fedadapt-deploy certs OUT --nodes N [--host HOST ...] [--days 30]
 """
 
 from __future__ import annotations

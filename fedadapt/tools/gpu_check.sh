@@ -2,9 +2,9 @@
 # What a person with one GPU runs after installing fedadapt: does every run work there, and how
 # fast is it? One Markdown report (report.md) with the device, the versions and every figure.
 #
-#   bash scripts/gpu_check.sh [--small] [OUT_DIR]      # default: outputs/gpu_check-<time>
+#   fedadapt-gpu-check [--small] [OUT_DIR]      # default: outputs/gpu_check-<time>
 #
-# Offline: it builds its own data (scripts/synthetic_cifar100.py: a CIFAR-100-shaped set of
+# Offline: it builds its own data (fedadapt/tools/synthetic_cifar100.py: a CIFAR-100-shaped set of
 # 50,000 + 10,000 synthetic 32x32 images, 100 classes, and a PACS-shaped one, 2,000 images over
 # 4 domains and 7 classes) and every backbone from its architecture (backbone.weights=null).
 # Steps, each under its own timeout (a step that hangs cannot eat the others' time; the report
@@ -31,6 +31,7 @@ out=${1:-outputs/gpu_check-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 here=$(cd "$(dirname "$0")" && pwd)
+cd "${FEDADAPT_REPO:-$PWD}"  # the fast tests are the checkout's (fedadapt-gpu-check sets it)
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 FLWR_TELEMETRY_ENABLED=0 PYTHONUNBUFFERED=1
 export FEDADAPT_CACHE=${FEDADAPT_CACHE:-$out/cache}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$FEDADAPT_CACHE/inductor}

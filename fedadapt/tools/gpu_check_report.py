@@ -1,7 +1,7 @@
-"""The report of ``scripts/gpu_check.sh``: one Markdown file from the step logs it leaves.
+"""The report of ``fedadapt-gpu-check``: one Markdown file from the step logs it leaves.
 
-    python scripts/gpu_check_report.py OUT_DIR     # (re)writes OUT_DIR/report.md
-    python scripts/gpu_check_report.py --versions  # the device and versions, on stdout
+    python -m fedadapt.tools.gpu_check_report OUT_DIR     # (re)writes OUT_DIR/report.md
+    python -m fedadapt.tools.gpu_check_report --versions  # the device and versions, on stdout
 
 Rewritten after every step, so a check cut short still leaves a report of what ran. Nothing here
 measures: the figures are read from the steps' own outputs (fedadapt-bench's JSON, each run's
@@ -159,7 +159,7 @@ def _run(out: Path, name: str, total_rounds: int) -> list[str]:
     return lines
 
 
-#: The runs of ``scripts/gpu_check.sh``: name, what it is, the rounds of its paper's row (for the
+#: The runs of ``fedadapt-gpu-check``: name, what it is, the rounds of its paper's row (for the
 #: projected time; 1 for the server-trained methods, which train once).
 RUNS = (("conventional", "experiment=acc_conventional (Table 1's shape), defaults", 500),
         ("conventional-eager", "the same, federation.compile=false", 500),
@@ -175,12 +175,12 @@ RUNS = (("conventional", "experiment=acc_conventional (Table 1's shape), default
 def report(out: Path) -> str:
     steps = _steps(out)
     parts = [f"# fedadapt GPU check, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
-             "Made by `bash scripts/gpu_check.sh` (the data are synthetic, CIFAR-100-shaped: "
+             "Made by `fedadapt-gpu-check` (the data are synthetic, CIFAR-100-shaped: "
              "figures of speed, not of accuracy).", "", "```", _tail(out / "versions.log", 5),
              "```", "", "## Steps", "", "| step | result |", "|---|---|"]
     parts += [f"| {n} | {_status(*v)} |" for n, v in steps.items()]
     if (out / "attention.md").exists():
-        parts += ["", "## Attention under vmap (`scripts/vmap_attention.py`)", "",
+        parts += ["", "## Attention under vmap (`benchmarks/investigations/vmap_attention.py`)", "",
                   (out / "attention.md").read_text()]
     if "tests" in steps:
         log = out / "tests.log"

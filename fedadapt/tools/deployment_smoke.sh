@@ -4,7 +4,7 @@
 # that the run finished and wrote <output_dir>/quickstart/deploy_*/summary.json, then stop
 # every process this script started. See docs/deployment.md.
 #
-# Usage: scripts/deployment_smoke.sh [N]            (N SuperNodes = clients, default 3)
+# Usage: fedadapt-deploy smoke [N]                 (N SuperNodes = clients, default 3)
 # Environment (all optional):
 #   PORT       SuperLink port (Fleet, Control and Runtime HTTP API), default 9093
 #   NODE_PORT  first SuperNode Runtime API port (node i uses NODE_PORT+i), default 9194
@@ -17,7 +17,7 @@ N=${1:-3}
 PORT=${PORT:-9093}
 NODE_PORT=${NODE_PORT:-9194}
 TIMEOUT=${TIMEOUT:-600}
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+REPO=${FEDADAPT_REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}  # the checkout
 WORK=${WORK:-$(mktemp -d /tmp/fedadapt-deploy.XXXXXX)}
 APP=$WORK/app/fedadapt
 OUT=$WORK/outputs

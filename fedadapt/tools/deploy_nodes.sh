@@ -5,7 +5,7 @@
 # own venv, as a fresh machine would.
 #
 #   1. builds the wheel; makes a CA, the SuperLink's certificate and one ECDSA key pair per
-#      SuperNode (scripts/deploy_certs.py);
+#      SuperNode (fedadapt-deploy certs);
 #   2. starts the SuperLink (its own venv with the wheel) with --ssl-ca-certfile/--ssl-certfile/
 #      --ssl-keyfile and --enable-supernode-auth, and registers every SuperNode's public key
 #      (flwr supernode register);
@@ -18,7 +18,7 @@
 #      (accuracies exactly; train losses to 1e-6, as each machine computes its own features);
 #   5. stops every process it started (their process groups, on every host).
 #
-# Usage: scripts/deploy_nodes.sh NODELIST
+# Usage: fedadapt-deploy nodes NODELIST
 #   NODELIST: one SuperNode per line, `HOST` (anything after it is passed to flower-supernode);
 #   '#' starts a comment. localhost / 127.0.0.1 run here; any other HOST over `ssh HOST`
 #   (key-based, non-interactive) with the same WORK path there.
@@ -36,8 +36,8 @@
 #   WORK            work folder (default a new /tmp/fedadapt-nodes.* folder)
 set -euo pipefail
 
-LIST=${1:?usage: scripts/deploy_nodes.sh NODELIST}
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+LIST=${1:?usage: fedadapt-deploy nodes NODELIST}
+REPO=${FEDADAPT_REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}  # the checkout
 WORK=${WORK:-$(mktemp -d /tmp/fedadapt-nodes.XXXXXX)}
 SUPERLINK_HOST=${SUPERLINK_HOST:-127.0.0.1}
 PORT=${PORT:-9093}
@@ -126,7 +126,7 @@ python -m build --wheel --no-isolation --outdir "$WORK/dist" "$REPO" >"$WORK/bui
     || die "python -m build failed (see $WORK/build.log)"
 WHEEL=$(ls "$WORK"/dist/fedadapt-*.whl)
 WHEEL_NAME=$(basename "$WHEEL")
-python "$REPO/scripts/deploy_certs.py" "$WORK/certs" --nodes $((N + 1)) --host "$SUPERLINK_HOST" >&2
+python "$(dirname "${BASH_SOURCE[0]}")/deploy_certs.py" "$WORK/certs" --nodes $((N + 1)) --host "$SUPERLINK_HOST" >&2
 
 # 2. The SuperLink (TLS, SuperNode authentication) in its own venv with the wheel.
 put localhost "$WORK/superlink" "$WHEEL"

@@ -1,9 +1,9 @@
 """A CIFAR-100-shaped data set made on the spot, for timing the Accumulator's Table 1 shape where
 the hub cannot be reached (a lent GPU machine has no network).
 
-    python scripts/synthetic_cifar100.py OUT [--train 50000] [--test 10000] [--seed 0]
+    python -m fedadapt.tools.synthetic_cifar100 OUT [--train 50000] [--test 10000] [--seed 0]
     fedadapt experiment=acc_conventional backbone.weights=null dataset.path=OUT ...
-    python scripts/synthetic_cifar100.py OUT --like pacs [--train 2000]
+    python -m fedadapt.tools.synthetic_cifar100 OUT --like pacs [--train 2000]
     fedadapt experiment=fedclip_pacs backbone.weights=null dataset.path=OUT ...
 
 A ``DatasetDict(train, test)`` folder (``save_to_disk``) with CIFAR-100's columns (``img``: 32x32
