@@ -11,15 +11,18 @@ holds, in order of use:
 
 * ``small_vit: true``: pretrain the offline presets' small ViT first (once per cache);
 * ``commands``: ``{run: ARGV, creates: PATH}``, each run once, until ``PATH`` exists;
-* ``common`` and ``sweeps``: ``NAME: OVERRIDES``, one ``fedadapt -m COMMON OVERRIDES OVERRIDE...``
-  into ``OUT/NAME`` per sweep; one that finished (its ``.done``) is not run again, so a stopped
+* ``common``, ``runs`` and ``sweeps``: ``NAME: OVERRIDES``, one ``fedadapt COMMON OVERRIDES
+  OVERRIDE...`` into ``OUT/NAME`` per run (``output_dir``), one ``fedadapt -m ...`` per sweep
+  (``hydra.sweep.dir``); one that finished (its ``.done``) is not run again, so a stopped
   evidence goes on where it stopped;
 * ``reports``: ``fedadapt-report ARGS`` for each entry;
 * ``records``: ``NAME: TABLE``, each kept as ``benchmarks/records/NAME.json`` and the docs that
   show it re-rendered. A table has a ``kind`` (:mod:`fedadapt.results.evidence_cells`):
   ``columns`` (``rows``, ``columns``, ``first``, ``target``, ``bold``), ``layout`` (``layout``,
-  ``dirs``, ``rows``, ``columns``, ``first``, ``bold``), ``lora_ranks``, or ``command`` (``run``:
-  a command that keeps the record itself); ``note`` follows the record's command after ``#``.
+  ``dirs``, ``rows``, ``columns``, ``first``, ``bold``), ``lora_ranks``, ``report`` (the table of
+  ``fedadapt-report OUT`` and its ``report`` arguments) or ``job`` (the job's own table), both
+  with the runs' provenance under them, or ``command`` (``run``: a command that keeps the record
+  itself); ``note`` follows the record's command after ``#``.
 
 In every string ``{out}`` is OUT, ``{root}`` the repository, ``{run:NAME}`` the first run
 directory under ``OUT/NAME``, ``{command}`` the command that reproduces the records.
@@ -37,11 +40,11 @@ from pathlib import Path
 
 import yaml
 
-from fedadapt.results import evidence_cells, records
-from fedadapt.results.report import find_runs
+from fedadapt.results import evidence_cells, records, report
+from fedadapt.results.report import find_runs, provenance
 
 TABLES = records.ROOT / "scripts" / "tables"
-KINDS = ("columns", "layout", "lora_ranks", "command")
+KINDS = ("columns", "layout", "lora_ranks", "report", "job", "command")
 
 
 def describe(name: str) -> tuple[str, dict]:
@@ -104,17 +107,29 @@ class Evidence:
                 print(f"# done ({self.fill(step['creates'])}): {shlex.join(step['run'])}")
             else:
                 self.call(step["run"])
-        for name, overrides in (self.spec.get("sweeps") or {}).items():
-            done = self.out / name / ".done"
-            if done.exists():
-                print(f"# done: sweep {name} ({done})")
-                continue
-            self.call([_tool("fedadapt"), "-m", *self.spec.get("common", []), *overrides,
-                       *self.extra, f"hydra.sweep.dir={self.out / name}"])
-            if not self.dry_run:
-                done.touch()
+        for key, into in (("runs", "output_dir"), ("sweeps", "hydra.sweep.dir")):
+            for name, overrides in (self.spec.get(key) or {}).items():
+                done = self.out / name / ".done"
+                if done.exists():
+                    print(f"# done: {name} ({done})")
+                    continue
+                self.call([_tool("fedadapt"), *(["-m"] if key == "sweeps" else []),
+                           *self.spec.get("common", []), *overrides, *self.extra,
+                           f"{into}={self.out / name}"])
+                if not self.dry_run:
+                    done.touch()
         for args in self.spec.get("reports") or []:
             self.call([_tool("fedadapt-report"), *args])
+
+    def report_table(self, kind: str, table: dict) -> str:
+        """``job``: the job's own ``table.md`` (one job under OUT); ``report``: the table of
+        ``fedadapt-report OUT ARGS``."""
+        if kind == "job":
+            (job,) = {p.parent for p in self.out.rglob("table.md")
+                      if (p.parent / "job.json").is_file()}
+            return (job / "table.md").read_text()
+        report.main([str(self.out), "--out", str(self.out), *table.get("report", [])])
+        return (self.out / "report.md").read_text()
 
     def records(self, folder: Path) -> None:
         """Each record of the description, from the runs under OUT."""
@@ -139,6 +154,9 @@ class Evidence:
                     raise SystemExit(f"fedadapt-evidence: error: no complete run under {dirs}")
                 if kind == "lora_ranks":
                     columns, rows = evidence_cells.lora_ranks_table(runs)
+                elif kind in ("report", "job"):
+                    columns, rows = records.parse_table(self.report_table(kind, table))
+                    table = {"footer": provenance(runs), **table}
                 else:
                     columns, rows = evidence_cells.layout_table(
                         runs, table["layout"], table.get("rows") or {},

@@ -65,9 +65,11 @@ def test_every_description_prints_its_runs_and_runs_nothing_with_dry_run(name, t
     printed = capsys.readouterr().out
     for sweep in spec.get("sweeps", {}):
         assert f"hydra.sweep.dir={tmp_path / 'o' / sweep}" in printed
+    for run in spec.get("runs", {}):
+        assert f"output_dir={tmp_path / 'o' / run}" in printed
     for record in spec.get("records", {}):
         assert record in printed
-    assert printed.count("seed=7") >= len(spec.get("sweeps", {}))
+    assert printed.count("seed=7") >= len(spec.get("sweeps", {})) + len(spec.get("runs", {}))
     assert not (tmp_path / "o" / "done_sweep" / ".done").exists()
     assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["done_sweep"]
 
@@ -77,7 +79,7 @@ def test_a_finished_sweep_is_not_run_again_and_a_bad_description_is_one_line(tmp
     (tmp_path / "o" / "lora" / ".done").touch()
     evidence.main(["fleet", str(tmp_path / "o"), "--dry-run"])
     printed = capsys.readouterr().out
-    assert "# done: sweep lora" in printed and "sweep.dir=" + str(tmp_path / "o" / "lora") \
+    assert "# done: lora" in printed and "sweep.dir=" + str(tmp_path / "o" / "lora") \
         not in printed
     bad = tmp_path / "bad.yaml"
     bad.write_text("records:\n  x:\n    columns: [accuracy]\n    rows: ['a:b']\n")

@@ -3,10 +3,10 @@ shipped in the wheel as package data, each answering ``--help`` with what it doe
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from fedadapt import tools
 

@@ -259,7 +259,7 @@ def parse_rows(text: str) -> list[tuple[int, int, str, str]]:
 
 
 def row_name(clients: int, batch: int, precision: str, method: str) -> str:
-    """A ``--rows`` row's JSON file name (read back by ``scripts/gpu_check_report.py``)."""
+    """A ``--rows`` row's JSON file name (read back by fedadapt.tools.gpu_check_report)."""
     return f"throughput-{method}-k{clients}-b{batch}-{precision}.json"
 
 
