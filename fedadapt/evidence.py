@@ -7,7 +7,7 @@
 
 NAME is a description in ``scripts/tables/NAME.yaml`` (or the path of one); OUT defaults to its
 ``out``; each OVERRIDE goes to every run (e.g. ``federation.backend=inprocess``). A description
-holds, in order of use:
+holds, in order of use (``like: NAME``: NAME's, with the keys given replaced):
 
 * ``small_vit: true``: pretrain the offline presets' small ViT first (once per cache);
 * ``commands``: ``{run: ARGV, creates: PATH}``, each run once, until ``PATH`` exists;
@@ -54,6 +54,8 @@ def describe(name: str) -> tuple[str, dict]:
         known = sorted(p.stem for p in TABLES.glob("*.yaml"))
         raise SystemExit(f"fedadapt-evidence: error: no description {path}; known: {known}")
     spec = yaml.safe_load(path.read_text()) or {}
+    if spec.get("like"):  # another description's, with these keys replaced
+        spec = {**describe(spec["like"])[1], **spec}
     for record, table in (spec.get("records") or {}).items():
         if table.get("kind", "columns") not in KINDS:
             raise SystemExit(f"fedadapt-evidence: error: {path}: records.{record}.kind is "
@@ -61,12 +63,6 @@ def describe(name: str) -> tuple[str, dict]:
         for column in table.get("columns", []) if table.get("kind", "columns") == "columns" else []:
             evidence_cells.column(column)  # an unknown column: one line, before any run
     return path.stem, spec
-
-
-def _tool(name: str) -> str:
-    """A console script of this environment (beside its Python), else from the PATH."""
-    here = Path(sys.executable).parent / name
-    return str(here) if here.exists() else name
 
 
 class Evidence:
@@ -93,14 +89,16 @@ class Evidence:
         argv = [hit for a in argv for hit in ((sorted(glob.glob(a)) or [a]) if "*" in a else [a])]
         print(shlex.join(argv), flush=True)
         if not self.dry_run:
-            subprocess.run(argv, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+            subprocess.run(argv, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1",
+                                                  "PATH": path})  # this environment's tools
 
     def run(self) -> None:
         """Every step that is not done yet, in order."""
         cache = Path(os.environ.get("FEDADAPT_CACHE", "~/.cache/fedadapt")).expanduser()
         if self.spec.get("small_vit") and not (
                 cache / "pretrained" / "small_vit-fashion_mnist-s0").is_dir():
-            self.call([_tool("fedadapt-pretrain"), "--epochs", "3", "dataset=fashion_mnist",
+            self.call(["fedadapt-pretrain", "--epochs", "3", "dataset=fashion_mnist",
                        "backbone=small_vit"])
         for step in self.spec.get("commands") or []:
             if Path(self.fill(step["creates"])).exists():
@@ -113,13 +111,13 @@ class Evidence:
                 if done.exists():
                     print(f"# done: {name} ({done})")
                     continue
-                self.call([_tool("fedadapt"), *(["-m"] if key == "sweeps" else []),
+                self.call(["fedadapt", *(["-m"] if key == "sweeps" else []),
                            *self.spec.get("common", []), *overrides, *self.extra,
                            f"{into}={self.out / name}"])
                 if not self.dry_run:
                     done.touch()
         for args in self.spec.get("reports") or []:
-            self.call([_tool("fedadapt-report"), *args])
+            self.call(["fedadapt-report", *args])
 
     def report_table(self, kind: str, table: dict) -> str:
         """``job``: the job's own ``table.md`` (one job under OUT); ``report``: the table of
@@ -182,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.list or not args.name:
         for path in sorted(TABLES.glob("*.yaml")):
-            print(f"{path.stem}: {', '.join(yaml.safe_load(path.read_text()).get('records', {}))}")
+            print(f"{path.stem}: {path.read_text().splitlines()[0].lstrip('# ')}")
         return
     if args.out and "=" in args.out:  # an override, not a folder
         args.overrides, args.out = [args.out, *args.overrides], None

@@ -36,26 +36,22 @@ def spread(values: list[float]) -> str:
     return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
 
 
-def _each(values: list) -> str:
-    return ", ".join(values)
-
-
 def _final(key: str):
     return lambda runs, _: spread([100 * r["summary"]["final"][key] for r in runs])
 
 
 def _sim_minutes(runs, _) -> str:
-    return _each([f"{history_of(r)[-1]['sim_time_s'] / 60:.2f}" for r in runs])
+    return ", ".join([f"{history_of(r)[-1]['sim_time_s'] / 60:.2f}" for r in runs])
 
 
 def _dropped(runs, _) -> str:
-    return _each([str(sum(h.get("sim_late", 0) + h.get("sim_offline", 0)
+    return ", ".join([str(sum(h.get("sim_late", 0) + h.get("sim_offline", 0)
                           for h in history_of(r))) for r in runs])
 
 
 def _to_target(runs, target) -> str:
     hits = [first_reaching(history_of(r), target) for r in runs]
-    return _each(["—" if h is None else f"{h['sim_time_s'] / 60:.2f}" for h in hits])
+    return ", ".join(["—" if h is None else f"{h['sim_time_s'] / 60:.2f}" for h in hits])
 
 
 def _config(key: str, missing: str = "—"):
