@@ -73,7 +73,7 @@ class Evidence:
         self.command = " ".join([f"fedadapt-evidence {name} OUT", *extra])
 
     def fill(self, text: str) -> str:
-        """``{out}``, ``{run:NAME}`` and ``{command}`` of ``text`` filled in."""
+        """``{out}``, ``{root}``, ``{run:NAME}`` and ``{command}`` of ``text`` filled in."""
         while "{run:" in text:
             start = text.index("{run:")
             end = text.index("}", start)
