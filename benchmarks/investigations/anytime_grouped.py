@@ -16,7 +16,7 @@ import time
 import numpy as np
 import torch
 
-from fedadapt.bench import prepare_run_quiet
+from fedadapt.bench.throughput import prepare_run_quiet
 from fedadapt.entry import compose_config, to_run_config
 from fedadapt.federation.client.grouped import ClientJob, UsedTensors, train_group
 

@@ -55,7 +55,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-    from fedadapt.bench import THROUGHPUT_BASE, prepare_run_quiet, training_loops
+    from fedadapt.bench.throughput import THROUGHPUT_BASE, prepare_run_quiet, training_loops
     from fedadapt.entry import compose_config, to_run_config
 
     data = Path(os.environ.get("FEDADAPT_CACHE") or Path.home() / ".cache" / "fedadapt") \
