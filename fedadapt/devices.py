@@ -148,7 +148,7 @@ def return_freed_memory(min_free: int = TRIM_ABOVE_BYTES,
     round without it. Called once per message on a worker and once per round on the server.
     It trims only when the heaps hold ``min_free`` bytes or more (:data:`TRIM_ABOVE_BYTES`):
     a trim releases the pages and the next round faults them in again, 1.3 ms a call on a
-    small CNN's round under cProfile, for a few MB (``scripts/peer_pfl.py``'s W1). A call
+    small CNN's round under cProfile, for a few MB (the peer_pfl investigation's W1). A call
     within ``check_every_s`` of the last one that read the heaps does nothing: a round that
     frees a large model's worth takes longer than that anyway."""
     libc = _libc()

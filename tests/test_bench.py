@@ -1,6 +1,6 @@
 """``fedadapt-bench --throughput --rows``: several rows in one process, one JSON per row, a row
 that fails recorded and the others measured, ``--profile`` tables beside them (what
-``scripts/gpu_check.sh`` reads)."""
+``fedadapt-gpu-check`` reads)."""
 
 from __future__ import annotations
 

@@ -193,15 +193,13 @@ def test_bad_writer_selections_name_the_setting():
 
 def test_the_synthetic_cifar100_loads_as_cifar100_through_dataset_path(tmp_path, cache_dir,
                                                                        monkeypatch):
-    """scripts/synthetic_cifar100.py (the GPU check's stand-in for the hub's CIFAR-100) writes
-    CIFAR-100's columns, so dataset=cifar100 dataset.path=... loads it: 100 classes, 32x32 RGB,
-    the same images for the same seed."""
+    """fedadapt.tools.synthetic_cifar100 (the GPU check's stand-in for the hub's CIFAR-100)
+    writes CIFAR-100's columns, so dataset=cifar100 dataset.path=... loads it: 100 classes,
+    32x32 RGB, the same images for the same seed."""
     import importlib
     import sys
-    from pathlib import Path
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
-    module = importlib.import_module("synthetic_cifar100")  # importable: its pool pickles
+    module = importlib.import_module("fedadapt.tools.synthetic_cifar100")  # its pool pickles
     for name in ("a", "b"):
         monkeypatch.setattr(sys, "argv", ["x", str(tmp_path / name), "--train", "300",
                                           "--test", "100", "--seed", "3"])

@@ -122,11 +122,11 @@ def test_the_backbone_is_named_by_what_made_it_and_its_hash(tmp_path):
     assert records.backbone_of(runs[2:]) is None
 
 
-def _script(name: str):
+def _script(name: str, folder: str = "scripts"):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    path = Path(__file__).resolve().parents[1] / folder / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -145,27 +145,29 @@ def _run(tmp_path, name: str, method: str, alpha: float, seed: int, acc: float) 
 
 
 def test_a_report_layout_is_kept_in_the_docs_words(tmp_path):
-    """``scripts/report_record.py``: the paper layout's cells, its rows picked, ordered and
-    named, its columns named; each column's best mean in bold (ties both, never the interval);
-    a row the report lacks is one line naming what it has."""
-    rr = _script("report_record")
+    """A layout table of ``fedadapt-evidence``: the paper layout's cells, its rows picked,
+    ordered and named, its columns named; each column's best mean in bold (ties both, never the
+    interval); a row the report lacks is one line naming what it has."""
+    from fedadapt.results import evidence_cells as rr
+
     runs = [_run(tmp_path, f"r{i}", m, a, 0, acc) for i, (m, a, acc) in enumerate(
         [("lora", 0.1, 0.5), ("lora", 1000, 0.9), ("bitfit", 0.1, 0.6), ("bitfit", 1000, 0.9)])]
-    columns, rows = rr.table(runs, "paper", {"bitfit": "BitFit", "lora": "LoRA"},
-                             {"partition.alpha=1000": "alpha 1000",
-                              "partition.alpha=0.1": "alpha 0.1"}, bold=True)
+    columns, rows = rr.layout_table(runs, "paper", {"bitfit": "BitFit", "lora": "LoRA"},
+                                    {"partition.alpha=1000": "alpha 1000",
+                                     "partition.alpha=0.1": "alpha 0.1"}, bold=True)
     assert columns == ["method", "alpha 1000", "alpha 0.1"]
     assert rows == [["BitFit", "**90.00**", "**60.00**"], ["LoRA", "**90.00**", "50.00"]]
     cells = [["a", "48.26 ± 1.15 [45.41, 51.11]"], ["b", "46.49 ± 1.69 [42.29, 50.69]"]]
     assert records.bold_best(cells, [1]) == [["a", "**48.26 ± 1.15** [45.41, 51.11]"], cells[1]]
     with pytest.raises(SystemExit, match="the report has no \\['ia3'\\]"):
-        rr.table(runs, "paper", {"ia3": "(IA)^3"}, {}, bold=False)
+        rr.layout_table(runs, "paper", {"ia3": "(IA)^3"}, {}, bold=False)
 
 
 def test_the_token_replace_table_bolds_the_best_final_accuracy():
-    """``scripts/token_replace.py``'s rows: rounds, final and best accuracy, the last round's
-    token change and median gradient norm, the non-finite steps summed; the best final in bold."""
-    tr = _script("token_replace")
+    """``benchmarks/investigations/token_replace.py``'s rows: rounds, final and best accuracy,
+    the last round's token change and median gradient norm, the non-finite steps summed; the
+    best final in bold."""
+    tr = _script("token_replace", "benchmarks/investigations")
     curve = [{"accuracy": 0.2, "token_change": 0.5, "grad_norm_median": 3.0,
               "non_finite_steps": 1},
              {"accuracy": 0.125, "token_change": 0.25, "grad_norm_median": 2.5,
@@ -176,10 +178,11 @@ def test_the_token_replace_table_bolds_the_best_final_accuracy():
 
 
 def test_an_evidence_table_picks_its_cells_by_row_and_column_conditions():
-    """``scripts/evidence_table.py``: a column's conditions pick among a row's runs (an empty
-    cell where none match); the pair column is alpha 0.1 / alpha 1000; ``--bold`` marks each
-    accuracy column's best mean; an unknown column is one line naming the known ones."""
-    et = _script("evidence_table")
+    """A columns table of ``fedadapt-evidence``: a column's conditions pick among a row's runs
+    (an empty cell where none match); the pair column is alpha 0.1 / alpha 1000; ``bold`` marks
+    each accuracy column's best mean; an unknown column is one line naming the known ones."""
+    from fedadapt.results import evidence_cells as et
+
     rows = [("LoRA", [{"config": {"partition.alpha": a, "method.name": "lora"},
                        "summary": {"seed": s, "final": {"global_acc": acc}}}
                       for a, s, acc in [(0.1, 0, 0.5), (0.1, 1, 0.7), (1000.0, 0, 0.9)]]),

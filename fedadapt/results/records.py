@@ -5,7 +5,7 @@ A record holds the table's columns and rows (cells as printed), the command that
 machine, the date, the commit, and the text printed under the table (a provenance footer, a
 note). A doc shows it between ``<!-- table: NAME -->`` and ``<!-- /table: NAME -->``; the same
 record may be shown on several pages. ``fedadapt-bench --record NAME`` and
-``scripts/regenerate_tables.py`` write records and re-render the docs;
+``fedadapt-evidence NAME`` write records and re-render the docs;
 ``tests/test_records.py`` checks that every docs table equals what its record renders.
 
     python -m fedadapt.results.records            re-render every docs table from its record

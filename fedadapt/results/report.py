@@ -12,7 +12,7 @@ identify a group are the config keys that vary across the runs (e.g. ``method`` 
 directory, the git commit of the fedadapt that ran it (``+dirty``: with uncommitted changes;
 ``wheel``: an installed package) and the hash of its resolved config (:func:`config_hash`: the
 same experiment and seed, the same hash), in the table's row order; a docs table carries it as its
-footer (``scripts/regenerate_tables.py``).
+footer (``fedadapt-evidence``).
 """
 
 from __future__ import annotations

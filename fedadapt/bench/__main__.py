@@ -1,0 +1,3 @@
+from fedadapt.bench import main
+
+main()
