@@ -239,7 +239,7 @@ def render() -> str:
         cls = _field_class(RunConfig, f)
         if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
             continue
-        if f.name in ("method", "strategy", "dp"):
+        if f.name in ("method", "strategy", "dp", "fleet"):
             continue
         out += [f"### `{f.name}.` (`{cls.__name__}`)", ""] + docstring(cls)
         out += key_list(cls, f"{f.name}.") + [""]
@@ -258,6 +258,17 @@ def render() -> str:
         out += _wrap(f"Presets: {used}.") + [""]
         own = key_list(cls, "method.", skip=tuple(base))
         out += (own or ["No keys beyond those of every method."]) + [""]
+
+    # fleets: each kind's schema and its own keys
+    from fedadapt.config import FleetConfig
+
+    out += ["### `fleet.` (`FleetConfig`, and each fleet kind's schema)", ""]
+    out += docstring(FleetConfig) + key_list(FleetConfig, "fleet.") + [""]
+    for name, cls in schemas("fleet").items():
+        if cls is FleetConfig:
+            continue
+        out += [f"#### `fleet={name}` (`{cls.__name__}`)", ""] + docstring(cls)
+        out += key_list(cls, "fleet.", skip=("name",)) + [""]
 
     out += ["### `strategy.` and `dp.` (from Flower's signatures)", ""]
     out += _wrap("Each option's keys are its Flower class's constructor parameters (defaults as "
