@@ -15,7 +15,7 @@ Its state is checkpointed with the built-in strategies' (:mod:`fedadapt.strategi
 arrays, torch tensors, plain values, numpy and torch generators, objects with ``state_dict()``,
 or the class's own ``state_dict()`` / ``load_state_dict()`` when it defines them; the run saves
 and loads it once before round 1
-(:func:`fedadapt.methods.rounds.run.check_strategy_with_clients`). A key the class passes on
+(:func:`fedadapt.methods.rounds.strategy.check_strategy_with_clients`). A key the class passes on
 through ``**kwargs`` to a constructor that refuses it is named when the class is built
 (:func:`fedadapt.strategies.build.build_strategy`).
 """

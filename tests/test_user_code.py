@@ -146,7 +146,7 @@ def test_evaluate_fn_round0_and_the_flower_result(user_dir, tmp_path, cache_dir)
 ])
 def test_bad_user_code_is_one_line_naming_the_key(user_dir, overrides, says):
     from fedadapt.entry import compose_config, to_run_config
-    from fedadapt.methods.rounds.run import evaluate_fn
+    from fedadapt.methods.rounds.strategy import evaluate_fn
 
     with pytest.raises(ConfigError) as err:
         evaluate_fn(to_run_config(compose_config(overrides)))

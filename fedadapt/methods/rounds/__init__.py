@@ -2,7 +2,9 @@
 
 Its methods are the modules of :mod:`fedadapt.adapters` (heads, FedCLIP's AttAI, the early-exit
 methods and the Accumulator). The server side is :mod:`fedadapt.methods.rounds.run` (the plan
-of the rounds, checkpoints and resume, the summary); the client side is
+of the rounds, checkpoints and resume), :mod:`fedadapt.methods.rounds.strategy` (the strategy
+built and checked, the user's code) and :mod:`fedadapt.methods.rounds.summary` (the summary
+after the last round); the client side is
 :mod:`fedadapt.methods.rounds.clients` (clients trained side by side in a worker, through the
 run's mods).
 """
@@ -39,12 +41,8 @@ class Rounds(Family):
     def prepare(self, cfg, prep, *, backbone, images, original) -> None:
         """The setting's exits, tiers and corruptions, the client mods; the strategy checked
         against the real client count and what the clients send."""
-        from fedadapt.methods.rounds.run import (
-            apply_setting,
-            assign_client_ranks,
-            check_strategy_with_clients,
-            client_mods,
-        )
+        from fedadapt.methods.rounds.run import apply_setting, assign_client_ranks
+        from fedadapt.methods.rounds.strategy import check_strategy_with_clients, client_mods
 
         apply_setting(cfg, prep.spec, prep.model)
         assign_client_ranks(cfg, prep.spec)
@@ -55,12 +53,12 @@ class Rounds(Family):
         prep.fleet = build_fleet(cfg, prep.spec, prep.model)  # a deadline nobody meets: now
 
     def check(self, cfg, card) -> None:
-        from fedadapt.methods.rounds.run import check_rounds_config
+        from fedadapt.methods.rounds.strategy import check_rounds_config
 
         check_rounds_config(cfg)
 
     def check_code(self, cfg) -> None:
-        from fedadapt.methods.rounds.run import check_code
+        from fedadapt.methods.rounds.strategy import check_code
 
         check_code(cfg)
 

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Callable, Optional
 from fedadapt import progress
 from fedadapt.adapters import AdaptedModel
 from fedadapt.config import ConfigError, RunConfig
-from fedadapt.data.partition import Partition
 from fedadapt.federation.client.training import RunSpec
 from fedadapt.log import log
 from fedadapt.methods.run import (
@@ -23,39 +22,19 @@ from fedadapt.methods.run import (
     node_layout,
     run_tracker,
     simulation,
-    summary_head,
-    summary_tail,
     write_partition,
 )
 from fedadapt.strategies.registry import capabilities_of, is_custom
 
 if TYPE_CHECKING:  # pragma: no cover
     from flwr.clientapp import ClientApp
-
-
-def client_mods(cfg: RunConfig) -> tuple[list, list]:
-    """The ClientApp mods of training and evaluation: ``dp=client_*``'s clipping mod first
-    (outermost: it clips what the other mods left), then ``federation.*_mods``; each made once
-    here, so a wrong name or argument fails before anything runs, and a ``file.py`` named by
-    its absolute path (a Ray worker's working directory may differ)."""
-    from fedadapt.federation.client.mods import resolve
-    from fedadapt.strategies.registry import DP_MODS
-    from fedadapt.userimport import absolute
-
-    def portable(entry):
-        if isinstance(entry, dict):
-            return {**entry, "_target_": absolute(entry["_target_"])} \
-                if entry.get("_target_") else entry
-        return absolute(str(entry))
-
-    out = []
-    for key, names in (("federation.train_mods", cfg.federation.train_mods),
-                       ("federation.evaluate_mods", cfg.federation.evaluate_mods)):
-        for entry in names:
-            resolve(entry, key)
-        out.append([portable(e) for e in names])
-    train, evaluate = out
-    return ([DP_MODS[cfg.dp.name]] if cfg.dp.name in DP_MODS else []) + train, evaluate
+from fedadapt.methods.rounds.strategy import (
+    checked_state,
+    evaluate_fn,
+    make_strategy,
+    record_user_files,
+)
+from fedadapt.methods.rounds.summary import finish_rounds
 
 
 def apply_setting(cfg: RunConfig, spec: RunSpec, model: AdaptedModel) -> None:
@@ -119,46 +98,6 @@ def _init_from(run_dir: str, model: AdaptedModel) -> dict:
                               f"model's tensors (e.g. {diff}); use a run of the same method, "
                               f"backbone and dataset")
     return arrays
-
-
-def select_round(evals: list[dict], how: str) -> Optional[dict]:
-    """The evaluated round the summary reports: the last, or the one with the best mean
-    validation accuracy of the clients (ties: the earliest)."""
-    if not evals:
-        return None
-    if how == "best_val":
-        scored = [r for r in evals if r.get("val_acc") is not None]
-        if scored:
-            return max(scored, key=lambda r: r["val_acc"])
-    return evals[-1]
-
-
-def domain_summary(row: Optional[dict], partition: Partition,
-                   client_metrics: dict[str, dict[str, dict]]) -> Optional[dict]:
-    """FedCLIP's three numbers at the reported round of a domain partition: generalization
-    (the held-out domain), personalization (each participating domain's test split) and
-    overall (the mean over all four)."""
-    if row is None or partition.unseen is None or row.get("unseen_acc") is None:
-        return None
-    accs = {c: m.get("accuracy") for c, m in client_metrics.get(str(row["round"]), {}).items()}
-    pers = {name: accs.get(str(i)) for i, name in enumerate(partition.names)}
-    known = [v for v in pers.values() if v is not None]
-    return {
-        "holdout": partition.unseen_name,
-        "clients": list(partition.names),
-        "selected_round": row["round"],
-        "generalization": row["unseen_acc"],
-        "personalization": pers,
-        "personalization_mean": sum(known) / len(known) if known else None,
-        "overall": (row["unseen_acc"] + sum(known)) / (1 + len(known)),
-    }
-
-
-def _tier_counts(exits: list[int]) -> Optional[dict[str, int]]:
-    """``{exit: clients}`` of a multi-tier run (None when every client uses the last exit)."""
-    if not exits:
-        return None
-    return {str(e): exits.count(e) for e in sorted(set(exits))}
 
 
 def _progress(label: str, total: int, bar: Optional[progress.Bar] = None):
@@ -229,7 +168,7 @@ def run_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, *, config_yaml:
         state = _federate(cfg, run_dir, prep, initial, num_rounds, execute=execute,
                           client_app=client_app, tracker=tracker, config_sha=config_sha,
                           label=label, resume_state=resume_state)
-        summary = _finish_rounds(cfg, run_dir, prep, state, label=label, t0=t0,
+        summary = finish_rounds(cfg, run_dir, prep, state, label=label, t0=t0,
                                  num_rounds=num_rounds, resume_state=resume_state)
     except BaseException:
         tracker.close(run_dir, failed=True)
@@ -373,7 +312,7 @@ def _round_hook(cfg: RunConfig, run_dir: Path, config_sha: str, tracker, show: l
         if rnd and not checked[0] and not checkpoint and rebuild is not None:
             # the state after the first round (attributes a hook made) saved and loaded now,
             # not at the first checkpoint, rounds later
-            _checked_state(state.strategy, rebuild, state.arrays, f"after round {rnd}")
+            checked_state(state.strategy, rebuild, state.arrays, f"after round {rnd}")
         checked[0] = checked[0] or bool(rnd)
         if checkpoint:
             strategy, strategy_arrays = state.strategy_checkpoint()
@@ -475,357 +414,6 @@ def assign_client_ranks(cfg: RunConfig, spec: RunSpec) -> None:
         speeds = [p.compute for p in profiles(cfg.fleet, spec.num_clients, cfg.seed)]
     spec.client_ranks = assign_ranks(cfg.method, spec.num_clients, tiers, cfg.seed,
                                      speeds=speeds)
-
-
-def evaluate_fn(cfg: RunConfig) -> Optional[Callable]:
-    """``federation.evaluate_fn``, loaded (Flower's ``evaluate_fn(server_round, arrays)``) and
-    its signature checked: one that cannot be called with those two arguments is refused in
-    one line."""
-    name = cfg.federation.evaluate_fn
-    if not name:
-        return None
-    import inspect
-
-    from fedadapt.userimport import load
-
-    fn = load(name, "federation.evaluate_fn")
-    if not callable(fn) or isinstance(fn, type):
-        raise ConfigError(f"federation.evaluate_fn={name!r} is not a function "
-                          f"evaluate_fn(server_round, arrays) -> MetricRecord | None")
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):  # a builtin without a signature: called as it is
-        return fn
-    try:
-        signature.bind(0, object())
-    except TypeError as err:
-        raise ConfigError(f"federation.evaluate_fn={name!r} takes {signature}, not Flower's "
-                          f"(server_round, arrays) -> MetricRecord | None ({err})") from err
-    return fn
-
-
-def user_code_names(cfg: RunConfig) -> list[tuple[str, str]]:
-    """``(key, name)`` of each object of the user's that the config names: the strategy class,
-    the ``evaluate_fn``, the mods."""
-    out = [("strategy.target", cfg.strategy.target)] if is_custom(cfg.strategy) else []
-    if cfg.federation.evaluate_fn:
-        out.append(("federation.evaluate_fn", cfg.federation.evaluate_fn))
-    for key, entries in (("federation.train_mods", cfg.federation.train_mods),
-                         ("federation.evaluate_mods", cfg.federation.evaluate_mods)):
-        for entry in entries:
-            name = entry.get("_target_") if hasattr(entry, "keys") else entry
-            if name:
-                out.append((key, str(name)))
-    return out
-
-
-def record_user_files(cfg: RunConfig, run_dir: Path) -> None:
-    """``user_files.json`` in the run directory: each of the user's files the config names, by
-    absolute path and SHA-256 (:func:`fedadapt.userimport.file_record`), which a resume reads
-    (from any folder) before it composes the config again."""
-    from fedadapt.results.store import write_json
-    from fedadapt.userimport import USER_FILES, file_record
-
-    rows = []
-    for key, name in user_code_names(cfg):
-        try:
-            rec = file_record(name)
-        except Exception:  # noqa: BLE001 - a record the run cannot make never stops it
-            rec = None
-        if rec is not None:
-            rows.append(dict(rec, key=key))
-    path = run_dir / USER_FILES
-    if rows:
-        write_json(path, {"files": rows})
-    else:
-        path.unlink(missing_ok=True)
-
-
-def check_code(cfg: RunConfig) -> None:
-    """The user's code a run names, built and checked from the config alone (no data): the
-    strategy built with its keys (a key its constructor, or the class it passes ``**kwargs``
-    on to, does not take), its state saved and loaded as a checkpoint does
-    (:func:`fedadapt.strategies.state.check_checkpointable`), the mods made and the
-    ``evaluate_fn`` loaded, their signatures checked. A sweep runs this for every point before
-    the first; :func:`check_strategy_with_clients` builds the strategy again with the real
-    client count."""
-    evaluate_fn(cfg)
-    client_mods(cfg)
-    if not is_custom(cfg.strategy):
-        return  # fedadapt's and Flower's strategies: check_strategy_with_clients, with the data
-
-    def build():
-        return _built(lambda: _make(cfg, cfg.partition.num_clients))
-
-    try:
-        strategy = build()
-    except ConfigError as err:  # a value Flower's constructors refuse: the count may matter
-        if "is not a parameter of" in str(err):
-            raise
-        return
-    _checked_state(strategy, build)
-
-
-def _built(make: Callable):
-    """``make()``; an exception raised inside the user's constructor in one line naming it,
-    then their frames."""
-    from fedadapt.config import FedadaptError
-    from fedadapt.userimport import user_error
-
-    try:
-        return make()
-    except FedadaptError:
-        raise
-    except Exception as err:
-        raised = user_error(err, "when it was built (before round 1)")
-        if raised is None:
-            raise
-        raise raised from err
-
-
-def _checked_state(strategy, rebuild: Callable, global_arrays=None,
-                   when: str = "before round 1") -> None:
-    """:func:`~fedadapt.strategies.state.check_checkpointable`, an exception raised inside the
-    user's ``state_dict()`` / ``load_state_dict()`` in one line naming it."""
-    from fedadapt.config import FedadaptError
-    from fedadapt.strategies.state import StrategyStateError, check_checkpointable
-    from fedadapt.userimport import user_error
-
-    try:
-        check_checkpointable(strategy, rebuild, global_arrays)
-    except StrategyStateError as err:
-        if when == "before round 1":
-            raise
-        raise StrategyStateError(f"{err} (found {when}; the first checkpoint would have "
-                                 f"refused it)") from err
-    except FedadaptError:
-        raise
-    except Exception as err:
-        raised = user_error(err, f"when its state was saved and loaded ({when})")
-        if raised is None:
-            raise
-        raise raised from err
-
-
-def _make(cfg: RunConfig, num_clients: int, federated: bool = True, ranks=None,
-          sizes: Optional[list[int]] = None):
-    from fedadapt.federation.wire.grid import NODE_BASE
-    from fedadapt.strategies.build import build_strategy
-
-    p = cfg.partition
-    global_rank = getattr(cfg.method, "global_rank", None)
-    ranks = ranks or [global_rank] * num_clients
-    # fleet.fedscale_semantics=exact: the fleet over-selects as FedScale does (Fleet.select)
-    # and the strategy trains every client it is offered
-    exact = cfg.fleet.exact
-    return build_strategy(cfg.strategy, cfg.dp, num_clients=num_clients,
-                          fraction_train=1.0 if exact else p.fraction_fit,
-                          fraction_evaluate=p.fraction_evaluate,
-                          weighting=cfg.method.weighting, lr=cfg.train.lr,
-                          federated=federated,
-                          rank_of=lambda node: ranks[node - NODE_BASE], seed=cfg.seed,
-                          sample_available=cfg.fleet.simulated, train=cfg.train,
-                          examples_of=(None if sizes is None else
-                                       lambda node: sizes[node - NODE_BASE]))
-
-
-def make_strategy(cfg: RunConfig, prep: PreparedRun):
-    """The run's Flower strategy (``strategy=``, wrapped by ``dp=``; see
-    :mod:`fedadapt.strategies.build`)."""
-    return _make(cfg, prep.spec.num_clients, prep.model.federated, prep.spec.client_ranks,
-                 [len(client.train) for client in prep.spec.clients])
-
-
-def check_rounds_config(cfg: RunConfig) -> None:
-    """The rounds family's refusals of config values, from the config alone (before any data
-    is loaded; the strategy's are its kind's, :mod:`fedadapt.strategies.checks`): the training
-    settings that need the clients' images; ``federation.evaluate_fn`` loaded (a wrong name
-    fails before any data is loaded)."""
-    evaluate_fn(cfg)
-    if cfg.train.crop_scale is not None and cfg.method.use_cache:
-        raise ConfigError("train.crop_scale augments images: it needs method.use_cache=false "
-                          "(cached features cannot be cropped)")
-
-
-def check_strategy_with_clients(cfg: RunConfig, prep: PreparedRun) -> None:
-    """The strategy against the partition's real client count and what the clients send
-    (before anything is written): refuses a strategy that needs every client to send every
-    tensor where some do not, and builds it once (Flower's own checks of its values)."""
-    from fedadapt.federation.client.worker import sent_names
-    from fedadapt.strategies.build import sample_size
-    from fedadapt.strategies.checks import check_counts, check_every_tensor
-
-    spec, model = prep.spec, prep.model
-    if not model.federated:
-        return
-    check_counts(cfg.strategy, cfg.dp, num_clients=spec.num_clients,
-                 sampled=sample_size(spec.num_clients, cfg.partition.fraction_fit))
-    every = model.communicated_names()
-    partial = [c for c in range(spec.num_clients) if len(sent_names(spec, c, model)) < len(every)]
-    if cfg.secagg.name != "none":
-        _check_secagg(cfg, prep, partial, len(every))
-    if partial:
-        check_every_tensor(cfg.strategy, cfg.dp, f"method={cfg.method.name}: client "
-                                                 f"{partial[0]} trains "
-                                                 f"{len(sent_names(spec, partial[0], model))} of "
-                                                 f"the {len(every)} communicated tensors")
-    # a checkpoint's save and load, done now: what the first checkpoint would refuse fails here
-    _checked_state(_built(lambda: make_strategy(cfg, prep)),
-                   lambda: _built(lambda: make_strategy(cfg, prep)))
-
-
-def _check_secagg(cfg: RunConfig, prep: PreparedRun, partial: list[int], every: int) -> None:
-    """``secagg=secaggplus`` against the clients: SecAgg+ sums one vector of every global
-    tensor from each (a client that trains a subset, or LoRA factors of its own rank, cannot
-    join it), and the sum of the sampled clients' quantised values must stay below the masks'
-    modulus."""
-    from fedadapt.federation.client.worker import sent_names
-    from fedadapt.strategies.build import sample_size
-
-    sa, spec = cfg.secagg, prep.spec
-    if partial or spec.client_ranks and len(set(spec.client_ranks)) > 1:
-        what = (f"client {partial[0]} trains {len(sent_names(spec, partial[0], prep.model))} "
-                f"of the {every} communicated tensors" if partial
-                else f"the clients' LoRA ranks differ ({sorted(set(spec.client_ranks))})")
-        raise ConfigError(f"secagg={sa.name} is invalid for method={cfg.method.name}: it sums "
-                          f"every global tensor from every client, and {what}")
-    sampled = sample_size(spec.num_clients, cfg.partition.fraction_fit)
-    if sampled < 2:
-        raise ConfigError(f"partition.fraction_fit={cfg.partition.fraction_fit} is invalid "
-                          f"with secagg={sa.name}: SecAgg+ needs at least 2 clients a round "
-                          f"({sampled} sampled of {spec.num_clients})")
-    if sampled * sa.quantization_range >= sa.modulus_range:
-        raise ConfigError(f"secagg.quantization_range={sa.quantization_range} is invalid with "
-                          f"{sampled} clients a round: their quantised sum wraps around "
-                          f"secagg.modulus_range={sa.modulus_range} (needs clients x "
-                          f"quantization_range < modulus_range)")
-
-
-def _finish_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, state, *, label: str,
-                   t0: float, num_rounds: int, resume_state: Optional[dict]) -> dict:
-    """The run directory of a client-trained run after its rounds: per-client metrics,
-    personalization, the summary and its table and curves (``summary.json`` last)."""
-    from fedadapt.results.store import write_jsonl
-
-    write_jsonl(run_dir / CLIENTS_FILE, [{"round": int(r), "client": int(c), **m}
-                                         for r, per in state.client_metrics.items()
-                                         for c, m in per.items()])
-    summary = {
-        **summary_head(cfg, label, prep, rounds=num_rounds, setting=cfg.setting.name),
-        **_accuracy_summary(cfg, run_dir, prep, state),
-        "params": prep.counts,
-        "strategy": _strategy_summary(cfg, state.strategy),
-        "privacy": _privacy_summary(cfg, state.strategy),
-        **_cost_summary(prep, state, t0, resume_state),
-        **summary_tail(prep),
-    }
-    _write_run_end(cfg, run_dir, label, summary, state.history)
-    return summary
-
-
-def _accuracy_summary(cfg: RunConfig, run_dir: Path, prep: PreparedRun, state) -> dict:
-    """The summary's accuracies: the final evaluated round, the reported one
-    (``federation.select``), the domains and tiers, personalization (its file written) and
-    the best of each accuracy."""
-    history = state.history
-    evals = [r for r in history if r["global_acc"] is not None or r["client_acc"] is not None]
-
-    def best(key):
-        vals = [r[key] for r in evals if r[key] is not None]
-        return max(vals) if vals else None
-
-    final = evals[-1] if evals else (history[-1] if history else {})
-    selected = select_round(evals, cfg.federation.select)
-    return {
-        "final": {k: final.get(k) for k in ("round", "global_acc", "client_acc",
-                                            "client_acc_weighted", "train_loss",
-                                            "global_acc_last", "exit_acc", "tier_acc",
-                                            "val_acc")},
-        "selection": cfg.federation.select,
-        "selected": ({k: selected.get(k) for k in ("round", "val_acc", "global_acc", "client_acc",
-                                                   "unseen_acc")} if selected else None),
-        "domains": domain_summary(selected, prep.partition, state.client_metrics),
-        "tiers": _tier_counts(prep.spec.client_exits),
-        "personalization": _personalization(cfg, run_dir, prep.spec, state.personalized),
-        "best": {"global_acc": best("global_acc"), "client_acc": best("client_acc")},
-    }
-
-
-def _cost_summary(prep: PreparedRun, state, t0: float, resume_state: Optional[dict]) -> dict:
-    """The summary's costs: bytes, the simulated clock, dropped clients, wall time."""
-    history = state.history
-    trained = [r for r in history if r["round"] >= 1]  # round 0: the initial model's evaluation
-    return {
-        "total_bytes": state.cum_bytes,
-        # a simulated fleet's clock at the end (fleet=): fedadapt-report's "simulated hours"
-        **({"simulated_s": state.sim_time} if prep.fleet is not None else {}),
-        "client_failures": sum(r.get("clients_failed", 0) for r in history),
-        "resumed_after_round": resume_state["round"] if resume_state else None,
-        "bytes_up": sum(r["bytes_up"] for r in history),
-        "bytes_down": sum(r["bytes_down"] for r in history),
-        # this process's time, plus the interrupted process's rounds when resumed
-        "wall_s": time.time() - t0 + (resume_state or {}).get("wall_s", 0.0),
-        "seconds_per_round": (sum(r["round_s"] for r in trained) / len(trained)
-                              if trained else None),
-    }
-
-
-def _write_run_end(cfg: RunConfig, run_dir: Path, label: str, summary: dict,
-                   history: list[dict]) -> None:
-    """``table.md``, ``curves.png`` and ``summary.json`` (last: it marks the run directory
-    complete)."""
-    from fedadapt.files import atomic_write
-    from fedadapt.results.plots import plot_curves
-    from fedadapt.results.store import SUMMARY, write_json
-    from fedadapt.results.tables import run_tables
-
-    table = run_tables([summary], title=f"## {cfg.experiment}: {label} on {cfg.dataset.name}")
-    atomic_write(run_dir / "table.md", lambda fh: fh.write(table))
-    if history:
-        plot_curves({label: history}, run_dir / "curves.png",
-                    title=f"{label} | {cfg.dataset.name} | alpha {cfg.partition.alpha}")
-    write_json(run_dir / SUMMARY, summary)  # last: marks the run directory complete
-
-
-def _strategy_summary(cfg: RunConfig, strategy) -> dict:
-    """Which Flower strategy ran, with its keys (``strategy=`` / ``dp=``)."""
-    from dataclasses import asdict
-
-    from fedadapt.strategies.build import describe
-
-    return {"class": describe(strategy),
-            "strategy": {**asdict(cfg.strategy), **getattr(cfg.strategy, "kwargs", {})},
-            "dp": asdict(cfg.dp)}
-
-
-def _privacy_summary(cfg: RunConfig, strategy) -> Optional[dict]:
-    """``dp=``'s guarantee at the end: epsilon at delta (fixed clipping with accounting), the
-    noise multiplier and the final clipping norm; None without DP."""
-    from fedadapt.strategies.privacy import privacy_spent
-
-    if cfg.dp.name == "none" or not hasattr(strategy, "noise_multiplier"):
-        return None  # no DP, or a method that is not federated (local_only): nothing released
-    return {"dp": cfg.dp.name, "noise_multiplier": float(strategy.noise_multiplier),
-            "clipping_norm": float(strategy.clipping_norm),
-            **(privacy_spent(strategy) or {"epsilon": None, "accounting": None})}
-
-
-#: Per-client evaluation results of a run, one line per (round, client), written at its end.
-CLIENTS_FILE = "clients.jsonl"
-
-
-def _personalization(cfg: RunConfig, run_dir: Path, spec: RunSpec, rows: list[dict]
-                     ) -> Optional[dict]:
-    if not rows:
-        return None
-    from fedadapt.results.store import write_json
-    from fedadapt.settings import summarize_personalization
-
-    rows = [{**r, "corruption": (spec.client_corruptions[r["client"]][0]
-                                 if spec.client_corruptions else "none")} for r in rows]
-    write_json(run_dir / "personalization.json", rows)
-    return {"part": cfg.setting.personalize, "epochs": cfg.setting.epochs,
-            **summarize_personalization(rows)}
 
 
 def personalization_phase(grid, state, plan) -> None:
