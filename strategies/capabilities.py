@@ -3,14 +3,14 @@
 Every ``strategy=`` option is registered with a :class:`Capabilities`
 (:mod:`fedadapt.strategies.registry`); fedadapt's own strategy classes declare theirs as the
 class attribute ``capabilities``, and so may a researcher's own (``strategy=custom``): a class
-that declares none gets what its class implies (a subclass of Flower's ``FedAvg``: FedAvg's
-family). The checks (:mod:`fedadapt.strategies.checks`), the building
-(:mod:`fedadapt.strategies.build`) and the rounds read these attributes, never a strategy's name.
+that declares none has those of the nearest registered class it extends (a subclass of Flower's
+``FedAvg``: FedAvg's family; of ``FedMedian``: a strategy that combines whole updates). The
+checks (:mod:`fedadapt.strategies.checks`), the building (:mod:`fedadapt.strategies.build`) and
+the rounds read these attributes, never a strategy's name.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -58,23 +58,6 @@ class Capabilities:
 
 #: FedAvg's family: fedadapt's per-tensor mean under the strategy's own update.
 FEDAVG_FAMILY = Capabilities(per_tensor=True, each_tensor=True)
-
-
-def implied_capabilities(cls: type) -> Capabilities:
-    """What a class that declares no capabilities implies: a subclass of Flower's FedAvg is of
-    FedAvg's family (with FedAvg's sensitivity where it keeps FedAvg's ``aggregate_train``);
-    any other combines whole updates."""
-    from flwr.serverapp.strategy import FedAvg
-
-    if not issubclass(cls, FedAvg):
-        return Capabilities()
-    return dataclasses.replace(FEDAVG_FAMILY, fedavg_sensitivity=fedavg_aggregation(cls))
-
-
-def declared_capabilities(cls: type) -> Capabilities:
-    """The class's ``capabilities`` attribute, or what its class implies."""
-    own = getattr(cls, "capabilities", None)
-    return own if isinstance(own, Capabilities) else implied_capabilities(cls)
 
 
 def fedavg_aggregation(cls: type) -> bool:

@@ -170,7 +170,8 @@ def _check_clock(cfg: RunConfig, caps: Capabilities) -> None:
 def check_every_tensor(strategy: StrategyConfig, dp: DPConfig, why: str) -> None:
     """Refuse a strategy or DP wrapper that needs every client to send every tensor."""
     if not capabilities_of(strategy).each_tensor:
-        raise ConfigError(f"strategy={strategy.name} is invalid here: it combines whole "
+        key, value = _where(strategy)
+        raise ConfigError(f"{key}={value} is invalid here: it combines whole "
                           f"updates, and {why} (strategies that average each tensor over its "
                           f"senders: {', '.join(_names('per_tensor'))})")
     if dp.name != "none":

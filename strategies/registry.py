@@ -25,7 +25,7 @@ from flwr.serverapp import strategy as flwr_strategies
 
 from fedadapt.config import DPConfig, StrategyConfig
 from fedadapt.strategies import fedbuff, fedex_lora, fednova, fedsa_lora, flexlora, flora, hetlora
-from fedadapt.strategies.capabilities import FEDAVG_FAMILY, Capabilities, declared_capabilities
+from fedadapt.strategies.capabilities import FEDAVG_FAMILY, Capabilities, fedavg_aggregation
 from fedadapt.strategies.custom import CUSTOM
 from fedadapt.strategies.schema import params_of, schema_of
 
@@ -37,9 +37,9 @@ CAPABILITIES: dict[str, Capabilities] = {}
 
 def register_strategy(name: str, cls: type, capabilities: Optional[Capabilities] = None) -> None:
     """Offer ``cls`` as ``strategy=name`` with ``capabilities`` (default: the class's own
-    ``capabilities`` attribute, else :func:`implied_capabilities`)."""
+    ``capabilities`` attribute)."""
     STRATEGIES[name] = cls
-    CAPABILITIES[name] = capabilities or declared_capabilities(cls)
+    CAPABILITIES[name] = capabilities or cls.capabilities
 
 
 _FEDAVG = dataclasses.replace(FEDAVG_FAMILY, fedavg_sensitivity=True)
@@ -157,5 +157,23 @@ def capabilities_of(strategy: StrategyConfig) -> Capabilities:
     """The capabilities of the strategy ``strategy=`` names (a custom class's own, or what its
     class implies)."""
     if is_custom(strategy):
-        return declared_capabilities(strategy_class(strategy))
+        return custom_capabilities(strategy_class(strategy))
     return CAPABILITIES[strategy.name]
+
+
+def custom_capabilities(cls: type) -> Capabilities:
+    """A researcher's class's capabilities: its own ``capabilities`` attribute, else those of
+    the nearest class it extends that declares or registers them (FedAvg's family for a subclass
+    of FedAvg, with FedAvg's sensitivity only while it keeps FedAvg's ``aggregate_train``;
+    never SecAgg+'s weighted sum, which only Flower's FedAvg hands over); a strategy that
+    combines whole updates otherwise."""
+    registered = {klass: name for name, klass in STRATEGIES.items()}
+    for klass in cls.__mro__:
+        own = klass.__dict__.get("capabilities")
+        if isinstance(own, Capabilities):
+            return own
+        if klass in registered:
+            caps = CAPABILITIES[registered[klass]]
+            return dataclasses.replace(caps, weighted_sum=False, fedavg_sensitivity=(
+                caps.fedavg_sensitivity and fedavg_aggregation(cls)))
+    return Capabilities()

@@ -10,6 +10,7 @@ their files recorded for a resume from any folder."""
 import json
 import random
 import re
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +36,7 @@ def docs_example(name: str) -> str:
     found = re.search(rf"<!-- example: {re.escape(name)}[^>]*-->\s*```python\n(.*?)```", text,
                       re.S)
     assert found, f"docs/federation.md has no example {name}"
-    return found.group(1)
+    return textwrap.dedent(found.group(1))
 
 
 @pytest.fixture
@@ -1080,3 +1081,38 @@ def test_the_peft_snippet_of_the_docs_imports_no_fedadapt():
     snippet = text.split("With transformers and peft alone (no fedadapt), for a ViT:")[1]
     code = snippet.split("```python\n")[1].split("```")[0]
     assert "fedadapt" not in code and "from peft import PeftModel" in code
+
+
+@pytest.mark.slow  # a two-round multi-tier run, in process
+def test_a_strategy_that_declares_its_capabilities_runs_where_they_allow(tmp_path, cache_dir,
+                                                                         monkeypatch):
+    """docs/federation.md's SenderMedian declares that it averages each tensor over its
+    senders: it runs in setting=multitier; a FedMedian subclass that declares nothing combines
+    whole updates (FedMedian's registered capabilities) and is refused there."""
+    from fedadapt.entry import compose_config, to_run_config
+    from fedadapt.experiment import run_experiment
+    from fedadapt.federation.simulation.inprocess import in_process
+
+    folder = tmp_path / "work"
+    folder.mkdir()
+    (folder / "sendermedian.py").write_text(docs_example("sendermedian.py"))
+    (folder / "wholemedian.py").write_text("from flwr.serverapp.strategy import FedMedian\n\n\n"
+                                           "class WholeMedian(FedMedian):\n    pass\n")
+    monkeypatch.chdir(folder)
+    tiers = ["method=lw_linear", "backbone=tiny_vit", "dataset.max_samples=300",
+             "partition.num_clients=4", "setting=multitier", "rounds=2",
+             f"cache_dir={cache_dir}", "strategy=custom"]
+    with pytest.raises(ConfigError, match=r"^strategy.target=wholemedian.WholeMedian is invalid "
+                                          r"here: it combines whole updates"):
+        to_run_config(compose_config([*tiers, "strategy.target=wholemedian.WholeMedian"]))
+    with pytest.raises(ConfigError, match=r"^strategy.target='sendermedian.SenderMedian' is "
+                                          r"invalid: dp=server_fixed with accounting"):
+        to_run_config(compose_config([*TINY, "strategy=custom", "dp=server_fixed",
+                                      "strategy.target=sendermedian.SenderMedian",
+                                      "method.weighting=uniform"]))
+    run = to_run_config(compose_config([*tiers, "strategy.target=sendermedian.SenderMedian"]))
+    summary = run_experiment(run, tmp_path / "run", config_yaml="sendermedian",
+                             execute=in_process("workers"))
+    assert summary["strategy"]["class"] == "SenderMedian"
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["round"] for r in rows] == [1, 2] and rows[-1]["global_acc"] is not None
