@@ -10,7 +10,14 @@ from typing import Optional
 from omegaconf import DictConfig
 
 from fedadapt.config import FedadaptError
-from fedadapt.entry import job_configs
+from fedadapt.entry import (
+    compose_config,
+    config_groups,
+    job_configs,
+    nearest,
+    register_configs,
+    undeclared_keys,
+)
 
 #: Hydra launchers that come from a plugin: ``hydra/launcher=NAME`` -> (module, pip package).
 LAUNCHER_PLUGINS = {
@@ -62,8 +69,6 @@ def config_problem(argv: list[str]) -> str | None:
 
     from hydra.errors import HydraException, MissingConfigException
     from omegaconf.errors import OmegaConfBaseException
-
-    from fedadapt.entry import compose_config, nearest, undeclared_keys
 
     if any(a.startswith("-") for a in argv):
         return flag_problem(argv)
@@ -126,8 +131,6 @@ def flag_problem(argv: list[str]) -> Optional[str]:
 def compare_problem(argv: list[str], composed: DictConfig) -> Optional[str]:
     """One line for a ``compare`` entry (``method`` or ``method@backbone``) that names no
     option of its group; None when each does (or ``method=`` on the command line runs one)."""
-    from fedadapt.entry import config_groups, nearest
-
     if any(a.split("=")[0].lstrip("+~") == "method" for a in argv):
         return None
     groups = config_groups()
@@ -181,8 +184,6 @@ def _unknown_key(argv: list[str], key: str) -> str:
     from hydra.errors import HydraException
     from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
-
-    from fedadapt.entry import compose_config, nearest
 
     def about_key(arg: str) -> bool:
         name = arg.split("=")[0].lstrip("+~")
@@ -254,7 +255,6 @@ def sweep_problem(argv: list[str]) -> Optional[str]:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from fedadapt.entry import undeclared_keys
     from fedadapt.paths import CONF_MODULE
 
     try:
@@ -264,6 +264,7 @@ def sweep_problem(argv: list[str]) -> Optional[str]:
     if not points:
         return None
     bad = None
+    register_configs()  # the schemas the points' presets extend
     with initialize_config_module(config_module=CONF_MODULE, version_base=None):
         for label, point in points:
             try:
