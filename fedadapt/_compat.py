@@ -3,11 +3,12 @@
 Why this exists
 ---------------
 The registry's ``torchvision==0.28.0`` wheel is a CUDA build. Next to the CPU build of
-``torch==2.13.0`` that this project pins (see ENVIRONMENT.md), its compiled extension
-``torchvision/_C.so`` fails to load, its operators never register, and ``import torchvision``
-dies with ``operator torchvision::nms does not exist`` (``torchvision/_meta_registrations.py``
-registers fake kernels for ops it expects to exist). That also breaks timm, open_clip and the
-transformers vision models, which all import torchvision.
+``torch==2.13.0`` that this project pins (pyproject.toml; docs/getting-started.md, "Pins"),
+its compiled extension ``torchvision/_C.so`` fails to load, its operators never register, and
+``import torchvision`` dies with ``operator torchvision::nms does not exist``
+(``torchvision/_meta_registrations.py`` registers fake kernels for ops it expects to exist).
+That also breaks timm, open_clip and the transformers vision models, which all import
+torchvision.
 
 What it does
 ------------

@@ -40,8 +40,7 @@ def run(overrides: list[str], run_dir: str | Path, *, execute=None) -> Outcome:
     and one that compares several without it is refused), run it into ``run_dir`` and return
     its :class:`Outcome`. ``execute``: the federation's launcher (default: Flower's simulation
     engine, or ``federation.backend``'s)."""
-    from fedadapt.cli import job_configs
-    from fedadapt.entry import compose_config
+    from fedadapt.entry import compose_config, job_configs
     from fedadapt.experiment import run_experiment
 
     overrides = list(overrides)

@@ -8,6 +8,9 @@ listed method on the same data and seed, each into its own run directory under t
 and writes a combined ``table.md`` and ``curves.png`` there; naming ``method=`` on the command
 line runs just that method. A ``compare`` entry ``method@backbone`` runs that row on another
 backbone (FedCLIP's AlexNet baselines beside the CLIP rows).
+
+This module runs the job; a mistyped command line is refused in one line by
+:mod:`fedadapt.argv` before Hydra starts, and the job's time estimate is :mod:`fedadapt.estimate`.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from omegaconf import DictConfig, OmegaConf
 
 import fedadapt  # noqa: F401  (torchvision shim first)
 from fedadapt import rundir
-from fedadapt.config import ConfigError, FedadaptError, RunConfig
-from fedadapt.entry import register_configs, to_run_config, with_method_train
+from fedadapt.argv import config_problem, missing_launcher, sweep_problem
+from fedadapt.config import ConfigError, FedadaptError
+from fedadapt.entry import job_configs, register_configs
 from fedadapt.federation.server.interrupt import (
     RunInterrupted,
     exit_stopped,
@@ -38,41 +42,6 @@ from fedadapt.paths import CONF_PATH
 from fedadapt.userimport import recorded_files
 
 register_configs()
-
-
-def job_configs(cfg: DictConfig, overrides: list[str]) -> list[tuple[str, RunConfig, str]]:
-    """``(method, RunConfig, resolved yaml)`` for each run of this job, all validated up front,
-    the user's code of each built and checked (:meth:`fedadapt.methods.Family.check_code`)."""
-    from fedadapt.methods import family_of
-
-    out = _job_configs(cfg, overrides)
-    for _, run, _ in out:
-        family_of(run.method).check_code(run)
-    return out
-
-
-def _job_configs(cfg: DictConfig, overrides: list[str]) -> list[tuple[str, RunConfig, str]]:
-    from hydra import compose
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    chosen = [o.split("=", 1)[1] for o in overrides if o.split("=")[0].lstrip("+~") == "method"]
-    names = [] if chosen else list(cfg.compare)
-    if not names:  # one run, labelled by the preset named (fedavg_clip, not its schema fedclip)
-        run = to_run_config(cfg)
-        return [(chosen[-1] if chosen else run.method.name, run,
-                 OmegaConf.to_yaml(with_method_train(cfg), resolve=True))]
-    out = []
-    for entry in names:  # "method" or "method@backbone" (a row on another backbone)
-        name, _, backbone = entry.partition("@")
-        extra = [f"method={name}"] + ([f"backbone={backbone}"] if backbone else [])
-        try:
-            sub = compose(config_name="config", overrides=overrides + extra)
-        except (HydraException, OmegaConfBaseException) as err:  # one line, not Hydra's list
-            raise ConfigError(f"compare entry {entry!r}: {str(err).splitlines()[0]}") from err
-        out.append((name, to_run_config(sub),
-                    OmegaConf.to_yaml(with_method_train(sub), resolve=True)))
-    return out
 
 
 def _remove_if_empty(run_dir: Path, root: Path) -> None:
@@ -223,6 +192,7 @@ def method_dirs(job_dir: Path, names: list[str], *, resume: bool) -> dict[str, P
 def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
             resume: bool = False) -> list[dict]:
     from fedadapt import progress
+    from fedadapt.estimate import method_costs
     from fedadapt.experiment import prepare_run, run_experiment
     from fedadapt.federation.simulation.cluster import check_reachable
     from fedadapt.files import atomic_write
@@ -287,89 +257,6 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
     print("\n" + table)
     print(f"Run directory: {run_dir}")
     return summaries
-
-
-def method_costs(jobs, prepared: dict, dirs: dict[str, Path]
-                 ) -> tuple[dict[str, float], dict[str, float]]:
-    """Each method's seconds per round for the job's estimate (:class:`fedadapt.progress.Job`):
-    ``measured``, the median ``round_s`` of the rounds a resumed run did already; ``extra``,
-    for a method that runs the backbone every round (no cached features) on the CPU, the
-    backbone's share of a round (:func:`_backbone_seconds_per_round`) from a timed step."""
-    import statistics
-
-    from fedadapt.devices import run_device
-    from fedadapt.results.store import read_jsonl
-
-    measured, extra, timed = {}, {}, {}
-    for name, run, _ in jobs:
-        done = [r["round_s"] for r in (read_jsonl(dirs[name] / "metrics.jsonl")
-                                       if (dirs[name] / "metrics.jsonl").is_file() else [])
-                if r.get("round_s")]
-        if done:
-            measured[name] = statistics.median(done)
-            continue
-        prep = prepared.get(name)
-        backbone = getattr(getattr(prep, "model", None), "backbone", None)
-        if backbone is None or getattr(run.method, "use_cache", False) \
-                or run_device(run.federation.num_gpus) != "cpu":  # the driver's CPU says
-            continue  # nothing of a GPU's time
-        trains = any(p.requires_grad for p in backbone.parameters())
-        key = (run.backbone.name, backbone.image_size, trains)
-        if key not in timed:
-            timed[key] = _timed_backbone(backbone, trains)
-        if timed[key] is not None:
-            extra[name] = _backbone_seconds_per_round(run, prep, *timed[key])
-    return measured, extra
-
-
-def _timed_backbone(backbone, trains: bool) -> Optional[tuple[float, float]]:
-    """Seconds per image of the backbone in a training step (forward and backward where the
-    method trains it, on a copy: the run's model is left as it was) and in evaluation (a
-    forward without gradients); None where it cannot be timed (an estimate never stops a job)."""
-    import copy
-    import time
-
-    import torch
-
-    def seconds(step, x) -> float:
-        step(x)  # warm-up
-        t0 = time.perf_counter()
-        step(x)
-        return (time.perf_counter() - t0) / len(x)
-
-    def evaluate(x):
-        with torch.no_grad():
-            model(x)
-
-    def train(x):
-        out = model(x)
-        (out if torch.is_tensor(out) else out[0]).float().sum().backward()
-
-    try:
-        model = copy.deepcopy(backbone).eval()  # batch-norm statistics stay the run's
-        x = backbone.example_input(8)
-        per_eval = seconds(evaluate, x)
-        if not trains:
-            return per_eval, per_eval
-        model.train()
-        return seconds(train, x), per_eval
-    except Exception:  # noqa: BLE001 - an estimate never stops a job: no estimate
-        return None
-
-
-def _backbone_seconds_per_round(run, prep, per_train: float, per_eval: float) -> float:
-    """A round's backbone time where the features are not cached: the clients' training (a
-    step's time per image and epoch, over the workers) and, each ``federation.eval_every``
-    rounds, the forwards of the evaluation (the global test split on the server, the sampled
-    clients' test splits)."""
-    clients = prep.partition.clients
-    train = sum(len(c.train) for c in clients) * run.partition.fraction_fit \
-        * run.train.local_epochs
-    workers = max(1, int((prep.layout or {}).get("workers") or 1))
-    test = prep.spec.test_source
-    evaluated = (len(test.labels()) if test is not None else 0) \
-        + sum(len(c.test) for c in clients) * run.partition.fraction_evaluate / workers
-    return per_train * train / workers + per_eval * evaluated / run.federation.eval_every
 
 
 @contextmanager
@@ -464,191 +351,6 @@ def _main(cfg: DictConfig) -> Optional[float]:
         raise
 
 
-#: Hydra launchers that come from a plugin: ``hydra/launcher=NAME`` -> (module, pip package).
-LAUNCHER_PLUGINS = {
-    "joblib": ("hydra_plugins.hydra_joblib_launcher", "hydra-joblib-launcher"),
-    "slurm": ("hydra_plugins.hydra_submitit_launcher", "hydra-submitit-launcher"),
-    "submitit_slurm": ("hydra_plugins.hydra_submitit_launcher", "hydra-submitit-launcher"),
-    "submitit_local": ("hydra_plugins.hydra_submitit_launcher", "hydra-submitit-launcher"),
-    "ray": ("hydra_plugins.hydra_ray_launcher", "hydra-ray-launcher"),
-    "rq": ("hydra_plugins.hydra_rq_launcher", "hydra-rq-launcher"),
-}
-#: fedadapt's optional extra that installs a launcher plugin.
-LAUNCHER_EXTRAS = {"hydra-joblib-launcher": "joblib", "hydra-submitit-launcher": "slurm"}
-
-
-def missing_launcher(argv: list[str], installed=None) -> str | None:
-    """The one-line error for a ``hydra/launcher=NAME`` whose plugin is not installed, or None.
-
-    ``installed(module) -> bool`` defaults to an import-system lookup (nothing is imported).
-    """
-    import importlib.util
-
-    def found(module: str) -> bool:
-        try:
-            return importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):  # a parent package missing, or blocked
-            return False
-
-    installed = installed or found
-    for arg in argv:
-        key, _, name = arg.partition("=")
-        if key.lstrip("+~") != "hydra/launcher" or name not in LAUNCHER_PLUGINS:
-            continue
-        module, package = LAUNCHER_PLUGINS[name]
-        if not installed(module):
-            extra = LAUNCHER_EXTRAS.get(package)
-            hint = f" (or pip install 'fedadapt[{extra}]')" if extra else ""
-            return (f"hydra/launcher={name} needs the Hydra plugin {package}, which is not "
-                    f"installed: pip install {package}{hint}")
-    return None
-
-
-def config_problem(argv: list[str]) -> str | None:
-    """One line for a command line Hydra cannot compose: an option a group does not have
-    (``strategy=fedfoo``), a key no schema declares (``strategy.bogus=1``), a value of the wrong
-    type (``strategy.eta=abc``); None when it composes, and for flags and sweeps (``-m``,
-    ``--cfg``, ...), which go to Hydra as they are."""
-    import re
-
-    from hydra.errors import HydraException, MissingConfigException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from fedadapt.entry import compose_config, nearest, undeclared_keys
-
-    if any(a.startswith("-") for a in argv):
-        return None
-    for arg in argv:
-        key, eq, value = arg.partition("=")
-        if key.startswith("~"):
-            return (f"{arg}: deleting a setting is not supported (every key has a default); set "
-                    f"it instead, e.g. {key.lstrip('~')}.<key>=<value> or {key.lstrip('~')}="
-                    f"<option>")
-        if eq and key.lstrip("+") in ("hydra.run.dir", "hydra.sweep.dir", "output_dir") \
-                and not value.strip():
-            return f"{key.lstrip('+')} is empty: name a folder (or leave it out for the default)"
-    try:
-        composed = compose_config(argv, default_experiment="quickstart")
-        for key, _, _ in undeclared_keys(composed):  # +trian.lr=0.1: composes, declared nowhere
-            return _unknown_key(argv, key)
-        return compare_problem(argv, composed)
-    except MissingConfigException as err:
-        text = str(err)
-        found = re.search(r"Could not find '([^']+)/([^']+)'", text)
-        if not found:
-            return text.splitlines()[0]
-        group, option = found.groups()
-        options = re.findall(r"^\t(\S+)$", text.split("Available options", 1)[-1], re.M)
-        return (f"{group}={option} is not an option of {group}"
-                f"{nearest(option, options)} (options: {', '.join(options)})")
-    except (HydraException, OmegaConfBaseException) as err:
-        cause = err.__cause__ if err.__cause__ is not None else err
-        text = f"{err}\n{cause}"
-        full_key = re.search(r"full_key: (\S+)", text)
-        unknown = re.search(r"Could not override '([^']+)'", text) if not full_key or \
-            re.search(r"Key '[^']+' (is )?not in", text) is None else full_key
-        if unknown:
-            return _unknown_key(argv, unknown.group(1))
-        first = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
-        return _explained(argv, full_key.group(1) if full_key else None, first, text)
-
-
-def compare_problem(argv: list[str], composed: DictConfig) -> Optional[str]:
-    """One line for a ``compare`` entry (``method`` or ``method@backbone``) that names no
-    option of its group; None when each does (or ``method=`` on the command line runs one)."""
-    from fedadapt.entry import config_groups, nearest
-
-    if any(a.split("=")[0].lstrip("+~") == "method" for a in argv):
-        return None
-    groups = config_groups()
-    for entry in composed.get("compare") or []:
-        name, _, backbone = str(entry).partition("@")
-        for group, option in (("method", name), ("backbone", backbone)):
-            if option and option not in groups[group]:
-                return (f"compare entry {entry!r}: {group}={option} is not an option of "
-                        f"{group}{nearest(option, groups[group])} (options: "
-                        f"{', '.join(groups[group])})")
-    return None
-
-
-#: Hydra's and OmegaConf's messages for an override it cannot take, and what to do instead.
-_UNPARSABLE = ("LexerNoViableAltException", "Error parsing override", "mismatched input",
-               "extraneous input", "no viable alternative", "token recognition error")
-
-
-def _explained(argv: list[str], key: str | None, first: str, text: str) -> str:
-    """One line for a command line that names real keys but does not compose: the argument at
-    fault, what Hydra said, and what works."""
-    import re
-
-    if any(marker in text for marker in _UNPARSABLE):
-        bad = next((a for a in argv if a in text or a.split("=")[0] in text), None)
-        if bad is not None and "=" not in bad:
-            return (f"{bad!r} is not KEY=VALUE: a value with spaces needs quotes around the "
-                    f"whole override, e.g. 'dataset.path=\"my folder\"'")
-        shown = bad or first
-        k, _, v = shown.partition("=")
-        return (f"{shown}: Hydra cannot parse this value; quote it ({k}='\"{v}\"' in the "
-                f"shell) when it holds spaces, non-ASCII letters or symbols such as = : [ ] ,")
-    if "Ambiguous value for argument" in text:
-        arg = re.search(r"argument '([^']+)'", text)
-        shown = arg.group(1) if arg else first
-        return (f"{shown}: several values sweep a setting only with -m (fedadapt -m {shown}); "
-                f"a value holding commas needs quotes")
-    where = f"{key}: " if key else ""
-    if key and "is not a subclass of" in first:
-        return f"{key} is a group of settings, not a value: set its keys ({key}.<key>=<value>)"
-    if key and "is not a ListConfig" in first:
-        value = next((a.partition("=")[2] for a in argv if a.split("=")[0].lstrip("+") == key),
-                     "...")
-        return f"{key}={value} is invalid: a list is expected, e.g. {key}=[{value}]"
-    return f"{where}{first}"
-
-
-def _unknown_key(argv: list[str], key: str) -> str:
-    """``strategy.bogus is not a key of strategy=fedadam (its keys: ...)``: the first part of
-    ``key`` the config lacks, against the node it was meant for (composed without it)."""
-    from hydra.errors import HydraException
-    from omegaconf import DictConfig, OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from fedadapt.entry import compose_config, nearest
-
-    def about_key(arg: str) -> bool:
-        name = arg.split("=")[0].lstrip("+~")
-        return name == key or name.startswith(key + ".")
-
-    try:
-        node = compose_config([a for a in argv if not about_key(a)],
-                              default_experiment="quickstart")
-    except (HydraException, OmegaConfBaseException):
-        return f"{key} is not a key of the config"
-    parts, parent = key.split("."), []
-    while len(parts) > 1 and isinstance(node, DictConfig) and parts[0] in node:
-        parent.append(parts.pop(0))
-        node = OmegaConf.select(node, parent[-1])
-    keys = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
-    missing, where = ".".join(parent + parts[:1]), ".".join(parent)
-    elsewhere = _methods_with(parts[0]) if where == "method" else []
-    if where and "name" in keys:
-        where = f"{where}={node.get('name')}"
-    hint = (f" (it is a key of method={', '.join(elsewhere[:6])}"
-            f"{', ...' if len(elsewhere) > 6 else ''})" if elsewhere
-            else nearest(parts[0], keys))
-    return (f"{missing} is not a key of {where or 'the config'}{hint}"
-            + (f" (its keys: {', '.join(keys)})" if keys else ""))
-
-
-def _methods_with(key: str) -> list[str]:
-    """The methods whose settings include ``key`` (``rank``: lora, dora, ...)."""
-    import dataclasses
-
-    from fedadapt.adapters import load_methods
-
-    return sorted(name for name, spec in load_methods().items()
-                  if key in {f.name for f in dataclasses.fields(spec.config_cls)})
-
-
 def resume_hint(job_dir: Path, sweep_dir: Optional[Path] = None) -> str:
     """How to continue a stopped job, and from which checkpoint of each of its runs; for a
     point of a sweep (``sweep_dir``), how to continue the whole sweep."""
@@ -691,70 +393,6 @@ def os_error_line(err: OSError, job_dir: Path | None = None) -> str:
     # message is the cause ("1839360 requested and 262112 written", "image file is truncated")
     cause = err.strerror or str(err) or type(err).__name__
     return f"{cause}{where}{hint}"
-
-
-#: The flags a sweep checked whole (:func:`sweep_problem`) may carry; with any other flag the
-#: command line goes to Hydra as it is.
-SWEEP_FLAGS = ("-m", "--multirun")
-
-
-def sweep_points(argv: list[str]) -> Optional[list[tuple[str, list[str]]]]:
-    """The points of a ``-m`` sweep as Hydra's basic sweeper runs them, in its order: ``(label,
-    overrides)``, the label naming the point's number (its folder's prefix) and swept values;
-    None when it is no such sweep (no ``-m``, another flag, a search's sweeper)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    flags = [a for a in argv if a.startswith("-")]
-    if not flags or any(f not in SWEEP_FLAGS for f in flags):
-        return None
-    task = [a for a in argv if not a.startswith("-")
-            and not a.lstrip("+~").startswith(("hydra.", "hydra/"))]
-    if any(a.lstrip("+").split("=")[0] in ("search", "resume") for a in task):
-        return None  # a search's sweeper draws its own points; a resume replays a sweep
-    parsed = OverridesParser.create().parse_overrides(task)
-    swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
-    points = [p for batch in BasicSweeper.split_arguments(parsed, None) for p in batch]
-    return [(f"{i} ({', '.join(o for o in point if o.split('=')[0] in swept)})", point)
-            for i, point in enumerate(points)]
-
-
-def sweep_problem(argv: list[str]) -> Optional[str]:
-    """One line for the first point of a ``-m`` sweep whose config does not compose or whose
-    values are refused (every method of a compare job checked), naming the point and the key;
-    None when every point is sound (or it is no sweep this checks: :func:`sweep_points`)."""
-    from hydra import compose, initialize_config_module
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from fedadapt.entry import undeclared_keys
-    from fedadapt.paths import CONF_MODULE
-
-    try:
-        points = sweep_points(argv)
-    except (HydraException, OmegaConfBaseException):
-        return None  # Hydra's own parse error says it (config_problem's forms do not sweep)
-    if not points:
-        return None
-    bad = None
-    with initialize_config_module(config_module=CONF_MODULE, version_base=None):
-        for label, point in points:
-            try:
-                cfg = compose(config_name="config", overrides=point)
-                if undeclared_keys(cfg):
-                    bad = (label, point, "")
-                    break
-                job_configs(cfg, point)  # every method's values, as the job checks them
-            except FedadaptError as err:
-                bad = (label, point, str(err))
-                break
-            except (HydraException, OmegaConfBaseException) as err:
-                bad = (label, point, str(err).splitlines()[0])
-                break
-    if bad is None:
-        return None
-    label, point, why = bad  # composition: config_problem's line (it composes on its own)
-    return f"sweep point {label}: {config_problem(point) or why}"
 
 
 def _unquoted(value: str) -> str:
@@ -810,4 +448,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
 

@@ -10,7 +10,7 @@ from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from fedadapt.config import RunConfig, validate
+from fedadapt.config import ConfigError, RunConfig, validate
 
 #: ConfigStore group of the schemas (never a group the root config selects).
 SCHEMA_GROUP = "schema"
@@ -262,3 +262,39 @@ def run_cli(fn: Callable[[list[str]], int], argv: list[str] | None = None) -> No
     except (FedadaptError, HydraException, OmegaConfBaseException) as err:
         print(f"{sys.argv[0].rsplit('/', 1)[-1]}: error: {err}", file=sys.stderr)
         sys.exit(2)
+
+
+def job_configs(cfg: DictConfig, overrides: list[str]) -> list[tuple[str, RunConfig, str]]:
+    """``(method, RunConfig, resolved yaml)`` for each run of this job, all validated up front,
+    the user's code of each built and checked (:meth:`fedadapt.methods.Family.check_code`)."""
+    from fedadapt.methods import family_of
+
+    out = _job_configs(cfg, overrides)
+    for _, run, _ in out:
+        family_of(run.method).check_code(run)
+    return out
+
+
+def _job_configs(cfg: DictConfig, overrides: list[str]) -> list[tuple[str, RunConfig, str]]:
+    from hydra import compose
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    chosen = [o.split("=", 1)[1] for o in overrides if o.split("=")[0].lstrip("+~") == "method"]
+    names = [] if chosen else list(cfg.compare)
+    if not names:  # one run, labelled by the preset named (fedavg_clip, not its schema fedclip)
+        run = to_run_config(cfg)
+        return [(chosen[-1] if chosen else run.method.name, run,
+                 OmegaConf.to_yaml(with_method_train(cfg), resolve=True))]
+    out = []
+    for entry in names:  # "method" or "method@backbone" (a row on another backbone)
+        name, _, backbone = entry.partition("@")
+        extra = [f"method={name}"] + ([f"backbone={backbone}"] if backbone else [])
+        try:
+            sub = compose(config_name="config", overrides=overrides + extra)
+        except (HydraException, OmegaConfBaseException) as err:  # one line, not Hydra's list
+            raise ConfigError(f"compare entry {entry!r}: {str(err).splitlines()[0]}") from err
+        out.append((name, to_run_config(sub),
+                    OmegaConf.to_yaml(with_method_train(sub), resolve=True)))
+    return out
+

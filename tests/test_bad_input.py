@@ -234,7 +234,7 @@ def test_resume_of_a_run_folder_that_does_not_exist_is_refused(tmp_path):
     (["method=lora", "method.rnak=4"], "method.rnak is not a key of method=lora (did you mean"),
 ])
 def test_a_command_line_that_does_not_compose_is_one_line_naming_the_setting(argv, says):
-    from fedadapt.cli import config_problem
+    from fedadapt.argv import config_problem
 
     problem = config_problem(argv)
     assert problem is not None and problem.startswith(says), problem

@@ -47,12 +47,27 @@ def test_a_command_line_that_does_not_compose_is_refused_in_one_line(override, n
                                                                       tmp_path):
     """In process: the check ``fedadapt`` runs on its command line before Hydra starts (one
     line, then exit 2; the command itself: the subprocess cases below)."""
-    from fedadapt.cli import config_problem, missing_launcher, sweep_problem
+    from fedadapt.argv import config_problem, missing_launcher, sweep_problem
 
     argv = [override, f"output_dir={tmp_path}/out"]
     problem = missing_launcher(argv) or config_problem(argv) or sweep_problem(argv)
     assert problem is not None and needle in problem and "\n" not in problem
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--rounds", "5"], "--rounds 5: settings are key=value overrides, not flags: write rounds=5"),
+    (["--train.lr=0.1"], "--train.lr=0.1: settings are key=value overrides, not flags: write "
+                         "train.lr=0.1"),
+    (["-m", "seed=0,1", "--rounds"], "--rounds: settings are key=value overrides, not flags: "
+                                     "write rounds=<value>"),
+    (["--multi", "seed=0,1"], None),  # Hydra's own flags (argparse takes a flag's start too)
+    (["--cfg", "job"], None),
+])
+def test_a_flag_hydra_does_not_have_gets_the_override_to_write(argv, line):
+    from fedadapt.argv import config_problem
+
+    assert config_problem(argv) == line
 
 
 @pytest.mark.parametrize("override,needle", [

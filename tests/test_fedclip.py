@@ -230,8 +230,7 @@ def test_alexnet_backbone_is_torchvisions_up_to_the_penultimate_layer():
 
 
 def test_compare_entry_can_name_another_backbone():
-    from fedadapt.cli import job_configs
-    from fedadapt.entry import compose_config
+    from fedadapt.entry import compose_config, job_configs
 
     overrides = ["experiment=fedclip_pacs"]
     cfg = compose_config(overrides)
@@ -263,8 +262,7 @@ def test_each_baseline_trains_with_its_own_optimiser():
     from hydra import initialize_config_module
     from omegaconf import OmegaConf
 
-    from fedadapt.cli import job_configs
-    from fedadapt.entry import compose_config, to_run_config
+    from fedadapt.entry import compose_config, job_configs, to_run_config
     from fedadapt.paths import CONF_MODULE
 
     overrides = ["experiment=fedclip_pacs"]

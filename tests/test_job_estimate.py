@@ -29,8 +29,8 @@ def test_method_costs_measured_from_a_resumed_run_or_estimated_from_the_backbone
                                                                                 monkeypatch):
     from fedadapt.adapters.heads import LinearHeadConfig
     from fedadapt.backbones import build_backbone
-    from fedadapt.cli import method_costs
     from fedadapt.config import BackboneConfig
+    from fedadapt.estimate import method_costs
 
     jobs = [(name, tiny_run(str(tmp_path), LinearHeadConfig(use_cache=cached)), "")
             for name, cached in (("cached", True), ("through_backbone", False),
@@ -66,7 +66,7 @@ def test_a_round_through_the_backbone_counts_training_and_its_share_of_evaluatio
     forwards (the main job said 2 min 51 s left where 4 min 02 s remained): a round costs a
     timed training step per training image over the workers, and each ``eval_every`` rounds
     the forwards of the global test split and the evaluated clients' test splits."""
-    from fedadapt.cli import _backbone_seconds_per_round
+    from fedadapt.estimate import backbone_seconds_per_round
 
     run = SimpleNamespace(partition=SimpleNamespace(fraction_fit=0.3, fraction_evaluate=1.0),
                           train=SimpleNamespace(local_epochs=2),
@@ -78,5 +78,5 @@ def test_a_round_through_the_backbone_counts_training_and_its_share_of_evaluatio
                                labels=lambda: np.zeros(360))))
     train = 0.03 * (10 * 100 * 0.3 * 2) / 2  # 300 images' steps on each of the 2 workers
     evaluated = 0.01 * (360 + 10 * 20 / 2) / 4  # every 4th round: the server's 360, the
-    assert _backbone_seconds_per_round(run, prep, 0.03, 0.01) == pytest.approx(  # clients' 200
+    assert backbone_seconds_per_round(run, prep, 0.03, 0.01) == pytest.approx(  # clients' 200
         train + evaluated)

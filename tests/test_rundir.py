@@ -133,7 +133,7 @@ def test_slurm_preset_composes_on_submitit_slurm(tmp_path):
 
 
 def test_missing_launcher_names_the_pip_package():
-    from fedadapt.cli import missing_launcher
+    from fedadapt.argv import missing_launcher
 
     absent = missing_launcher(["-m", "hydra/launcher=joblib"], installed=lambda m: False)
     assert absent == ("hydra/launcher=joblib needs the Hydra plugin hydra-joblib-launcher, "

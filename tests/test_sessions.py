@@ -251,8 +251,7 @@ def test_test_sessions_keep_arrival_order_and_cover_the_split(cache_dir):
 def test_session_experiments_compose_with_their_rows(experiment):
     from hydra import initialize_config_module
 
-    from fedadapt.cli import job_configs
-    from fedadapt.entry import compose_config
+    from fedadapt.entry import compose_config, job_configs
     from fedadapt.paths import CONF_MODULE
 
     overrides = [f"experiment={experiment}"]

@@ -18,7 +18,7 @@ from flwr.app import (
     RecordDict,
 )
 
-from fedadapt.cli import config_problem
+from fedadapt.argv import config_problem
 from fedadapt.config import ConfigError
 from fedadapt.entry import compose_config, to_run_config
 from fedadapt.federation.wire.grid import ClientGrid, Nodes

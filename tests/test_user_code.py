@@ -789,8 +789,7 @@ def code_dir(user_dir):
 
 
 def _check(overrides):
-    from fedadapt.cli import job_configs
-    from fedadapt.entry import compose_config
+    from fedadapt.entry import compose_config, job_configs
 
     return job_configs(compose_config(overrides), overrides)
 
@@ -904,7 +903,7 @@ def test_a_sweep_builds_every_points_strategy_before_its_first(code_dir):
     """``strategy.target=A,B`` with a key only A takes: point 1 refused before point 0 runs;
     so is a point whose class holds state no checkpoint can hold, and a point's evaluate_fn
     that takes other arguments."""
-    from fedadapt.cli import sweep_problem
+    from fedadapt.argv import sweep_problem
 
     tiny = ["-m", "method=linear_head", "rounds=1"]
     said = sweep_problem([*tiny, "strategy=custom", "strategy.target=only_a.py:A,only_a.py:B",
@@ -1047,8 +1046,7 @@ def test_fedadapt_resume_from_another_folder_runs_the_recorded_strategy_file(cod
 
 def test_the_api_composes_as_the_command_does(user_dir):
     from fedadapt import api
-    from fedadapt.cli import job_configs
-    from fedadapt.entry import compose_config
+    from fedadapt.entry import compose_config, job_configs
 
     with pytest.raises(ConfigError) as err:
         api.run(["rounds=1"], user_dir / "run")

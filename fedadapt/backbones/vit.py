@@ -181,9 +181,10 @@ def _build(cfg: BackboneConfig, load_weights: bool, distilled: bool) -> ViTBackb
             if str(cfg.weights).startswith(("/", ".", "~")):  # a local folder, not a hub id
                 raise MissingAssetError(
                     f"backbone.weights={cfg.weights!r}: no ViT weights there. A backbone the "
-                    f"server pretrains is made with `fedadapt-pretrain backbone={cfg.name} "
-                    f"dataset=fashion_mnist --out {cfg.weights}` (offline; Fashion-MNIST comes "
-                    f"from Debian's dataset-fashion-mnist package)") from err
+                    f"server pretrains is made with `fedadapt-pretrain --epochs 3 "
+                    f"backbone={cfg.name} dataset=fashion_mnist --out {cfg.weights}` (offline, "
+                    f"as the docs' evidence made it; Fashion-MNIST comes from Debian's "
+                    f"dataset-fashion-mnist package)") from err
             raise MissingAssetError(
                 prefetch_hint(f"Backbone weights {cfg.weights!r}", backbone=cfg.name)
             ) from err

@@ -289,7 +289,8 @@ def attention_for_vmap(dev: torch.device, precision: str = "fp32"):
     """The attention kernel grouped clients use: the math form, on the CPU and on CUDA.
 
     On the CPU the fused kernel has no batching rule (torch would loop over the clients). On
-    CUDA (an H200, torch 2.11, ``scripts/vmap_attention.py``: each kernel under ``vmap``,
+    CUDA (an H200, torch 2.11, ``benchmarks/investigations/vmap_attention.py``: each kernel
+    under ``vmap``,
     forward and backward, against the math form one client at a time) the memory-efficient
     kernel's backward fails ("LSE is not correctly aligned (strideH)", fp32 and bf16), cuDNN's
     returns wrong values in bf16 and has no fp32 kernel, and flash has no fp32 kernel; flash in
@@ -297,7 +298,7 @@ def attention_for_vmap(dev: torch.device, precision: str = "fp32"):
     but no grouped run has used it yet. Until one has, the math form: its matmuls and softmax
     have batching rules and run as one batched call for the group.
 
-    ``FEDADAPT_VMAP_ATTENTION=flash`` (an experiment, for ``scripts/gpu_check.sh``) lets flash
+    ``FEDADAPT_VMAP_ATTENTION=flash`` (an experiment, for ``fedadapt-gpu-check``) lets flash
     take bf16 attention on CUDA, the math form everything else."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -48,7 +48,8 @@ Precision and kernels inside ``vmap`` (seen with torch 2.11 on an H200 and 2.13 
   grouped client computes in the dtypes one client computes in.
 * **Attention.** The math kernel, on every device
   (:func:`~fedadapt.federation.client.group_vmap.attention_for_vmap`):
-  ``scripts/vmap_attention.py`` found on an H200 that the memory-efficient kernel's backward
+  ``benchmarks/investigations/vmap_attention.py`` found on an H200 that the memory-efficient
+  kernel's backward
   fails under ``vmap`` (fp32 and bf16), cuDNN's runs in bf16 but returns wrong values (3.5
   relative error), and flash runs in bf16 only (1.2e-2 from fp32, as the math kernel's 1.5e-2).
 * **Fallback.** A group that raises is retried one client at a time

@@ -222,7 +222,8 @@ class PlainSGD:
     """SGD without momentum, torch's update to the bit (``p -= lr * (g + weight_decay * p)``,
     as ``torch.optim.SGD`` computes it per tensor on the CPU and with the same foreach operator
     on a GPU), without ``torch.optim``'s machinery around each call (step hooks, a profiler
-    range, two dynamo guards): on ``scripts/peer_pfl.py``'s W3 (10 linear heads, 17 steps a
+    range, two dynamo guards): on ``benchmarks/investigations/peer_pfl.py``'s W3 (10 linear
+    heads, 17 steps a
     round) creating, zeroing and stepping torch's SGD took 1.5 ms of a 6.5 ms round."""
 
     def __init__(self, params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> None:

@@ -44,7 +44,8 @@ def release_process_caches() -> None:
     """Free what this process keeps between a run's messages: the client model, the tensors
     each exit trains, labels, input stores, corrupted rows and the feature and image mappings
     (each made again on use). After a run's rounds, before its plots: W3 of
-    ``scripts/peer_pfl.py`` in process peaked at 899 MB while drawing them, 788 MB with this
+    ``benchmarks/investigations/peer_pfl.py`` in process peaked at 899 MB while drawing them,
+    788 MB with this
     (the end of the rounds; 512 MB just after it)."""
     from fedadapt.data.sources import clear_cache
     from fedadapt.devices import return_freed_memory

@@ -618,7 +618,8 @@ def run_round_loop(grid: ClientGrid, state: ServerState, plan: ServerPlan) -> Se
     if plan.eval_round0 and state.server_round == 0 and not state.history:
         _round0(state, plan)
     # what the process holds when the rounds start (modules, data, models: 400,000 objects in
-    # scripts/peer_pfl.py's W3) is left out of the collector's full scans while they run: each
+    # benchmarks/investigations/peer_pfl.py's W3) is left out of the collector's full scans
+    # while they run: each
     # took 0.2 s, every 200 rounds or so of W3 (1.0 ms a round on average; 0.09 ms frozen)
     gc.freeze()
     try:
