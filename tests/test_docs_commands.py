@@ -67,6 +67,20 @@ def test_the_page_has_its_commands():
     assert any("strategy=custom" in args for _, args in COMMANDS)
 
 
+#: Keys that name a file of the user's, which the config check finds (or refuses) at once.
+FILE_KEYS = ("fleet.trace", "fleet.capacity", "fleet.behaviour")
+
+
+def user_files(args: list[str], folder) -> None:
+    """The files a documented command names by a relative path (``fleet.trace=avail.csv``), as
+    the user who runs it has them (their content is the run's to read, not the check's)."""
+    for arg in args:
+        key, _, value = arg.partition("=")
+        if key.lstrip("+") in FILE_KEYS and value and not value.startswith(("/", "$", "<")):
+            (folder / value).parent.mkdir(parents=True, exist_ok=True)
+            (folder / value).touch()
+
+
 @pytest.mark.parametrize("page", PAGES)
 def test_every_documented_command_composes_as_written(page, tmp_path, monkeypatch):
     """A user pastes the command: it composes, every value checked, each value of a sweep in
@@ -76,6 +90,7 @@ def test_every_documented_command_composes_as_written(page, tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)  # the user's folder, with federation.md's own strategy in it
     (tmp_path / "halfstep.py").write_text(docs_example("halfstep.py"))
     for sweep, args in documented_commands(page):
+        user_files(args, tmp_path)
         for point in covering_points(args) if sweep else [args]:
             to_run_config(compose_config(point))
 
@@ -90,6 +105,7 @@ def test_each_documented_command_composes_and_the_single_runs_run(sweep, args, t
 
     monkeypatch.chdir(tmp_path)  # the user's folder, with the page's own strategy in it
     (tmp_path / "halfstep.py").write_text(docs_example("halfstep.py"))
+    user_files(args, tmp_path)
     for point in sweep_points(args) if sweep else [args]:
         to_run_config(compose_config(point))  # composes, every value checked
     if sweep:
