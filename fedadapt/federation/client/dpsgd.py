@@ -66,7 +66,7 @@ class PrivateOptimizer:
     gradients (FedProx's proximal term: no example's data in it) after the noise."""
 
     def __init__(self, model, params: list, optimizer, steps: PrivateSteps, examples: int,
-                 batches: int, seed: int) -> None:
+                 batch_size: int, seed: int) -> None:
         from opacus import GradSampleModule
         from opacus.optimizers import DPOptimizer
 
@@ -82,7 +82,8 @@ class PrivateOptimizer:
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
         self.opt = DPOptimizer(optimizer, noise_multiplier=steps.noise,
                                max_grad_norm=steps.max_grad_norm,
-                               expected_batch_size=examples / max(batches, 1),
+                               expected_batch_size=examples * dpsgd_schedule(
+                                   examples, batch_size, 1)[0],
                                loss_reduction="mean",
                                generator=torch.Generator(dev).manual_seed(seed))
 
@@ -97,12 +98,12 @@ class PrivateOptimizer:
                 p.grad += g
         self.opt.original_optimizer.step()
 
-    def noise_step(self) -> None:
-        """A step whose batch drew no example: the noise alone."""
+    def noise_step(self, extra: Optional[list[torch.Tensor]] = None) -> None:
+        """A step whose batch drew no example: the noise alone (and ``extra``)."""
         self.opt.zero_grad(True)
         for p in self.params:
             p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
-        self.step()
+        self.step(extra)
 
     def close(self) -> None:
         """Take Opacus's hooks and per-sample gradients off the model (the process's model

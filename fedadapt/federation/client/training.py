@@ -335,7 +335,7 @@ def train_local(
         opt = local_optimizer(params, train, lr)
     else:  # an empty batch is a step of noise alone, before the next batch's
         opt = dpsgd.PrivateOptimizer(model, params, make_optimizer(params, train, lr), private,
-                                     len(indices), len(drawn),
+                                     len(indices), train.batch_size,
                                      derive_seed(seed, dpsgd.NOISE_STREAM))
         empty, run = [], 0  # the empty batches before each drawn one, and after the last
         for b in drawn:
@@ -347,6 +347,8 @@ def train_local(
         scale = (float(train.crop_scale[0]), float(train.crop_scale[1]))
         crops = [(scale, np.full(len(b), crop_seed, dtype=np.uint64)) for b in batches]
     for t, (x, y) in enumerate(source.stream(batches, dev, crops)):
+        for _ in range(empty[t] if private is not None else 0):
+            opt.noise_step(proximal(params, anchor, proximal_mu))
         keyed = dropout.keyed(torch.tensor(dropout.step_key(seed, t))) if masks else nullcontext()
         with autocast(dev.type, precision), keyed:
             if step_exits[t] is None:
@@ -356,12 +358,9 @@ def train_local(
                                                          all_exits=False)[-1], y)
         loss = loss.float()
         if private is not None:
-            for _ in range(empty[t]):
-                opt.noise_step()
             opt.zero_grad(set_to_none=True)
             loss.backward()  # the proximal term holds no example: added after the noise
-            opt.step(None if anchor is None else
-                     [proximal_mu * (p.detach() - a) for p, a in zip(params, anchor)])
+            opt.step(proximal(params, anchor, proximal_mu))
             losses.append(loss.detach())
             sizes.append(len(y))
             continue
@@ -377,7 +376,7 @@ def train_local(
         sizes.append(len(y))
     if private is not None:
         for _ in range(empty[-1]):
-            opt.noise_step()
+            opt.noise_step(proximal(params, anchor, proximal_mu))
         opt.close()
     # read once, after the last step; summed in float64 in step order, as a running total would
     total = 0.0
@@ -385,6 +384,11 @@ def train_local(
         total += value * n
     seen = sum(sizes)
     return total / max(seen, 1), seen
+
+
+def proximal(params: list, anchor: Optional[list], mu: float) -> Optional[list[torch.Tensor]]:
+    """The gradient of FedProx's ``mu/2 * ||w - w_global||^2``; None without it."""
+    return None if anchor is None else [mu * (p.detach() - a) for p, a in zip(params, anchor)]
 
 
 @torch.no_grad()

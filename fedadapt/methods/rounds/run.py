@@ -35,9 +35,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def client_mods(cfg: RunConfig) -> tuple[list, list]:
     """The ClientApp mods of training and evaluation: ``dp=client_*``'s clipping mod first
-    (outermost: it clips what the other mods left; ``dp=dpsgd``'s accounting), then ``federation.*_mods``; each made once
-    here, so a wrong name or argument fails before anything runs, and a ``file.py`` named by
-    its absolute path (a Ray worker's working directory may differ)."""
+    (outermost: it clips what the other mods left; ``dp=dpsgd``'s accounting), then
+    ``federation.*_mods``; each made once here, so a wrong name or argument fails before
+    anything runs, and a ``file.py`` named by its absolute path (a Ray worker's working
+    directory may differ)."""
     from fedadapt.federation.client.mods import resolve
     from fedadapt.strategies.registry import dp_mod
     from fedadapt.userimport import absolute
