@@ -104,9 +104,13 @@ def dpsgd_schedule(examples: int, batch_size: int, local_epochs: int) -> tuple[f
 def dpsgd_epsilon(history: list[tuple[float, float, int]], delta: float, accountant: str
                   ) -> float:
     """Epsilon at ``delta`` by Opacus's ``accountant`` after the DP-SGD steps of ``history``
-    (``(noise multiplier, sample rate, steps)`` each)."""
+    (``(noise multiplier, sample rate, steps)`` each; the steps of equal noise and rate summed,
+    as Opacus's own accountants compose them)."""
+    steps: dict[tuple[float, float], int] = {}  # rounds of the same noise and rate: one entry
+    for z, q, n in history:
+        steps[(float(z), float(q))] = steps.get((float(z), float(q)), 0) + int(n)
     acc = opacus_accountants().create_accountant(accountant)
-    acc.history = [(float(z), float(q), int(n)) for z, q, n in history]
+    acc.history = [(z, q, n) for (z, q), n in steps.items()]
     return float(acc.get_epsilon(delta))
 
 

@@ -252,6 +252,7 @@ def test_a_run_reports_each_rounds_epsilon_as_opacus_accounts_it(tmp_path, cache
 
     summary, rows = run(tmp_path / "k4", ["federation.clients_per_worker=4"], cache_dir)
     assert summary["layout"]["side_by_side"] == "one_at_a_time"
+    assert summary["privacy"]["epsilon"] == rows[-1]["strategy/train/dpsgd_epsilon_max"]
     _, alone = run(tmp_path / "k1", ["federation.clients_per_worker=1"], cache_dir)
     cfg = to_run_config(compose_config([*TINY, f"cache_dir={cache_dir}"]))
     prepared = prepare_dataset(cfg.dataset, cfg.cache_dir, cfg.seed)
