@@ -99,15 +99,16 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
 
 def _dpsgd_plan(cfg: RunConfig, spec: RunSpec, model):
     """``dp=dpsgd``'s plan of each client's noise and delta (its trained modules checked
-    first); None without it."""
+    first, and Opacus's per-sample gradients tried on two examples); None without it."""
     from fedadapt.strategies.privacy import dpsgd_plan
     from fedadapt.strategies.registry import sample_level
 
     if not sample_level(cfg.dp):
         return None
-    from fedadapt.federation.client.dpsgd import refuse_untrainable
+    from fedadapt.federation.client.dpsgd import probe, refuse_untrainable
 
     refuse_untrainable(model, cfg.method.name)
+    probe(model, spec.train_source, spec.clients[0].train, cfg.method.name)
     return dpsgd_plan(cfg.dp, [len(c.train) for c in spec.clients],
                       batch_size=cfg.train.batch_size, local_epochs=cfg.train.local_epochs,
                       rounds=cfg.rounds)

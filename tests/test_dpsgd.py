@@ -271,3 +271,25 @@ def test_a_run_reports_each_rounds_epsilon_as_opacus_accounts_it(tmp_path, cache
     # one at a time whatever the workers' group size: the same numbers
     assert [r["global_loss"] for r in rows] == [r["global_loss"] for r in alone]
     assert [r["train_loss"] for r in rows] == [r["train_loss"] for r in alone]
+
+
+def test_a_trained_tensor_opacus_gives_no_per_sample_gradient_is_refused_before_the_rounds():
+    class Scaled(Tiny):  # a trained tensor held by a module whose forward never runs
+        def __init__(self):
+            super().__init__()
+            self.extra = nn.Module()
+            self.extra.w = nn.Parameter(torch.ones(K))
+
+        def forward(self, x):
+            return super().forward(x) * self.extra.w
+
+    x, y = data()
+    with pytest.raises(ConfigError) as err:
+        dpsgd.probe(Scaled(), Rows(x, y), np.arange(N), "mine")
+    assert str(err.value) == ("dp=dpsgd is invalid for method=mine: Opacus computes no "
+                              "per-sample gradient of its trained tensors (none for extra.w)")
+    model = Tiny()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    dpsgd.probe(model, Rows(x, y), np.arange(N), "mine")  # no step taken, nothing left behind
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert model.head.weight.grad is None and not hasattr(model.head.weight, "grad_sample")

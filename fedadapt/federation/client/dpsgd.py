@@ -48,6 +48,33 @@ def refuse_untrainable(model, method: str) -> None:
                               f"{name} ({type(module).__name__}): {why}")
 
 
+def probe(model, source, indices: np.ndarray, method: str) -> None:
+    """One forward and backward of two of ``indices`` under Opacus's hooks, no step taken: a
+    model whose trained tensors Opacus gives no per-sample gradient (a module it has no rule
+    for and cannot differentiate per example) is refused in one line before any round."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    was = model.training
+    model.train()
+    opt = PrivateOptimizer(model, params, torch.optim.SGD(params, lr=0.0),
+                           PrivateSteps(0.0, 1.0), 2, 2, 0)
+    try:
+        x, y = next(iter(source.stream([np.asarray(indices)[:2]], params[0].device)))
+        model.training_loss(x, y).backward()
+        missing = [n for n, p in model.named_parameters()
+                   if p.requires_grad and getattr(p, "grad_sample", None) is None]
+        if missing:
+            raise ValueError(f"none for {missing[0]}")
+    except Exception as err:
+        why = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(f"dp=dpsgd is invalid for method={method}: Opacus computes no "
+                          f"per-sample gradient of its trained tensors ({why})") from err
+    finally:
+        opt.close()
+        for p in params:
+            p.grad = None
+        model.train(was)
+
+
 def poisson_batches(indices: np.ndarray, batch_size: int, epochs: int, seed: int
                     ) -> list[np.ndarray]:
     """The round's batches: each of ``indices`` in each step with probability q, over the steps
@@ -73,8 +100,16 @@ class PrivateOptimizer:
         while _OPEN:  # a client that raised mid-round left its hooks on the process's model
             _OPEN.pop().close()
         _OPEN.append(self)
+        from opacus.utils.module_utils import trainable_modules
+
         dev = params[0].device
         self.params = params
+        # Opacus records a module's inputs only in training mode; a frozen backbone is held in
+        # eval mode with the trained modules inside it (LoRA's factors): those alone train here
+        # (their own computation is the same in both modes; dropout modules stay as they are)
+        self.held = [m for _, m in trainable_modules(model) if not m.training]
+        for m in self.held:
+            m.training = True
         self.hooks = GradSampleModule(model, batch_first=True, loss_reduction="mean",
                                       strict=True)
         # a trained module behind the frozen backbone gets no input gradient; torch warns that
@@ -110,6 +145,8 @@ class PrivateOptimizer:
         serves other clients)."""
         self.opt.zero_grad(True)
         self.hooks.to_standard_module()
+        for m in self.held:
+            m.training = False
         if self in _OPEN:
             _OPEN.remove(self)
 
