@@ -136,9 +136,9 @@ def _check_method_settings(cfg: RunConfig, card, family: Family) -> None:
                           f"directory> (the model is federated on another data set, e.g. "
                           f"experiment=acc_speech_multitier)")
     if sample_level(cfg.dp) and not family.clients_train:
-        raise ConfigError(f"dp={cfg.dp.name} is invalid for method={cfg.method.name}: it trains "
-                          f"each client of a method the clients train in rounds by DP-SGD, and "
-                          f"this one has none")
+        raise ConfigError(f"dp={cfg.dp.name} is invalid for method={cfg.method.name}: DP-SGD "
+                          f"runs in the clients' local training of the rounds, and this "
+                          f"method's clients train none")
     if cfg.secagg.name != "none" and not family.clients_train:
         raise ConfigError(f"secagg={cfg.secagg.name} is invalid for method={cfg.method.name}: "
                           f"it aggregates the rounds of a method the clients train "

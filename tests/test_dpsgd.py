@@ -293,3 +293,13 @@ def test_a_trained_tensor_opacus_gives_no_per_sample_gradient_is_refused_before_
     dpsgd.probe(model, Rows(x, y), np.arange(N), "mine")  # no step taken, nothing left behind
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert model.head.weight.grad is None and not hasattr(model.head.weight, "grad_sample")
+
+
+def test_a_method_whose_clients_do_not_train_is_refused_before_any_data():
+    from fedadapt.experiment import prepare_run
+
+    with pytest.raises(ConfigError) as err:
+        prepare_run(to_run_config(compose_config(["dp=dpsgd", "method=duet"])), quiet=True)
+    assert str(err.value) == ("dp=dpsgd is invalid for method=duet: DP-SGD runs in the clients' "
+                              "local training of the rounds, and this method's clients train "
+                              "none")
