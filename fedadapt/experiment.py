@@ -22,6 +22,7 @@ from fedadapt.log import log
 from fedadapt.methods import Family, family_of
 from fedadapt.methods.run import PreparedRun
 from fedadapt.strategies.checks import check_strategy
+from fedadapt.strategies.registry import sample_level
 
 
 def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
@@ -84,6 +85,7 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
                    compile=resolve_compile(cfg.federation.compile, dev),
                    client_threads=max(1, int(cfg.federation.num_cpus or 1)))
     model = build_run_model(spec, backbone)
+    spec.dpsgd = _dpsgd_plan(cfg, spec, model)
     counts = {
         "backbone_params": backbone.num_params(),
         "trainable_params": model.count(model.trainable_names()),
@@ -93,6 +95,23 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
                        backbone_weights=weights, method_family=family)
     family.prepare(cfg, prep, backbone=backbone, images=images, original=original)
     return prep
+
+
+def _dpsgd_plan(cfg: RunConfig, spec: RunSpec, model):
+    """``dp=dpsgd``'s plan of each client's noise and delta (its trained modules checked
+    first, and Opacus's per-sample gradients tried on two examples); None without it."""
+    from fedadapt.strategies.privacy import dpsgd_plan
+    from fedadapt.strategies.registry import sample_level
+
+    if not sample_level(cfg.dp):
+        return None
+    from fedadapt.federation.client.dpsgd import probe, refuse_untrainable
+
+    refuse_untrainable(model, cfg.method.name)
+    probe(model, spec.train_source, spec.clients[0].train, cfg.method.name)
+    return dpsgd_plan(cfg.dp, [len(c.train) for c in spec.clients],
+                      batch_size=cfg.train.batch_size, local_epochs=cfg.train.local_epochs,
+                      rounds=cfg.rounds)
 
 
 def _class_text(cfg: RunConfig, backbone, class_names):
@@ -116,6 +135,10 @@ def _check_method_settings(cfg: RunConfig, card, family: Family) -> None:
                           f"setting=personalization with setting.init_from=<a multi-tier run "
                           f"directory> (the model is federated on another data set, e.g. "
                           f"experiment=acc_speech_multitier)")
+    if sample_level(cfg.dp) and not family.clients_train:
+        raise ConfigError(f"dp={cfg.dp.name} is invalid for method={cfg.method.name}: DP-SGD "
+                          f"runs in the clients' local training of the rounds, and this "
+                          f"method's clients train none")
     if cfg.secagg.name != "none" and not family.clients_train:
         raise ConfigError(f"secagg={cfg.secagg.name} is invalid for method={cfg.method.name}: "
                           f"it aggregates the rounds of a method the clients train "

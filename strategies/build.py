@@ -26,6 +26,7 @@ from fedadapt.strategies.registry import (
     is_custom,
     keys_of,
     strategy_class,
+    wraps_strategy,
 )
 from fedadapt.strategies.schema import DERIVED, accepted_params
 
@@ -67,14 +68,14 @@ def build_strategy(strategy: StrategyConfig, dp: DPConfig, *, num_clients: int,
     kwargs = {**{k: v for k, v in common.items() if k in wanted},
               **{k: v for k, v in derived.items() if k in wanted}, **keys_of(strategy)}
     caps = capabilities_of(strategy)
-    if caps.per_tensor and dp.name == "none":
+    if caps.per_tensor and not wraps_strategy(dp):
         cls = per_tensor(cls)
     quiet = logging.getLogger("flwr")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # FedAvg warns that fraction_evaluate=0 skips evaluation
     try:
         built = cls(**kwargs)
-        if dp.name == "none":
+        if not wraps_strategy(dp):  # none, or DP-SGD on the clients
             return built
         wrapper = DP_WRAPPERS[dp.name]
         accountant = (accountant_for(dp, num_clients) if getattr(dp, "accounting", False)
@@ -89,7 +90,7 @@ def build_strategy(strategy: StrategyConfig, dp: DPConfig, *, num_clients: int,
         extra = {"accountant": accountant} if accountant is not None else {}
         return wrapper(built, num_sampled_clients=train_n, **keys_of(dp), **extra)
     except ValueError as err:  # Flower's own check of a value
-        which = f"dp={dp.name}" if dp.name != "none" else f"strategy={strategy.name}"
+        which = f"dp={dp.name}" if wraps_strategy(dp) else f"strategy={strategy.name}"
         raise ConfigError(f"{which} is invalid: {err}") from err
     except TypeError as err:  # a key the class passes on (**kwargs) to one that refuses it
         refused = _refused_key(err, keys_of(strategy))

@@ -21,13 +21,16 @@ from fedadapt.config import (
     register_kind_check,
 )
 from fedadapt.strategies.capabilities import Capabilities
+from fedadapt.strategies.privacy import DPSGD_ACCOUNTANTS
 from fedadapt.strategies.registry import (
     CUSTOM,
     STRATEGIES,
     capabilities_of,
     dp_schemas,
     is_custom,
+    sample_level,
     strategy_class,
+    wraps_strategy,
 )
 
 
@@ -50,7 +53,9 @@ def check_strategy(cfg: RunConfig) -> None:
     if cfg.setting.kind.tiers:
         check_every_tensor(strategy, dp, f"setting={cfg.setting.name}: each tier's clients "
                                          f"send their tier's tensors only")
-    if dp.name != "none":
+    if sample_level(dp):
+        _check_dpsgd(cfg)
+    elif dp.name != "none":
         _check_dp(cfg, caps)
     _check_lora(cfg, caps)
     _check_clock(cfg, caps)
@@ -87,6 +92,27 @@ def _check_dp(cfg: RunConfig, caps: Capabilities) -> None:
     check(cfg.method.weighting == "uniform", "method.weighting", cfg.method.weighting,
           f"dp={dp.name} averages the clipped updates with equal weights (the noise is "
           f"calibrated to clipping_norm / clients per round): set method.weighting=uniform")
+
+
+def _check_dpsgd(cfg: RunConfig) -> None:
+    """``dp=dpsgd``'s keys, one line each naming the key. It wraps no strategy (each client's
+    released update is already DP for its examples; the server's aggregation is post-processing),
+    so it composes with every strategy; a fleet's cut work would change a client's sample
+    rate."""
+    dp = cfg.dp
+    check(dp.noise_multiplier >= 0, "dp.noise_multiplier", dp.noise_multiplier, "must be >= 0")
+    check(dp.max_grad_norm > 0, "dp.max_grad_norm", dp.max_grad_norm, "must be > 0")
+    check(dp.delta is None or 0 < dp.delta < 1, "dp.delta", dp.delta, "in (0, 1) or null")
+    check(dp.target_epsilon is None or dp.target_epsilon > 0, "dp.target_epsilon",
+          dp.target_epsilon, "must be > 0 or null (dp.noise_multiplier as given)")
+    check(dp.accountant in DPSGD_ACCOUNTANTS, "dp.accountant", dp.accountant,
+          f"one of {DPSGD_ACCOUNTANTS} (Opacus's accountants)")
+    check(cfg.train.clip_grad_norm is None, "train.clip_grad_norm", cfg.train.clip_grad_norm,
+          "dp=dpsgd clips each example's gradient (dp.max_grad_norm): set "
+          "train.clip_grad_norm=null")
+    check(not cfg.fleet.partial_work, "fleet.partial_work", cfg.fleet.partial_work,
+          "dp=dpsgd samples each step from all of a client's examples (its sample rate is "
+          "accounted); set fleet.partial_work=false")
 
 
 def _names(what: str) -> list[str]:
@@ -161,7 +187,7 @@ def _check_clock(cfg: RunConfig, caps: Capabilities) -> None:
     check(not (caps.asynchronous and fleet.exact), "fleet.fedscale_semantics",
           getattr(fleet, "fedscale_semantics", None),
           f"'exact' runs FedScale's synchronous round rule; strategy={name} is asynchronous")
-    if simulated and cfg.dp.name != "none":
+    if simulated and wraps_strategy(cfg.dp):
         raise ConfigError(f"dp={cfg.dp.name} is invalid with fleet={fleet.name}: its noise "
                           f"is calibrated to a fixed number of clients per round, and a fleet's "
                           f"rounds sample among the clients available and drop late ones")
@@ -174,7 +200,7 @@ def check_every_tensor(strategy: StrategyConfig, dp: DPConfig, why: str) -> None
         raise ConfigError(f"{key}={value} is invalid here: it combines whole "
                           f"updates, and {why} (strategies that average each tensor over its "
                           f"senders: {', '.join(_names('per_tensor'))})")
-    if dp.name != "none":
+    if wraps_strategy(dp):
         raise ConfigError(f"dp={dp.name} is invalid here: it clips each client's whole update, "
                           f"and {why}")
 
@@ -200,7 +226,7 @@ def check_counts(strategy: StrategyConfig, dp: DPConfig, *, num_clients: int,
 def dp_refusal(cfg: RunConfig) -> Optional[str]:
     """Why ``dp=`` cannot wrap the run's strategy (one line), or None where the maths allows."""
     try:
-        if cfg.dp.name != "none":
+        if wraps_strategy(cfg.dp):
             _check_dp(cfg, capabilities_of(cfg.strategy))
     except ConfigError as err:
         return str(err)

@@ -63,14 +63,22 @@ def markdown_table() -> str:
               "below 1/N) after every round "
               "with Flower's RDP accountant (no sampling amplification, FedAvg's aggregation: "
               "`strategy=fedavg` or `fedprox`; or the same sensitivity with client-side "
-              "clipping: `fedsa_lora`, `hetlora` with `strategy.sparsity_weighted=false`).", "",
+              "clipping: `fedsa_lora`, `hetlora` with `strategy.sparsity_weighted=false`). "
+              "`dp=dpsgd` wraps no strategy: each client trains by DP-SGD (Opacus: every "
+              "example's gradient of the trained tensors clipped to `dp.max_grad_norm`, Gaussian "
+              "noise, Poisson-sampled steps), so it composes with every strategy; each client's "
+              "epsilon at `dp.delta` (default min(1e-5, n^-1.1) for its n examples) by Opacus's "
+              "accountant after every round (`dpsgd_epsilon` in metrics.jsonl); needs `pip "
+              "install 'fedadapt[dpsgd]'`.", "",
               "| dp= | Flower wrapper | keys (defaults) | client mod |", "|---|---|---|---|",
               "| `none` | — | — | — |"]
     for name, schema in dp_schemas().items():
         if name == "none":
             continue
         mod = f"`{DP_MODS[name].split(':')[1]}`, per client" if name in DP_MODS else "—"
-        lines.append(f"| `{name}` | `{DP_WRAPPERS[name].__name__}` | {keys(schema)} | {mod} |")
+        wrapper = f"`{DP_WRAPPERS[name].__name__}`" if name in DP_WRAPPERS else \
+            "— (DP-SGD on each client, Opacus)"
+        lines.append(f"| `{name}` | {wrapper} | {keys(schema)} | {mod} |")
     return "\n".join(lines) + "\n"
 
 

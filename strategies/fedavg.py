@@ -32,6 +32,11 @@ __all__ = ["LocalOnly", "PerTensorFedAvg", "aggregate_client_metrics", "average_
            "per_tensor"]
 
 
+#: Client metrics whose largest value is also reported (``<key>_max``): a privacy guarantee
+#: is the worst client's.
+WORST_OF = ("dpsgd_epsilon",)
+
+
 def aggregate_client_metrics(replies: list[RecordDict], weight_key: str) -> MetricRecord:
     """Weighted and unweighted means of every metric the clients report."""
     # plain dicts: a MetricRecord checks every key on every access
@@ -47,6 +52,8 @@ def aggregate_client_metrics(replies: list[RecordDict], weight_key: str) -> Metr
         total_w = sum(w for _, w in vals)
         out[key] = sum(v * w for v, w in vals) / total_w if total_w else float("nan")
         out[f"{key}_client_mean"] = sum(v for v, _ in vals) / len(vals)
+        if key in WORST_OF:
+            out[f"{key}_max"] = max(v for v, _ in vals)
     return MetricRecord(out)
 
 

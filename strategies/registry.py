@@ -85,9 +85,25 @@ DP_WRAPPERS: dict[str, type] = {
     "server_adaptive": flwr_strategies.DifferentialPrivacyServerSideAdaptiveClipping,
     "client_adaptive": flwr_strategies.DifferentialPrivacyClientSideAdaptiveClipping,
 }
-#: The client mod each client-side wrapper needs (applied per client inside the worker).
+#: ``dp=`` options that wrap no strategy: each client trains by DP-SGD (per-sample clipping and
+#: Gaussian noise on its trained tensors, by Opacus), so they compose with any strategy.
+#: name -> its keys ``(type, default)``.
+SAMPLE_DP: dict[str, dict[str, tuple]] = {"dpsgd": {
+    #: the Gaussian noise's std over the clipping norm (ignored with target_epsilon)
+    "noise_multiplier": (float, 1.0),
+    #: each example's gradient (over the trained tensors) is clipped to this L2 norm
+    "max_grad_norm": (float, 1.0),
+    #: epsilon is reported at this delta; None = min(1e-5, n^-1.1) for a client of n examples
+    "delta": (Optional[float], None),
+    #: set each client's noise so that the run's rounds of its steps spend at most this epsilon
+    "target_epsilon": (Optional[float], None),
+    #: Opacus's accountant: rdp (Renyi DP) or prv (privacy loss random variable)
+    "accountant": (str, "rdp"),
+}}
+#: The client mod each client-side option needs (applied per client inside the worker).
 DP_MODS = {"client_fixed": "flwr.clientapp.mod:fixedclipping_mod",
-           "client_adaptive": "flwr.clientapp.mod:adaptiveclipping_mod"}
+           "client_adaptive": "flwr.clientapp.mod:adaptiveclipping_mod",
+           "dpsgd": "fedadapt.strategies.privacy:DPSGDAccounting"}
 #: fedadapt's own keys of the fixed-clipping wrappers: Flower's RDP accountant.
 ACCOUNTING_KEYS = {
     "accounting": (bool, True),
@@ -111,6 +127,9 @@ def _make_schemas() -> tuple[dict[str, type], dict[str, type]]:
         if "accountant" in inspect.signature(cls.__init__).parameters:
             params += [(k, t, d) for k, (t, d) in ACCOUNTING_KEYS.items()]
         dps[name] = schema_of("DP", name, DPConfig, params, __name__)
+    for name, keys in SAMPLE_DP.items():
+        dps[name] = schema_of("DP", name, DPConfig, [(k, t, d) for k, (t, d) in keys.items()],
+                              __name__)
     return strategies, dps
 
 
@@ -129,6 +148,25 @@ def strategy_schemas() -> dict[str, type]:
 def dp_schemas() -> dict[str, type]:
     """``{name: config dataclass}`` of every ``dp=`` option (``none`` included)."""
     return dict(_DP_SCHEMAS)
+
+
+def wraps_strategy(dp: DPConfig) -> bool:
+    """Whether ``dp=`` is one of Flower's wrappers around the strategy (not ``none``, not
+    DP-SGD on the clients)."""
+    return dp.name in DP_WRAPPERS
+
+
+def sample_level(dp: DPConfig) -> bool:
+    """Whether ``dp=`` trains each client by DP-SGD (``dp=dpsgd``)."""
+    return dp.name in SAMPLE_DP
+
+
+def dp_mod(dp: DPConfig):
+    """The client mod ``dp=`` needs (``module:function``, or ``{_target_: Class, ...}``), or
+    None."""
+    if sample_level(dp):
+        return {"_target_": DP_MODS[dp.name], "accountant": dp.accountant}
+    return DP_MODS.get(dp.name)
 
 
 def is_custom(strategy: StrategyConfig) -> bool:

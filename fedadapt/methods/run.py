@@ -253,7 +253,12 @@ def node_layout(cfg: RunConfig, prep: PreparedRun, execute: Optional[Callable],
                    "server_threads": server}
     log(f"[federation] {threads} torch thread(s) per worker ({why}); OpenMP waits: "
         f"{cores.describe_policy()}")
-    if sizing.group_size > 1 and probe is not None:
+    if sizing.group_size > 1 and spec.dpsgd is not None:  # worker.train_groups(private=True)
+        log(f"[federation] dp={cfg.dp.name}: each worker trains its {sizing.group_size} clients "
+            f"one at a time, not side by side (Opacus's per-sample gradients are one model's)")
+        prep.layout.update(side_by_side="one_at_a_time", side_by_side_why=f"dp={cfg.dp.name}",
+                           compiled=False)
+    elif sizing.group_size > 1 and probe is not None:
         prep.layout.update(side_by_side(prep.model, spec.compile))
     spec.client_threads = threads  # each worker's torch threads
     return {"nodes": "workers", "num_nodes": sizing.workers, "group_size": sizing.group_size,

@@ -286,8 +286,11 @@ def privacy_table(summaries: list[dict]) -> str:
              "—" if p.get("delta") is None else f"{p['delta']:g}",
              str(p.get("releases", "—")), p.get("accounting") or "none"]
             for s in rows for p in [s["privacy"]]]
-    return ("Differential privacy (client-level; epsilon from Flower's accountant, no sampling "
-            "amplification):\n\n" + markdown(["method", "dp", "noise multiplier",
+    sample = all(str(s["privacy"].get("accounting", "")).startswith("opacus") for s in rows)
+    return (("Differential privacy (sample-level DP-SGD; the largest client epsilon, from "
+             "Opacus's accountant):" if sample else
+             "Differential privacy (client-level; epsilon from Flower's accountant, no sampling "
+             "amplification):") + "\n\n" + markdown(["method", "dp", "noise multiplier",
                                               "clipping norm (final)", "epsilon", "delta",
                                               "releases", "accounting"], body))
 

@@ -89,6 +89,9 @@ class RunSpec:
     #: The method family's own fields (:meth:`fedadapt.methods.Family.prepare`; e.g.
     #: :class:`fedadapt.methods.server_trained.ServerFields`), None where it has none.
     family: Optional[object] = None
+    #: ``dp=dpsgd``: each client's DP-SGD (a :class:`fedadapt.strategies.privacy.DPSGDPlan`);
+    #: None without it.
+    dpsgd: Optional[object] = None
 
     @property
     def num_clients(self) -> int:
@@ -274,11 +277,14 @@ EXIT_STREAM = 0xE817
 
 
 def local_schedule(indices: np.ndarray, train: TrainConfig, seed: int,
-                   exits: Optional[list[int]]) -> tuple[list[np.ndarray], list[Optional[int]]]:
-    """A client's batches and the exit each of its steps trains (None: the model's own
-    forward), drawn uniformly from ``exits``: one schedule, alone or in a group."""
-    batches = batches_of(indices, train.batch_size, train.local_epochs,
-                         torch.Generator().manual_seed(seed))
+                   exits: Optional[list[int]], batches: Optional[list[np.ndarray]] = None
+                   ) -> tuple[list[np.ndarray], list[Optional[int]]]:
+    """A client's batches (``batches``, or its seeded shuffles) and the exit each of its steps
+    trains (None: the model's own forward), drawn uniformly from ``exits``: one schedule, alone
+    or in a group."""
+    if batches is None:
+        batches = batches_of(indices, train.batch_size, train.local_epochs,
+                             torch.Generator().manual_seed(seed))
     if exits is None:
         return batches, [None] * len(batches)
     gen = torch.Generator().manual_seed(derive_seed(seed, EXIT_STREAM))
@@ -297,6 +303,7 @@ def train_local(
     exits: Optional[list[int]] = None,
     crop_seed: Optional[int] = None,
     precision: str,
+    private=None,
 ) -> tuple[float, int]:
     """Train ``model`` in place on ``source[indices]``; return (mean loss, samples seen).
 
@@ -306,24 +313,43 @@ def train_local(
     running only the blocks up to it. With ``crop_seed`` (and ``train.crop_scale``), every image
     gets its seeded ``RandomResizedCrop``. ``train.clip_grad_norm`` clips the gradients' norm.
     ``precision`` (``fp32`` / ``bf16``, the run's :attr:`RunSpec.precision`) is the forward's.
+    With ``private`` (a :class:`~fedadapt.federation.client.dpsgd.PrivateSteps`) the steps are
+    DP-SGD's (:mod:`fedadapt.federation.client.dpsgd`): Poisson-sampled batches, each
+    example's gradient clipped, Gaussian noise.
     """
     from fedadapt.devices import autocast, seed_torch
+    from fedadapt.federation.client import dpsgd
     from fedadapt.grouping import dropout
 
     dev = next(model.parameters()).device
     masks = dropout.install(model)  # the client's own masks, as when it trains in a group
     params = [p for p in model.parameters() if p.requires_grad]
     anchor = [p.detach().clone() for p in params] if proximal_mu > 0 else None
-    opt = local_optimizer(params, train, lr)
-    batches, step_exits = local_schedule(indices, train, seed, exits)
+    drawn = None if private is None else \
+        dpsgd.poisson_batches(indices, train.batch_size, train.local_epochs,
+                              derive_seed(seed, dpsgd.BATCH_STREAM))
+    batches, step_exits = local_schedule(indices, train, seed, exits,
+                                         drawn and [b for b in drawn if len(b)])
     seed_torch(seed, dev)  # any draw other than dropout's
     model.train()
+    if private is None:
+        opt = local_optimizer(params, train, lr)
+    else:  # an empty batch is a step of noise alone, before the next batch's
+        opt = dpsgd.PrivateOptimizer(model, params, make_optimizer(params, train, lr), private,
+                                     len(indices), train.batch_size,
+                                     derive_seed(seed, dpsgd.NOISE_STREAM))
+        empty, run = [], 0  # the empty batches before each drawn one, and after the last
+        for b in drawn:
+            empty, run = (empty + [run], 0) if len(b) else (empty, run + 1)
+        empty.append(run)
     losses, sizes = [], []
     crops = None
     if crop_seed is not None and train.crop_scale is not None:
         scale = (float(train.crop_scale[0]), float(train.crop_scale[1]))
         crops = [(scale, np.full(len(b), crop_seed, dtype=np.uint64)) for b in batches]
     for t, (x, y) in enumerate(source.stream(batches, dev, crops)):
+        for _ in range(empty[t] if private is not None else 0):
+            opt.noise_step(proximal(params, anchor, proximal_mu))
         keyed = dropout.keyed(torch.tensor(dropout.step_key(seed, t))) if masks else nullcontext()
         with autocast(dev.type, precision), keyed:
             if step_exits[t] is None:
@@ -332,6 +358,13 @@ def train_local(
                 loss = F.cross_entropy(model.exit_logits(x, last_exit=step_exits[t],
                                                          all_exits=False)[-1], y)
         loss = loss.float()
+        if private is not None:
+            opt.zero_grad(set_to_none=True)
+            loss.backward()  # the proximal term holds no example: added after the noise
+            opt.step(proximal(params, anchor, proximal_mu))
+            losses.append(loss.detach())
+            sizes.append(len(y))
+            continue
         if anchor is not None:
             loss = loss + 0.5 * proximal_mu * sum(
                 (p - a).pow(2).sum() for p, a in zip(params, anchor))
@@ -342,12 +375,21 @@ def train_local(
         opt.step()
         losses.append(loss.detach())
         sizes.append(len(y))
+    if private is not None:
+        for _ in range(empty[-1]):
+            opt.noise_step(proximal(params, anchor, proximal_mu))
+        opt.close()
     # read once, after the last step; summed in float64 in step order, as a running total would
     total = 0.0
     for value, n in zip(torch.stack(losses).double().tolist() if losses else [], sizes):
         total += value * n
     seen = sum(sizes)
     return total / max(seen, 1), seen
+
+
+def proximal(params: list, anchor: Optional[list], mu: float) -> Optional[list[torch.Tensor]]:
+    """The gradient of FedProx's ``mu/2 * ||w - w_global||^2``; None without it."""
+    return None if anchor is None else [mu * (p.detach() - a) for p, a in zip(params, anchor)]
 
 
 @torch.no_grad()

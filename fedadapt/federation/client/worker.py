@@ -26,6 +26,7 @@ import torch
 from flwr.app import Context, RecordDict
 
 from fedadapt.adapters.lora import is_base_delta
+from fedadapt.federation.client.dpsgd import PrivateSteps
 from fedadapt.federation.client.grouped import ClientJob, ClientResult, UsedTensors, train_group
 from fedadapt.federation.client.training import RunSpec, cached_model, train_local
 from fedadapt.federation.server.checkpoint import load_client_context, save_client_context
@@ -169,10 +170,10 @@ def reason_of(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-def _run_group(spec: RunSpec, model, jobs: list[ClientJob], lr: float, mu: float, train
-               ) -> list[ClientResult]:
+def _run_group(spec: RunSpec, model, jobs: list[ClientJob], lr: float, mu: float, train,
+               private: bool = False) -> list[ClientResult]:
     """``jobs`` trained side by side (one: :func:`train_local`) at learning rate ``lr`` and
-    FedProx's ``mu``."""
+    FedProx's ``mu``; ``private``: by ``spec.dpsgd``'s DP-SGD (one client)."""
     if len(jobs) > 1:
         folded = _folded(jobs[0])
         if folded:  # FLoRA / FedEx-LoRA: the group's frozen weights (one per group: _groups)
@@ -184,7 +185,9 @@ def _run_group(spec: RunSpec, model, jobs: list[ClientJob], lr: float, mu: float
     model.load_tensors(job.tensors)
     loss, seen = train_local(model, job.source or spec.train_source, job.indices, train, lr=lr,
                              seed=job.seed, proximal_mu=mu, exits=job.exits,
-                             crop_seed=job.crop_seed, precision=spec.precision)
+                             crop_seed=job.crop_seed, precision=spec.precision,
+                             private=PrivateSteps(spec.dpsgd.noise[job.cid],
+                                                  spec.dpsgd.max_grad_norm) if private else None)
     return [ClientResult(model.tensors(model.trainable_names()), loss, seen)]
 
 
@@ -209,16 +212,18 @@ def _folded(job: ClientJob) -> dict[str, torch.Tensor]:
 
 def train_groups(spec: RunSpec, model, jobs: list[ClientJob], size: int,
                   rates: dict[int, tuple[float, float]], train=None,
-                  finish: Optional[Callable] = None) -> dict:
+                  finish: Optional[Callable] = None, private: bool = False) -> dict:
     """Each client's result, or the reason it failed; ``rates[cid]``: its ``(lr, mu)``. A group
     that raises is retried one client at a time, so only the client at fault fails; a group
     that does not fit in GPU memory is split in halves until it does (with a warning naming the
     size that fits). ``finish(cid, result_or_reason)``, when given, turns each result into what
     is kept as soon as its group is done (a reply record: a large model's trained tensors are
-    not all held at once)."""
+    not all held at once). ``private``: the clients train by DP-SGD (``spec.dpsgd``), one at
+    a time (Opacus's per-sample gradients are one model's)."""
     train = train or spec.train
     out: dict = {}
-    pending = _groups(jobs, size, rates)
+    private = private and spec.dpsgd is not None
+    pending = _groups(jobs, 1 if private else size, rates)
 
     def keep(cid: int, res: ClientResult | str) -> None:
         out[cid] = finish(cid, res) if finish else res
@@ -226,7 +231,7 @@ def train_groups(spec: RunSpec, model, jobs: list[ClientJob], size: int,
     while pending:
         (lr, mu), group = pending.pop(0)
         try:
-            results = _run_group(spec, model, group, lr, mu, train)
+            results = _run_group(spec, model, group, lr, mu, train, private)
         except torch.cuda.OutOfMemoryError as err:
             torch.cuda.empty_cache()
             if len(group) == 1:

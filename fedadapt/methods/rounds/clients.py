@@ -294,11 +294,25 @@ def train_views(spec: RunSpec, model, views: dict[int, RecordDict], deadline: De
             "arrays": arrays,
             "metrics": MetricRecord({"num-examples": examples[cid],
                                      UNIFORM_KEY: _share(spec, cid, examples[cid]),
-                                     "train_loss": res.loss})})
+                                     "train_loss": res.loss, **_dpsgd_round(spec, cid)})})
 
-    made = train_groups(spec, model, jobs, size, rates, finish=reply)
+    made = train_groups(spec, model, jobs, size, rates, finish=reply, private=True)
     replies.update({cid: r for cid, r in made.items() if r is not None})
     return replies
+
+
+def _dpsgd_round(spec: RunSpec, cid: int) -> dict:
+    """A DP-SGD client's round for its accounting (``dp=dpsgd``'s mod,
+    :class:`fedadapt.strategies.privacy.DPSGDAccounting`): its noise, sample rate, steps and
+    delta; {} without DP-SGD."""
+    from fedadapt.strategies.privacy import dpsgd_schedule
+
+    if spec.dpsgd is None:
+        return {}
+    q, steps = dpsgd_schedule(len(spec.clients[cid].train), spec.train.batch_size,
+                              spec.train.local_epochs)
+    return {"dpsgd_noise": spec.dpsgd.noise[cid], "dpsgd_sample_rate": q, "dpsgd_steps": steps,
+            "dpsgd_delta": spec.dpsgd.delta[cid]}
 
 
 #: The seed stream of the examples a client trains when its work is cut at the deadline.

@@ -15,11 +15,12 @@ from fedadapt.strategies.registry import is_custom
 
 def client_mods(cfg: RunConfig) -> tuple[list, list]:
     """The ClientApp mods of training and evaluation: ``dp=client_*``'s clipping mod first
-    (outermost: it clips what the other mods left), then ``federation.*_mods``; each made once
-    here, so a wrong name or argument fails before anything runs, and a ``file.py`` named by
-    its absolute path (a Ray worker's working directory may differ)."""
+    (outermost: it clips what the other mods left; ``dp=dpsgd``'s accounting), then
+    ``federation.*_mods``; each made once here, so a wrong name or argument fails before
+    anything runs, and a ``file.py`` named by its absolute path (a Ray worker's working
+    directory may differ)."""
     from fedadapt.federation.client.mods import resolve
-    from fedadapt.strategies.registry import DP_MODS
+    from fedadapt.strategies.registry import dp_mod
     from fedadapt.userimport import absolute
 
     def portable(entry):
@@ -35,7 +36,8 @@ def client_mods(cfg: RunConfig) -> tuple[list, list]:
             resolve(entry, key)
         out.append([portable(e) for e in names])
     train, evaluate = out
-    return ([DP_MODS[cfg.dp.name]] if cfg.dp.name in DP_MODS else []) + train, evaluate
+    first = dp_mod(cfg.dp)
+    return ([first] if first is not None else []) + train, evaluate
 
 
 def evaluate_fn(cfg: RunConfig) -> Optional[Callable]:

@@ -69,7 +69,7 @@ def finish_rounds(cfg: RunConfig, run_dir: Path, prep: PreparedRun, state, *, la
         **_accuracy_summary(cfg, run_dir, prep, state),
         "params": prep.counts,
         "strategy": _strategy_summary(cfg, state.strategy),
-        "privacy": _privacy_summary(cfg, state.strategy),
+        "privacy": _privacy_summary(cfg, state.strategy, state.history, prep.spec.dpsgd),
         **_cost_summary(prep, state, t0, resume_state),
         **summary_tail(prep),
     }
@@ -152,11 +152,18 @@ def _strategy_summary(cfg: RunConfig, strategy) -> dict:
             "dp": asdict(cfg.dp)}
 
 
-def _privacy_summary(cfg: RunConfig, strategy) -> Optional[dict]:
-    """``dp=``'s guarantee at the end: epsilon at delta (fixed clipping with accounting), the
-    noise multiplier and the final clipping norm; None without DP."""
+def _privacy_summary(cfg: RunConfig, strategy, history: list[dict], dpsgd=None
+                     ) -> Optional[dict]:
+    """``dp=``'s guarantee at the end: epsilon at delta (fixed clipping with accounting; with
+    ``dp=dpsgd`` the largest a client spent, at the largest client delta), the noise multiplier
+    (DP-SGD: the smallest client's) and the final clipping norm; None without DP."""
     from fedadapt.strategies.privacy import privacy_spent
 
+    if dpsgd is not None:
+        spent = [r[DPSGD_WORST] for r in history if r.get(DPSGD_WORST) is not None]
+        return {"dp": cfg.dp.name, "noise_multiplier": min(dpsgd.noise),
+                "clipping_norm": dpsgd.max_grad_norm, "epsilon": max(spent, default=None),
+                "delta": max(dpsgd.delta), "accounting": f"opacus {dpsgd.accountant}"}
     if cfg.dp.name == "none" or not hasattr(strategy, "noise_multiplier"):
         return None  # no DP, or a method that is not federated (local_only): nothing released
     return {"dp": cfg.dp.name, "noise_multiplier": float(strategy.noise_multiplier),
@@ -166,6 +173,8 @@ def _privacy_summary(cfg: RunConfig, strategy) -> Optional[dict]:
 
 #: Per-client evaluation results of a run, one line per (round, client), written at its end.
 CLIENTS_FILE = "clients.jsonl"
+#: The row's largest client epsilon of ``dp=dpsgd`` (its clients' metrics, aggregated).
+DPSGD_WORST = "strategy/train/dpsgd_epsilon_max"
 
 
 def _personalization(cfg: RunConfig, run_dir: Path, spec: RunSpec, rows: list[dict]
