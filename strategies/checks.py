@@ -110,7 +110,8 @@ def _check_dpsgd(cfg: RunConfig) -> None:
     check(cfg.train.clip_grad_norm is None, "train.clip_grad_norm", cfg.train.clip_grad_norm,
           "dp=dpsgd clips each example's gradient (dp.max_grad_norm): set "
           "train.clip_grad_norm=null")
-    check(not cfg.fleet.partial_work, "fleet.partial_work", cfg.fleet.partial_work,
+    partial = getattr(cfg.fleet, "partial_work", False)  # a key of the simulated fleets
+    check(not partial, "fleet.partial_work", partial,
           "dp=dpsgd samples each step from all of a client's examples (its sample rate is "
           "accounted); set fleet.partial_work=false")
 
