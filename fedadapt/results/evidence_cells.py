@@ -197,6 +197,8 @@ def lora_ranks_table(found: list[dict]) -> tuple[list[str], list[list[str]]]:
              "client": 100 * r["summary"]["final"]["client_acc"],
              "bytes": r["summary"]["total_bytes"]} for r in found]
     alphas = sorted({r["alpha"] for r in runs})
+    from fedadapt.strategies.registry import CAPABILITIES
+
     by = {(r["row"], r["alpha"], r["seed"]): r for r in runs}
     order = sorted({r["row"] for r in runs}, key=lambda row: (len(row[1]) > 1, -row[1][0],
                                                               row[2], row[0]))
@@ -211,7 +213,9 @@ def lora_ranks_table(found: list[dict]) -> tuple[list[str], list[list[str]]]:
         mine = [r for r in runs if r["row"] == row]
         cells = [_ranks_label(row), str(len({r["seed"] for r in mine})),
                  f"{statistics.mean(r['bytes'] for r in mine) / 1e6:.1f}"]
-        metric = "client" if row[0] == "fedsa_lora" else "global"
+        # a strategy that keeps each client's B at home is judged on the clients' own models
+        caps = CAPABILITIES.get(row[0])
+        metric = "client" if caps is not None and caps.shares_only_a else "global"
         for a in alphas:
             at = [r for r in mine if r["alpha"] == a]
             cells += [spread([r["global"] for r in at]), spread([r["client"] for r in at])]
