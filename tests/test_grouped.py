@@ -66,6 +66,7 @@ def sequential(prep, jobs, *, lr, mu=0.0):
         model.load_tensors(j.tensors)
         loss, seen = train_local(model, spec.train_source, j.indices, spec.train, lr=lr,
                                  seed=j.seed, proximal_mu=mu, exits=j.exits,
+                                 anchor=j.anchor, linear=j.linear,
                                  crop_seed=j.crop_seed, precision=spec.precision)
         out.append((model.tensors(model.trainable_names()), loss, seen))
     return out
@@ -98,6 +99,51 @@ def test_local_only_fedprox_and_adamw(cache_dir):
     assert_same(local, jobs_for(local, 3), lr=0.01)
     prox = prepared(cache_dir, LinearHeadConfig())
     assert_same(prox, jobs_for(prox, 3), mu=0.5)  # FedProx's proximal-mu, as a client gets it
+
+
+def with_terms(jobs: list[ClientJob], anchors: bool = True) -> list[ClientJob]:
+    """Each job its own anchor (its start moved) and linear term (seeded), as Ditto, FedDyn
+    and SCAFFOLD give them; the first job has neither (FedProx's anchor, no term)."""
+    for i, j in enumerate(jobs[1:], 1):
+        gen = torch.Generator().manual_seed(200 + i)
+        if anchors:
+            j.anchor = {n: t + 0.05 * torch.randn(t.shape, generator=gen)
+                        for n, t in j.tensors.items()}
+        j.linear = {n: 0.1 * torch.randn(t.shape, generator=gen) for n, t in j.tensors.items()}
+    return jobs
+
+
+def test_each_clients_anchor_and_linear_term_side_by_side_as_alone(cache_dir):
+    """The proximal term towards each client's own anchor and its linear term (Ditto, FedDyn,
+    SCAFFOLD) give the grouped forms (heads; the Accumulator's laid-out tensors) and vmap
+    (full fine-tuning) what one client at a time gets."""
+    head = prepared(cache_dir, MlpHeadConfig(hidden_dim=16))
+    assert_same(head, with_terms(jobs_for(head, 4)), mu=0.3)
+    assert_same(head, with_terms(jobs_for(head, 3), anchors=False))  # SCAFFOLD: no mu
+    acc = prepared(cache_dir, AccumulatorConfig(head_hidden=[16], parallel_adapter=True,
+                                                adapter_bottleneck=4),
+                   backbone=TINY_VIT, setting=SettingConfig(name="anytime"))
+    assert_same(acc, with_terms(jobs_for(acc, 3, exits=[0, 1, 2])), mu=0.2)
+    fine = prepared(cache_dir, FinetuneConfig())
+    assert_same(fine, with_terms(jobs_for(fine, 3)), mu=0.1, atol=5e-5)
+
+
+def test_a_linear_term_adds_itself_to_the_gradient(cache_dir):
+    """One plain-SGD step with ``linear`` = c moves each tensor by ``-lr * (grad + c)``: the
+    step without it, minus ``lr * c``."""
+    prep = prepared(cache_dir, LinearHeadConfig(), local_epochs=1)
+    (job,) = jobs_for(prep, 1)
+    job.indices = job.indices[:8]  # one batch, one step
+    model, spec = prep.model, prep.spec
+    c = {n: torch.full_like(t, 0.25) for n, t in job.tensors.items()}
+    out = []
+    for linear in (None, c):
+        model.load_tensors(job.tensors)
+        train_local(model, spec.train_source, job.indices, spec.train, lr=0.1, seed=job.seed,
+                    linear=linear, precision="fp32")
+        out.append(model.tensors(model.trainable_names()))
+    for n in c:
+        torch.testing.assert_close(out[1][n], out[0][n] - 0.1 * 0.25)
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])

@@ -22,6 +22,7 @@ from fedadapt.federation.client.group_jobs import (
     Schedule,
     UsedTensors,
     first_index,
+    job_terms,
     schedule,
     step_masks,
 )
@@ -161,12 +162,16 @@ def train_forms(model: nn.Module, source: DataSource, jobs: list[ClientJob],
     host = [forms.to_layout(model, n, _stacked([j.tensors[n] for j in slot_jobs]))
             for n in names]
     flat, stored = _stored(model, names, host, dev, persistent=compile)
-    start = {n: t.detach().clone() for n, t in stored.items()} if proximal_mu > 0 else None
+    anchors, linear = job_terms(
+        slot_jobs, names, proximal_mu,
+        lambda n, ts: forms.to_layout(model, n, _stacked(ts)).to(dev),
+        lambda: {n: t.detach().clone() for n, t in stored.items()})
+    terms = anchors is not None or linear is not None
     used = used or UsedTensors(model, source, first_index(jobs), precision=precision)
     steps = len(plan.going)
     # which tensors each going client's step trains (a finished slot's: none)
     host_masks = step_masks([(t, list(range(plan.going[t]))) for t in range(steps)],
-                            plan.scheds, names, used, every=start is not None)
+                            plan.scheds, names, used, every=terms)
     opt = FlatOptimizer(flat, stored, train, lr) if flat is not None \
         else StackedOptimizer(stored, train, lr)
     masks = torch.from_numpy(host_masks).to(dev)
@@ -201,14 +206,11 @@ def train_forms(model: nn.Module, source: DataSource, jobs: list[ClientJob],
                 losses = _captured(model, x, y, w, exits, dev)
             else:
                 losses = _step_losses(model, x, y, w, exits)
-        if start is not None:  # each going client's own FedProx term
-            params = slots.params
-            anchor = start if plan.perms[t] is None else {
-                k: v.index_select(0, pos) for k, v in start.items()}
-            prox = 0.5 * proximal_mu * sum((params[k][:real] - anchor[k][:real]).pow(2)
-                                           .reshape(real, -1).sum(1) for k in names)
-            losses = torch.cat([losses[:real] + prox, losses[real:]]) if real < n \
-                else losses + prox
+        if terms:  # each going client's own proximal and linear terms
+            extra = _terms(slots.params, anchors, linear, proximal_mu, names, real,
+                           None if plan.perms[t] is None else pos)
+            losses = torch.cat([losses[:real] + extra, losses[real:]]) if real < n \
+                else losses + extra
         opt.zero_grad()
         losses.sum().backward()
         loss_sum.index_add_(0, pos, losses.detach().double() * sizes[at_s:at_s + n])
@@ -218,6 +220,25 @@ def train_forms(model: nn.Module, source: DataSource, jobs: list[ClientJob],
             clip_per_client(stored, train.clip_grad_norm)
         opt.step(masks[t], active[t])
     return _forms_results(model, names, shapes, stored, flat, loss_sum, plan, jobs)
+
+
+def _terms(params: dict, anchors: Optional[dict], linear: Optional[dict], mu: float,
+           names: list[str], real: int, pos: Optional[torch.Tensor]) -> torch.Tensor:
+    """``[real]``: each going slot's ``mu/2 ||w - anchor||^2 + <linear, w>`` (``pos``: the
+    step's slot order, None: in order)."""
+    def at(d: dict) -> dict:
+        return d if pos is None else {k: v.index_select(0, pos) for k, v in d.items()}
+
+    out = 0.0
+    if anchors is not None:
+        a = at(anchors)
+        out = 0.5 * mu * sum((params[k][:real] - a[k][:real]).pow(2).reshape(real, -1).sum(1)
+                             for k in names)
+    if linear is not None:
+        lin = at(linear)
+        out = out + sum((params[k][:real] * lin[k][:real]).reshape(real, -1).sum(1)
+                        for k in names)
+    return out
 
 
 def _step_losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor,

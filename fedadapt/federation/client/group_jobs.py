@@ -5,7 +5,7 @@ tensors each step reaches (:mod:`fedadapt.federation.client.grouped` trains the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -34,6 +34,37 @@ class ClientJob:
     #: The client's own data when it differs from the group's (a personalizing client's
     #: corrupted images); None = the shared source.
     source: Optional[DataSource] = None
+    #: The point the proximal term ``mu/2 ||w - anchor||^2`` pulls towards (Ditto's personal
+    #: model towards the global one, FedDyn's towards the server's); None: its starting
+    #: tensors (FedProx's). Per tensor; a tensor it does not name anchors at its start.
+    anchor: Optional[dict[str, torch.Tensor]] = None
+    #: A linear term ``<linear, w>`` added to its loss, i.e. ``linear`` added to every step's
+    #: gradient (SCAFFOLD's correction ``c - c_i``, FedDyn's ``-grad L_k``); None: none. Per
+    #: tensor; a tensor it does not name has none.
+    linear: Optional[dict[str, torch.Tensor]] = None
+
+
+def job_terms(jobs: list[ClientJob], names: list[str], mu: float,
+              stacked: Callable[[str, list[torch.Tensor]], torch.Tensor],
+              start: Callable[[], dict[str, torch.Tensor]]
+              ) -> tuple[Optional[dict[str, torch.Tensor]], Optional[dict[str, torch.Tensor]]]:
+    """A group's ``(anchors, linear terms)``, each ``{name: [K, ...]}`` made by
+    ``stacked(name, per-job tensors)`` (in the engine's layout, on its device), or None where no
+    job has one: the anchors only with ``mu > 0`` (``start()``: the starting tensors, when no
+    job names its own)."""
+    anchors = None
+    if mu > 0:
+        if all(j.anchor is None for j in jobs):
+            anchors = start()
+        else:
+            anchors = {n: stacked(n, [(j.anchor if j.anchor is not None and n in j.anchor
+                                       else j.tensors)[n] for j in jobs]) for n in names}
+    linear = None
+    if any(j.linear is not None for j in jobs):
+        linear = {n: stacked(n, [j.linear[n] if j.linear is not None and n in j.linear
+                                 else torch.zeros_like(j.tensors[n]) for j in jobs])
+                  for n in names}
+    return anchors, linear
 
 
 @dataclass
@@ -72,7 +103,7 @@ def schedule(job: ClientJob, train: TrainConfig) -> Schedule:
 def step_masks(plan, scheds: list[Schedule], names: list[str], used, every: bool
                ) -> np.ndarray:
     """``[steps, tensors, K]``: whether client k's step t gives tensor n a gradient (all of them
-    with FedProx, whose term reaches every tensor)."""
+    with a proximal or linear term, which reaches every tensor)."""
     steps = max((len(s.batches) for s in scheds), default=0)
     out = np.zeros((steps, len(names), len(scheds)), dtype=bool)
     rows: dict = {}  # per exit: which tensors its step reaches

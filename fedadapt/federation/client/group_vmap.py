@@ -29,6 +29,7 @@ from fedadapt.federation.client.group_jobs import (
     StepLoss,
     UsedTensors,
     first_index,
+    job_terms,
     schedule,
     step_masks,
 )
@@ -60,7 +61,8 @@ class _Group:
     frozen: dict[str, torch.Tensor]  # shared by every client (weights and buffers)
     stacked: dict[str, torch.Tensor]  # ``[K, ...]`` trainable tensors, fp32
     final: dict[str, torch.Tensor]  # each client's tensors at its last step
-    start: Optional[dict[str, torch.Tensor]]  # FedProx's anchor
+    start: Optional[dict[str, torch.Tensor]]  # the proximal term's anchors
+    linear: Optional[dict[str, torch.Tensor]]  # the linear terms
     opt: StackedOptimizer
     scheds: list[Schedule]
     plan: list[tuple[int, list[int]]]  # ``(step, clients)`` buckets, in order
@@ -105,16 +107,20 @@ def _set_up(model: nn.Module, source: DataSource, jobs: list[ClientJob], train: 
     # stacked where the first client's tensors are (the host), then one transfer per tensor
     stacked = {n: torch.stack([j.tensors[n].to(jobs[0].tensors[n].device, torch.float32)
                                for j in jobs]).to(dev).requires_grad_(True) for n in names}
-    start = {n: t.detach().clone() for n, t in stacked.items()} if proximal_mu > 0 else None
+    start, linear = job_terms(
+        jobs, names, proximal_mu, lambda n, ts: torch.stack([t.detach().float().cpu()
+                                                             for t in ts]).to(dev),
+        lambda: {n: t.detach().clone() for n, t in stacked.items()})
     scheds = [schedule(j, train) for j in jobs]
     plan = _plan(scheds)
     used = used or UsedTensors(model, source, first_index(jobs), precision=precision)
-    host_masks = step_masks(plan, scheds, names, used, every=start is not None)
+    host_masks = step_masks(plan, scheds, names, used,
+                            every=start is not None or linear is not None)
     return _Group(
         jobs=jobs, names=names, frozen=frozen, stacked=stacked,
         # filled at each client's last step (a client with no batch returns its tensors as
         # they came)
-        final={n: torch.empty_like(t) for n, t in stacked.items()}, start=start,
+        final={n: torch.empty_like(t) for n, t in stacked.items()}, start=start, linear=linear,
         opt=StackedOptimizer(stacked, train, lr), scheds=scheds, plan=plan,
         masks=torch.from_numpy(host_masks).to(dev), active=host_masks.any(axis=2),
         loss_sum=torch.zeros(len(jobs), dtype=torch.float64, device=dev),
@@ -136,6 +142,9 @@ def _bucket_step(g: _Group, call: "StepLoss", ks: list[int], t: int, x: torch.Te
         losses = losses + 0.5 * g.proximal_mu * sum(
             (g.stacked[n][pos] - g.start[n][pos]).pow(2).reshape(len(ks), -1).sum(1)
             for n in g.names)
+    if g.linear is not None:
+        losses = losses + sum((g.stacked[n][pos] * g.linear[n][pos]).reshape(len(ks), -1)
+                              .sum(1) for n in g.names)
     losses.sum().backward()
     g.loss_sum.index_add_(0, pos, losses.detach().double() * size)
     g.seen[ks] += size

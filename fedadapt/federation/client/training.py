@@ -304,18 +304,23 @@ def train_local(
     crop_seed: Optional[int] = None,
     precision: str,
     private=None,
+    anchor: Optional[dict[str, torch.Tensor]] = None,
+    linear: Optional[dict[str, torch.Tensor]] = None,
 ) -> tuple[float, int]:
     """Train ``model`` in place on ``source[indices]``; return (mean loss, samples seen).
 
     With ``proximal_mu > 0`` adds FedProx's ``mu/2 * ||w - w_global||^2`` over the trainable
-    tensors, ``w_global`` being their values on entry. With ``exits`` (an early-exit model),
-    each step draws one exit uniformly from them (seeded) and trains that exit's logits,
-    running only the blocks up to it. With ``crop_seed`` (and ``train.crop_scale``), every image
-    gets its seeded ``RandomResizedCrop``. ``train.clip_grad_norm`` clips the gradients' norm.
-    ``precision`` (``fp32`` / ``bf16``, the run's :attr:`RunSpec.precision`) is the forward's.
-    With ``private`` (a :class:`~fedadapt.federation.client.dpsgd.PrivateSteps`) the steps are
-    DP-SGD's (:mod:`fedadapt.federation.client.dpsgd`): Poisson-sampled batches, each
-    example's gradient clipped, Gaussian noise.
+    tensors, ``w_global`` being their values on entry, or ``anchor``'s where it names them
+    (Ditto, FedDyn). ``linear`` adds ``<linear, w>`` (a constant added to the gradient:
+    SCAFFOLD's correction, FedDyn's linear term) for the tensors it names. With ``exits`` (an
+    early-exit model), each step draws one exit uniformly from them (seeded) and trains that
+    exit's logits, running only the blocks up to it. With ``crop_seed`` (and
+    ``train.crop_scale``), every image gets its seeded ``RandomResizedCrop``.
+    ``train.clip_grad_norm`` clips the gradients' norm. ``precision`` (``fp32`` / ``bf16``, the
+    run's :attr:`RunSpec.precision`) is the forward's. With ``private`` (a
+    :class:`~fedadapt.federation.client.dpsgd.PrivateSteps`) the steps are DP-SGD's
+    (:mod:`fedadapt.federation.client.dpsgd`): Poisson-sampled batches, each example's gradient
+    clipped, Gaussian noise.
     """
     from fedadapt.devices import autocast, seed_torch
     from fedadapt.federation.client import dpsgd
@@ -323,8 +328,14 @@ def train_local(
 
     dev = next(model.parameters()).device
     masks = dropout.install(model)  # the client's own masks, as when it trains in a group
-    params = [p for p in model.parameters() if p.requires_grad]
-    anchor = [p.detach().clone() for p in params] if proximal_mu > 0 else None
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    anchor = None if proximal_mu <= 0 else [
+        anchor[n].to(p.device, p.dtype) if anchor is not None and n in anchor
+        else p.detach().clone() for n, p in named]
+    linear = None if linear is None else [
+        linear[n].to(p.device, p.dtype) if n in linear else torch.zeros_like(p)
+        for n, p in named]
     drawn = None if private is None else \
         dpsgd.poisson_batches(indices, train.batch_size, train.local_epochs,
                               derive_seed(seed, dpsgd.BATCH_STREAM))
@@ -349,7 +360,7 @@ def train_local(
         crops = [(scale, np.full(len(b), crop_seed, dtype=np.uint64)) for b in batches]
     for t, (x, y) in enumerate(source.stream(batches, dev, crops)):
         for _ in range(empty[t] if private is not None else 0):
-            opt.noise_step(proximal(params, anchor, proximal_mu))
+            opt.noise_step(proximal(params, anchor, proximal_mu, linear))
         keyed = dropout.keyed(torch.tensor(dropout.step_key(seed, t))) if masks else nullcontext()
         with autocast(dev.type, precision), keyed:
             if step_exits[t] is None:
@@ -361,13 +372,15 @@ def train_local(
         if private is not None:
             opt.zero_grad(set_to_none=True)
             loss.backward()  # the proximal term holds no example: added after the noise
-            opt.step(proximal(params, anchor, proximal_mu))
+            opt.step(proximal(params, anchor, proximal_mu, linear))
             losses.append(loss.detach())
             sizes.append(len(y))
             continue
         if anchor is not None:
             loss = loss + 0.5 * proximal_mu * sum(
                 (p - a).pow(2).sum() for p, a in zip(params, anchor))
+        if linear is not None:
+            loss = loss + sum((p * c).sum() for p, c in zip(params, linear))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if train.clip_grad_norm is not None:
@@ -377,7 +390,7 @@ def train_local(
         sizes.append(len(y))
     if private is not None:
         for _ in range(empty[-1]):
-            opt.noise_step(proximal(params, anchor, proximal_mu))
+            opt.noise_step(proximal(params, anchor, proximal_mu, linear))
         opt.close()
     # read once, after the last step; summed in float64 in step order, as a running total would
     total = 0.0
@@ -387,9 +400,15 @@ def train_local(
     return total / max(seen, 1), seen
 
 
-def proximal(params: list, anchor: Optional[list], mu: float) -> Optional[list[torch.Tensor]]:
-    """The gradient of FedProx's ``mu/2 * ||w - w_global||^2``; None without it."""
-    return None if anchor is None else [mu * (p.detach() - a) for p, a in zip(params, anchor)]
+def proximal(params: list, anchor: Optional[list], mu: float,
+             linear: Optional[list] = None) -> Optional[list[torch.Tensor]]:
+    """The gradient of ``mu/2 * ||w - anchor||^2 + <linear, w>`` (FedProx's term, and the
+    drift corrections' linear term); None without either."""
+    if anchor is None and linear is None:
+        return None
+    out = [torch.zeros_like(p) for p in params] if anchor is None else \
+        [mu * (p.detach() - a) for p, a in zip(params, anchor)]
+    return out if linear is None else [g + c for g, c in zip(out, linear)]
 
 
 @torch.no_grad()

@@ -184,7 +184,8 @@ def _run_group(spec: RunSpec, model, jobs: list[ClientJob], lr: float, mu: float
     (job,) = jobs
     model.load_tensors(job.tensors)
     loss, seen = train_local(model, job.source or spec.train_source, job.indices, train, lr=lr,
-                             seed=job.seed, proximal_mu=mu, exits=job.exits,
+                             seed=job.seed, proximal_mu=mu, anchor=job.anchor,
+                             linear=job.linear, exits=job.exits,
                              crop_seed=job.crop_seed, precision=spec.precision,
                              private=PrivateSteps(spec.dpsgd.noise[job.cid],
                                                   spec.dpsgd.max_grad_norm) if private else None)
