@@ -471,6 +471,38 @@ class FleetConfig:
 
 
 @dataclass
+class PflConfig:
+    """Personalized FL (``pfl=`` group): the base of every personalization kind, and itself the
+    kind ``none`` (the default: FedAvg's local training; nothing stays on a client but what the
+    method keeps there). The kinds (``fedper``, ``lg_fedavg``, ``fedrep``, ``fedbabu``,
+    ``ditto``, ``apfl``) and their keys are registered by :mod:`fedadapt.pfl`; each says which
+    of the model's trainable parts stay on the client by :attr:`keeps` (a class attribute,
+    not a config key), trains a client's round by its own rule and refuses its bad values in
+    :meth:`check`, before any data is read."""
+
+    #: ``none``, or a registered kind: the ``pfl=`` option.
+    name: str = "none"
+    #: FedBN's idea on a frozen backbone (Li et al., ICLR 2021): the backbone's normalisation
+    #: layers' affine parameters (LayerNorm / BatchNorm weight and bias) train and stay on the
+    #: client, beside whatever the method trains; any method and kind can add it.
+    norms: bool = False
+    #: Which trainable part stays on the client: ``""`` (none), ``head`` (the classifier:
+    #: FedPer, FedRep, FedBABU) or ``body`` (everything trained in front of it: LG-FedAvg).
+    keeps: ClassVar[str] = ""
+
+    def check(self, cfg: RunConfig) -> None:
+        """Refuse this kind's values that a type cannot, naming the key (``none``: its
+        ``norms`` with a method that trains the backbone whole)."""
+        if self.norms:
+            check(not getattr(cfg.method, "train_backbone", False), "pfl.norms", self.norms,
+                  "the method trains the whole backbone (its norms among it): nothing to keep "
+                  "personal beside it")
+            check(not cfg.method.use_cache, "pfl.norms", self.norms,
+                  "the norms are the backbone's, and this method trains on its cached features: "
+                  "add method.use_cache=false")
+
+
+@dataclass
 class TrackingConfig:
     """Experiment tracking, fed by the per-round hook (optional extras ``fedadapt[tracking]``
     and ``fedadapt[wandb]``; see :mod:`fedadapt.tracking`). All off by default; all work
@@ -563,6 +595,8 @@ class RunConfig:
     faults: FaultConfig = field(default_factory=FaultConfig)
     #: Simulated devices and a simulated clock (``fleet=`` group).
     fleet: FleetConfig = field(default_factory=FleetConfig)
+    #: Personalized FL: what stays on each client and how it trains (``pfl=`` group).
+    pfl: PflConfig = field(default_factory=PflConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     #: What the ``fedadapt`` task function returns to a Hydra sweeper that searches
     #: (``hydra/sweeper=optuna``, preset ``search=lr``): ``val_acc``, the clients' mean accuracy
@@ -654,6 +688,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _validate_original(cfg.original)
     _validate_faults(cfg.faults, cfg.federation)
     cfg.fleet.check(cfg)
+    cfg.pfl.check(cfg)
     _validate_secagg(cfg)
     check(cfg.tracking.wandb_mode in ("offline", "online"), "tracking.wandb_mode",
           cfg.tracking.wandb_mode, "one of ('offline', 'online')")

@@ -31,6 +31,7 @@ def inspect_run(run, *, flops: bool = True) -> dict:
     ``flops=False`` skips the per-exit FLOP count (one forward per exit).
     """
     from fedadapt.adapters import build_model, method_spec
+    from fedadapt.adapters.personal import keep_on_client
     from fedadapt.backbones import build_backbone
     from fedadapt.backbones.clip import class_text as clip_class_text
     from fedadapt.data.catalogue import load_card
@@ -47,6 +48,7 @@ def inspect_run(run, *, flops: bool = True) -> dict:
         class_text = clip_class_text(backbone, names, run.method.prompt)
     model = build_model(run.method, backbone, card.num_classes, with_backbone=True,
                         class_text=class_text)
+    keep_on_client(model, run.pfl.keeps, run.pfl.norms, card.num_classes)  # pfl=: sends less
     result = {
         "method": run.method.name,
         "backbone": run.backbone.name,

@@ -36,6 +36,7 @@ def register_configs() -> None:
         StrategyCustomConfig,
     )
     from fedadapt.federation.simulation.fleet.kinds import fleet_kinds
+    from fedadapt.pfl.kinds import pfl_kinds
     from fedadapt.strategies.registry import CUSTOM, dp_schemas, strategy_schemas
 
     register_resolvers()
@@ -52,6 +53,8 @@ def register_configs() -> None:
         cs.store(group=f"{SCHEMA_GROUP}/strategy", name=name, node=schema)
     for name, schema in fleet_kinds().items():
         cs.store(group=f"{SCHEMA_GROUP}/fleet", name=name, node=schema)
+    for name, schema in pfl_kinds().items():
+        cs.store(group=f"{SCHEMA_GROUP}/pfl", name=name, node=schema)
     # strategy=custom: the constructor's keys are the user's class's, so the node takes any key
     # (to_run_config checks them against the class's signature)
     custom = OmegaConf.structured(StrategyCustomConfig)
@@ -100,12 +103,14 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
 
 def run_config_from(data) -> RunConfig:
     """A :class:`RunConfig` from a run directory's ``config.yaml`` (a path) or its plain
-    mapping: each polymorphic group (method, strategy, dp, fleet) typed by its own schema."""
+    mapping: each polymorphic group (method, strategy, dp, fleet, pfl) typed by its own
+    schema."""
     import dataclasses
 
     from fedadapt.adapters import load_methods
     from fedadapt.config import ConfigError, validate
     from fedadapt.federation.simulation.fleet.kinds import fleet_kinds
+    from fedadapt.pfl.kinds import pfl_kinds
     from fedadapt.strategies import checks  # noqa: F401 - registers the strategy's checks
     from fedadapt.strategies.registry import CUSTOM, dp_schemas, strategy_schemas
 
@@ -120,7 +125,9 @@ def run_config_from(data) -> RunConfig:
         loaded.fleet = {k: v for k, v in fleet.items() if k in own}
     for group, schemas in (("method", {n: s.config_cls for n, s in load_methods().items()}),
                            ("strategy", strategy_schemas()), ("dp", dp_schemas()),
-                           ("fleet", fleet_kinds())):
+                           ("fleet", fleet_kinds()), ("pfl", pfl_kinds())):
+        if group == "pfl" and group not in loaded:  # a run directory older than pfl=
+            continue
         name = loaded.get(group, {}).get("name")
         if group == "strategy" and custom:
             continue

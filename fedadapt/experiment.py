@@ -21,6 +21,7 @@ from fedadapt.federation.client.training import RunSpec, SpecRef
 from fedadapt.log import log
 from fedadapt.methods import Family, family_of
 from fedadapt.methods.run import PreparedRun
+from fedadapt.pfl.kinds import client_rule
 from fedadapt.strategies.checks import check_strategy
 from fedadapt.strategies.registry import sample_level
 
@@ -83,7 +84,8 @@ def prepare_run(cfg: RunConfig, *, quiet: bool = False) -> PreparedRun:
                    evaluate_val=cfg.federation.select == "best_val" or cfg.objective is not None,
                    device=dev, precision=precision,
                    compile=resolve_compile(cfg.federation.compile, dev),
-                   client_threads=max(1, int(cfg.federation.num_cpus or 1)))
+                   client_threads=max(1, int(cfg.federation.num_cpus or 1)),
+                   pfl=cfg.pfl, rule=client_rule(cfg))
     model = build_run_model(spec, backbone)
     spec.dpsgd = _dpsgd_plan(cfg, spec, model)
     counts = {
@@ -143,6 +145,11 @@ def _check_method_settings(cfg: RunConfig, card, family: Family) -> None:
         raise ConfigError(f"secagg={cfg.secagg.name} is invalid for method={cfg.method.name}: "
                           f"it aggregates the rounds of a method the clients train "
                           f"(linear_head, lora, ...), and this one has none")
+    if (cfg.pfl.keeps or cfg.pfl.norms or client_rule(cfg) is not None) \
+            and not family.clients_train:
+        raise ConfigError(f"pfl={cfg.pfl.name} / strategy={cfg.strategy.name} is invalid for "
+                          f"method={cfg.method.name}: it changes the clients' local training in "
+                          f"the rounds, and this method's clients train none")
     family.check(cfg, card)
     _check_clients_without_training(cfg, card, family)
     if cfg.federation.select == "best_val" and cfg.partition.val_fraction == 0:

@@ -54,6 +54,10 @@ class Capabilities:
     #: ``(per, plus)``: needs ``per * f + plus`` clients a round to tolerate
     #: ``strategy.num_malicious_nodes`` = f (Krum, Multi-Krum, Bulyan).
     min_clients: Optional[tuple[int, int]] = None
+    #: The client side it needs beyond FedAvg's local training, by the name it is registered
+    #: under (:func:`fedadapt.pfl.rule.register_strategy_rule`: SCAFFOLD's control variates,
+    #: FedDyn's linear term, MOON's contrastive term); None: FedAvg's.
+    client_rule: Optional[str] = None
 
 
 #: FedAvg's family: fedadapt's per-tensor mean under the strategy's own update.

@@ -38,6 +38,9 @@ class CosineHeadConfig(MethodConfig):
 class CosineClassifier(nn.Module):
     """``[B, D] -> [B, C]``: ``s * cos(feature, w_c)`` for every class ``c``."""
 
+    #: Its tensors are the classifier (:func:`fedadapt.adapters.personal.head_names`).
+    is_class_weights = True
+
     def __init__(self, dim: int, num_classes: int, scale: float, learn_scale: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.randn(num_classes, dim) / dim ** 0.5)

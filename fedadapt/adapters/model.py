@@ -81,6 +81,9 @@ class AdaptedModel(nn.Module):
         self.personal = personal
         #: Name parts whose tensors are personal wherever they sit (FedSA-LoRA's ``.lora_B.``).
         self.personal_parts: tuple[str, ...] = ()
+        #: Names of further tensors that stay on the client (``pfl.*``:
+        #: :func:`fedadapt.adapters.personal.keep_on_client`).
+        self.personal_extra: frozenset[str] = frozenset()
         if backbone is not None:
             backbone.requires_grad_(train_backbone)
 
@@ -145,7 +148,7 @@ class AdaptedModel(nn.Module):
         if not self.federated:
             return names
         return [n for n in names if (self.personal and n.startswith(self.personal))
-                or any(p in n for p in self.personal_parts)]
+                or any(p in n for p in self.personal_parts) or n in self.personal_extra]
 
     def tuner_names(self) -> list[str]:
         """The tensors a PEFT method trains inside the backbone (none here;

@@ -258,6 +258,11 @@ def node_layout(cfg: RunConfig, prep: PreparedRun, execute: Optional[Callable],
             f"one at a time, not side by side (Opacus's per-sample gradients are one model's)")
         prep.layout.update(side_by_side="one_at_a_time", side_by_side_why=f"dp={cfg.dp.name}",
                            compiled=False)
+    elif sizing.group_size > 1 and spec.rule is not None and spec.rule.alone_because:
+        log(f"[federation] {spec.rule.label}: each worker trains its {sizing.group_size} "
+            f"clients one at a time, not side by side ({spec.rule.alone_because})")
+        prep.layout.update(side_by_side="one_at_a_time", side_by_side_why=spec.rule.label,
+                           compiled=False)
     elif sizing.group_size > 1 and probe is not None:
         prep.layout.update(side_by_side(prep.model, spec.compile))
     spec.client_threads = threads  # each worker's torch threads

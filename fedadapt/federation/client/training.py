@@ -24,6 +24,7 @@ from fedadapt.config import (
     BackboneConfig,
     FaultConfig,
     MethodConfig,
+    PflConfig,
     SettingConfig,
     TrainConfig,
 )
@@ -92,6 +93,12 @@ class RunSpec:
     #: ``dp=dpsgd``: each client's DP-SGD (a :class:`fedadapt.strategies.privacy.DPSGDPlan`);
     #: None without it.
     dpsgd: Optional[object] = None
+    #: ``pfl=``: what stays on each client (:class:`~fedadapt.config.PflConfig`).
+    pfl: PflConfig = field(default_factory=PflConfig)
+    #: The client round the clients follow beyond FedAvg's (a
+    #: :class:`fedadapt.pfl.rule.ClientRule`: a ``pfl`` kind's, or a strategy's client side);
+    #: None: FedAvg's local training.
+    rule: Optional[object] = None
 
     @property
     def num_clients(self) -> int:
@@ -146,6 +153,7 @@ def derive_seed(*parts: int) -> int:
 def build_run_model(spec: RunSpec, backbone=None) -> AdaptedModel:
     """The method's model with its seeded initial weights (identical in every process), on the
     run's device; under bf16 its frozen backbone weights are held in bf16."""
+    from fedadapt.adapters.personal import keep_on_client
     from fedadapt.devices import hold_frozen, setup
 
     if spec.device == "cuda" and not torch.cuda.is_available():
@@ -161,6 +169,7 @@ def build_run_model(spec: RunSpec, backbone=None) -> AdaptedModel:
                          backbone if needs_backbone else BackboneInfo(spec.embed_dim),
                          spec.num_classes, with_backbone=needs_backbone,
                          class_text=spec.class_text)
+    keep_on_client(model, spec.pfl.keeps, spec.pfl.norms, spec.num_classes)
     model = model.to(spec.device)
     st = spec.setting
     personalize_all = st.kind.personal_phase and st.personalize == "full"

@@ -54,6 +54,7 @@ from fedadapt.federation.server.checkpoint import (
 from fedadapt.federation.server.faults import TENSOR_FAULTS, corrupt
 from fedadapt.federation.wire import records
 from fedadapt.federation.wire.grid import node_id
+from fedadapt.pfl.rule import RULE_PREFIX, RoundWork, split_received
 from fedadapt.settings import only_training, part_names
 
 #: ``context.state`` key of a deployment client's personal tensors.
@@ -97,6 +98,30 @@ def keep_personal(spec: RunSpec, cid: int, rnd: int, tensors: dict[str, torch.Te
     _PERSONAL[(spec.run_id, cid)] = (rnd, tensors)
 
 
+
+
+RULE_KEY = "rule"
+
+
+def load_rule_state(spec: RunSpec, cid: int, up_to: int, context: Context
+                    ) -> dict[str, torch.Tensor]:
+    """The state the run's client rule keeps for client ``cid`` (:mod:`fedadapt.pfl.rule`) as
+    it was after its last round up to ``up_to``; {} before its first."""
+    folder = _state_dir(spec, cid)
+    if folder is None:
+        if RULE_KEY in context.state.array_records:
+            return dict(context.state.array_records[RULE_KEY].to_torch_state_dict())
+        return {}
+    return load_client_state(folder / RULE_KEY, up_to) or {}
+
+
+def keep_rule_state(spec: RunSpec, cid: int, rnd: int, tensors: dict[str, torch.Tensor],
+                    checkpoint_round: int, context: Context) -> None:
+    folder = _state_dir(spec, cid)
+    if folder is None:
+        context.state[RULE_KEY] = ArrayRecord(tensors)
+        return
+    save_client_state(folder / RULE_KEY, rnd, tensors, checkpoint_round)
 
 
 def arrays_decoder() -> Callable[[RecordDict], dict[str, torch.Tensor]]:
@@ -205,6 +230,8 @@ def _trained_view(spec: RunSpec, model, cid: int, mine: RecordDict) -> RecordDic
     client receives, and what a mod compares the reply's arrays with)."""
     arrays = record(mine, ArrayRecord, "arrays")
     names = sent_names(spec, cid, model)
+    if arrays is not None:  # and what the server sent the client's rule (SCAFFOLD's c)
+        names += [n for n in arrays.keys() if n.startswith(RULE_PREFIX)]
     if arrays is None or list(arrays.keys()) == names:
         return mine
     out = RecordDict(dict(mine.items()))
@@ -249,6 +276,7 @@ def train_views(spec: RunSpec, model, views: dict[int, RecordDict], deadline: De
     replies: dict[int, RecordDict] = {}
     jobs, faults, rates, configs, received = [], {}, {}, {}, arrays_decoder()
     examples: dict[int, int] = {}  # how many of its examples each client trains
+    for_rule: dict[int, dict[str, torch.Tensor]] = {}  # the rule's arrays each received
     for cid, mine in views.items():
         try:
             config = configs[cid] = record(mine, ConfigRecord, "config")
@@ -257,7 +285,8 @@ def train_views(spec: RunSpec, model, views: dict[int, RecordDict], deadline: De
             rnd = int(config["server-round"])
             rates[cid] = (float(config["lr"]), float(config.get("proximal-mu", 0.0)))
             faults[cid] = client_fault(spec, rnd, cid, f"in round {rnd}")
-            tensors = client_tensors(spec, model, cid, received(mine), rnd - 1, context)
+            arrays, for_rule[cid] = split_received(received(mine))
+            tensors = client_tensors(spec, model, cid, arrays, rnd - 1, context)
         except Exception as err:
             replies[cid] = records.error(reason_of(err))
             continue
@@ -282,6 +311,7 @@ def train_views(spec: RunSpec, model, views: dict[int, RecordDict], deadline: De
         sent = _at_client_rank({n: res.tensors[n] for n in sent_names(spec, cid, model)},
                                spec.client_ranks[cid] if spec.client_ranks else None,
                                float(config.get("prune-gamma", 0.0)))
+        sent.update({RULE_PREFIX + n: t for n, t in extras.get(cid, {}).items()})
         res.tensors.clear()  # the record below holds the only copy of what is sent
         if faults[cid] in TENSOR_FAULTS:
             sent = corrupt(sent, faults[cid])
@@ -296,9 +326,38 @@ def train_views(spec: RunSpec, model, views: dict[int, RecordDict], deadline: De
                                      UNIFORM_KEY: _share(spec, cid, examples[cid]),
                                      "train_loss": res.loss, **_dpsgd_round(spec, cid)})})
 
-    made = train_groups(spec, model, jobs, size, rates, finish=reply, private=True)
+    extras: dict[int, dict[str, torch.Tensor]] = {}  # what each client's rule sends back
+    if spec.rule is None:
+        made = train_groups(spec, model, jobs, size, rates, finish=reply, private=True)
+    else:
+        results = _rule_round(spec, model, jobs, size, rates, for_rule, configs, extras,
+                              context)
+        made = {cid: reply(cid, res) for cid, res in results.items()}
     replies.update({cid: r for cid, r in made.items() if r is not None})
     return replies
+
+
+def _rule_round(spec: RunSpec, model, jobs: list[ClientJob], size: int, rates: dict,
+                for_rule: dict, configs: dict, extras: dict, context: Context) -> dict:
+    """The round of the run's client rule (:mod:`fedadapt.pfl.rule`): each client's result,
+    its state kept after the round, what it sends back beside its tensors put in ``extras``."""
+    rule = spec.rule
+    rnd = {j.cid: int(configs[j.cid]["server-round"]) for j in jobs}
+    state = {j.cid: load_rule_state(spec, j.cid, rnd[j.cid] - 1, context) for j in jobs}
+    work = RoundWork(
+        spec=spec, model=model, jobs=jobs, state=state, rates=rates, train_config=spec.train,
+        num_classes=spec.num_classes,
+        received={cid: {n[len(RULE_PREFIX):]: t for n, t in arrays.items()}
+                  for cid, arrays in for_rule.items()},
+        _train=lambda js, train, r: train_groups(
+            spec, model, js, 1 if rule.alone_because else size, r, train, private=True),
+        send=extras)
+    results = rule.train_round(work)
+    for job in jobs:
+        if not isinstance(results.get(job.cid), str) and state[job.cid]:
+            keep_rule_state(spec, job.cid, rnd[job.cid], state[job.cid],
+                            int(configs[job.cid].get("checkpoint-round", 0)), context)
+    return results
 
 
 def _dpsgd_round(spec: RunSpec, cid: int) -> dict:
@@ -356,9 +415,9 @@ def personalize_clients(spec: RunSpec, content: RecordDict, context: Context) ->
     received = arrays_decoder()
     for cid in records.clients_of(content):
         try:
-            start[cid] = {**frozen, **client_tensors(spec, model, cid,
-                                                     received(records.view(content, cid)),
-                                                     rnd - 1, context)}
+            start[cid] = {**frozen, **client_tensors(
+                spec, model, cid, split_received(received(records.view(content, cid)))[0],
+                rnd - 1, context)}
             model.load_tensors(start[cid])
             source, exits = _personal_data(spec, cid)
             before[cid] = local_accuracy(model, spec, spec.clients[cid].test, exits, source)[1]
@@ -421,8 +480,12 @@ def evaluate_one(spec: RunSpec, cid: int, content: RecordDict, context: Context)
     config = content.config_records["config"]
     model = cached_model(spec)
     up_to = int(config.get("server-round", 0))
-    model.load_tensors(client_tensors(spec, model, cid, arrays_decoder()(content), up_to,
-                                      context))
+    tensors = client_tensors(spec, model, cid, split_received(arrays_decoder()(content))[0],
+                             up_to, context)
+    if spec.rule is not None:  # Ditto's personal copy, APFL's mixture
+        tensors = spec.rule.evaluated(model, tensors,
+                                      load_rule_state(spec, cid, up_to, context))
+    model.load_tensors(tensors)
     exits = client_exits(spec, cid)
     loss, acc, n = local_accuracy(model, spec, spec.clients[cid].test, exits)
     # the same keys from every client (Flower checks that); NaN when there is no test data
