@@ -11,14 +11,23 @@ from __future__ import annotations
 from typing import Optional
 
 from fedadapt.config import PflConfig, RunConfig
+from fedadapt.discovery import import_plugins, plugin_modules
 from fedadapt.pfl.rule import PFL_KINDS, STRATEGY_RULES, ClientRule
 
 
 def pfl_kinds() -> dict[str, type[PflConfig]]:
-    """Every registered kind by name (the shipped ones imported first)."""
-    from fedadapt.pfl import fedper  # noqa: F401 - they register
-
+    """Every registered kind by name: each module of this package is imported first (a kind,
+    or a strategy's client side, registers itself when imported; a researcher's own is a
+    module put here, found as the shipped ones are)."""
+    load_rules()
     return dict(PFL_KINDS)
+
+
+def load_rules() -> None:
+    """Import every module of :mod:`fedadapt.pfl` once (the kinds and the strategies' client
+    sides register themselves); a module that fails to import is named and leaves nothing
+    registered."""
+    import_plugins(plugin_modules("fedadapt.pfl", skip=("rule", "kinds")))
 
 
 def client_rule(cfg: RunConfig) -> Optional[ClientRule]:
@@ -28,6 +37,7 @@ def client_rule(cfg: RunConfig) -> Optional[ClientRule]:
 
     if isinstance(cfg.pfl, ClientRule):
         return cfg.pfl
+    load_rules()
     name = capabilities_of(cfg.strategy).client_rule
     if name is None:
         return None

@@ -23,6 +23,7 @@ from typing import Callable, ClassVar, Optional
 import torch
 
 from fedadapt.config import PflConfig, RunConfig, check
+from fedadapt.discovery import plugin_registry
 from fedadapt.federation.client.grouped import ClientJob, ClientResult
 from fedadapt.settings import only_training
 
@@ -114,7 +115,7 @@ class ClientRule:
 
 
 #: The client rules the strategies name in their capabilities (``client_rule``), by name.
-STRATEGY_RULES: dict[str, Callable[[object], ClientRule]] = {}
+STRATEGY_RULES: dict[str, Callable[[object], ClientRule]] = plugin_registry()
 
 
 def register_strategy_rule(name: str, make: Callable[[object], ClientRule]) -> None:
@@ -124,7 +125,8 @@ def register_strategy_rule(name: str, make: Callable[[object], ClientRule]) -> N
 
 
 #: The kinds by ``pfl=`` option; ``none`` is the base itself.
-PFL_KINDS: dict[str, type[PflConfig]] = {"none": PflConfig}
+PFL_KINDS: dict[str, type[PflConfig]] = plugin_registry()
+PFL_KINDS["none"] = PflConfig
 
 
 def register_pfl(kind: type[PflConfig]) -> type[PflConfig]:
