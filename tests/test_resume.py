@@ -143,6 +143,7 @@ def _stopping_after(round_: int):
     ["dp=server_adaptive", "method.weighting=uniform", "dp.noise_multiplier=0.1",
      "partition.fraction_fit=1.0"],  # the adaptive clipping norm and the noise stream
     ["dp=dpsgd", "dp.noise_multiplier=0.8"],  # each client's DP-SGD steps in its Context
+    ["pfl=fedavg_ft"],  # a client rule's state (its fine-tuned copy) on the clients
 ])
 def test_a_strategy_stopped_mid_run_resumes_to_the_same_metrics(extra, tmp_path, cache_dir):
     """The strategy's state from the checkpoint (round 4) and the rounds after it rerun: the
