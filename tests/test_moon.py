@@ -6,6 +6,7 @@ refusals."""
 
 from __future__ import annotations
 
+import json
 import math
 from types import SimpleNamespace
 
@@ -226,8 +227,11 @@ def test_a_resume_is_exact(tmp_path, cache_dir):
     """Stopped after round 2 (the checkpoint's), resumed: the metrics of a straight run; half
     the clients a round, so a client's previous model is often from rounds before."""
     args = ["method=mlp_head", "rounds=5", "partition.fraction_fit=0.5", "strategy=moon",
-            "federation.checkpoint_every=2"]
+            "federation.checkpoint_every=2", "federation.clients_per_worker=2"]
     ref = run(args, tmp_path / "ref", cache_dir)
+    layout = json.loads((tmp_path / "ref" / "summary.json").read_text())["layout"]
+    assert (layout["side_by_side"], layout["side_by_side_why"]) == \
+        ("one_at_a_time", "strategy=moon")  # the run's layout line says so
     with pytest.raises(_Killed):
         run(args, tmp_path / "killed", cache_dir, execute=_stopping_after(3))
     got = run(args, tmp_path / "killed", cache_dir, resume=True)
