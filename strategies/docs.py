@@ -37,7 +37,10 @@ def markdown_table() -> str:
              "|---|---|---|---|"]
     for name, schema in strategy_schemas().items():
         cls, caps = STRATEGIES[name], CAPABILITIES[name]
-        where = ("all (per-tensor mean under its own update)" if caps.per_tensor else
+        where = (f"all without exits (each tensor over its senders); its clients run their "
+                 f"own step (client side `{caps.client_rule}`, fedadapt/pfl/{caps.client_rule}"
+                 f".py); no pfl=, no dp=dpsgd" if caps.client_rule else
+                 "all (per-tensor mean under its own update)" if caps.per_tensor else
                  "a fleet (fleet=tiers|lognormal|trace|fedscale): asynchronous on its clock, each "
                  "tensor over its senders; no dp=, no federation.round_timeout; see fleet.md"
                  if caps.asynchronous else
@@ -55,6 +58,7 @@ def markdown_table() -> str:
                  "Flower's `Strategy`) | its constructor's parameters, checked against its "
                  "signature | a subclass of FedAvg as FedAvg's family (per-tensor, `dp=`); "
                  "another as the strategies that combine whole updates |")
+    lines += _client_sides()
     lines += ["", "Not offered: " + "; ".join(f"`{name}` ({why})"
                                               for name, why in NOT_OFFERED.items()) + "."]
     lines += ["", "`dp=NAME` wraps the strategy in one of Flower's differential-privacy "
@@ -80,6 +84,22 @@ def markdown_table() -> str:
             "— (DP-SGD on each client, Opacus)"
         lines.append(f"| `{name}` | {wrapper} | {keys(schema)} | {mod} |")
     return "\n".join(lines) + "\n"
+
+
+def _client_sides() -> list[str]:
+    """A section per strategy with its own client side: its module's docstring."""
+    import re
+    import sys
+
+    out = []
+    for name, caps in CAPABILITIES.items():
+        if caps.client_rule is None:
+            continue
+        doc = sys.modules[STRATEGIES[name].__module__].__doc__ or ""
+        doc = re.sub(r":mod:`~?([\w.]+)`", r"`\1`", doc.replace("``", "`"))
+        doc = re.sub(r":\w+:`~?([\w.]+\.)?(\w+)`", r"`\2`", doc)
+        out += ["", f"### `strategy={name}`", "", doc.strip()]
+    return out
 
 
 def _flwr_version() -> str:

@@ -102,6 +102,10 @@ class ClientRule:
         """How the run's layout line names it (a kind: ``pfl=<name>``)."""
         return f"pfl={self.name}" if isinstance(self, PflConfig) else type(self).__name__
 
+    def check_model(self, model, num_classes: int) -> None:
+        """Refuse a model the rule cannot train (ConfigError, one line), when the run's model
+        is built (default: none refused)."""
+
     def train_round(self, work: RoundWork) -> dict[int, ClientResult | str]:
         """Each client's final tensors (or the reason it failed): by default one training
         from the received tensors."""

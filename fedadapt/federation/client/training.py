@@ -170,6 +170,8 @@ def build_run_model(spec: RunSpec, backbone=None) -> AdaptedModel:
                          spec.num_classes, with_backbone=needs_backbone,
                          class_text=spec.class_text)
     keep_on_client(model, spec.pfl.keeps, spec.pfl.norms, spec.num_classes)
+    if spec.rule is not None:
+        spec.rule.check_model(model, spec.num_classes)
     model = model.to(spec.device)
     st = spec.setting
     personalize_all = st.kind.personal_phase and st.personalize == "full"
