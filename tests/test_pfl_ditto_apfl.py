@@ -10,9 +10,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import accuracy_of, final_checkpoint, tiny_run
+from test_grouped import TINY_VIT
 
-from fedadapt.adapters.heads import LinearHeadConfig
-from fedadapt.config import ConfigError, validate
+from fedadapt.adapters.exits import AccumulatorConfig
+from fedadapt.adapters.heads import LinearHeadConfig, MlpHeadConfig
+from fedadapt.adapters.lora import LoraMethodConfig
+from fedadapt.config import ConfigError, SettingConfig, validate
 from fedadapt.experiment import prepare_run
 from fedadapt.federation.client.grouped import ClientJob
 from fedadapt.federation.client.training import derive_seed, train_local
@@ -226,6 +229,39 @@ def test_apfl_fixed_alpha_zero_trains_fedavgs_w(cache_dir, momentum):
         torch.testing.assert_close(out[0].tensors[n], fedavg[n], atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(work.state[0][n], v0[n])
     assert float(work.state[0][ALPHA_KEY]) == 0.0
+
+
+@pytest.mark.parametrize("family", ["exits", "lora", "dropout"])
+def test_apfls_own_step_runs_each_family_as_train_local_does(cache_dir, family):
+    """APFL's step (two ``functional_call`` forwards) on an early-exit model at the exits a
+    client draws (adapters in a tiny ViT), on LoRA in it, and with dropout (the client's own
+    masks): with alpha fixed at 0 its w is exactly train_local's, and alpha learns."""
+    method, backbone, setting, exits = {
+        "exits": (AccumulatorConfig(head_hidden=[16], parallel_adapter=True,
+                                    adapter_bottleneck=4), TINY_VIT,
+                  SettingConfig(name="anytime"), [0, 1, 2]),
+        "lora": (LoraMethodConfig(), TINY_VIT, None, None),
+        "dropout": (MlpHeadConfig(hidden_dim=16, dropout=0.5), None, None, None)}[family]
+    rule = Apfl(alpha=0.0, adaptive_alpha=False)
+    cfg = tiny_run(cache_dir, method, pfl=rule)
+    cfg.backbone = backbone or cfg.backbone
+    cfg.setting = setting or cfg.setting
+    cfg.train = replace(cfg.train, momentum=0.0, batch_size=8)
+    prep = prepare_run(validate(cfg), quiet=True)
+    model, spec = prep.model, prep.spec
+    (job,) = jobs_for(prep, (20,))
+    job.exits = exits
+    out, _ = round_of(prep, rule, [job], {0: {}})
+    model.load_tensors(job.tensors)
+    train_local(model, spec.train_source, job.indices, spec.train, lr=LR, seed=job.seed,
+                exits=exits, precision="fp32")
+    for n, t in model.tensors(model.trainable_names()).items():
+        torch.testing.assert_close(out[0].tensors[n], t, atol=1e-6, rtol=1e-5, msg=n)
+    (job,) = jobs_for(prep, (20,))
+    job.exits = exits
+    _, work = round_of(prep, Apfl(alpha=0.5, alpha_lr=0.1), [job], {0: {}})
+    assert 0 < float(work.state[0][ALPHA_KEY]) < 1
+    assert float(work.state[0][ALPHA_KEY]) != pytest.approx(0.5, abs=1e-4)
 
 
 # -- whole runs --------------------------------------------------------------------------------
