@@ -4,6 +4,7 @@
 clients' evaluation and never on the server, resumes equal to straight runs, and the
 refusals of bad keys."""
 
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -346,13 +347,21 @@ def _stopping_after(round_):
                                   ["pfl=apfl", "pfl.alpha=0.4", "pfl.alpha_lr=0.5"]])
 def test_stopped_and_resumed_equals_straight(cache_dir, tmp_path, kind):
     """Stopped after round 3 (checkpoint at 2: round 3 reruns from the rule's saved state),
-    resumed: the metrics of a straight run, client-mean accuracy (the personal models) too."""
-    args = ["rounds=5", "partition.fraction_fit=0.5", *kind]
+    resumed: the metrics of a straight run, client-mean accuracy (the personal models) too.
+    Two clients a worker: Ditto's side by side, APFL's one at a time (the layout says so)."""
+    args = ["rounds=5", "partition.fraction_fit=0.5", "federation.clients_per_worker=2", *kind]
     ref = run(cache_dir, tmp_path / "ref", args)
     with pytest.raises(_Killed):
         run(cache_dir, tmp_path / "killed", args, execute=_stopping_after(3))
     assert run(cache_dir, tmp_path / "killed", args, resume=True) == ref
     assert all(r["client_acc"] is not None for r in ref)
+    layout = json.loads((tmp_path / "ref" / "summary.json").read_text())["layout"]
+    assert layout["clients_per_worker"] == 2
+    if "pfl=apfl" in kind:
+        assert (layout["side_by_side"], layout["side_by_side_why"]) == ("one_at_a_time",
+                                                                        "pfl=apfl")
+    else:
+        assert layout["side_by_side"] != "one_at_a_time"
 
 
 # -- bad input ---------------------------------------------------------------------------------
