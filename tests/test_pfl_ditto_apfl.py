@@ -223,8 +223,9 @@ def test_apfl_fixed_alpha_zero_trains_fedavgs_w(cache_dir, momentum):
     out, work = round_of(prep, rule, [job], {0: dict(v0)})
     model, spec = prep.model, prep.spec
     model.load_tensors(job.tensors)
-    train_local(model, spec.train_source, job.indices, spec.train, lr=LR, seed=job.seed,
-                precision="fp32")
+    loss, seen = train_local(model, spec.train_source, job.indices, spec.train, lr=LR,
+                             seed=job.seed, precision="fp32")
+    assert (out[0].loss, out[0].seen) == (pytest.approx(loss, rel=1e-6), seen)
     fedavg = model.tensors([W, B])
     for n in (W, B):
         torch.testing.assert_close(out[0].tensors[n], fedavg[n], atol=1e-6, rtol=1e-5)

@@ -110,7 +110,7 @@ class Apfl(PflConfig, ClientRule):
         source = job.source if job.source is not None else spec.train_source
         seed_torch(job.seed, dev)
         model.train()
-        total, seen = 0.0, 0
+        losses, sizes = [], []
         for t, (x, y) in enumerate(source.stream(batches, dev, crops)):
             keyed = dropout.keyed(torch.tensor(dropout.step_key(job.seed, t))) if masks \
                 else nullcontext()
@@ -134,14 +134,16 @@ class Apfl(PflConfig, ClientRule):
                     alpha.sub_(alpha_lr * alpha.grad).clamp_(0.0, 1.0)
             opt_w.step()
             opt_v.step()
-            total += float(loss_w.detach()) * len(y)
-            seen += len(y)
+            losses.append(loss_w.detach())
+            sizes.append(len(y))
         state.clear()
         state.update({n: t.detach().cpu() for n, t in v.items()})
         state[ALPHA_KEY] = alpha.detach().cpu()
         tensors = {**job.tensors, **{n: t.detach().cpu().to(job.tensors[n].dtype)
                                      for n, t in w.items()}}
-        return ClientResult(tensors=tensors, loss=total / max(seen, 1), seen=seen)
+        total = sum(value * n for value, n in zip(torch.stack(losses).double().tolist()
+                                                  if losses else [], sizes))
+        return ClientResult(tensors=tensors, loss=total / max(sum(sizes), 1), seen=sum(sizes))
 
     def evaluated(self, model, tensors: dict[str, torch.Tensor],
                   state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
