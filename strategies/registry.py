@@ -24,7 +24,17 @@ from typing import Any, Optional
 from flwr.serverapp import strategy as flwr_strategies
 
 from fedadapt.config import DPConfig, StrategyConfig
-from fedadapt.strategies import fedbuff, fedex_lora, fednova, fedsa_lora, flexlora, flora, hetlora
+from fedadapt.strategies import (
+    fedbuff,
+    feddyn,
+    fedex_lora,
+    fednova,
+    fedsa_lora,
+    flexlora,
+    flora,
+    hetlora,
+    scaffold,
+)
 from fedadapt.strategies.capabilities import FEDAVG_FAMILY, Capabilities, fedavg_aggregation
 from fedadapt.strategies.custom import CUSTOM
 from fedadapt.strategies.schema import params_of, schema_of
@@ -68,7 +78,10 @@ for _name, _cls, _caps in (
         # asynchronous, on a simulated fleet's clock (fedadapt's)
         ("fedbuff", fedbuff.FedBuff, None),
         # normalised averaging of clients with different local steps (fedadapt's, on FedAvg)
-        ("fednova", fednova.FedNova, None)):
+        ("fednova", fednova.FedNova, None),
+        # drift correction with a client side (fedadapt's, on FedAvg: fedadapt.pfl.drift)
+        ("scaffold", scaffold.Scaffold, None),
+        ("feddyn", feddyn.FedDyn, None)):
     register_strategy(_name, _cls, _caps)
 
 #: Flower strategies that are not offered, and why (the strategy reference says so).

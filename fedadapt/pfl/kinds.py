@@ -16,7 +16,7 @@ from fedadapt.pfl.rule import PFL_KINDS, STRATEGY_RULES, ClientRule
 
 def pfl_kinds() -> dict[str, type[PflConfig]]:
     """Every registered kind by name (the shipped ones imported first)."""
-    from fedadapt.pfl import fedper  # noqa: F401 - they register
+    from fedadapt.pfl import drift, fedper  # noqa: F401 - they register
 
     return dict(PFL_KINDS)
 
@@ -31,4 +31,5 @@ def client_rule(cfg: RunConfig) -> Optional[ClientRule]:
     name = capabilities_of(cfg.strategy).client_rule
     if name is None:
         return None
+    pfl_kinds()  # the shipped rules registered
     return STRATEGY_RULES[name](cfg.strategy)
