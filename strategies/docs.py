@@ -48,6 +48,9 @@ def markdown_table() -> str:
                  "all (each tensor over its senders), train.optimizer=sgd; clients of "
                  "different local steps (their data, or fleet.partial_work); no dp=; see "
                  "fleet.md" if caps.counts_sgd_steps else
+                 f"all (each tensor over its senders), with its client side (`{caps.client_rule}`"
+                 f": each client's state kept and checkpointed); no dp= wrapper (dp=dpsgd "
+                 f"composes), no pfl=, no fleet.partial_work; see below" if caps.client_rule else
                  "where every client sends every tensor; refused in multitier and "
                  "personalization, and for a method whose clients train part of what it sends")
         lines.append(f"| `{name}` | `{cls.__name__}` | {keys(schema)} | {where} |")
@@ -55,6 +58,23 @@ def markdown_table() -> str:
                  "Flower's `Strategy`) | its constructor's parameters, checked against its "
                  "signature | a subclass of FedAvg as FedAvg's family (per-tensor, `dp=`); "
                  "another as the strategies that combine whole updates |")
+    lines += ["", "**Drift correction with a client side** (`fedadapt/pfl/drift.py`), over the "
+              "trained tensors only (the frozen backbone never moves); the server's state is "
+              "strategy state, each client's is kept beside its personal tensors, both "
+              "checkpointed. `strategy=scaffold` (Karimireddy et al., ICML 2020, arXiv "
+              "1910.06378): the server sends its control variate c beside the model "
+              "(`rule/c/<tensor>`); each client corrects every step's gradient by c - c_i, "
+              "updates c_i by `strategy.option=I` (its gradient at the received model, one "
+              "full-batch pass over its data) or `II` (the paper's recommended "
+              "c_i - c + (x - y_i) / (K lr); needs train.optimizer=sgd, with momentum K is "
+              "FedNova's weight of its steps) and sends its change (`rule/dc/<tensor>`): a "
+              "round moves twice FedAvg's bytes; x += server_lr mean(y_i - x), "
+              "c += |S|/N mean(dc_i). `strategy=feddyn` (Acar et al., ICLR 2021, arXiv "
+              "2111.04263): each client minimises L_k - <g_k, theta> + alpha/2 "
+              "||theta - theta^{t-1}||^2 and keeps g_k; the server keeps h and sends "
+              "mean(theta_k) - h / alpha. Both take plain means (method.weighting is not read) "
+              "over all N = partition.num_clients for the server's state; option I refuses "
+              "dp=dpsgd (its gradient pass is not an accounted DP-SGD step)."]
     lines += ["", "Not offered: " + "; ".join(f"`{name}` ({why})"
                                               for name, why in NOT_OFFERED.items()) + "."]
     lines += ["", "`dp=NAME` wraps the strategy in one of Flower's differential-privacy "

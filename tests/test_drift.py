@@ -380,3 +380,28 @@ def test_refused_in_one_line_naming_the_key(args, starts):
         to_run_config(compose_config(["method=linear_head", *args]))
     assert str(err.value).startswith(starts), str(err.value)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["scaffold", "feddyn"])
+def test_multitier_clients_correct_the_tensors_they_send(name, tmp_path, cache_dir):
+    """Multi-tier: each tier's clients send their tier's tensors; c / h and each client's state
+    move per tensor over the clients that sent it, and the rounds run to the end."""
+    from fedadapt.adapters.exits import LwLinearConfig
+    from fedadapt.config import BackboneConfig, SettingConfig
+    from fedadapt.experiment import run_experiment
+    from fedadapt.federation.simulation.inprocess import in_process
+    from fedadapt.results.store import read_jsonl
+    from fedadapt.strategies.registry import strategy_schemas
+
+    cfg = tiny_run(cache_dir, LwLinearConfig())
+    cfg.backbone = BackboneConfig(name="tiny_vit", family="vit", image_size=32, arch=dict(
+        patch_size=8, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+        intermediate_size=64))
+    cfg.setting = SettingConfig(name="multitier")
+    cfg.strategy = strategy_schemas()[name]()
+    cfg.train = replace(cfg.train, momentum=0.0)
+    run_experiment(validate(cfg), tmp_path, execute=in_process("workers"), config_yaml="x\n")
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert len(rows) == 2 and all(np.isfinite(r["train_loss"]) for r in rows)
+    states = list((tmp_path / "clients").rglob("*rule*"))
+    assert states

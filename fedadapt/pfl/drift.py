@@ -26,6 +26,7 @@ from dataclasses import replace
 import torch
 
 from fedadapt.federation.client.grouped import ClientJob, ClientResult
+from fedadapt.federation.client.worker import sent_names
 from fedadapt.pfl.rule import ClientRule, RoundWork, register_strategy_rule
 from fedadapt.strategies.fednova import local_steps, step_weights
 from fedadapt.strategies.scaffold import C_PREFIX, DC_PREFIX, RULE_PREFIX
@@ -42,7 +43,9 @@ class ScaffoldRule(ClientRule):
     def train_round(self, work: RoundWork) -> dict[int, ClientResult | str]:
         corrected, variates = [], {}
         for job in work.jobs:
-            c = {n[len(_C):]: t for n, t in work.received[job.cid].items() if n.startswith(_C)}
+            sent = set(sent_names(work.spec, job.cid, work.model))  # a tier's: its tensors
+            c = {n[len(_C):]: t for n, t in work.received[job.cid].items()
+                 if n.startswith(_C) and n[len(_C):] in sent}
             state = work.state[job.cid]
             c_i = {n: state[n] if n in state else torch.zeros_like(t) for n, t in c.items()}
             variates[job.cid] = (c, c_i)
@@ -98,9 +101,8 @@ class FedDynRule(ClientRule):
 
     def train_round(self, work: RoundWork) -> dict[int, ClientResult | str]:
         jobs: list[ClientJob] = []
-        personal = set(work.model.personal_names())  # never sent: no g_k of theirs
-        for job in work.jobs:
-            names = [n for n in job.tensors if n not in personal]
+        for job in work.jobs:  # what it sends (not its personal tensors; a tier's tensors)
+            names = [n for n in sent_names(work.spec, job.cid, work.model) if n in job.tensors]
             state = work.state[job.cid]
             g = {n: state[n] if n in state else torch.zeros_like(job.tensors[n]) for n in names}
             jobs.append(replace(job, linear={n: -t for n, t in g.items()}))
