@@ -106,6 +106,8 @@ class FedDynRule(ClientRule):
             state = work.state[job.cid]
             g = {n: state[n] if n in state else torch.zeros_like(job.tensors[n]) for n in names}
             jobs.append(replace(job, linear={n: -t for n, t in g.items()}))
+        if not any(job.linear for job in jobs):  # a method that is not federated sends none
+            return work.train()
         results = work.train(jobs, mu=self.alpha)
         for job in jobs:
             res = results.get(job.cid)
