@@ -71,11 +71,13 @@ def grad(w, b, f, y):
     return p.T @ f / len(y), p.mean(0)
 
 
-def numpy_sgd(prep, job, start, *, linear=None, mu=0.0, anchor=None):
-    """``train.local_epochs`` of plain SGD on the head from ``start`` ({name: float64}), each
-    step's gradient plus ``linear`` and ``mu (w - anchor)``: the reference."""
+def numpy_sgd(prep, job, start, *, linear=None, mu=0.0, anchor=None, momentum=0.0):
+    """``train.local_epochs`` of SGD on the head from ``start`` ({name: float64}), each
+    step's gradient plus ``linear`` and ``mu (w - anchor)`` (with ``momentum``, torch's: the
+    buffer ``m <- rho m + g``, first ``g``): the reference."""
     (wn, w0), (bn, b0) = sorted(start.items(), key=lambda kv: kv[1].ndim, reverse=True)
     w, b = w0.copy(), b0.copy()
+    mw = mb = None
     feats, labels = data_of(prep, job.indices)
     where = {int(i): k for k, i in enumerate(job.indices)}
     batches, _ = local_schedule(job.indices, prep.spec.train, job.seed, None)
@@ -86,6 +88,9 @@ def numpy_sgd(prep, job, start, *, linear=None, mu=0.0, anchor=None):
             gw, gb = gw + linear[wn], gb + linear[bn]
         if mu:
             gw, gb = gw + mu * (w - anchor[wn]), gb + mu * (b - anchor[bn])
+        if momentum:
+            mw, mb = (gw, gb) if mw is None else (momentum * mw + gw, momentum * mb + gb)
+            gw, gb = mw, mb
         w, b = w - LR * gw, b - LR * gb
     return {wn: w, bn: b}, len(batches)
 
@@ -134,6 +139,24 @@ def test_a_scaffold_client_round_is_the_papers(prep, option):
         close(f64({n[3:]: t for n, t in work.send[job.cid].items()}),
               {n: want[n] - ci[n] for n in x}, atol=1e-4)
         assert set(work.send[job.cid]) == {f"dc/{n}" for n in x}
+
+
+def test_option_ii_with_momentum_divides_by_the_weight_of_its_steps(prep):
+    """With SGD momentum rho, y_i = x - lr sum_t w_t g_t, the weights adding up to FedNova's
+    sum_k (1 - rho^k) / (1 - rho): c_i+ = c_i - c + (x - y_i) / (lr sum_k ...)."""
+    rho, jobs = 0.5, make_jobs(prep)
+    c, c_i = variates(jobs, 0.05)
+    work = work_for(prep, jobs, state={cid: dict(v) for cid, v in c_i.items()},
+                    received={j.cid: {f"c/{n}": t for n, t in c.items()} for j in jobs})
+    work.train_config = replace(work.train_config, momentum=rho)
+    out = ScaffoldRule("II").train_round(work)
+    for job in jobs:
+        x, ci, cc = f64(job.tensors), f64(c_i[job.cid]), f64(c)
+        y, steps = numpy_sgd(prep, job, x, linear={n: cc[n] - ci[n] for n in x}, momentum=rho)
+        close(f64(out[job.cid].tensors), y)
+        weight = sum((1 - rho ** k) / (1 - rho) for k in range(1, steps + 1))
+        close(f64(work.state[job.cid]),
+              {n: ci[n] - cc[n] + (x[n] - y[n]) / (weight * LR) for n in x}, atol=1e-4)
 
 
 def test_a_scaffold_client_at_zero_variates_trains_as_fedavgs(prep):
