@@ -12,7 +12,9 @@ first) and moves, over the round's clients ``P`` and all ``N`` clients::
 
 over the trained tensors only, each over the clients that sent it (a tensor nobody sent keeps
 its value). The mean is plain, as the paper's (``method.weighting`` is not read). ``h`` is
-strategy state (checkpointed with the run). Nothing travels beyond FedAvg's tensors.
+strategy state (checkpointed with the run). Nothing travels beyond FedAvg's tensors. As with
+SCAFFOLD, a client whose reply is late or screened out has updated its ``g_k`` all the same,
+which ``h`` then does not see.
 """
 
 from __future__ import annotations

@@ -18,7 +18,10 @@ with ``N`` all the clients (``partition.num_clients``). The means are plain, as 
 multi-tier client sends its tier's tensors): ``c`` stays the mean of all ``N`` clients' ``c_i``,
 a client's ``c_i`` being zero for a tensor it never trains. ``c`` goes down and ``dc_i`` comes up
 beside the tensors, so a round moves twice FedAvg's bytes. ``c`` is strategy state
-(checkpointed with the run).
+(checkpointed with the run). The paper assumes every sampled client's reply arrives: a client
+whose reply is late (``federation.round_timeout``, a fleet's deadline) or screened out has
+moved its own ``c_i`` all the same, as a real device would, and ``c`` then differs from the mean
+of the ``c_i`` by its change.
 """
 
 from __future__ import annotations
