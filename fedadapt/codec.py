@@ -19,6 +19,10 @@ UNIFORM_KEY = "unit-weight"
 #: The config key that tells a client how many of its training examples to train in a round
 #: (``fleet.partial_work``: its work cut at the simulated deadline); absent: all of them.
 TRAIN_EXAMPLES = "train-examples"
+#: Arrays between a client rule's server and client sides (SCAFFOLD's control variates) are
+#: named ``rule/<what>/<tensor>``: they travel beside the model's tensors, are counted in the
+#: round's bytes and are not model tensors (:mod:`fedadapt.pfl.rule`).
+RULE_PREFIX = "rule/"
 
 
 def record(content: RecordDict, kind: type, name: str | None = None):

@@ -5,7 +5,8 @@
 :func:`fedadapt.config.validate`, so it runs before any data is loaded);
 :func:`check_counts` and :func:`check_every_tensor` what needs the partition's client count and
 what each client sends. A strategy class's own refusals of a DP wrapper are its
-``check_dp(cfg)`` (HetLoRA's), called after the shared ones.
+``check_dp(cfg)`` (HetLoRA's), called after the shared ones; its own refusals of the rest of
+the config its ``check_run(cfg)`` (SCAFFOLD's, FedDyn's).
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ def check_strategy(cfg: RunConfig) -> None:
         _check_dp(cfg, caps)
     _check_lora(cfg, caps)
     _check_clock(cfg, caps)
+    own = getattr(strategy_class(strategy), "check_run", None)
+    if callable(own):  # the strategy's own refusals (its keys, what it cannot compose with)
+        own(cfg)
     if cfg.secagg.name != "none":
         check(caps.weighted_sum, *_where(strategy),
               "secagg=secaggplus reveals only the weighted sum of the clients' parameters, "

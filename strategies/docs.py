@@ -51,6 +51,9 @@ def markdown_table() -> str:
                  "all (each tensor over its senders), train.optimizer=sgd; clients of "
                  "different local steps (their data, or fleet.partial_work); no dp=; see "
                  "fleet.md" if caps.counts_sgd_steps else
+                 f"all (each tensor over its senders), with its client side (`{caps.client_rule}`"
+                 f": each client's state kept and checkpointed); no dp= wrapper (dp=dpsgd "
+                 f"composes), no pfl=, no fleet.partial_work; see below" if caps.client_rule else
                  "where every client sends every tensor; refused in multitier and "
                  "personalization, and for a method whose clients train part of what it sends")
         lines.append(f"| `{name}` | `{cls.__name__}` | {keys(schema)} | {where} |")

@@ -26,6 +26,7 @@ from flwr.serverapp import strategy as flwr_strategies
 from fedadapt.config import DPConfig, StrategyConfig
 from fedadapt.strategies import (
     fedbuff,
+    feddyn,
     fedex_lora,
     fednova,
     fedsa_lora,
@@ -33,6 +34,7 @@ from fedadapt.strategies import (
     flora,
     hetlora,
     moon,
+    scaffold,
 )
 from fedadapt.strategies.capabilities import FEDAVG_FAMILY, Capabilities, fedavg_aggregation
 from fedadapt.strategies.custom import CUSTOM
@@ -79,7 +81,10 @@ for _name, _cls, _caps in (
         # normalised averaging of clients with different local steps (fedadapt's, on FedAvg)
         ("fednova", fednova.FedNova, None),
         # FedAvg's server; clients add MOON's model-contrastive term (fedadapt.pfl.moon)
-        ("moon", moon.Moon, None)):
+        ("moon", moon.Moon, None),
+        # drift correction with a client side (fedadapt's, on FedAvg: fedadapt.pfl.drift)
+        ("scaffold", scaffold.Scaffold, None),
+        ("feddyn", feddyn.FedDyn, None)):
     register_strategy(_name, _cls, _caps)
 
 #: Flower strategies that are not offered, and why (the strategy reference says so).

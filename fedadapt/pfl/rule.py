@@ -22,13 +22,11 @@ from typing import Callable, ClassVar, Optional
 
 import torch
 
+from fedadapt.codec import RULE_PREFIX  # rule/<what>/<tensor>: the rule's arrays both ways
 from fedadapt.config import PflConfig, RunConfig, check
 from fedadapt.discovery import plugin_registry
 from fedadapt.federation.client.grouped import ClientJob, ClientResult
 from fedadapt.settings import only_training
-
-#: Arrays between a rule's server and client sides are named ``rule/<what>/<tensor>``.
-RULE_PREFIX = "rule/"
 
 
 def split_received(received: dict[str, torch.Tensor]

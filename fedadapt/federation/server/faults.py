@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import numpy as np
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
-from fedadapt.codec import as_numpy, record
+from fedadapt.codec import RULE_PREFIX, as_numpy, record
 from fedadapt.config import FAULT_KINDS, FedadaptError
 from fedadapt.federation.wire import records
 
@@ -128,11 +128,14 @@ def _check_arrays(content: RecordDict, expected: dict[str, tuple]) -> tuple[str,
     arrays = record(content, ArrayRecord, "arrays")
     if arrays is None:
         return "wrong_keys", "no 'arrays' record"
-    names = set(arrays.keys())
+    # a client rule's arrays (SCAFFOLD's rule/dc/...) beside the tensors: its strategy reads them
+    names = {n for n in arrays.keys() if not n.startswith(RULE_PREFIX)}
     if names != set(expected):
         extra, missing = sorted(names - set(expected)), sorted(set(expected) - names)
         return "wrong_keys", f"unexpected {extra[:3]}, missing {missing[:3]}"
     for name, arr in arrays.items():
+        if name not in names:
+            continue
         if not _fits(tuple(arr.shape), tuple(expected[name])):
             return "wrong_shape", f"{name}: {tuple(arr.shape)} != {tuple(expected[name])}"
     for name, arr in arrays.items():

@@ -38,6 +38,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, Rec
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
+from fedadapt.codec import RULE_PREFIX
 from fedadapt.federation.wire import records
 
 #: A client's node id is its partition id plus this: readable, and never a real node's.
@@ -213,13 +214,15 @@ class ClientGrid(Grid):
         return out
 
     def _counted(self, record: ArrayRecord, cid: int) -> ArrayRecord:
-        """What of ``record`` the client needs: the tensors it trains, and the folded updates
-        of its frozen weights (FLoRA's and FedEx-LoRA's ``X.base_delta``)."""
+        """What of ``record`` the client needs: the tensors it trains, the folded updates
+        of its frozen weights (FLoRA's and FedEx-LoRA's ``X.base_delta``) and its client rule's
+        arrays (SCAFFOLD's control variate ``rule/c/...``)."""
         if self.trained is None:
             return record
         from fedadapt.adapters.lora import is_base_delta
 
-        names = [*self.trained(cid), *(n for n in record.keys() if is_base_delta(n))]
+        names = [*self.trained(cid), *(n for n in record.keys()
+                                       if is_base_delta(n) or n.startswith(RULE_PREFIX))]
         return ArrayRecord({n: record[n] for n in names if n in record})
 
     def _size(self, record: ArrayRecord, cid: int) -> int:
