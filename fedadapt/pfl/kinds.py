@@ -16,7 +16,7 @@ from fedadapt.pfl.rule import PFL_KINDS, STRATEGY_RULES, ClientRule
 
 def pfl_kinds() -> dict[str, type[PflConfig]]:
     """Every registered kind by name (the shipped ones imported first)."""
-    from fedadapt.pfl import fedper  # noqa: F401 - they register
+    from fedadapt.pfl import fedper, fedrep  # noqa: F401 - they register
 
     return dict(PFL_KINDS)
 
