@@ -42,6 +42,9 @@ def unfreeze_norms(model) -> list[str]:
     if model.backbone is None:
         raise ConfigError("pfl.norms=true is invalid: the model runs on cached features (no "
                           "backbone, so no normalisation layer): add method.use_cache=false")
+    if all(p.requires_grad for p in model.backbone.parameters()):
+        raise ConfigError("pfl.norms=true is invalid: the method trains the whole backbone (its "
+                          "norms among it, federated): nothing to keep personal beside it")
     names = []
     for prefix, module in model.backbone.named_modules():
         if isinstance(module, NORMS):
