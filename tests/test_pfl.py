@@ -200,10 +200,27 @@ def test_fedrep_round_is_head_steps_with_the_body_fixed_then_body_steps(cache_di
                                    atol=2e-6)
 
 
+def test_fedrep_side_by_side_equals_one_at_a_time(cache_dir, tmp_path):
+    """Three clients trained side by side in both phases (grouped forms) end where one at a
+    time does."""
+    extra = ["rounds=1", "pfl=fedrep", "pfl.head_epochs=2", "train.batch_size=16"]
+    alone = run(cache_dir, tmp_path / "1", *extra, "federation.clients_per_worker=1")
+    side = run(cache_dir, tmp_path / "3", *extra, "federation.clients_per_worker=3")
+    for n, t in final_checkpoint(alone).items():
+        np.testing.assert_allclose(np.asarray(final_checkpoint(side)[n]), np.asarray(t),
+                                   rtol=0, atol=1e-6)
+    for cid in range(3):
+        for n, t in personal(alone, cid).items():
+            torch.testing.assert_close(personal(side, cid)[n], t, rtol=0, atol=1e-6)
+
+
 def test_fedrep_bad_input_is_refused_in_one_line(cache_dir, tmp_path):
     with pytest.raises(ConfigError) as err:
         composed(cache_dir, "pfl=fedrep", "pfl.head_epochs=0")
     assert one_line(err).startswith("pfl.head_epochs=0 is invalid")
+    with pytest.raises(ConfigError) as err:  # DP-SGD's accounting counts local_epochs only
+        composed(cache_dir, "pfl=fedrep", "dp=dpsgd")
+    assert one_line(err).startswith("pfl='fedrep' is invalid: dp=dpsgd accounts")
     with pytest.raises(ConfigError) as err:  # FedRep without a body to federate
         run(cache_dir, tmp_path / "x", "method=linear_head", "pfl=fedrep")
     assert one_line(err).startswith("pfl=fedrep keeps the head on each client and federates "

@@ -48,11 +48,21 @@ class FedRep(PflConfig, ClientRule):
 
     def check(self, cfg: RunConfig) -> None:
         super().check(cfg)
+        from fedadapt.strategies.registry import sample_level
+
         check(self.head_epochs >= 1, "pfl.head_epochs", self.head_epochs,
               "FedRep trains the head for at least 1 epoch each round before the body")
+        check(not sample_level(cfg.dp), "pfl", self.name,
+              f"dp={cfg.dp.name} accounts train.local_epochs of steps a round, and FedRep "
+              f"takes pfl.head_epochs more (its privacy spent would be understated)")
         check_composes(cfg, self)
 
     def train_round(self, work: RoundWork) -> dict[int, ClientResult | str]:
+        """Each client from its own seed in both phases (its batches in the body's epochs are
+        shuffled as in its head's first ones); the loss reported is the body's. The head phase
+        trains clients side by side; the body phase holds each client's own head fixed, so
+        :meth:`RoundWork.train` trains it one client at a time (side by side the clients
+        would share one head) and says so once."""
         model = work.model
         personal = model.personal_names()  # the head (and FedBN's norms): trained first
         shared = model.communicated_names()  # the body: trained second, sent
