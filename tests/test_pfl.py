@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import final_checkpoint, tiny_run
+from conftest import accuracy_of, final_checkpoint, tiny_run
 from omegaconf import OmegaConf
 
 from fedadapt.config import BackboneConfig, ConfigError, FederationConfig, PflConfig
@@ -240,6 +240,9 @@ def test_fedbabu_head_stays_at_its_initialisation_until_the_fine_tune(cache_dir,
     glob = final_checkpoint(out)
     assert sorted(glob) == sorted(BODY)
     assert not torch.equal(torch.as_tensor(glob["head.0.weight"]), start["head.0.weight"])
+    # the server's global accuracy is the averaged body's with the initial head
+    assert read_jsonl(out / "metrics.jsonl")[-1]["global_acc"] == pytest.approx(
+        accuracy_of(prep, glob), abs=1e-6)
     for cid in range(3):
         mine = personal(out, cid, 2)
         assert sorted(mine) == sorted(HEAD)
@@ -254,7 +257,7 @@ def test_fedbabu_head_stays_at_its_initialisation_until_the_fine_tune(cache_dir,
     assert all(0 <= r["acc_before"] <= 1 and 0 <= r["acc_after"] <= 1 for r in rows)
 
 
-def test_fedbabu_without_the_fine_tune_is_refused_in_one_line(cache_dir):
+def test_fedbabu_without_the_fine_tune_or_a_body_is_refused_in_one_line(cache_dir, tmp_path):
     with pytest.raises(ConfigError) as err:
         composed(cache_dir, "pfl=fedbabu")
     assert one_line(err).startswith("pfl='fedbabu' is invalid") \
@@ -263,6 +266,11 @@ def test_fedbabu_without_the_fine_tune_is_refused_in_one_line(cache_dir):
         composed(cache_dir, "pfl=fedbabu", "setting=local_finetune",
                  "setting.personalize=adapters")
     assert one_line(err).startswith("setting.personalize='adapters' is invalid")
+    with pytest.raises(ConfigError) as err:
+        run(cache_dir, tmp_path / "x", "method=linear_head", "pfl=fedbabu",
+            "setting=local_finetune")
+    assert one_line(err).startswith("pfl=fedbabu keeps the head on each client and federates "
+                                    "the body, and this method trains its head only")
 
 
 # -- FedBN's norms ---------------------------------------------------------------------------
