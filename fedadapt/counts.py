@@ -48,7 +48,8 @@ def inspect_run(run, *, flops: bool = True) -> dict:
         class_text = clip_class_text(backbone, names, run.method.prompt)
     model = build_model(run.method, backbone, card.num_classes, with_backbone=True,
                         class_text=class_text)
-    keep_on_client(model, run.pfl.keeps, run.pfl.norms, card.num_classes)  # pfl=: sends less
+    # pfl=: sends less
+    keep_on_client(model, run.pfl.keeps, run.pfl.norms, card.num_classes, run.pfl.name)
     result = {
         "method": run.method.name,
         "backbone": run.backbone.name,

@@ -42,6 +42,9 @@ def unfreeze_norms(model) -> list[str]:
     if model.backbone is None:
         raise ConfigError("pfl.norms=true is invalid: the model runs on cached features (no "
                           "backbone, so no normalisation layer): add method.use_cache=false")
+    if all(p.requires_grad for p in model.backbone.parameters()):
+        raise ConfigError("pfl.norms=true is invalid: the method trains the whole backbone (its "
+                          "norms among it, federated): nothing to keep personal beside it")
     names = []
     for prefix, module in model.backbone.named_modules():
         if isinstance(module, NORMS):
@@ -56,24 +59,25 @@ def unfreeze_norms(model) -> list[str]:
     return names
 
 
-def keep_on_client(model, keeps: str, norms: bool, num_classes: int) -> None:
+def keep_on_client(model, keeps: str, norms: bool, num_classes: int, kind: str = "...") -> None:
     """Mark the part ``keeps`` (``""``, ``head``, ``body``) and, with ``norms``, the backbone's
     normalisation parameters as personal: they never leave a client (``pfl.*``). ConfigError
-    where the model has no such part, or nothing would be federated."""
+    where the model has no such part, or nothing would be federated (naming ``pfl=kind``)."""
     if not keeps and not norms:
         return
     kept = set(unfreeze_norms(model)) if norms else set()
     if keeps:
         head = set(head_names(model, num_classes))
         if not head:
-            raise ConfigError("pfl=... keeps the classifier (the head) on each client, and this "
-                              "method has no trainable classifier (its classes are text "
-                              "features): choose a method with a head")
+            raise ConfigError(f"pfl={kind} keeps the classifier (the head) on each client, and "
+                              f"this method has no trainable classifier (its classes are text "
+                              f"features): choose a method with a head")
         body = {n for n in model.trainable_names() if n not in head and n not in kept}
-        if keeps == "body" and not body:
-            raise ConfigError("pfl=lg_fedavg keeps the body on each client, and this method "
-                              "trains its head only (nothing in front of it): choose a method "
-                              "with adapters, LoRA or a hidden layer (e.g. method=mlp_head)")
+        if not body:
+            raise ConfigError(f"pfl={kind} keeps the {keeps} on each client and federates the "
+                              f"{'head' if keeps == 'body' else 'body'}, and this method trains "
+                              f"its head only (nothing in front of it): choose a method with "
+                              f"adapters, LoRA or a hidden layer (e.g. method=mlp_head)")
         kept |= head if keeps == "head" else body
     model.personal_extra = frozenset(kept)
     if not model.communicated_names():

@@ -26,6 +26,7 @@ from fedadapt.codec import RULE_PREFIX  # rule/<what>/<tensor>: the rule's array
 from fedadapt.config import PflConfig, RunConfig, check
 from fedadapt.discovery import plugin_registry
 from fedadapt.federation.client.grouped import ClientJob, ClientResult
+from fedadapt.log import log
 from fedadapt.settings import only_training
 
 
@@ -63,6 +64,8 @@ class RoundWork:
     _train: Callable
     #: What each client sends back beside its trained tensors (names without the prefix).
     send: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    #: How many clients ``_train`` trains side by side (1: one at a time).
+    group_size: int = 1
 
     def train(self, jobs: Optional[list[ClientJob]] = None, *, names: Optional[list[str]] = None,
               epochs: Optional[int] = None, lr: Optional[float] = None,
@@ -80,12 +83,36 @@ class RoundWork:
             out = self._train(jobs, train, rates)
         else:
             with only_training(self.model, names):
-                out = self._train(jobs, train, rates)
+                if min(len(jobs), self.group_size) > 1 and _fixed_differ(jobs, names):
+                    out = {}  # side by side they would share the model's one value of them
+                    for job in jobs:
+                        out.update(self._train([job], train, {job.cid: rates[job.cid]}))
+                else:
+                    out = self._train(jobs, train, rates)
         for job in jobs:
             res = out.get(job.cid)
             if isinstance(res, ClientResult):
                 res.tensors = {**job.tensors, **res.tensors}
         return out
+
+
+def _fixed_differ(jobs: list[ClientJob], names: list[str]) -> bool:
+    """Whether the tensors a phase holds fixed differ between its clients (FedRep's heads in
+    its body phase). Clients side by side train only what trains per client and share the
+    model's value of the rest, so such a phase trains its clients one at a time (said once)."""
+    chosen = set(names)
+    fixed = [n for n in jobs[0].tensors if n not in chosen]
+    differ = [n for n in fixed if any(not torch.equal(j.tensors[n], jobs[0].tensors[n])
+                                      for j in jobs[1:])]
+    if differ and not _SAID_ALONE:
+        _SAID_ALONE.append(True)
+        log(f"[federation] a phase holding each client's own {differ[0]} (and "
+            f"{len(differ) - 1} more) fixed trains its clients one at a time, not side by side "
+            f"(side by side they would share one value of it)")
+    return bool(differ)
+
+
+_SAID_ALONE: list[bool] = []
 
 
 class ClientRule:

@@ -169,7 +169,8 @@ def build_run_model(spec: RunSpec, backbone=None) -> AdaptedModel:
                          backbone if needs_backbone else BackboneInfo(spec.embed_dim),
                          spec.num_classes, with_backbone=needs_backbone,
                          class_text=spec.class_text)
-    keep_on_client(model, spec.pfl.keeps, spec.pfl.norms, spec.num_classes)
+    keep_on_client(model, spec.pfl.keeps, spec.pfl.norms, spec.num_classes,
+                   spec.pfl.name)
     if spec.rule is not None:
         spec.rule.check_model(model, spec.num_classes)
     model = model.to(spec.device)

@@ -351,7 +351,7 @@ def _rule_round(spec: RunSpec, model, jobs: list[ClientJob], size: int, rates: d
                   for cid, arrays in for_rule.items()},
         _train=lambda js, train, r: train_groups(
             spec, model, js, 1 if rule.alone_because else size, r, train, private=True),
-        send=extras)
+        send=extras, group_size=1 if rule.alone_because else size)
     results = rule.train_round(work)
     for job in jobs:
         if not isinstance(results.get(job.cid), str) and state[job.cid]:
