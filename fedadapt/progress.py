@@ -489,6 +489,13 @@ def quiet_libraries() -> None:
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     logging.getLogger("flwr").addFilter(_NoiseFilter())
+    # tqdm's shared lock, made now and never dropped: datasets' thread_map (tqdm's
+    # ensure_lock) deletes tqdm._lock when it finds none, and a bar closing in another thread
+    # at that moment (a client's handshake beside the rounds' start) raised "type object
+    # 'tqdm' has no attribute '_lock'" (seen twice in an evidence sweep's first local-only run)
+    from tqdm import tqdm
+
+    tqdm.get_lock()
     if "datasets" in sys.modules:
         sys.modules["datasets"].disable_progress_bars()
     if "huggingface_hub" in sys.modules:

@@ -111,3 +111,25 @@ def test_fmt_seconds():
     assert progress.fmt_seconds(42.4) == "42 s"
     assert progress.fmt_seconds(185) == "3 min 05 s"
     assert progress.fmt_seconds(3720) == "1 h 02 min"
+
+
+def test_tqdms_lock_survives_a_thread_map_in_another_thread(monkeypatch):
+    """datasets' thread_map (tqdm's ensure_lock) deletes ``tqdm._lock`` when it finds none; a
+    bar closing in another thread then raised "type object 'tqdm' has no attribute '_lock'"
+    (a client's handshake failed so, beside an evidence sweep's first run). Once the libraries
+    are quieted the lock exists, so ensure_lock puts it back instead of deleting it."""
+    from tqdm import tqdm
+    from tqdm.contrib.concurrent import ensure_lock
+
+    monkeypatch.setattr(progress, "_QUIETED", [])
+    if hasattr(tqdm, "_lock"):
+        monkeypatch.delattr(tqdm, "_lock")
+    progress.quiet_libraries()
+
+    class Bar(tqdm):  # as datasets' hf_tqdm is
+        pass
+
+    with ensure_lock(Bar):  # datasets' thread_map in one thread ...
+        bar = Bar(total=1, file=io.StringIO())  # ... its bar made in another meanwhile
+    bar.close()  # takes Bar._lock: AttributeError when ensure_lock had deleted it
+    assert hasattr(Bar, "_lock")

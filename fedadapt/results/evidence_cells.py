@@ -37,7 +37,10 @@ def spread(values: list[float]) -> str:
 
 
 def _final(key: str):
-    return lambda runs, _: spread([100 * r["summary"]["final"][key] for r in runs])
+    """The final value of ``key`` over the runs that have one (a local-only run has no global
+    model: "—")."""
+    return lambda runs, _: spread([100 * r["summary"]["final"][key] for r in runs
+                                   if r["summary"]["final"].get(key) is not None])
 
 
 def _sim_minutes(runs, _) -> str:
@@ -74,6 +77,13 @@ def _epsilon(runs, _) -> str:
     return ", ".join(sorted(values)) or "—"
 
 
+def _tuned(runs, _) -> str:
+    """The clients' mean accuracy after the personalization step (``setting=local_finetune``,
+    FedBABU's fine-tune), "—" for runs without one."""
+    return spread([100 * r["summary"]["personalization"]["after"] for r in runs
+                   if (r["summary"].get("personalization") or {}).get("after") is not None])
+
+
 #: name -> (its heading, given the seeds and the target; its cell, given the row's runs)
 COLUMNS = {
     "global": (lambda s, t: "final global accuracy", _final("global_acc")),
@@ -91,6 +101,14 @@ COLUMNS = {
               lambda runs, _: fmt_bytes(statistics.median(r["summary"]["total_bytes"]
                                                           for r in runs))),
     "pair": (lambda s, t: "alpha 0.1 / alpha 1000", _pair),
+    "tuned": (lambda s, t: "client-mean accuracy after the fine-tune", _tuned),
+    "sent": (lambda s, t: "sent params",
+             lambda runs, _: fmt_count(runs[0]["summary"]["params"]["communicated_params"])),
+    "bytes-round": (lambda s, t: "bytes a round",
+                    lambda runs, _: fmt_bytes(statistics.median(
+                        r["summary"]["total_bytes"] / r["summary"]["rounds"] for r in runs))),
+    "s-round": (lambda s, t: "s a round", lambda runs, _: "{:.2f}".format(
+        statistics.median(r["summary"]["seconds_per_round"] for r in runs))),
 }
 
 
