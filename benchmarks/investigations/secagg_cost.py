@@ -11,6 +11,7 @@ its training fails), so the server must unmask it from its neighbours' shares.
 
     nice -n 19 python benchmarks/investigations/secagg_cost.py --clients 10 100 --drop 0 0.1 \\
         --json secagg_cost.json
+    (--num-shares 20: each client's secrets shared with 20 neighbours, not every other client)
 
 prints one Markdown table (docs/federation.md has the numbers) and, with ``--json``, writes
 the rows.
@@ -59,7 +60,8 @@ def _config(args, clients: int, secagg: str):
                                                fraction_fit=1.0),
                      train=TrainConfig(lr=0.05, batch_size=16, precision="fp32"),
                      federation=FederationConfig(eval_every=10 ** 6, global_eval=False),
-                     secagg=SecAggConfig(name=secagg), rounds=args.rounds,
+                     secagg=SecAggConfig(name=secagg, num_shares=args.num_shares),
+                     rounds=args.rounds,
                      cache_dir=args.cache_dir)
 
 
@@ -134,6 +136,9 @@ def main(argv=None) -> int:
                         help="a preset of conf/backbone (efficientnet_lite0: the main job's, "
                              "a head of 12,810 parameters) or small_cnn (a tiny random CNN, "
                              "a head of 170)")
+    parser.add_argument("--num-shares", type=float, default=1.0,
+                        help="secagg.num_shares: each client's neighbours (an int > 2) or that "
+                             "share of the round's clients (1.0: every other client)")
     parser.add_argument("--cache-dir", default=os.environ.get(
         "FEDADAPT_CACHE", str(Path.home() / ".cache" / "fedadapt")))
     parser.add_argument("--json", type=Path, default=None)
