@@ -116,7 +116,12 @@ def fedadapts(overrides: list[str], k: int, tmp: Path, cache_dir: str) -> dict[s
     return {k: v.numpy() for k, v in arrays.items()}
 
 
-def test_fedadapt_ends_where_flower_ends(cache_dir, tmp_path):
+def test_fedadapt_ends_where_flower_ends(cache_dir, tmp_path, monkeypatch):
+    # Flower's simulation calls ray.init() without an address, which joins the last `ray start`
+    # cluster on this machine (test_cluster's two-node head, when it runs beside this test:
+    # "When connecting to an existing cluster, num_cpus and num_gpus must not be provided");
+    # RAY_ADDRESS=local makes it start its own, as fedadapt's runs do (address="local")
+    monkeypatch.setenv("RAY_ADDRESS", "local")
     flower = flowers_own(cache_dir)
     for name, (overrides, _) in CASES.items():
         for k in (1, 4):
