@@ -910,6 +910,12 @@ def _validate_secagg(cfg: RunConfig) -> None:
     if sa.name == "none":
         return
     make_secagg_workflow(sa, max_weight=1.0)  # Flower's checks, as ConfigError naming the key
+    count = float(sa.num_shares).is_integer() and sa.num_shares > 1
+    check(not count or int(sa.num_shares) % 2 == 1, "secagg.num_shares", sa.num_shares,
+          "an integer count of shares must be odd: Flower's SecAggPlusWorkflow tells the "
+          "clients an even count and then gives each one more neighbour, and every client "
+          "fails at its share-keys stage (IndexError); use an odd count, e.g. "
+          f"{int(sa.num_shares) + 1}" if count else "")
     check(sa.max_weight is None or sa.max_weight > 0, "secagg.max_weight", sa.max_weight,
           "must be > 0 or null (the largest client's training examples)")
     check(sa.timeout is None or sa.timeout > 0, "secagg.timeout", sa.timeout,

@@ -190,6 +190,8 @@ def test_secaggplus_on_rays_simulation_engine_is_fedavg_within_its_quantisation(
     (dict(faults=FaultConfig(fraction=0.25)), "faults.fraction="),
     (dict(secagg=SecAggConfig(name="secagg")), "secagg="),
     (dict(secagg=SecAggConfig(name="secaggplus", num_shares=2)), "secagg.num_shares="),
+    # Flower's workflow tells the clients 20 shares and gives them 21 neighbours (IndexError)
+    (dict(secagg=SecAggConfig(name="secaggplus", num_shares=20)), "secagg.num_shares="),
     (dict(secagg=SecAggConfig(name="secaggplus", modulus_range=3 * 2 ** 22)),
      "secagg.modulus_range="),
     (dict(secagg=SecAggConfig(name="secaggplus", clipping_range=8.0, max_weight=-1.0)),
