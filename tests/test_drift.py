@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import tiny_run
+from test_resume import _Killed, _stopping_after  # a run that dies after a round
 
 from fedadapt.adapters.heads import LinearHeadConfig
 from fedadapt.config import ConfigError, validate
@@ -302,30 +303,6 @@ TINY = ["method=linear_head", "backbone=small_cnn", "backbone.image_size=16",
         "dataset.max_samples=300", "partition.num_clients=4", "federation.eval_every=1",
         "federation.checkpoint_every=2", "train.precision=fp32", "partition.fraction_fit=0.5",
         "train.momentum=0"]
-
-
-class _Killed(BaseException):
-    pass
-
-
-def _stopping_after(round_):
-    from fedadapt.federation.simulation.inprocess import in_process
-
-    inner = in_process("workers")
-
-    def execute(plan, client_app):
-        saved = plan.on_round
-
-        def on_round(state):
-            saved(state)
-            if state.server_round == round_:
-                raise _Killed
-
-        plan.on_round = on_round
-        return inner(plan, client_app)
-
-    execute.nodes = "workers"
-    return execute
 
 
 def _rows(run_dir):

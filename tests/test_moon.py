@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from test_resume import _Killed, _stopping_after  # a run that dies after a round
 from torch import nn
 
 from fedadapt.adapters.model import AdaptedModel
@@ -197,30 +198,6 @@ def test_moon_changes_an_mlp_head_and_keeps_each_clients_last_model(tmp_path, ca
     assert moon[1]["global_loss"] != fedavg[1]["global_loss"]
     kept = sorted((tmp_path / "moon").rglob("rule/round-*.safetensors"))
     assert len(kept) == 4 * 2  # each client, each round (every client trains every round)
-
-
-class _Killed(BaseException):
-    """Stands for the process dying after a round."""
-
-
-def _stopping_after(round_: int):
-    from fedadapt.federation.simulation.inprocess import in_process
-
-    inner = in_process("workers")
-
-    def execute(plan, client_app):
-        saved = plan.on_round
-
-        def on_round(state):
-            saved(state)
-            if state.server_round == round_:
-                raise _Killed
-
-        plan.on_round = on_round
-        return inner(plan, client_app)
-
-    execute.nodes = "workers"
-    return execute
 
 
 def test_a_resume_is_exact(tmp_path, cache_dir):

@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import accuracy_of, final_checkpoint, tiny_run
 from omegaconf import OmegaConf
+from test_resume import _Killed, _stopping_after  # a run that dies after a round
 
 from fedadapt.config import BackboneConfig, ConfigError, FederationConfig, PflConfig
 from fedadapt.entry import compose_config, to_run_config
@@ -329,28 +330,6 @@ def test_fedbn_norms_refused_with_cached_features_and_with_full_fine_tuning(cach
 
 
 # -- resume ----------------------------------------------------------------------------------
-
-class _Killed(BaseException):
-    """Stands for the process dying after a round (its files as a kill leaves them)."""
-
-
-def _stopping_after(round_: int):
-    inner = in_process("workers")
-
-    def execute(plan, client_app):
-        saved = plan.on_round
-
-        def on_round(state):
-            saved(state)
-            if state.server_round == round_:
-                raise _Killed
-
-        plan.on_round = on_round
-        return inner(plan, client_app)
-
-    execute.nodes = "workers"
-    return execute
-
 
 def _metrics(run_dir):
     return [{k: v for k, v in r.items() if k not in ("round_s", "wall_s")}

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import accuracy_of, final_checkpoint, tiny_run
 from test_grouped import TINY_VIT
+from test_resume import _Killed, _stopping_after  # a run that dies after a round
 
 from fedadapt.adapters.exits import AccumulatorConfig
 from fedadapt.adapters.heads import LinearHeadConfig, MlpHeadConfig
@@ -318,30 +319,6 @@ def test_ditto_run_keeps_the_personal_copy_and_evaluates_with_it(cache_dir, tmp_
     assert ditto[-1]["client_acc"] == pytest.approx(np.mean(accs), abs=1e-6)
     assert fedavg[-1]["client_acc"] == pytest.approx(np.mean(global_accs), abs=1e-6)
     assert ditto[-1]["client_acc"] != pytest.approx(fedavg[-1]["client_acc"], abs=1e-3)
-
-
-class _Killed(BaseException):
-    """Stands for the process dying after a round."""
-
-
-def _stopping_after(round_):
-    from fedadapt.federation.simulation.inprocess import in_process
-
-    inner = in_process("workers")
-
-    def execute(plan, client_app):
-        saved = plan.on_round
-
-        def on_round(state):
-            saved(state)
-            if state.server_round == round_:
-                raise _Killed
-
-        plan.on_round = on_round
-        return inner(plan, client_app)
-
-    execute.nodes = "workers"
-    return execute
 
 
 @pytest.mark.parametrize("kind", [["pfl=ditto", "pfl.lam=0.3", "pfl.personal_epochs=2"],
