@@ -31,6 +31,7 @@ import fedadapt  # noqa: F401  (torchvision shim first)
 from fedadapt import rundir
 from fedadapt.argv import config_problem, missing_launcher, sweep_problem
 from fedadapt.config import ConfigError, FedadaptError
+from fedadapt.ending import console
 from fedadapt.entry import job_configs, register_configs
 from fedadapt.federation.server.interrupt import (
     RunInterrupted,
@@ -197,7 +198,7 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
     from fedadapt.federation.simulation.cluster import check_reachable
     from fedadapt.files import atomic_write
     from fedadapt.methods import family_of
-    from fedadapt.results.plots import plot_curves
+    from fedadapt.results.plots import has_curve, plot_curves
     from fedadapt.results.store import SUMMARY, read_jsonl, write_json
     from fedadapt.results.tables import run_tables
 
@@ -252,7 +253,7 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str], *,
     atomic_write(run_dir / "table.md", lambda fh: fh.write(table))
     curves = {s["method"]: read_jsonl(path) for s in summaries
               if (path := dirs[s["method"]] / "metrics.jsonl").is_file()}
-    if any(curves.values()):
+    if any(has_curve(rows) for rows in curves.values()):
         plot_curves(curves, run_dir / "curves.png", title=first.experiment)
     print("\n" + table)
     print(f"Run directory: {run_dir}")
@@ -446,7 +447,10 @@ def main() -> None:
         exit_stopped(stop)
 
 
+#: The console command: :func:`main`, then the process ends without the interpreter's
+#: teardown (:mod:`fedadapt.ending`).
+command = console(main)
+
+
 if __name__ == "__main__":
-    main()
-
-
+    command()

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import yaml
 
+from fedadapt.ending import console
 from fedadapt.results import evidence_cells, records, report
 from fedadapt.results.report import find_runs, provenance
 
@@ -192,5 +193,10 @@ def main(argv: list[str] | None = None) -> None:
     evidence.records(Path(args.folder))
 
 
+#: The console command: :func:`main`, then the process ends without the interpreter's
+#: teardown (:mod:`fedadapt.ending`).
+command = console(main)
+
+
 if __name__ == "__main__":
-    main()
+    command()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 
 from fedadapt.bench.throughput import parse_rows, row_name
+from fedadapt.ending import console
 
 __all__ = ["main", "parse_rows", "row_name"]
 
@@ -76,3 +77,8 @@ def main(argv: list[str] | None = None) -> None:
         return 0
 
     run_cli(run, argv)
+
+
+#: The console command: :func:`main`, then the process ends without the interpreter's
+#: teardown (:mod:`fedadapt.ending`).
+command = console(main)

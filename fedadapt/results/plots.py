@@ -5,6 +5,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+#: The accuracies ``curves.png`` draws (solid and dotted).
+CURVE_KEYS = ("global_acc", "client_acc")
+
+
+def has_curve(rows: list[dict]) -> bool:
+    """Whether a run's metrics rows hold a curve: some accuracy measured at two rounds or
+    more. A run evaluated once (``federation.eval_every`` = ``rounds``) has its one number in
+    ``table.md``; a plot of single dots says nothing more and costs most of a second to draw
+    (matplotlib's import), so no ``curves.png`` is drawn for it."""
+    return any(sum(r.get(key) is not None for r in rows) >= 2 for key in CURVE_KEYS)
+
 
 def plot_curves(runs: dict[str, list[dict]], path: str | Path, title: str = "") -> None:
     """``runs`` maps a label to its metrics rows; writes the PNG atomically."""
@@ -19,7 +30,7 @@ def plot_curves(runs: dict[str, list[dict]], path: str | Path, title: str = "") 
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (label, rows) in enumerate(runs.items()):
         color = colors[i % len(colors)]
-        for key, style in (("global_acc", "-"), ("client_acc", ":")):
+        for key, style in zip(CURVE_KEYS, ("-", ":")):
             pts = [(r["round"], r["cum_bytes"], r[key]) for r in rows if r.get(key) is not None]
             if not pts:
                 continue

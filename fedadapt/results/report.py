@@ -27,6 +27,7 @@ from pathlib import Path
 
 import yaml
 
+from fedadapt.ending import console
 from fedadapt.files import atomic_write
 from fedadapt.results.domain_tables import domain_tables
 from fedadapt.results.stats import CONVENTION, describe, fmt, fmt_values
@@ -578,5 +579,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"Wrote {out / 'report.md'} and {out / 'report.csv'}")
 
 
+#: The console command: :func:`main`, then the process ends without the interpreter's
+#: teardown (:mod:`fedadapt.ending`).
+command = console(main)
+
+
 if __name__ == "__main__":
-    main()
+    command()

@@ -126,16 +126,17 @@ def _cost_summary(prep: PreparedRun, state, t0: float, resume_state: Optional[di
 
 def _write_run_end(cfg: RunConfig, run_dir: Path, label: str, summary: dict,
                    history: list[dict]) -> None:
-    """``table.md``, ``curves.png`` and ``summary.json`` (last: it marks the run directory
-    complete)."""
+    """``table.md``, ``curves.png`` (when the run measured an accuracy at two rounds or more:
+    :func:`fedadapt.results.plots.has_curve`) and ``summary.json`` (last: it marks the run
+    directory complete)."""
     from fedadapt.files import atomic_write
-    from fedadapt.results.plots import plot_curves
+    from fedadapt.results.plots import has_curve, plot_curves
     from fedadapt.results.store import SUMMARY, write_json
     from fedadapt.results.tables import run_tables
 
     table = run_tables([summary], title=f"## {cfg.experiment}: {label} on {cfg.dataset.name}")
     atomic_write(run_dir / "table.md", lambda fh: fh.write(table))
-    if history:
+    if has_curve(history):
         plot_curves({label: history}, run_dir / "curves.png",
                     title=f"{label} | {cfg.dataset.name} | alpha {cfg.partition.alpha}")
     write_json(run_dir / SUMMARY, summary)  # last: marks the run directory complete
