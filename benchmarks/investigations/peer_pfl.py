@@ -1,7 +1,7 @@
 """fedadapt side by side with Apple's pfl-research (PyPI ``pfl`` 0.6.0) on this machine.
 
-    python benchmarks/investigations/peer_pfl.py [--rounds 20] [--repeats 2] [--workloads W1,W3]
-                               [--backends simulation,inprocess]
+    python benchmarks/investigations/peer_pfl.py [--rounds 20] [--repeats 2]
+                               [--workloads W1,W2,W3] [--backends simulation,inprocess]
                                [--out outputs/peer_pfl] [--clients 1000]
                                [--max-samples N] [--w3-image-size 64] [--prepare-only]
 
@@ -12,17 +12,31 @@ fedadapt's own Dirichlet(0.5) partition over ``--clients`` clients, FedAvg weigh
 * **W1**: a small CNN trained whole on the images (fedadapt ``backbone=small_cnn
   method=finetune``; on pfl the same layers rebuilt in plain torch from fedadapt's module, with
   fedadapt's initial weights loaded strictly);
+* **W2**: a linear head on frozen EfficientNet-Lite0 run at every step (fedadapt
+  ``backbone=efficientnet_lite0 method=linear_head method.use_cache=false``: W3's model without
+  the feature cache, at the same ``--w3-image-size``). pfl's side runs the same function in plain
+  torch (its venv has no timm nor the EfficientNet package): the export saves fedadapt's frozen
+  backbone (images to the pooled 1,280-d feature, in eval mode, as fedadapt's forward runs it)
+  with ``torch.export.export`` (a dynamic batch dimension; it exports EfficientNet-Lite0 in torch
+  2.13, so no ``torch.jit.trace`` fallback is needed) and ``torch.export.save``
+  (``W2-backbone.pt2``); pfl loads it with ``torch.export.load(...).module()``, its parameters
+  frozen and run under ``torch.no_grad()``, under an ``nn.Linear`` head holding fedadapt's initial
+  head weights. The export checks that the exported backbone's output equals fedadapt's backbone
+  on 64 training images, and fedadapt's model output equals head(exported backbone) on them (max
+  |diff| at most 1e-5, else it stops). fedadapt's in-process runs count the rows its backbone
+  runs on (at least the training and test rows: no cache);
 * **W3**: a linear head on frozen EfficientNet-Lite0 features computed once (fedadapt
   ``backbone=efficientnet_lite0 method=linear_head``, whose feature cache pfl reads too). The
   features are taken at ``--w3-image-size`` px (64, as ``fedadapt-bench --scale``: the time per
   round does not depend on it, the one-off extraction does: 224 px takes hours on 2 cores).
 
 What the pfl side gets from fedadapt (an ``.npz`` per workload under ``<out>/export/``): the
-images as fedadapt's preprocessing feeds them to the model (checked against fedadapt's data
-path), or the cached features; the labels; the partition's training indices; the initial
-weights; and the clients each round trains with each client's batch order, both drawn by
-fedadapt's own seeded samplers. The two runs therefore train the same clients on the same
-batches from the same weights (the fedadapt run checks that its sampled clients match).
+images as fedadapt's preprocessing feeds them to the model (W1, W2: checked against fedadapt's
+data path; grey images stored with one channel), or the cached features (W3); the labels; the
+partition's training indices; the initial weights (W2: the head's; its backbone is the ``.pt2``);
+and the clients each round trains with each client's batch order, both drawn by fedadapt's own
+seeded samplers. The two runs therefore train the same clients on the same batches from the same
+weights (the fedadapt run checks that its sampled clients match).
 
 pfl runs in its own venv (``<out>/pfl-venv``, made once): fedadapt's torch version, ``pfl
 --no-deps`` and only what pfl's PyTorch path imports (numpy, scipy, multiprocess, packaging,
@@ -36,7 +50,9 @@ simulation engine on Ray, and ``inprocess``, the same server, ClientApp and work
 
 Each run is its own process, the repeats interleaved (fedadapt, pfl, fedadapt, pfl, ...).
 Measured per run: seconds per round (median of the rounds after round 1, from the times each
-round ended), seconds from the process's start to the end of round 1, the peak memory of the
+round ended), seconds from the process's start to the end of round 1, seconds from the end of
+the last round (which includes the final evaluation, both sides) to the process's end (the
+summary, the tables, the exit; as the parent sees the process end), the peak memory of the
 process tree (PSS from /proc/<pid>/smaps_rollup, summed over the process and its descendants,
 sampled every 0.25 s) and the final accuracy on Fashion-MNIST's 10,000 test images. Writes
 ``peer_pfl.md`` and ``peer_pfl.json`` to ``--out`` and prints the table.
@@ -70,6 +86,9 @@ FMNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-imag
                 "t10k-labels-idx1-ubyte")
 WORKLOADS = {
     "W1": "small CNN trained whole on the images (fedadapt: backbone=small_cnn method=finetune)",
+    "W2": "linear head on frozen EfficientNet-Lite0 run at every step (fedadapt: "
+          "backbone=efficientnet_lite0 method=linear_head method.use_cache=false; pfl: "
+          "fedadapt's backbone exported with torch.export)",
     "W3": "linear head on frozen EfficientNet-Lite0 features computed once (fedadapt: "
           "backbone=efficientnet_lite0 method=linear_head, cached features)",
 }
@@ -120,8 +139,9 @@ def fedadapt_overrides(workload: str, a) -> list[str]:
         out.append(f"dataset.max_samples={a.max_samples}")
     if workload == "W1":
         return out + ["backbone=small_cnn", "method=finetune"]
-    return out + ["backbone=efficientnet_lite0", f"backbone.image_size={a.w3_image_size}",
-                  "method=linear_head"]
+    out += ["backbone=efficientnet_lite0", f"backbone.image_size={a.w3_image_size}",
+            "method=linear_head"]
+    return out + ["method.use_cache=false"] if workload == "W2" else out
 
 
 def fail_line(err: BaseException) -> str:
@@ -186,6 +206,49 @@ def _normalised(u8, pre):
     return torch.addcmul(shift, torch.from_numpy(u8).float().div_(255.0), scale)
 
 
+def _export_backbone(model, x, path: Path) -> dict:
+    """Save ``model.backbone`` (images to the pooled feature, in eval mode: what fedadapt's
+    forward runs under the head) with ``torch.export`` (dynamic batch dimension) to ``path``;
+    load it back as pfl's side does and check it on the images ``x``: its output against
+    fedadapt's backbone, and head(exported backbone(x)) against fedadapt's whole model."""
+    import torch
+    from torch import nn
+
+    model.eval()
+    backbone = model.backbone
+    start = time.time()
+    with torch.no_grad():
+        program = torch.export.export(
+            backbone, (x,), dynamic_shapes=({0: torch.export.Dim("batch", min=1)},))
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")  # torch wants the .pt2 suffix
+    torch.export.save(program, tmp)
+    os.replace(tmp, path)
+    seconds = time.time() - start
+    exported = torch.export.load(path).module()
+    head = nn.Linear(model.head.in_features, model.head.out_features)
+    head.load_state_dict(model.head.state_dict(), strict=True)
+    with torch.no_grad():
+        ours, theirs = exported(x), backbone(x)
+        feature_diff = float((ours - theirs).abs().max())
+        output_diff = float((head(ours) - model(x)).abs().max())
+        # the smallest batch, against fedadapt's at that batch (a convolution's last bits
+        # depend on the batch size: 2.4e-5 between a batch of 64 and one of 1 here)
+        one_diff = float((exported(x[:1]) - backbone(x[:1])).abs().max())
+    print(f"[export] W2's backbone: torch.export in {seconds:.1f} s "
+          f"({path.stat().st_size / 1e6:.1f} MB); on {len(x)} images max |diff| "
+          f"{feature_diff:.1e} (features, exported vs fedadapt's), {output_diff:.1e} (head("
+          f"exported) vs fedadapt's model), {one_diff:.1e} (a batch of 1)", flush=True)
+    worst = max(feature_diff, output_diff, one_diff)
+    if worst > 1e-5:
+        raise SetupError(f"the exported backbone differs from fedadapt's by {worst:.1e} "
+                         f"(features {feature_diff:.1e}, outputs {output_diff:.1e}, a batch of "
+                         f"1 {one_diff:.1e})")
+    return {"backbone_export": "torch.export", "backbone_export_s": seconds,
+            "backbone_file_bytes": path.stat().st_size, "backbone_check_images": len(x),
+            "backbone_check_max_abs_diff": feature_diff, "output_check_max_abs_diff": output_diff,
+            "backbone_check_batch1_max_abs_diff": one_diff}
+
+
 def child_export(a) -> int:
     """Build the workload with fedadapt (its partition, features, initial weights) and write
     what pfl's side reads."""
@@ -226,11 +289,12 @@ def child_export(a) -> int:
               "sched_order": np.concatenate(orders), "sched_offsets": offsets}
     arch = {"workload": a.workload, "num_classes": spec.num_classes, "in_dim": spec.embed_dim,
             "rounds": run.rounds, "per_round": k, "seed": run.seed}
-    check = None
-    if a.workload == "W1":
+    check, backbone_checks = None, {}
+    weights = model.state_dict()
+    if a.workload in ("W1", "W2"):
         pre = train.preprocess
-        arch.update(layers=_layers_of(model.backbone.features), mean=list(pre.mean),
-                    std=list(pre.std), images=True)
+        arch.update(layers=_layers_of(model.backbone.features) if a.workload == "W1" else [],
+                    mean=list(pre.mean), std=list(pre.std), images=True)
         arrays["train_x"] = _model_inputs_u8(train, pre, len(arrays["train_y"]))
         arrays["test_x"] = _model_inputs_u8(test, pre, len(arrays["test_y"]))
         # pfl's input from these bytes against fedadapt's own data path
@@ -240,6 +304,13 @@ def child_export(a) -> int:
         check = float((theirs - ours).abs().max())
         if check > 1e-6:
             raise SetupError(f"the exported images differ from fedadapt's inputs by {check}")
+        if a.workload == "W2":
+            if model.input_kind != "images" or model.train_backbone:
+                raise SetupError("W2's fedadapt model does not run a frozen backbone on images "
+                                 "(is method.use_cache=false applied?)")
+            arch["backbone_file"] = f"{a.workload}-backbone.pt2"
+            backbone_checks = _export_backbone(model, theirs[:64], out_dir / arch["backbone_file"])
+            weights = model.head.state_dict(prefix="head.")  # the backbone travels in the .pt2
     else:
         arch.update(layers=[], images=False)
         for split, src in (("train", train), ("test", test)):
@@ -252,7 +323,7 @@ def child_export(a) -> int:
 
                 shutil.copyfile(src.features_path, target)
             arch[f"features_{split}"] = target.name
-    weights = {f"w:{name}": t.detach().cpu().numpy() for name, t in model.state_dict().items()}
+    weights = {f"w:{name}": t.detach().cpu().numpy() for name, t in weights.items()}
     path = out_dir / f"{a.workload}.npz"
     tmp = out_dir / f".{a.workload}.tmp-{os.getpid()}.npz"
     np.savez(tmp, arch=np.asarray(json.dumps(arch)), **arrays, **weights)
@@ -261,7 +332,9 @@ def child_export(a) -> int:
             partition_hash(c.train for c in spec.clients), "num_clients": n,
             "train_samples": int(sum(len(c.train) for c in spec.clients)),
             "schedule": [cids[i:i + k] for i in range(0, len(cids), k)],
-            "input_check_max_abs_diff": check, "counts": prep.counts,
+            "input_check_max_abs_diff": check, **backbone_checks, "counts": prep.counts,
+            # without a cache the backbone runs on every trained row and every test row
+            "backbone_rows_needed": int(len(arrays["sched_order"]) + len(arrays["test_y"])),
             "seed": run.seed, "features_path": getattr(train, "features_path", None)}
     write_atomic(Path(a.result), json.dumps(meta))
     return 0
@@ -296,6 +369,18 @@ def child_fedadapt(a) -> int:
         return out
 
     server._close_round, server.exchange = timed_close, recorded_exchange
+    seen = {"calls": 0, "rows": 0}
+    if a.workload == "W2":  # the rows the backbone runs on in this process (in process: all)
+        from fedadapt.backbones.efficientnet import EfficientNetLiteBackbone
+
+        backbone_forward = EfficientNetLiteBackbone.forward
+
+        def counted_forward(self, images):
+            seen["calls"] += 1
+            seen["rows"] += len(images)
+            return backbone_forward(self, images)
+
+        EfficientNetLiteBackbone.forward = counted_forward
     composed = compose_config(meta["overrides"] + [f"federation.backend={a.backend}"])
     run = to_run_config(composed)
     prep = prepare_run(run)
@@ -311,6 +396,9 @@ def child_fedadapt(a) -> int:
               "own_round_s": [r["round_s"] for r in rows], "same_partition": same_partition,
               "same_clients": schedule == meta["schedule"], "layout": prep.layout,
               "run_dir": str(run_dir)}
+    if a.workload == "W2":
+        result.update(backbone_calls=seen["calls"], backbone_rows=seen["rows"],
+                      backbone_rows_needed=meta["backbone_rows_needed"])
     write_atomic(Path(a.result), json.dumps(result))
     return 0
 
@@ -355,14 +443,19 @@ def child_pfl(a) -> int:
     class Net(nn.Module):
         """fedadapt's model in plain torch (same parameter names), with the two methods
         ``PyTorchModel`` asks for. Images arrive as bytes and are normalised here, as
-        fedadapt's data path does (``Preprocess.normalize``)."""
+        fedadapt's data path does (``Preprocess.normalize``). W2: fedadapt's frozen backbone
+        as exported (``torch.export``), its parameters frozen, run without autograd."""
 
         def __init__(self) -> None:
             super().__init__()
             self.images = bool(arch["images"])
+            self.frozen = None
             if arch["layers"]:
                 self.backbone = nn.Module()
                 self.backbone.features = nn.Sequential(*[layer(s) for s in arch["layers"]])
+            if arch.get("backbone_file"):
+                self.frozen = torch.export.load(export.parent / arch["backbone_file"]).module()
+                self.frozen.requires_grad_(False)
             self.head = nn.Linear(arch["in_dim"], arch["num_classes"])
             if self.images:
                 scale = 1.0 / torch.tensor(arch["std"], dtype=torch.float32).view(1, 3, 1, 1)
@@ -375,7 +468,19 @@ def child_pfl(a) -> int:
                 x = torch.addcmul(self.shift, x.float().div_(255.0), self.scale)
             if arch["layers"]:
                 x = self.backbone.features(x)
+            if self.frozen is not None:
+                with torch.no_grad():
+                    x = self.frozen(x)
             return self.head(x)
+
+        def train(self, mode: bool = True):
+            """As ``nn.Module.train``, but the exported backbone keeps the eval mode it was
+            exported in (an exported module refuses ``train()`` and ``eval()``)."""
+            self.training = mode
+            for child in self.children():
+                if child is not self.frozen:
+                    child.train(mode)
+            return self
 
         def loss(self, x, y, eval=False):  # noqa: A002  (pfl's keyword)
             self.eval() if eval else self.train()
@@ -392,7 +497,12 @@ def child_pfl(a) -> int:
     net = Net()
     weights = {name[2:]: torch.from_numpy(data[name]) for name in data.files
                if name.startswith("w:")}
-    net.load_state_dict(weights, strict=True)  # fedadapt's initial weights, every tensor
+    if net.frozen is None:
+        net.load_state_dict(weights, strict=True)  # fedadapt's initial weights, every tensor
+    else:  # W2: the head's (the backbone's are the exported ones)
+        net.head.load_state_dict({k[len("head."):]: v for k, v in weights.items()}, strict=True)
+        if set(weights) != {f"head.{k}" for k in net.head.state_dict()}:
+            raise SetupError(f"W2's export holds more than the head: {sorted(weights)}")
 
     if arch["images"]:
         train_x, test_x = data["train_x"], data["test_x"]
@@ -445,7 +555,8 @@ def child_pfl(a) -> int:
     evaluation = FinalCentralEvaluation(central, NNEvalHyperParams(local_batch_size=EVAL_BATCH))
     clock = RoundClock()
     model = PyTorchModel(model=net, local_optimizer_create=torch.optim.SGD,
-                         central_optimizer=torch.optim.SGD(net.parameters(), lr=1.0))
+                         central_optimizer=torch.optim.SGD(
+                             [p for p in net.parameters() if p.requires_grad], lr=1.0))
     backend = SimulatedBackend(training_data=federated, val_data=federated,
                                postprocessors=[WeightByDatapoints()])
     FederatedAveraging().run(
@@ -641,6 +752,8 @@ def summarise_run(side: str, workload: str, rep: int, measured: dict, result: di
             "s_per_round": statistics.median(gaps) if gaps else None,
             "round_s": gaps,
             "startup_to_round1_s": ends[0] - measured["started"] if ends else None,
+            # the end of the last round (its evaluation included) to the process's end
+            "tail_s": measured["exited"] - ends[-1] if ends else None,
             "process_s": measured["exited"] - measured["started"],
             "peak_pss_bytes": measured["peak_pss_bytes"],
             "peak_pss_processes": measured["peak_pss_processes"],
@@ -694,8 +807,9 @@ def render(report: dict) -> str:
         f"momentum), batch {BATCH}, {EPOCHS} local epoch; {a['rounds']} rounds, {a['repeats']} "
         "repeat(s) interleaved; the same clients, batches and initial weights on both sides.", "",
         "| workload | framework | s / round | start-up to end of round 1 (s) | "
-        "peak PSS, process tree (MB) | final test accuracy | final test loss | runs |",
-        "|---|---|---|---|---|---|---|---|",
+        "after the last round (s) | peak PSS, process tree (MB) | final test accuracy | "
+        "final test loss | runs |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for w in a["workloads"]:
         for side in report["sides"]:
@@ -703,28 +817,48 @@ def render(report: dict) -> str:
             lines.append(
                 f"| {w} | {side} | {_cell([r['s_per_round'] for r in runs], '.3f')} | "
                 f"{_cell([r['startup_to_round1_s'] for r in runs], '.1f')} | "
+                f"{_cell([r.get('tail_s') for r in runs], '.2f')} | "
                 f"{_cell([r['peak_pss_bytes'] / 1e6 for r in runs], '.0f')} | "
                 f"{_cell([r['accuracy'] for r in runs], '.4f')} | "
                 f"{_cell([r['loss'] for r in runs], '.4f')} | {len(runs)} |")
     lines += ["", "Cells: median over the repeats (min–max when more than one). s / round: "
               "median of the rounds after round 1 (round 1 is in the start-up column; the last "
-              "round includes the evaluation on the 10,000 test images, both sides). Peak PSS: "
+              "round includes the evaluation on the 10,000 test images, both sides). After the "
+              "last round: from the end of the last round to the process's end (the summary, "
+              "the tables, the exit), as the parent sees it end (it polls every "
+              f"{PSS_INTERVAL_S} s at most, returning as the process exits). Peak PSS: "
               "the process and its descendants (fedadapt on simulation: Ray's too), sampled "
               f"every {PSS_INTERVAL_S} s. pfl's round 1 also evaluates each of its clients before "
               "and after local training (pfl does so in every central iteration where iteration % "
-              "evaluation_frequency == 0, which iteration 0 always is). W3's features: "
-              f"EfficientNet-Lite0 at {a['w3_image_size']} px, computed once by the export "
-              "(not timed).", ""]
+              "evaluation_frequency == 0, which iteration 0 always is)."
+              + (f" W2: EfficientNet-Lite0 at {a['w3_image_size']} px run at every step on "
+                 "both sides (pfl: fedadapt's backbone saved by torch.export and loaded as a "
+                 "module; the export is not timed)." if "W2" in a["workloads"] else "")
+              + (f" W3's features: EfficientNet-Lite0 at {a['w3_image_size']} px, computed once "
+                 "by the export (not timed)." if "W3" in a["workloads"] else ""), ""]
     for w in a["workloads"]:
         lines.append(f"- {w}: {WORKLOADS[w]}.")
         checks = report["exports"][w]
         runs = [r for r in report["runs"] if r["workload"] == w and r["side"] != "pfl"]
         same = all(r.get("same_clients") and r.get("same_partition") for r in runs)
+        counted = [r for r in runs if r.get("backbone_rows")]
         lines.append(f"  Checks: fedadapt's runs trained the exported clients on the exported "
                      f"partition: {'yes' if same else 'NO'}"
                      + ("" if checks.get("input_check_max_abs_diff") is None else
                         f"; pfl's image input vs fedadapt's: max |diff| "
-                        f"{checks['input_check_max_abs_diff']:.1e}") + ".")
+                        f"{checks['input_check_max_abs_diff']:.1e}")
+                     + ("" if checks.get("backbone_check_max_abs_diff") is None else
+                        f"; the exported backbone vs fedadapt's on "
+                        f"{checks['backbone_check_images']} images: max |diff| "
+                        f"{checks['backbone_check_max_abs_diff']:.1e} (features), "
+                        f"{checks['output_check_max_abs_diff']:.1e} (head(backbone) vs "
+                        f"fedadapt's model output); exported in "
+                        f"{checks['backbone_export_s']:.1f} s")
+                     + ("" if not counted else
+                        f"; fedadapt's backbone ran on {counted[0]['backbone_rows']:,} rows in "
+                        f"{counted[0]['backbone_calls']:,} calls in its in-process run (the "
+                        f"trained and test rows: {counted[0]['backbone_rows_needed']:,})")
+                     + ".")
     return "\n".join(lines) + "\n"
 
 
@@ -793,10 +927,11 @@ def parent(a) -> int:
                 row = summarise_run(side, w, rep, measured, json.loads(result.read_text()))
                 row["log"] = str(log)
                 runs.append(row)
-                spr, up = row["s_per_round"], row["startup_to_round1_s"]
+                spr, up, tail = row["s_per_round"], row["startup_to_round1_s"], row["tail_s"]
                 print(f"[{w} {side} {rep}/{a.repeats}] "
                       f"{'n/a' if spr is None else f'{spr:.3f}'} s/round, start-up "
-                      f"{'n/a' if up is None else f'{up:.1f}'} s, peak PSS "
+                      f"{'n/a' if up is None else f'{up:.1f}'} s, after the last round "
+                      f"{'n/a' if tail is None else f'{tail:.2f}'} s, peak PSS "
                       f"{row['peak_pss_bytes'] / 1e6:.0f} MB, accuracy {row['accuracy']}",
                       flush=True)
     report = {"command": command, "machine": machine(), "load_before": load_before,
@@ -822,7 +957,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--workloads", default="W1,W3", help="comma-separated: W1, W3")
+    p.add_argument("--workloads", default="W1,W2,W3", help="comma-separated: W1, W2, W3")
     p.add_argument("--backends", default="simulation,inprocess",
                    help="fedadapt's federation.backend: simulation, inprocess or both")
     p.add_argument("--out", default="outputs/peer_pfl")
@@ -831,7 +966,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-samples", type=int, default=None,
                    help="use only this many training images (fedadapt's dataset.max_samples)")
     p.add_argument("--w3-image-size", type=int, default=64,
-                   help="EfficientNet-Lite0's input size for W3's features")
+                   help="EfficientNet-Lite0's input size (W2's images, W3's features)")
     p.add_argument("--prepare-only", action="store_true",
                    help="make pfl's venv and the exports (W3's features: the long part), then "
                         "stop; a later run measures")
