@@ -259,6 +259,13 @@ def describe_policy() -> str:
     return f"{policy} ({why})"
 
 
+def evaluated_round(row: dict) -> bool:
+    """Whether a round's metrics row says it evaluated: its clients, or the global model on
+    the server (a row holds both keys, None when not measured). :class:`SlowdownWatch` compares
+    such rounds with each other: the final evaluation of a long test set is not a slowdown."""
+    return any(row.get(key) is not None for key in ("client_acc", "global_acc"))
+
+
 class SlowdownWatch:
     """Says once when a round takes :data:`SLOWDOWN` times the run's first rounds of its kind
     (evaluated or not) while other processes keep at least half a core busy."""

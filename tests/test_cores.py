@@ -172,6 +172,16 @@ def test_no_word_without_others_load_and_rounds_are_compared_with_their_kind(mon
                             "the machine is the remedy)")
 
 
+def test_a_round_that_evaluated_on_the_server_or_its_clients_is_of_the_evaluated_kind():
+    """A metrics row holds both accuracies, None where not measured: the last round's
+    server-side evaluation of the whole test set is compared with evaluated rounds, not
+    called a slowdown of the training rounds."""
+    assert not cores.evaluated_round({"round": 3, "client_acc": None, "global_acc": None})
+    assert cores.evaluated_round({"round": 40, "client_acc": None, "global_acc": 0.16})
+    assert cores.evaluated_round({"round": 2, "client_acc": 0.5, "global_acc": None})
+    assert not cores.evaluated_round({"round": 1})
+
+
 def test_a_run_states_its_threads_and_a_resume_keeps_the_first_parts(tmp_path, cache_dir,
                                                                     monkeypatch, capsys):
     from omegaconf import OmegaConf

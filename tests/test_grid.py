@@ -64,6 +64,23 @@ def test_a_strategy_sees_one_node_per_client_in_partition_order():
         grid.partition_of(12)
 
 
+def test_clients_spread_over_workers_by_their_work_when_it_is_known():
+    """Worked by hand: sizes 25, 52, 41, 16, 85, 18 over two workers. In order: 118 and 119.
+    Largest first to the less loaded worker: 85 -> w0, 52 -> w1, 41 -> w1 (93), 25 -> w0
+    (110), 18 -> w1 (111), 16 -> w0 (126)... each worker's clients then in the round's order."""
+    sizes = {0: 25, 1: 52, 2: 41, 3: 16, 4: 85, 5: 18}
+    even = Nodes("workers", {0: 11, 1: 12})
+    assert even.assign(list(sizes)) == [(11, [0, 1, 2]), (12, [3, 4, 5])]
+    balanced = Nodes("workers", {0: 11, 1: 12}, work=sizes.__getitem__)
+    assert balanced.assign(list(sizes)) == [(11, [0, 3, 4]), (12, [1, 2, 5])]
+    assert balanced.assign([4]) == [(11, [4])]  # a worker without clients gets no message
+    assert balanced.assign(list(sizes), per_message=2) == even.assign(list(sizes), 2)
+    alone = Nodes("workers", {0: 11}, work=sizes.__getitem__)
+    assert alone.assign([2, 4]) == [(11, [2, 4])]
+    clients = Nodes("clients", {0: 11, 1: 12}, work=sizes.__getitem__)
+    assert clients.assign([1, 0]) == [(12, [1]), (11, [0])]
+
+
 def test_one_message_per_worker_carries_the_shared_records_once(flower_task):
     inner = Workers(trained_everything)
     grid = ClientGrid(inner, Nodes("workers", {0: 11, 1: 12}), 6, group_size=3)

@@ -5,6 +5,7 @@ process, to the last bit."""
 import json
 
 import pytest
+import torch
 from conftest import accuracy_of, final_checkpoint, learning_run, tiny_run
 
 from fedadapt.adapters.heads import FinetuneConfig, LinearHeadConfig
@@ -54,6 +55,35 @@ def test_ten_clients_four_rounds_learn(cache_dir, tmp_path):
 WALL_CLOCK = ("round_s", "wall_s")
 
 
+def test_in_process_workers_at_once_train_as_workers_taking_turns(cache_dir, tmp_path):
+    """A model trained whole on the CPU, in process with ``federation.workers=auto``: a worker
+    per free core, one torch thread each, training at once on threads of their own (each its
+    own model); the same run to the last bit as the same two workers taking turns in the main
+    thread. (Each worker thread's torch threads are its own: before torch's set-up of the new
+    thread came first, the threads took the server's two and the server's first loss moved in
+    its seventh digit.)"""
+    import os
+
+    cfg = tiny_run(cache_dir, FinetuneConfig(), rounds=3)
+    cfg.partition.fraction_fit = 0.67
+    cfg.federation.num_gpus = 0
+    cfg.federation.num_cpus = 1
+    cfg.federation.backend = "inprocess"
+    rows, summaries = [], []
+    for i, workers in enumerate(("auto", "2")):
+        cfg.federation.workers = workers
+        summaries.append(run_experiment(cfg, tmp_path / f"run{i}", config_yaml="test: true\n"))
+        rows.append([{k: v for k, v in r.items() if k not in WALL_CLOCK}
+                     for r in read_jsonl(tmp_path / f"run{i}" / "metrics.jsonl")])
+    at_once, turns = (s["layout"] for s in summaries)
+    assert at_once["workers_at_once"] and at_once["workers"] == min(2, os.cpu_count() or 1)
+    assert at_once["threads"] == 1 and not turns["workers_at_once"]
+    assert rows[0] == rows[1]
+    first, second = (final_checkpoint(tmp_path / f"run{i}") for i in range(2))
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
+
 def test_same_seed_same_metrics_on_ray_and_in_process(cache_dir, tmp_path):
     """Two runs of one config and seed give identical metrics (wall-clock fields aside), even
     for full fine-tuning where every float of the aggregate feeds the next round: one on
@@ -70,6 +100,7 @@ def test_same_seed_same_metrics_on_ray_and_in_process(cache_dir, tmp_path):
     cfg.partition.fraction_fit = 0.67  # sampling must be seeded too
     cfg.federation.num_gpus = 0
     cfg.federation.num_cpus = 1  # the same threads on both backends, whatever the machine
+    cfg.federation.workers = "2"  # in process they take turns (at once: the test below)
     runs, summaries = [], []
     for i, backend in enumerate(("simulation", "inprocess")):
         cfg.federation.backend = backend

@@ -65,9 +65,6 @@ def test_auto_k_fills_a_worker_and_a_model_that_trains_whole_trains_one_at_a_tim
     forced = size_simulation(fed(clients_per_worker="3"), "cpu", sampled=10, batch_size=32,
                              trains_whole=True, nodes=[(2.0, 0.0)])
     assert forced.group_size == 3  # an explicit K is kept
-    heads = size_simulation(fed(), "cpu", sampled=10, batch_size=32, features=True,
-                            nodes=[(2.0, 0.0)])
-    assert heads.group_size == 1 and "cached features" in heads.note
 
 
 def test_a_k_above_what_a_worker_gets_is_clamped_with_a_note():

@@ -15,6 +15,7 @@ training) they are torch's dropout.
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from functools import partial
 
@@ -27,7 +28,17 @@ _M31 = (1 << 31) - 1
 #: The seed stream of a client's dropout keys (one of the streams shared by
 #: :func:`~fedadapt.federation.client.training.train_local` and grouped training).
 DROPOUT_STREAM = 0xD209
-_STATE: dict = {"key": None, "calls": 0}
+
+
+class _Keyed(threading.local):
+    """The key of the forward running on this thread and the dropout calls it made so far
+    (a thread's own: workers in one process train at once, each on a thread)."""
+
+    key = None
+    calls = 0
+
+
+_STATE = _Keyed()
 
 
 def step_key(seed: int, step: int) -> int:
@@ -40,11 +51,11 @@ def step_key(seed: int, step: int) -> int:
 def keyed(key: torch.Tensor):
     """Dropout in this forward draws from ``key``: an int64 scalar (batched under ``vmap``), or
     ``[S]`` keys, one per client slot of a grouped batch."""
-    _STATE.update(key=key, calls=0)
+    _STATE.key, _STATE.calls = key, 0
     try:
         yield
     finally:
-        _STATE.update(key=None, calls=0)
+        _STATE.key, _STATE.calls = None, 0
 
 
 @contextmanager
@@ -52,11 +63,11 @@ def branch():
     """A part of a forward that only some slots take (the clients leaving at an exit): the calls
     it makes are not counted for what follows, so every client's n-th dropout call is its n-th
     alone, whatever branches other clients took in between."""
-    calls = _STATE["calls"]
+    calls = _STATE.calls
     try:
         yield
     finally:
-        _STATE["calls"] = calls
+        _STATE.calls = calls
 
 
 def uniform(key: torch.Tensor, call: int, shape: torch.Size, device) -> torch.Tensor:
@@ -85,11 +96,11 @@ def _hash(h: torch.Tensor) -> torch.Tensor:
 
 
 def _forward(module: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
-    key = _STATE["key"]
+    key = _STATE.key
     if key is None or not module.training or module.p == 0:
         return F.dropout(x, module.p, module.training, module.inplace)
-    call = _STATE["calls"]
-    _STATE["calls"] = call + 1
+    call = _STATE.calls
+    _STATE.calls = call + 1
     if key.dim() == 1:  # one key per client slot (fedadapt.grouping.forms)
         from fedadapt.grouping.forms import active
 

@@ -236,23 +236,32 @@ def node_layout(cfg: RunConfig, prep: PreparedRun, execute: Optional[Callable],
     backend = resolve_backend(fed, spec.device)[0] if execute is None else \
         getattr(execute, "backend", "inprocess" if getattr(execute, "nodes", "") == "workers"
                 else "simulation")
-    if backend == "inprocess" and str(fed.workers).strip().lower() == "auto":
-        fed = dataclasses.replace(fed, workers="1")  # its workers take turns: one has every CPU
+    trains_whole = backbone_trained >= prep.counts["backbone_params"] / 2
+    # in process, workers on threads train at once only one client at a time each, through
+    # train_local (grouped steps, DP-SGD's and a pfl kind's own loops keep process-wide state)
+    auto = str(fed.workers).strip().lower() == "auto"
+    at_once = (backend == "inprocess" and auto and spec.device == "cpu" and trains_whole
+               and spec.dpsgd is None and spec.rule is None)
+    if backend == "inprocess" and auto:
+        fed = dataclasses.replace(fed, workers=str(in_process_workers(fed, at_once, resume)))
     sizing = size_simulation(fed, spec.device, sampled, cfg.train.batch_size,
-                             probe, trains_whole=backbone_trained
-                             >= prep.counts["backbone_params"] / 2,
-                             features=spec.train_source.kind == "features")
+                             probe, trains_whole=trains_whole)
+    at_once = at_once and sizing.workers > 1 and sizing.group_size == 1
     announce(sizing)
-    threads, why = worker_threads(fed, sizing, backend, resume)
+    threads, why = worker_threads(fed, sizing, backend, at_once, resume)
     # the server's own evaluation at the process's threads, unless the free cores cap them
     server = threads if threads < max(1, int(sizing.num_cpus)) else None
     prep.layout = {"backend": backend, "workers": sizing.workers,
                    "clients_per_worker": sizing.group_size, "num_cpus": sizing.num_cpus,
                    "num_gpus": sizing.num_gpus, "note": sizing.note, "threads": threads,
                    "threads_why": why, "omp_wait": cores.WAIT_POLICY[0],
-                   "server_threads": server}
+                   "server_threads": server, "workers_at_once": at_once}
     log(f"[federation] {threads} torch thread(s) per worker ({why}); OpenMP waits: "
         f"{cores.describe_policy()}")
+    if at_once:
+        log(f"[federation] in process: the {sizing.workers} workers train at once, each on a "
+            f"thread of its own (the model trains whole on the CPU: a core per worker trains "
+            f"faster than one worker's threads share both)")
     if sizing.group_size > 1 and spec.dpsgd is not None:  # worker.train_groups(private=True)
         log(f"[federation] dp={cfg.dp.name}: each worker trains its {sizing.group_size} clients "
             f"one at a time, not side by side (Opacus's per-sample gradients are one model's)")
@@ -268,10 +277,24 @@ def node_layout(cfg: RunConfig, prep: PreparedRun, execute: Optional[Callable],
     spec.client_threads = threads  # each worker's torch threads
     return {"nodes": "workers", "num_nodes": sizing.workers, "group_size": sizing.group_size,
             "resources": {"num_cpus": sizing.num_cpus, "num_gpus": sizing.num_gpus},
-            "server_threads": server}
+            "server_threads": server, "workers_at_once": at_once}
 
 
-def worker_threads(fed, sizing, backend: str, resume: Optional[dict]) -> tuple[int, str]:
+def in_process_workers(fed, at_once: bool, resume: Optional[dict]) -> int:
+    """``federation.workers=auto`` in process: one worker with every free core, or, for workers
+    that train at once (``at_once``), a worker per free core (a resumed run keeps its first
+    part's layout; ``federation.num_cpus`` sets the cores of each)."""
+    if not at_once:
+        return 1
+    if resume and resume.get("workers"):
+        return int(resume["workers"])
+    per = max(1, int(fed.num_cpus or 1))
+    free = cores.threads_for(cores.usable_cores(), 1)[0]
+    return max(1, free // per)
+
+
+def worker_threads(fed, sizing, backend: str, at_once: bool,
+                   resume: Optional[dict]) -> tuple[int, str]:
     """Each worker's torch threads and why (fedadapt.cores): ``federation.num_cpus`` when set;
     a resumed run's first part's (its last bits depend on them); on a remote Ray cluster its
     workers' CPUs; else those CPUs capped by the cores free on this machine."""
@@ -282,5 +305,6 @@ def worker_threads(fed, sizing, backend: str, resume: Optional[dict]) -> tuple[i
         return int(resume["threads"]), "as the run's part before the resume"
     if fed.ray_address is not None:
         return want, "the cluster's CPUs per worker"
-    local = 1 if backend == "inprocess" else sizing.workers  # in process they take turns
+    # in process they take turns unless they train at once
+    local = sizing.workers if backend != "inprocess" or at_once else 1
     return cores.threads_for(sizing.num_cpus, local)

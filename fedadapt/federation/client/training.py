@@ -11,6 +11,7 @@ run's device (prepared one batch ahead), forward passes run under the run's prec
 from __future__ import annotations
 
 import math
+import threading
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -190,16 +191,21 @@ def seeded_model(method, seed: int, backbone, num_classes: int, *, with_backbone
                        class_text=class_text)
 
 
-_MODELS: dict[str, tuple[AdaptedModel, dict]] = {}
+#: The client models of this process: one per run and thread (in process, each worker is a
+#: thread of its own: :mod:`fedadapt.federation.simulation.inprocess`), built one at a time
+#: (the seeded initialisation draws from torch's global generator).
+_MODELS: dict[tuple[str, int], tuple[AdaptedModel, dict]] = {}
+_BUILDING = threading.Lock()
 
 
 def drop_cached_model() -> None:
-    """Forget this process's client model (:func:`cached_model` builds it again)."""
+    """Forget this process's client models (:func:`cached_model` builds them again)."""
     _MODELS.clear()
 
 
 def cached_model(spec: RunSpec) -> AdaptedModel:
-    """One model per process and run; every call overwrites all trainable tensors before use."""
+    """One model per process, run and thread; every call overwrites all trainable tensors
+    before use."""
     return _cached(spec)[0]
 
 
@@ -209,12 +215,15 @@ def initial_personal(spec: RunSpec) -> dict[str, torch.Tensor]:
 
 
 def _cached(spec: RunSpec) -> tuple[AdaptedModel, dict]:
-    if spec.run_id not in _MODELS:
-        _MODELS.clear()
-        torch.set_num_threads(spec.client_threads)  # the client's process: as every run's
-        model = build_run_model(spec)
-        _MODELS[spec.run_id] = (model, model.tensors(model.personal_names()))
-    return _MODELS[spec.run_id]
+    key = (spec.run_id, threading.get_ident())
+    if key not in _MODELS:
+        with _BUILDING:
+            for old in [k for k in _MODELS if k[0] != spec.run_id]:
+                del _MODELS[old]
+            torch.set_num_threads(spec.client_threads)  # the client's process: as every run's
+            model = build_run_model(spec)
+            _MODELS[key] = (model, model.tensors(model.personal_names()))
+    return _MODELS[key]
 
 
 def lr_at(train: TrainConfig, server_round: int, rounds: int) -> float:

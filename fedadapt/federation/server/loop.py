@@ -174,6 +174,13 @@ class ServerPlan:
     resources: dict = field(default_factory=lambda: {"num_cpus": 1.0, "num_gpus": 0.0})
     #: Clients a worker trains side by side (1: one after another).
     group_size: int = 1
+    #: In process: the workers serve their messages at the same time, each on a thread of its
+    #: own (:mod:`fedadapt.federation.simulation.inprocess`); otherwise they take turns.
+    workers_at_once: bool = False
+    #: ``client_work(cid)``: a client's training examples, by which a round's clients are
+    #: spread over the workers (:meth:`fedadapt.federation.wire.grid.Nodes.balanced`); None:
+    #: evenly by count.
+    client_work: Optional[Callable[[int], float]] = None
     #: torch's threads for the server's own work (its evaluation) while the plan runs, where
     #: the free cores cap the workers' (fedadapt.cores); None = the process's as they are.
     server_threads: Optional[int] = None
@@ -695,7 +702,7 @@ def _execute(grid: Grid, plan: ServerPlan, held: list) -> ServerState:
     if hasattr(grid, "pull_interval") and not isinstance(grid, StoppableGrid):  # Flower's own
         grid.pull_interval = min(grid.pull_interval, PULL_INTERVAL)  # (deployment engine)
     strategy = plan.make_strategy() if plan.make_strategy is not None else None
-    nodes = Nodes(plan.nodes, handshake(grid, plan.num_nodes))
+    nodes = Nodes(plan.nodes, handshake(grid, plan.num_nodes), work=plan.client_work)
     clients = ClientGrid(grid, nodes, plan.num_clients, group_size=plan.group_size)
     state = ServerState(strategy=strategy, arrays=plan.initial_arrays, num_rounds=plan.num_rounds,
                         streams=SeededStreams(plan.seed))

@@ -64,21 +64,46 @@ class Nodes:
 
     kind: str
     node_ids: dict[int, int]
+    #: ``work(cid)``: what a client brings to a round (its training examples); the workers'
+    #: shares are balanced by it. None: the clients split evenly by count.
+    work: Optional[Callable[[int], float]] = None
 
     def assign(self, cids: list[int], per_message: Optional[int] = None
                ) -> list[tuple[int, list[int]]]:
         """``(node id, clients)`` of each message: one per client on the deployment engine;
-        in simulation the clients split evenly and in order over the workers (at most
-        ``per_message`` clients a message)."""
+        in simulation the clients split over the workers, by :attr:`work` when it is known
+        (:meth:`balanced`), else evenly and in order (at most ``per_message`` clients a
+        message)."""
         if self.kind == "clients":
             return [(self.node_ids[p], [p]) for p in cids]
         workers = sorted(self.node_ids)
+        if self.work is not None and per_message is None and len(workers) > 1:
+            return self.balanced(cids, workers)
         n = len(cids)
         chunks = len(workers) if per_message is None else max(
             len(workers), -(-n // per_message))
         bounds = [round(i * n / chunks) for i in range(chunks + 1)]
         return [(self.node_ids[workers[i % len(workers)]], cids[a:b])
                 for i, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a]
+
+
+    def balanced(self, cids: list[int], workers: list[int]) -> list[tuple[int, list[int]]]:
+        """The round's work spread over the workers, which train at once, so that the last
+        to finish has as little as can be: the largest client first, each to the worker with
+        the least work so far (ties: the lower one), each worker's clients then in the
+        round's order. Fashion-MNIST's Dirichlet(0.5) partition of 1,000 clients, 10 a round,
+        two workers (benchmarks/investigations/peer_pfl.py's W1): over 60 rounds the busier
+        worker held 239.8 examples on average split in order, 217.8 balanced (half the round:
+        214.1)."""
+        loads = [0.0] * len(workers)
+        shares: list[list[int]] = [[] for _ in workers]
+        for cid in sorted(cids, key=lambda c: (-self.work(c), c)):
+            i = min(range(len(workers)), key=lambda j: (loads[j], j))
+            shares[i].append(cid)
+            loads[i] += self.work(cid)
+        place = {cid: k for k, cid in enumerate(cids)}
+        return [(self.node_ids[workers[i]], sorted(share, key=place.__getitem__))
+                for i, share in enumerate(shares) if share]
 
 
 def wait_for_nodes(grid, n: int, timeout: float = 300.0) -> list[int]:

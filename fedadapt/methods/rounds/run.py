@@ -288,7 +288,7 @@ def _round_hook(cfg: RunConfig, run_dir: Path, config_sha: str, tracker, show: l
     (and after the last) a checkpoint, which keeps the workers' threads (``layout()``'s); after
     the first round this process runs, when it writes no checkpoint, the strategy's state saved
     and loaded into ``rebuild()`` as a checkpoint would (what a hook made refused then)."""
-    from fedadapt.cores import SlowdownWatch
+    from fedadapt.cores import SlowdownWatch, evaluated_round
     from fedadapt.federation.server.checkpoint import save_checkpoint
     from fedadapt.results.store import METRICS, append_jsonl
 
@@ -304,7 +304,7 @@ def _round_hook(cfg: RunConfig, run_dir: Path, config_sha: str, tracker, show: l
         if not watch:
             watch.append(SlowdownWatch(int(layout().get("threads") or 1)))
         if state.server_round and "round_s" in row:
-            said = watch[0].round(state.server_round, row["round_s"], "client_acc" in row)
+            said = watch[0].round(state.server_round, row["round_s"], evaluated_round(row))
             if said:
                 log(f"[federation] {said}")
         rnd = state.server_round
@@ -322,7 +322,8 @@ def _round_hook(cfg: RunConfig, run_dir: Path, config_sha: str, tracker, show: l
                                    "strategy": strategy,
                                    "client_metrics": state.client_metrics,
                                    "wall_s": state.history[-1]["wall_s"],
-                                   "threads": layout().get("threads")},
+                                   "threads": layout().get("threads"),
+                                   "workers": layout().get("workers")},
                             config_sha=config_sha, strategy_arrays=strategy_arrays)
             state.checkpoint_round = rnd
 
@@ -374,6 +375,7 @@ def _rounds_plan(cfg: RunConfig, prep: PreparedRun, initial, num_rounds: int,
         on_round=on_round,
         resume=resume,
         sent_names=lambda cid: sent_names(spec, cid, model),
+        client_work=lambda cid: len(spec.clients[cid].train),
         sent_shape=_rank_shape(spec.client_ranks,
                                capabilities_of(cfg.strategy).prunes_rank),
         **node_layout(cfg, prep, execute, sampled, resume),
