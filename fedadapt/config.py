@@ -352,10 +352,11 @@ class FederationConfig:
 
     #: ``simulation``: Flower's simulation engine (Ray backend, ``flwr.simulation.run_simulation``),
     #: the workers Ray actors. ``inprocess``: the same server code, ClientApp and workers in this
-    #: one process, no Ray (one machine; the workers' messages handled in turn): the same
-    #: numbers, less start-up and memory (docs/speed.md). ``auto``: in process when one worker
-    #: on the CPU serves the run, Flower's simulation engine for several workers, a GPU or a Ray
-    #: cluster (the run's layout line says which).
+    #: one process, no Ray (one machine; with ``workers=auto`` a model trained whole on the CPU
+    #: gets a worker per free core, training at once on threads, else the workers take turns):
+    #: the same numbers, less start-up and memory (docs/speed.md). ``auto``: in process when
+    #: this machine's CPU serves the run with one planned worker, Flower's simulation engine for
+    #: several workers, a GPU or a Ray cluster (the run's layout line says which).
     backend: str = "auto"
     #: Simulated workers (Ray actors that each hold the frozen backbone once and train the
     #: clients a message names): ``auto`` = one per GPU, on the CPU one per two cores; or N.

@@ -340,9 +340,14 @@ def _metrics(run_dir):
                          ids=["fedrep", "fedper"])
 def test_stopped_after_round_one_and_resumed_equals_a_straight_run(kind, cache_dir, tmp_path):
     """Stopped after round 1 of 3 (checkpoint every round), resumed: the same metrics, the
-    same global tensors and the same personal heads as a run straight through."""
+    same global tensors and the same personal heads as a run straight through. The clients
+    train side by side (FedRep's head phase beside the body the round received: a group took
+    the body the model was last left with, which the resumed process's model did not hold)."""
+    import json
+
     extra = ["rounds=3", "federation.checkpoint_every=1", "train.batch_size=32", *kind]
     ref = run(cache_dir, tmp_path / "ref", *extra)
+    assert json.loads((ref / "summary.json").read_text())["layout"]["clients_per_worker"] == 3
     with pytest.raises(_Killed):
         run(cache_dir, tmp_path / "cut", *extra, execute=_stopping_after(1))
     assert len(read_jsonl(tmp_path / "cut" / "metrics.jsonl")) == 1

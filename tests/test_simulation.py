@@ -56,16 +56,17 @@ WALL_CLOCK = ("round_s", "wall_s")
 
 
 def test_in_process_workers_at_once_train_as_workers_taking_turns(cache_dir, tmp_path):
-    """A model trained whole on the CPU, in process with ``federation.workers=auto``: a worker
-    per free core, one torch thread each, training at once on threads of their own (each its
-    own model); the same run to the last bit as the same two workers taking turns in the main
-    thread. (Each worker thread's torch threads are its own: before torch's set-up of the new
-    thread came first, the threads took the server's two and the server's first loss moved in
-    its seventh digit.)"""
+    """A model trained whole on the CPU, in process with ``federation.workers=auto``, two
+    clients a round or more for each: a worker per free core, one torch thread each, training
+    at once on threads of their own (each its own model); the same run to the last bit as
+    the same two workers taking turns in the main thread. (Each worker thread's torch threads
+    are its own: before torch's set-up of the new thread came first, the threads took the
+    server's two and the server's first loss moved in its seventh digit.)"""
     import os
 
     cfg = tiny_run(cache_dir, FinetuneConfig(), rounds=3)
-    cfg.partition.fraction_fit = 0.67
+    cfg.partition.num_clients = 6
+    cfg.partition.fraction_fit = 0.67  # 4 clients a round: two for each worker
     cfg.federation.num_gpus = 0
     cfg.federation.num_cpus = 1
     cfg.federation.backend = "inprocess"

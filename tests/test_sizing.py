@@ -140,7 +140,7 @@ def test_the_default_backend_is_in_process_where_one_worker_serves_the_run():
     auto = FederationConfig()
     assert auto.backend == "auto"
     assert resolve_backend(replace(auto, workers="1"), "cpu") == (
-        "inprocess", "one worker on the CPU")
+        "inprocess", "this machine's CPU")
     assert resolve_backend(replace(auto, workers="3"), "cpu") == ("simulation", "3 workers")
     assert resolve_backend(replace(auto, workers="1"), "cuda")[0] == "simulation"
     assert resolve_backend(replace(auto, ray_address="10.0.0.1:6379"), "cpu")[0] == "simulation"

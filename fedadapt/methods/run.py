@@ -132,7 +132,7 @@ def resolve_backend(fed, device: str) -> tuple[str, str]:
         workers = plan_workers(fed, device, cluster.node_resources(fed, device))[0]
     if workers > 1:
         return "simulation", f"{workers} workers"
-    return "inprocess", "one worker on the CPU"
+    return "inprocess", "this machine's CPU"
 
 
 def simulation(cfg: RunConfig) -> Callable:
@@ -243,7 +243,8 @@ def node_layout(cfg: RunConfig, prep: PreparedRun, execute: Optional[Callable],
     at_once = (backend == "inprocess" and auto and spec.device == "cpu" and trains_whole
                and spec.dpsgd is None and spec.rule is None)
     if backend == "inprocess" and auto:
-        fed = dataclasses.replace(fed, workers=str(in_process_workers(fed, at_once, resume)))
+        fed = dataclasses.replace(fed, workers=str(in_process_workers(fed, at_once, resume,
+                                                                      sampled)))
     sizing = size_simulation(fed, spec.device, sampled, cfg.train.batch_size,
                              probe, trains_whole=trains_whole)
     at_once = at_once and sizing.workers > 1 and sizing.group_size == 1
@@ -280,17 +281,20 @@ def node_layout(cfg: RunConfig, prep: PreparedRun, execute: Optional[Callable],
             "server_threads": server, "workers_at_once": at_once}
 
 
-def in_process_workers(fed, at_once: bool, resume: Optional[dict]) -> int:
+def in_process_workers(fed, at_once: bool, resume: Optional[dict], sampled: int) -> int:
     """``federation.workers=auto`` in process: one worker with every free core, or, for workers
-    that train at once (``at_once``), a worker per free core (a resumed run keeps its first
-    part's layout; ``federation.num_cpus`` sets the cores of each)."""
+    that train at once (``at_once``), a worker per free core (``federation.num_cpus`` sets the
+    cores of each) as long as each gets two of the round's ``sampled`` clients or more: with
+    fewer, a worker waits for the busiest one (the quickstart's fine-tuning, 3 clients a round
+    on 2 cores: 73.8 s at once against 73.0 s for one worker with both). A resumed run keeps
+    its first part's layout."""
     if not at_once:
         return 1
     if resume and resume.get("workers"):
         return int(resume["workers"])
     per = max(1, int(fed.num_cpus or 1))
     free = cores.threads_for(cores.usable_cores(), 1)[0]
-    return max(1, free // per)
+    return max(1, min(free // per, sampled // 2))
 
 
 def worker_threads(fed, sizing, backend: str, at_once: bool,

@@ -88,6 +88,12 @@ class RoundWork:
                     for job in jobs:
                         out.update(self._train([job], train, {job.cid: rates[job.cid]}))
                 else:
+                    if len(jobs) > 1:  # side by side the fixed tensors are the model's: the
+                        # clients' one value of them (FedRep's body while the heads train;
+                        # the model held what it was last left with, a resumed run's other)
+                        chosen = set(names)
+                        self.model.load_tensors({n: t for n, t in jobs[0].tensors.items()
+                                                 if n not in chosen})
                     out = self._train(jobs, train, rates)
         for job in jobs:
             res = out.get(job.cid)
