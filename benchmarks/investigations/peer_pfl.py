@@ -49,6 +49,8 @@ fedadapt runs with each of ``--backends`` (``federation.backend``): ``simulation
 simulation engine on Ray, and ``inprocess``, the same server, ClientApp and worker in one process.
 
 Each run is its own process, the repeats interleaved (fedadapt, pfl, fedadapt, pfl, ...).
+fedadapt's process ends as the ``fedadapt`` command does (:mod:`fedadapt.ending`: its work
+done, no interpreter teardown); pfl's as Python's do.
 Measured per run: seconds per round (median of the rounds after round 1, from the times each
 round ended), seconds from the process's start to the end of round 1, seconds from the end of
 the last round (which includes the final evaluation, both sides) to the process's end (the
@@ -978,6 +980,10 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     child = {"export": child_export, "fedadapt": child_fedadapt, "pfl": child_pfl}
     try:
+        if a.child == "fedadapt":  # ends as the fedadapt command does (fedadapt.ending)
+            from fedadapt.ending import finish
+
+            finish(child_fedadapt(a))
         if a.child:
             return child[a.child](a)
         return parent(a)
