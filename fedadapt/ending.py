@@ -37,7 +37,11 @@ def _exit_code(code: object) -> int:
 
 
 def finish(code: object = 0) -> NoReturn:
-    """End the process as the interpreter would, less its teardown (module docstring)."""
+    """End the process as the interpreter would, less its teardown (module docstring). Under
+    a profiler or a debugger (``python -m cProfile``, ``pdb``: writes its output after the
+    command returns) the interpreter ends it as usual."""
+    if sys.getprofile() is not None or sys.gettrace() is not None:
+        raise SystemExit(code)
     me = threading.current_thread()
     for thread in threading.enumerate():
         if thread is not me and not thread.daemon:

@@ -77,3 +77,15 @@ def test_curves_are_drawn_for_two_points_or_more():
     assert has_curve([{"round": 1, "global_acc": 0.4}, {"round": 2, "global_acc": 0.5}])
     assert has_curve([{"round": 1, "client_acc": 0.4}, {"round": 2, "client_acc": 0.5,
                                                         "global_acc": 0.5}])
+
+
+def test_a_profiled_command_ends_as_usual_so_the_profile_is_written(tmp_path):
+    """``python -m cProfile -o FILE``: the profile is written after the command returns,
+    which the ending without teardown would skip."""
+    script = tmp_path / "cmd.py"
+    script.write_text("from fedadapt.ending import console\n"
+                      "console(lambda: print('worked'))()\n")
+    out = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(tmp_path / "p.prof"),
+                          str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "worked" in out.stdout, out.stderr
+    assert (tmp_path / "p.prof").stat().st_size > 0
