@@ -42,10 +42,17 @@ def finish(code: object = 0) -> NoReturn:
     command returns) the interpreter ends it as usual."""
     if sys.getprofile() is not None or sys.gettrace() is not None:
         raise SystemExit(code)
-    me = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is not me and not thread.daemon:
-            thread.join()
+    # as the interpreter's exit: the threading module's own exit hooks (an executor's, such
+    # as joblib's loky workers', ends there; joining its threads first waited forever), then
+    # every non-daemon thread joined, then the atexit handlers
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    else:
+        me = threading.current_thread()
+        for thread in threading.enumerate():
+            if thread is not me and not thread.daemon:
+                thread.join()
     atexit._run_exitfuncs()
     for obj in gc.get_objects():  # a file a library left open: its buffer reaches the disk
         # the object's type, not isinstance: no instance hook runs (torch warns from one)

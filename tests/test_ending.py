@@ -89,3 +89,17 @@ def test_a_profiled_command_ends_as_usual_so_the_profile_is_written(tmp_path):
                           str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "worked" in out.stdout, out.stderr
     assert (tmp_path / "p.prof").stat().st_size > 0
+
+
+def test_an_executor_left_open_ends_as_at_pythons_exit(tmp_path):
+    """A ``concurrent.futures`` executor never shut down (joblib's loky workers in a Hydra
+    sweep): its threads end on the threading module's exit hook, which Python runs before it
+    joins them; joining them first waited forever (a sweep through the joblib launcher hung)."""
+    script = tmp_path / "cmd.py"
+    script.write_text("from concurrent.futures import ThreadPoolExecutor\n"
+                      "from fedadapt.ending import console\n"
+                      "pool = ThreadPoolExecutor(1)\n"
+                      "console(lambda: print(pool.submit(sum, [1, 2]).result()))()\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "3", out.stderr

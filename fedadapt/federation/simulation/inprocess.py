@@ -6,10 +6,11 @@ watched (``on_reply``).
 ``federation.backend=inprocess`` runs a simulation this way
 (:func:`fedadapt.methods.run.simulation`): the simulation's layout with no Ray start-up, no
 actor processes and no engine polling between the server and the workers (docs/speed.md). One
-worker has every free core, unless the model trains whole on the CPU, where each free core is a
-worker of its own, with one torch thread, and the workers train at once, each on its own thread
-(``ServerPlan.workers_at_once``: :func:`fedadapt.methods.run.node_layout` says when); a
-``federation.workers`` set by hand otherwise takes turns.
+worker has every free core, unless the model trains whole on the CPU and the round gives each
+worker two clients or more: then each free core is a worker of its own, with one torch thread,
+and the workers train at once, each on its own thread (``ServerPlan.workers_at_once``:
+:func:`fedadapt.methods.run.node_layout` says when); a ``federation.workers`` set by hand takes
+turns.
 
 Usage: ``run_experiment(cfg, run_dir, config_yaml=..., execute=run_in_process)``: one node per
 client, as on the deployment engine; ``execute=in_process(nodes="workers")``: the simulation's
