@@ -55,6 +55,18 @@ def test_ten_clients_four_rounds_learn(cache_dir, tmp_path):
 WALL_CLOCK = ("round_s", "wall_s")
 
 
+def runs_of(cfg, tmp_path, key: str, values) -> tuple[list, list]:
+    """``cfg`` run once per value of ``federation.<key>`` (``run0``, ``run1``, ...): each run's
+    metrics rows without the wall-clock fields, and its summary."""
+    rows, summaries = [], []
+    for i, value in enumerate(values):
+        setattr(cfg.federation, key, value)
+        summaries.append(run_experiment(cfg, tmp_path / f"run{i}", config_yaml="test: true\n"))
+        rows.append([{k: v for k, v in r.items() if k not in WALL_CLOCK}
+                     for r in read_jsonl(tmp_path / f"run{i}" / "metrics.jsonl")])
+    return rows, summaries
+
+
 def test_in_process_workers_at_once_train_as_workers_taking_turns(cache_dir, tmp_path):
     """A model trained whole on the CPU, in process with ``federation.workers=auto``, two
     clients a round or more for each: a worker per free core, one torch thread each, training
@@ -70,12 +82,7 @@ def test_in_process_workers_at_once_train_as_workers_taking_turns(cache_dir, tmp
     cfg.federation.num_gpus = 0
     cfg.federation.num_cpus = 1
     cfg.federation.backend = "inprocess"
-    rows, summaries = [], []
-    for i, workers in enumerate(("auto", "2")):
-        cfg.federation.workers = workers
-        summaries.append(run_experiment(cfg, tmp_path / f"run{i}", config_yaml="test: true\n"))
-        rows.append([{k: v for k, v in r.items() if k not in WALL_CLOCK}
-                     for r in read_jsonl(tmp_path / f"run{i}" / "metrics.jsonl")])
+    rows, summaries = runs_of(cfg, tmp_path, "workers", ("auto", "2"))
     at_once, turns = (s["layout"] for s in summaries)
     assert at_once["workers_at_once"] and at_once["workers"] == min(2, os.cpu_count() or 1)
     assert at_once["threads"] == 1 and not turns["workers_at_once"]
@@ -101,13 +108,8 @@ def test_same_seed_same_metrics_on_ray_and_in_process(cache_dir, tmp_path):
     cfg.partition.fraction_fit = 0.67  # sampling must be seeded too
     cfg.federation.num_gpus = 0
     cfg.federation.num_cpus = 1  # the same threads on both backends, whatever the machine
-    cfg.federation.workers = "2"  # in process they take turns (at once: the test below)
-    runs, summaries = [], []
-    for i, backend in enumerate(("simulation", "inprocess")):
-        cfg.federation.backend = backend
-        summaries.append(run_experiment(cfg, tmp_path / f"run{i}", config_yaml="test: true\n"))
-        runs.append([{k: v for k, v in r.items() if k not in WALL_CLOCK}
-                     for r in read_jsonl(tmp_path / f"run{i}" / "metrics.jsonl")])
+    cfg.federation.workers = "2"  # in process they take turns (at once: the test above)
+    runs, summaries = runs_of(cfg, tmp_path, "backend", ("simulation", "inprocess"))
     assert runs[0] == runs[1]
     assert runs[0][-1]["clients_trained"] == 2
     assert summaries[0]["final"] == summaries[1]["final"]
