@@ -201,6 +201,10 @@ def others_load(since: Sample, now: Optional[Sample] = None) -> Optional[float]:
 
 _MARK = sample()  # fedadapt's import: the first run's window starts here
 MIN_WINDOW = 0.3
+#: The last measured answer of :func:`free_cores` and the mark that ended its window: a second
+#: question within :data:`MIN_WINDOW` of that mark, with no new mark since (one run's start-up
+#: asks twice), gets the same answer at once instead of waiting out and measuring a new window.
+_ANSWER: Optional[tuple[Sample, tuple[float, str]]] = None
 
 
 def mark() -> None:
@@ -232,15 +236,22 @@ def free_cores() -> tuple[float, str]:
     fixed = fixed_free_cores()
     if fixed is not None:
         return min(fixed, usable), f"{ENV_FREE}={os.environ[ENV_FREE]}"
+    global _ANSWER
+    if (_ANSWER is not None and _ANSWER[0] is _MARK
+            and time.monotonic() - _MARK.wall < MIN_WINDOW):
+        return _ANSWER[1]
     wait = MIN_WINDOW - (time.monotonic() - _MARK.wall)
     if wait > 0:
         time.sleep(wait)
     load = others_load(_MARK)
     mark()
     if load is None:
-        return float(usable), f"{usable} core(s); no /proc/stat to see other processes"
-    return max(0.0, usable - load), (f"{usable} core(s), other processes using {load:.1f} "
-                                     f"of them")
+        answer = float(usable), f"{usable} core(s); no /proc/stat to see other processes"
+    else:
+        answer = max(0.0, usable - load), (f"{usable} core(s), other processes using "
+                                           f"{load:.1f} of them")
+    _ANSWER = (_MARK, answer)
+    return answer
 
 
 def threads_for(per_worker: float, local_workers: int) -> tuple[int, str]:

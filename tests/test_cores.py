@@ -55,6 +55,22 @@ def test_threads_are_the_workers_cpus_capped_by_the_free_cores(monkeypatch, meas
     assert ("instead of" in why) == (threads < want)
 
 
+def test_a_second_question_within_the_window_gets_the_first_answer_without_waiting(
+        monkeypatch, measured):
+    # a run's start-up asks twice (whether workers train at once, then their threads): the
+    # second must not wait out and measure a window of its own, nor differ from the first
+    monkeypatch.setattr(cores, "usable_cores", lambda: 2)
+    monkeypatch.setattr(cores, "_MARK", Sample(time.monotonic() - 10, 0.0, 0.0))
+    load = iter([1.0, 0.0])  # others kept a core busy in the first window, none after
+    monkeypatch.setattr(cores, "others_load", lambda since, now=None: next(load))
+    slept = []
+    monkeypatch.setattr(cores.time, "sleep", slept.append)
+    first = cores.free_cores()
+    assert first[0] == 1.0 and cores.free_cores() == first and slept == []
+    cores.mark()  # a new window (the next run's): measured again, after its wait
+    assert cores.free_cores()[0] == 2.0 and len(slept) == 1
+
+
 def test_the_fixed_free_cores_override_the_measurement(monkeypatch):
     monkeypatch.setattr(cores, "usable_cores", lambda: 2)
     monkeypatch.setenv(cores.ENV_FREE, "1")
