@@ -210,3 +210,36 @@ def test_the_synthetic_cifar100_loads_as_cifar100_through_dataset_path(tmp_path,
     a, b = (DatasetDict.load_from_disk(str(tmp_path / n))["train"] for n in "ab")
     assert a[0]["img"].size == (32, 32) and a[0]["img"].mode == "RGB"
     assert a["fine_label"] == b["fine_label"] and a[5]["img"].tobytes() == b[5]["img"].tobytes()
+
+
+def test_labels_are_kept_once_and_read_later_without_datasets(tmp_path):
+    """A split's labels are read from the prepared copy once and kept, sealed, under
+    ``<cache_dir>/labels/``: a later process reads them without importing ``datasets``, and a
+    file that fails its digest is read again from the copy."""
+    import dataclasses
+    import json
+    import subprocess
+    import sys
+
+    from fedadapt.data import sources
+    from fedadapt.data.loading import column
+
+    prepared = prepare_dataset(DatasetConfig(name="digits"), str(tmp_path), seed=0)
+    want = column(prepared.load()["train"], "label", np.int64)
+    sources.clear_cache()
+    np.testing.assert_array_equal(sources._labels(prepared, "train"), want)
+    path = sources.labels_path(prepared, "train")
+    assert path.is_file() and path.parent == tmp_path / "labels"
+    code = ("import json, sys; from fedadapt.data.loading import PreparedDataset; "
+            "from fedadapt.data.sources import _labels; "
+            "p = PreparedDataset(**json.loads(sys.argv[1])); "
+            "print(int(_labels(p, 'train').sum()), 'datasets' in sys.modules)")
+    fields = json.dumps(dataclasses.asdict(prepared))
+    out = subprocess.run([sys.executable, "-c", code, fields], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == [str(int(want.sum())), "False"]
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1  # the last label changed in place, same size
+    path.write_bytes(bytes(data))
+    sources.clear_cache()
+    np.testing.assert_array_equal(sources._labels(prepared, "train"), want)
