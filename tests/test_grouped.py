@@ -21,6 +21,7 @@ from fedadapt.config import BackboneConfig, SettingConfig, validate
 from fedadapt.experiment import prepare_run
 from fedadapt.federation.client.grouped import ClientJob, train_group
 from fedadapt.federation.client.training import derive_seed, train_local
+from fedadapt.grouping import forms
 
 TINY_VIT = BackboneConfig(name="tiny_vit", family="vit", image_size=32, crop_pct=1.0,
                           interpolation="bilinear", arch=dict(
@@ -92,6 +93,40 @@ def test_heads_on_cached_features(cache_dir, k):
         cache_dir, LinearHeadConfig()), k))
     mlp = prepared(cache_dir, MlpHeadConfig(hidden_dim=16), optimizer="adam", weight_decay=0.01)
     assert_same(mlp, jobs_for(mlp, k), lr=0.01)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_frozen_backbone_runs_on_the_real_rows_only_and_as_alone(cache_dir, monkeypatch,
+                                                                   chunked):
+    """A head on a frozen backbone run every step: on the CPU the backbone sees each slot's
+    real rows only (a padding row takes its slot's first row's features), in chunks of its
+    ``cpu_chunk_pixels`` and channels-last where declared, and the clients train as alone."""
+    prep = prepared(cache_dir, LinearHeadConfig(use_cache=False), device="cpu")
+    backbone = prep.model.backbone
+    if chunked:  # 3 rows of 16 x 16 a call, channels-last, as EfficientNet-Lite0 declares
+        monkeypatch.setattr(backbone, "cpu_chunk_pixels", 3 * 16 * 16, raising=False)
+        monkeypatch.setattr(backbone, "cpu_channels_last", True, raising=False)
+    calls = []  # the grouped steps' calls (not the probe of which tensors a step trains)
+    backbone.register_forward_pre_hook(lambda m, args: calls.append(
+        (len(args[0]), args[0].is_contiguous(memory_format=torch.channels_last)))
+        if forms.active() is not None else None)
+    jobs = jobs_for(prep, 8)
+    grouped = train_group(prep.model, prep.spec.train_source, jobs, prep.spec.train, lr=0.05,
+                          proximal_mu=0.0, precision="fp32")
+    # every client's examples once an epoch, each run once by the backbone
+    assert sum(n for n, _ in calls) == sum(SIZES) * prep.spec.train.local_epochs
+    if chunked:
+        assert max(n for n, _ in calls) == 3 and all(last for _, last in calls)
+        from fedadapt.adapters.model import frozen_features
+
+        x = torch.randn(10, 3, 16, 16)
+        with torch.no_grad():  # in chunks of 3 rows, channels-last: as one call
+            torch.testing.assert_close(frozen_features(backbone, x), backbone(x))
+    alone = sequential(prep, jobs, lr=0.05)
+    for g, (tensors, loss, seen) in zip(grouped, alone):
+        assert g.seen == seen and g.loss == pytest.approx(loss, rel=1e-4, abs=1e-6)
+        for n in tensors:
+            torch.testing.assert_close(g.tensors[n], tensors[n], atol=2e-5, rtol=1e-4, msg=n)
 
 
 def test_local_only_fedprox_and_adamw(cache_dir):

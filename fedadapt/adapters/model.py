@@ -40,6 +40,32 @@ def structure_cached(module: nn.Module, name: str, make: Callable[[], T]) -> T:
     return cached[1]
 
 
+def frozen_features(backbone: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``backbone(x)`` for a frozen backbone (eval mode, no gradient: each row's features
+    depend on that row alone). On the CPU, where a larger batch costs more per image (its
+    activations leave the caches): in a grouped step only the slots' real rows run, a padding
+    row taking its slot's first row's features (:attr:`fedadapt.grouping.forms.Slots
+    .distinct`), and the rows run in chunks of the backbone's ``cpu_chunk_pixels``, in
+    channels-last layout where it declares ``cpu_channels_last``. Anywhere else: one call."""
+    if x.device.type != "cpu" or len(x) == 0:
+        return backbone(x)
+    from fedadapt.grouping.forms import active
+
+    slots = active()
+    distinct = slots.distinct if slots is not None else None
+    pixels = getattr(backbone, "cpu_chunk_pixels", None)
+    last = getattr(backbone, "cpu_channels_last", False) and x.dim() == 4
+    if distinct is None and pixels is None and not last:
+        return backbone(x)
+    rows = x if distinct is None else x.index_select(0, distinct[0])
+    if last:
+        rows = rows.contiguous(memory_format=torch.channels_last)
+    per = max(1, pixels // x[0, 0].numel()) if pixels and x.dim() == 4 else len(rows)
+    feats = (backbone(rows) if per >= len(rows)
+             else torch.cat([backbone(part) for part in rows.split(per)]))
+    return feats if distinct is None else feats.index_select(0, distinct[1])
+
+
 class AdaptedModel(nn.Module):
     """Backbone (frozen, optional) followed by a trainable head.
 
@@ -108,7 +134,7 @@ class AdaptedModel(nn.Module):
         if self.backbone is not None:
             grad = self.train_backbone or self.adapts_backbone
             with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
-                x = self.backbone(x)
+                x = self.backbone(x) if grad else frozen_features(self.backbone, x)
         return self.head(x)
 
     def training_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

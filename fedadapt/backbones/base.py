@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -59,6 +59,12 @@ class Backbone(nn.Module):
     #: and DoRA), ``ia3`` and ``ia3_feedforward`` ((IA)^3's targets, and those of them whose
     #: input it scales). Empty: the backbone names none (``method.target_modules`` must).
     peft_targets: dict[str, tuple[str, ...]] = {}
+    #: On the CPU, a frozen forward (:func:`fedadapt.adapters.model.frozen_features`) runs in
+    #: chunks of about this many input pixels (rows x S x S), None: in one call; and with
+    #: ``cpu_channels_last`` its input in channels-last layout. Declared by the backbones where
+    #: it was measured faster (EfficientNet-Lite0 on the 2-core EPYC, docs/speed.md).
+    cpu_chunk_pixels: Optional[int] = None
+    cpu_channels_last: bool = False
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:  # [B,3,H,W] -> [B,D]
         raise NotImplementedError

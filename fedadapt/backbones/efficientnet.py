@@ -52,6 +52,10 @@ class EfficientNetLiteBackbone(Backbone):
     peft_targets = {"lora": ("_expand_conv", "_project_conv"),
                     "ia3": ("_expand_conv", "_project_conv"),
                     "ia3_feedforward": ("_project_conv",)}
+    # Frozen on the CPU: 2^17 pixels a call (32 rows at 64 px, 2 at 224 px) in channels-last
+    # layout; one call on 32 rows at 224 px ran 2.7x slower per image (docs/speed.md).
+    cpu_chunk_pixels = 1 << 17
+    cpu_channels_last = True
 
     def __init__(self, *, model: torch.nn.Module, weights_id: str, image_size: int) -> None:
         super().__init__()

@@ -55,6 +55,11 @@ class Slots:
     params: dict[str, torch.Tensor]
     #: The first slot of the current sub-batch (:func:`offset`).
     lo: int = 0
+    #: Where some rows are padding, on the CPU: ``(real, take)``, the rows a frozen backbone
+    #: runs on (each slot's real rows) and, for every row of the batch, the one of them whose
+    #: features it takes (a padding row: its slot's first, the image it repeats). None: every
+    #: row runs (:func:`fedadapt.adapters.model.frozen_features`).
+    distinct: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     def take(self, name: str, n: int) -> Optional[torch.Tensor]:
         """Slots ``lo .. lo+n-1`` of the stacked tensor ``name`` (None: not trained here)."""

@@ -96,6 +96,21 @@ def _batch(sched: Schedule, t: int, first: Schedule) -> np.ndarray:
     return (sched.batches or first.batches)[-1][:1]
 
 
+def _distinct_rows(sizes: np.ndarray, rows: int
+                   ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """A step's :attr:`fedadapt.grouping.forms.Slots.distinct` from its slots' real rows
+    (``sizes``, in the step's order); None where no row is padding (or none is real)."""
+    b = sizes.astype(np.int64)
+    if (b == rows).all() or not b.any():
+        return None
+    real = np.concatenate([s * rows + np.arange(k) for s, k in enumerate(b)])
+    first = np.r_[0, np.cumsum(b)[:-1]]  # each slot's first real row among ``real``
+    at = np.arange(rows)
+    within = np.where(at < b[:, None], at, 0)  # a padding row: its slot's first (its image)
+    take = (np.where(b > 0, first, 0)[:, None] + within).reshape(-1)
+    return torch.from_numpy(real), torch.from_numpy(take)
+
+
 def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
     """``[K, ...]`` fp32 on the host."""
     if any(t.requires_grad for t in tensors):
@@ -189,10 +204,12 @@ def train_forms(model: nn.Module, source: DataSource, jobs: list[ClientJob],
     model.train()
     at_w = at_s = at_p = 0
     slots = forms.Slots(rows, stored)
+    cpu = dev.type == "cpu" and not compile
     for t, (x, y) in enumerate(_slot_stream(source, slot_jobs, plan, train, dev)):
         n, real = plan.width[t], plan.going[t]
         pos = slot_index[:n]
         slots.params = stored
+        slots.distinct = _distinct_rows(plan.sizes[at_s:at_s + n], rows) if cpu else None
         if plan.perms[t] is not None:
             pos = perm_flat[at_p:at_p + n]
             at_p += n
