@@ -52,9 +52,10 @@ class EfficientNetLiteBackbone(Backbone):
     peft_targets = {"lora": ("_expand_conv", "_project_conv"),
                     "ia3": ("_expand_conv", "_project_conv"),
                     "ia3_feedforward": ("_project_conv",)}
-    # Frozen on the CPU: 2^17 pixels a call (32 rows at 64 px, 2 at 224 px) in channels-last
-    # layout; one call on 32 rows at 224 px ran 2.7x slower per image (docs/speed.md).
-    cpu_chunk_pixels = 1 << 17
+    # Frozen on the CPU: 2^18 pixels a call (64 rows at 64 px, 5 at 224 px) in channels-last
+    # layout; 32 rows at 224 px in one call ran about 3x slower per image (docs/speed.md,
+    # benchmarks/investigations/frozen_cpu_chunks.py).
+    cpu_chunk_pixels = 1 << 18
     cpu_channels_last = True
 
     def __init__(self, *, model: torch.nn.Module, weights_id: str, image_size: int) -> None:
