@@ -53,6 +53,8 @@ def frozen_features(backbone: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
     slots = active()
     distinct = slots.distinct if slots is not None else None
+    if distinct is not None and len(distinct[1]) != len(x):  # not the step's whole batch
+        distinct = None
     pixels = getattr(backbone, "cpu_chunk_pixels", None)
     last = getattr(backbone, "cpu_channels_last", False) and x.dim() == 4
     if distinct is None and pixels is None and not last:
