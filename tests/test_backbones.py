@@ -74,6 +74,32 @@ def test_efficientnet_lite0_packaged_weights_are_pretrained():
     assert top3 & {698, 442, 663}  # palace, bell cote, monastery
 
 
+@pytest.mark.parametrize("size", [32, 64])
+def test_efficientnet_lite_folded_for_the_cpu_computes_its_forward(size):
+    """``frozen_cpu()``: batch norms folded into the convolutions and the symmetric paddings
+    made the convolutions' own give the backbone's features to float rounding (random weights,
+    random normalisation statistics); a weight changed in place is followed."""
+    b = build_backbone(BackboneConfig(name="e", family="efficientnet_lite", weights=None,
+                                      image_size=size)).freeze()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for m in b.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                for t in (m.weight, m.bias, m.running_mean):
+                    t.copy_(torch.randn(t.shape, generator=gen) * 0.2 + (t is m.weight))
+                m.running_var.copy_(torch.rand(m.running_var.shape, generator=gen) + 0.5)
+    x = torch.randn(3, 3, size, size, generator=gen)
+    folded = b.frozen_cpu()
+    assert not any(isinstance(m, torch.nn.BatchNorm2d)
+                   for m in b.__dict__["_folded"][1].modules())
+    with torch.no_grad():
+        want = b(x)
+        torch.testing.assert_close(folded(x), want, rtol=1e-4, atol=1e-4)
+        b.model._conv_head.weight.mul_(2.0)  # in place: the folded copy is made again
+        torch.testing.assert_close(b.frozen_cpu()(x), b(x), rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(b(x), want)
+
+
 def test_bad_family_and_missing_weights(tmp_path):
     with pytest.raises(ConfigError, match="backbone.family"):
         build_backbone(BackboneConfig(name="x", family="nope"))

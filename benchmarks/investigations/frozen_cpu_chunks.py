@@ -8,9 +8,10 @@ EfficientNet-Lite0 (its packaged ImageNet weights), eval mode under ``no_grad``,
 threads this machine's cores give, at 64 px (W2 of ``peer_pfl.py``, the main job) and 224 px
 (the papers' size). Each case runs the same random images (320 at 64 px, 32 at 224 px) split
 into calls of ``rows`` rows, NCHW or channels-last; ``fedadapt`` is the backbone's own choice
-(:func:`fedadapt.adapters.model.frozen_features`). The cases' repeats are interleaved; the table
-gives the median milliseconds per image and the ratio to one call of a 32-row batch NCHW (what a
-client's step of 32 ran before), and the largest difference from it."""
+(:func:`fedadapt.adapters.model.frozen_features`: its chunk and layout, and its batch norms
+folded into its convolutions). The cases' repeats are interleaved; the table gives the median
+milliseconds per image and the ratio to one call of a 32-row batch NCHW (what a client's step
+of 32 ran before), and the largest difference from it."""
 
 from __future__ import annotations
 
@@ -91,7 +92,9 @@ def main() -> None:
             source="benchmarks/investigations/frozen_cpu_chunks.py",
             footer=f"Medians of {a.repeats} interleaved repeats, torch threads: "
                    f"{torch.get_num_threads()}. *fedadapt*: `frozen_features`, the backbone's "
-                   f"declared chunk ({bb.cpu_chunk_pixels:,} pixels) in channels-last layout."),
+                   f"declared chunk ({bb.cpu_chunk_pixels:,} pixels) in channels-last layout, "
+                   f"through its `frozen_cpu()` form (batch norms folded into the "
+                   f"convolutions, symmetric paddings the convolutions' own)."),
             "frozen_cpu_chunks")
 
 

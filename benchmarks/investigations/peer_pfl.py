@@ -23,9 +23,9 @@ fedadapt's own Dirichlet(0.5) partition over ``--clients`` clients, FedAvg weigh
   frozen and run under ``torch.no_grad()``, under an ``nn.Linear`` head holding fedadapt's initial
   head weights. The export checks that the exported backbone's output equals fedadapt's backbone
   on 64 training images, and fedadapt's model output equals head(exported backbone) on them (max
-  |diff| at most 1e-4, else it stops: fedadapt runs it channels-last on the CPU). fedadapt's
-  in-process runs count the rows its backbone runs on (at least the training and test rows: no
-  cache);
+  |diff| at most 1e-4, else it stops: fedadapt runs it channels-last, batch norms folded, on
+  the CPU). fedadapt's in-process runs count the rows its backbone runs on (at least the
+  training and test rows: no cache);
 * **W3**: a linear head on frozen EfficientNet-Lite0 features computed once (fedadapt
   ``backbone=efficientnet_lite0 method=linear_head``, whose feature cache pfl reads too). The
   features are taken at ``--w3-image-size`` px (64, as ``fedadapt-bench --scale``: the time per
@@ -242,8 +242,8 @@ def _export_backbone(model, x, path: Path) -> dict:
           f"{feature_diff:.1e} (features, exported vs fedadapt's), {output_diff:.1e} (head("
           f"exported) vs fedadapt's model), {one_diff:.1e} (a batch of 1)", flush=True)
     worst = max(feature_diff, output_diff, one_diff)
-    # fedadapt's whole model runs its frozen backbone channels-last on the CPU (2.4e-5 from
-    # NCHW at 64 px, benchmarks/investigations/frozen_cpu_chunks.py)
+    # fedadapt's whole model runs its frozen backbone on the CPU channels-last, its batch norms
+    # folded (2.4e-5 and 3e-5 from NCHW at 64 px: benchmarks/investigations/frozen_cpu_chunks.py)
     if worst > 1e-4:
         raise SetupError(f"the exported backbone differs from fedadapt's by {worst:.1e} "
                          f"(features {feature_diff:.1e}, outputs {output_diff:.1e}, a batch of "
@@ -379,13 +379,21 @@ def child_fedadapt(a) -> int:
         from fedadapt.backbones.efficientnet import EfficientNetLiteBackbone
 
         backbone_forward = EfficientNetLiteBackbone.forward
+        backbone_frozen_cpu = EfficientNetLiteBackbone.frozen_cpu
+
+        def counted(run):
+            def call(images):
+                seen["calls"] += 1
+                seen["rows"] += len(images)
+                return run(images)
+            return call
 
         def counted_forward(self, images):
-            seen["calls"] += 1
-            seen["rows"] += len(images)
-            return backbone_forward(self, images)
+            return counted(lambda x: backbone_forward(self, x))(images)
 
+        # its own forward, and the folded form a frozen forward runs on the CPU
         EfficientNetLiteBackbone.forward = counted_forward
+        EfficientNetLiteBackbone.frozen_cpu = lambda self: counted(backbone_frozen_cpu(self))
     composed = compose_config(meta["overrides"] + [f"federation.backend={a.backend}"])
     run = to_run_config(composed)
     prep = prepare_run(run)

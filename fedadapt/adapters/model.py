@@ -45,8 +45,9 @@ def frozen_features(backbone: nn.Module, x: torch.Tensor) -> torch.Tensor:
     depend on that row alone). On the CPU, where a larger batch costs more per image (its
     activations leave the caches): in a grouped step only the slots' real rows run, a padding
     row taking its slot's first row's features (:attr:`fedadapt.grouping.forms.Slots
-    .distinct`), and the rows run in chunks of the backbone's ``cpu_chunk_pixels``, in
-    channels-last layout where it declares ``cpu_channels_last``. Anywhere else: one call."""
+    .distinct`), the rows run in chunks of the backbone's ``cpu_chunk_pixels``, in
+    channels-last layout where it declares ``cpu_channels_last``, through its ``frozen_cpu()``
+    form. Anywhere else: one call."""
     if x.device.type != "cpu" or len(x) == 0:
         return backbone(x)
     from fedadapt.grouping.forms import active
@@ -57,14 +58,15 @@ def frozen_features(backbone: nn.Module, x: torch.Tensor) -> torch.Tensor:
         distinct = None
     pixels = getattr(backbone, "cpu_chunk_pixels", None)
     last = getattr(backbone, "cpu_channels_last", False) and x.dim() == 4
+    run = backbone.frozen_cpu() if hasattr(backbone, "frozen_cpu") else backbone
     if distinct is None and pixels is None and not last:
-        return backbone(x)
+        return run(x)
     rows = x if distinct is None else x.index_select(0, distinct[0])
     if last:
         rows = rows.contiguous(memory_format=torch.channels_last)
     per = max(1, pixels // x[0, 0].numel()) if pixels and x.dim() == 4 else len(rows)
-    feats = (backbone(rows) if per >= len(rows)
-             else torch.cat([backbone(part) for part in rows.split(per)]))
+    feats = (run(rows) if per >= len(rows)
+             else torch.cat([run(part) for part in rows.split(per)]))
     return feats if distinct is None else feats.index_select(0, distinct[1])
 
 

@@ -69,6 +69,13 @@ class Backbone(nn.Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:  # [B,3,H,W] -> [B,D]
         raise NotImplementedError
 
+    def frozen_cpu(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """What computes :meth:`forward` for a frozen forward on the CPU
+        (:func:`fedadapt.adapters.model.frozen_features`): the backbone itself, unless a
+        backbone has a faster form of the same function (EfficientNet-Lite: its batch norms
+        folded into its convolutions)."""
+        return self
+
     def example_input(self, batch_size: int = 1) -> torch.Tensor:
         """Zeros of the input's shape (counting FLOPs, measuring memory): ``[B, 3, S, S]``."""
         return torch.zeros(batch_size, 3, self.image_size, self.image_size)

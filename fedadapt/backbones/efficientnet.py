@@ -87,12 +87,61 @@ class EfficientNetLiteBackbone(Backbone):
         return self.model
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:  # [B,3,H,W] -> [B,1280]
-        x = self.model.extract_features(images)  # [B, 1280, h, w]
+        return self._pooled(self.model, images)
+
+    @staticmethod
+    def _pooled(model: torch.nn.Module, images: torch.Tensor) -> torch.Tensor:
+        x = model.extract_features(images)  # [B, 1280, h, w]
         return F.adaptive_avg_pool2d(x, 1).flatten(1)
+
+    def frozen_cpu(self):
+        """:meth:`forward` through a copy of the network with every batch norm folded into the
+        convolution before it (eval mode: ``w * g / sqrt(v + eps)``, bias ``b - m * g /
+        sqrt(v + eps)``) and each symmetric "same" padding made the convolution's own: the
+        same function to float rounding (``tests/test_backbones.py``). The copy is made again
+        when any weight or buffer has changed since (``_version``, the storage)."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        key = tuple((t.data_ptr(), t._version) for t in tensors)
+        kept = self.__dict__.get("_folded")
+        if kept is None or kept[0] != key:
+            kept = (key, _folded_copy(self.model))
+            self.__dict__["_folded"] = kept
+        model = kept[1]
+        return lambda images: self._pooled(model, images)
 
     def classify(self, images: torch.Tensor) -> torch.Tensor:  # ImageNet logits [B, 1000]
         weight, bias = self._imagenet_fc
         return F.linear(self.forward(images), weight, bias)
+
+
+def _folded_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A frozen copy of an EfficientNet-Lite (``efficientnet_lite_pytorch``) whose batch norms
+    are folded into their convolutions (see :meth:`EfficientNetLiteBackbone.frozen_cpu`)."""
+    import copy
+
+    twin = copy.deepcopy(model).eval().requires_grad_(False)
+    pairs = [(twin, "_conv_stem", "_bn0"), (twin, "_conv_head", "_bn1")]
+    for block in twin._blocks:
+        if block._block_args.expand_ratio != 1:
+            pairs.append((block, "_expand_conv", "_bn0"))
+        pairs += [(block, "_depthwise_conv", "_bn1"), (block, "_project_conv", "_bn2")]
+    with torch.no_grad():
+        for owner, conv_name, bn_name in pairs:
+            conv, bn = getattr(owner, conv_name), getattr(owner, bn_name)
+            scale = bn.weight / torch.sqrt(bn.running_var + bn.eps)
+            bias = conv.bias if conv.bias is not None else torch.zeros_like(bn.running_mean)
+            conv.weight = torch.nn.Parameter(conv.weight * scale.view(-1, 1, 1, 1),
+                                             requires_grad=False)
+            conv.bias = torch.nn.Parameter((bias - bn.running_mean) * scale + bn.bias,
+                                           requires_grad=False)
+            setattr(owner, bn_name, torch.nn.Identity())
+            pad = getattr(conv, "static_padding", None)
+            if isinstance(pad, torch.nn.ZeroPad2d):
+                left, right, top, bottom = pad.padding
+                if left == right and top == bottom:  # the convolution's own padding
+                    conv.padding = (top, left)
+                    conv.static_padding = torch.nn.Identity()
+    return twin
 
 
 @register_backbone_family("efficientnet_lite")
