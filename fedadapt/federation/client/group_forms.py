@@ -204,12 +204,13 @@ def train_forms(model: nn.Module, source: DataSource, jobs: list[ClientJob],
     model.train()
     at_w = at_s = at_p = 0
     slots = forms.Slots(rows, stored)
-    cpu = dev.type == "cpu" and not compile
+    # a frozen backbone in the step, on the CPU: it runs on the real rows only
+    distinct = dev.type == "cpu" and not compile and getattr(model, "backbone", None) is not None
     for t, (x, y) in enumerate(_slot_stream(source, slot_jobs, plan, train, dev)):
         n, real = plan.width[t], plan.going[t]
         pos = slot_index[:n]
         slots.params = stored
-        slots.distinct = _distinct_rows(plan.sizes[at_s:at_s + n], rows) if cpu else None
+        slots.distinct = _distinct_rows(plan.sizes[at_s:at_s + n], rows) if distinct else None
         if plan.perms[t] is not None:
             pos = perm_flat[at_p:at_p + n]
             at_p += n
