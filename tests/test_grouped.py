@@ -395,6 +395,27 @@ def test_plain_sgd_updates_in_one_call_and_leaves_unreached_slices_as_they_were(
 # -- the grouped forms (fedadapt.grouping.forms) ----------------------------------------------
 
 
+@pytest.mark.parametrize("bias", ["slot", "shared", None])
+@pytest.mark.parametrize("out", [1, 10, forms.NARROW_COLUMNS, 40])
+def test_a_per_slot_product_narrow_or_wide_computes_the_plain_one(out, bias):
+    """``slot_matmul`` (transposed on the CPU below ``NARROW_COLUMNS`` outputs) gives the
+    plain batched product, its bias broadcast, and the same gradients, as a view or a tensor
+    the callers reshape."""
+    torch.manual_seed(0)
+    x3 = torch.randn(3, 7, 24)
+    w = torch.randn(3, 24, out, requires_grad=True)
+    b = {"slot": torch.randn(3, 1, out), "shared": torch.randn(1, 1, out), None: None}[bias]
+    b = None if b is None else b.requires_grad_()
+    y = forms.slot_matmul(x3, w, b)
+    plain = torch.bmm(x3, w) + (0 if b is None else b)
+    torch.testing.assert_close(y, plain, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(plain)
+    grads = torch.autograd.grad((y * g).sum(), [t for t in (w, b) if t is not None])
+    expected = torch.autograd.grad((plain * g).sum(), [t for t in (w, b) if t is not None])
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def _built(method, backbone=None, class_text=None):
     from fedadapt.adapters.registry import build_model
     from fedadapt.backbones import build_backbone

@@ -246,6 +246,28 @@ WEIGHT_T = (_t12, _t12)
 ROW_VECTOR = (lambda t: t.reshape(t.shape[0], 1, -1), None)
 
 
+#: On the CPU, a per-slot product with fewer output columns than this runs transposed
+#: (:func:`slot_matmul`). MKL's GEMM is slow with a narrow right-hand side: a 10-class head on
+#: 1,280 features, 10 slots of 32 rows, took 2.2 ms a step forward and backward against 0.8 ms
+#: transposed; at 16 columns and above the plain product was as fast or faster
+#: (``benchmarks/investigations/narrow_products.py``).
+NARROW_COLUMNS = 16
+
+
+def slot_matmul(x3: torch.Tensor, weight: torch.Tensor,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x3 [n, B, in] @ weight [n, in, out] (+ bias, broadcast to [n, B, out])``. On the CPU,
+    with fewer than :data:`NARROW_COLUMNS` outputs, as the transpose of ``weight^T @ x3^T``:
+    the same sums, with the narrow side as the product's rows, in its forward and in its
+    backward (the weight's gradient ``g^T @ x3`` likewise). The result may be a transposed
+    view."""
+    if x3.device.type == "cpu" and weight.shape[-1] < NARROW_COLUMNS:
+        if bias is None:
+            return torch.bmm(weight.mT, x3.mT).mT
+        return torch.baddbmm(bias.mT, weight.mT, x3.mT).mT
+    return torch.bmm(x3, weight) if bias is None else torch.baddbmm(bias, x3, weight)
+
+
 def linear(x: torch.Tensor, n: int, weight: Optional[torch.Tensor],
            bias: Optional[torch.Tensor], frozen_weight: torch.Tensor,
            frozen_bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -258,8 +280,8 @@ def linear(x: torch.Tensor, n: int, weight: Optional[torch.Tensor],
     x3 = x.reshape(n, -1, x.shape[-1])
     if bias is None:
         bias = None if frozen_bias is None else frozen_bias.view(1, 1, -1)
-    y = torch.bmm(x3, weight) if bias is None else torch.baddbmm(bias, x3, weight)
-    return y.view(*x.shape[:-1], y.shape[-1])
+    y = slot_matmul(x3, weight, bias)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def _linear(m: nn.Linear, prefix: str, slots: Slots, x: torch.Tensor) -> torch.Tensor:
