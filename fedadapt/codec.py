@@ -80,4 +80,4 @@ def to_array(value) -> Array:
                              tuple(int(d) for d in a.shape))
         return Array(dtype=str(a.dtype), shape=tuple(a.shape), stype="numpy.ndarray", data=data)
     header, dtype, shape = known
-    return Array(dtype, shape, "numpy.ndarray", header + a.tobytes())
+    return Array(dtype, shape, "numpy.ndarray", b"".join((header, a.data)))  # one copy

@@ -50,6 +50,9 @@ THROTTLED_SPINS = "1000"
 TAKEN_AT = 0.5
 #: A round this many times its kind's first rounds, with others on the cores, is reported.
 SLOWDOWN = 3.0
+#: Seconds between :class:`SlowdownWatch`'s reads of the machine's counters while rounds are not
+#: slow.
+WATCH_REFRESH_S = 1.0
 ENV_FREE = "FEDADAPT_FREE_CORES"
 
 #: What :func:`choose_wait_policy` decided, for the layout line: ``(policy, why)``.
@@ -289,17 +292,23 @@ class SlowdownWatch:
         self.said = False
 
     def round(self, server_round: int, seconds: float, evaluated: bool) -> Optional[str]:
-        """The warning for this round, once; None otherwise."""
-        now = sample(processes=False)
-        load = others_load(self.since, now)
-        self.since = now
+        """The warning for this round, once; None otherwise. The machine's counters are read
+        only for a slow round, and otherwise once every :data:`WATCH_REFRESH_S` (reading them
+        took 0.14 ms, a round of benchmarks/investigations/peer_pfl.py's W3 12 ms): a slow
+        round's others' load is measured from the latest read, at most that long before it
+        began."""
         first = self.first[evaluated]
         if len(first) < 3:
             first.append(seconds)
-            if len(first) < 2:
-                return None
         base = statistics.median(first)
-        if self.said or base <= 0 or seconds < SLOWDOWN * base or load is None or load < 0.5:
+        if self.said or len(first) < 2 or base <= 0 or seconds < SLOWDOWN * base:
+            if time.monotonic() - self.since.wall >= WATCH_REFRESH_S:
+                self.since = sample(processes=False)
+            return None
+        now = sample(processes=False)
+        load = others_load(self.since, now)
+        self.since = now
+        if load is None or load < 0.5:
             return None
         self.said = True
         cause = (f"other processes kept {load:.1f} core(s) busy during it, and this run's "

@@ -7,7 +7,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import TINY_CLIP, tiny_run
+from torch import nn
 
 from fedadapt.adapters.exits import AccumulatorConfig, LwLinearConfig, LwMlpConfig
 from fedadapt.adapters.fedclip import FedClipConfig
@@ -399,21 +401,43 @@ def test_plain_sgd_updates_in_one_call_and_leaves_unreached_slices_as_they_were(
 @pytest.mark.parametrize("out", [1, 10, forms.NARROW_COLUMNS, 40])
 def test_a_per_slot_product_narrow_or_wide_computes_the_plain_one(out, bias):
     """``slot_matmul`` (transposed on the CPU below ``NARROW_COLUMNS`` outputs) gives the
-    plain batched product, its bias broadcast, and the same gradients, as a view or a tensor
-    the callers reshape."""
+    plain batched product, its bias broadcast, and the same gradients."""
     torch.manual_seed(0)
     x3 = torch.randn(3, 7, 24)
-    w = torch.randn(3, 24, out, requires_grad=True)
+    w = torch.randn(3, out, 24, requires_grad=True)
     b = {"slot": torch.randn(3, 1, out), "shared": torch.randn(1, 1, out), None: None}[bias]
     b = None if b is None else b.requires_grad_()
     y = forms.slot_matmul(x3, w, b)
-    plain = torch.bmm(x3, w) + (0 if b is None else b)
+    plain = torch.bmm(x3, w.mT) + (0 if b is None else b)
     torch.testing.assert_close(y, plain, rtol=1e-5, atol=1e-5)
     g = torch.randn_like(plain)
     grads = torch.autograd.grad((y * g).sum(), [t for t in (w, b) if t is not None])
     expected = torch.autograd.grad((plain * g).sum(), [t for t in (w, b) if t is not None])
     for got, want in zip(grads, expected):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("d_in,d_out", [(24, 10), (8, 40), (12, 12), (20, 20)])
+def test_a_linear_layers_stored_layout_round_trips_and_computes_each_slot(d_in, d_out):
+    """A linear weight stored in its layout (as it is below ``NARROW_COLUMNS`` outputs, else
+    transposed; a narrow input with wide outputs is not mistaken for narrow) comes back as it
+    was, and its grouped form gives each slot what the layer alone gives."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(d_in, d_out))
+    forms.install(model)
+    weights = torch.randn(3, d_out, d_in)
+    biases = torch.randn(3, d_out)
+    stored = {"0.weight": forms.to_layout(model, "0.weight", weights),
+              "0.bias": forms.to_layout(model, "0.bias", biases)}
+    assert torch.equal(forms.from_layout(model, "0.weight", stored["0.weight"],
+                                         model[0].weight.shape), weights)
+    x = torch.randn(3 * 5, d_in)
+    with forms.slots_active(forms.Slots(5, stored)):
+        y = model(x)
+    for s in range(3):
+        torch.testing.assert_close(y[5 * s:5 * s + 5],
+                                   F.linear(x[5 * s:5 * s + 5], weights[s], biases[s]),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def _built(method, backbone=None, class_text=None):

@@ -61,7 +61,7 @@ def grouped_forward(m: CosineClassifier, prefix: str, slots: forms.Slots, feats:
     scale = slots.take(prefix + ".scale", n)  # [n] when learned
     scale = m.scale if scale is None else scale.view(n, 1, 1)
     rows = F.normalize(feats, dim=-1).view(n, slots.rows, -1)  # [n, B, D]
-    logits = scale * forms.slot_matmul(rows, F.normalize(weight, dim=-1).mT)  # [n, B, C]
+    logits = scale * forms.slot_matmul(rows, F.normalize(weight, dim=-1))  # [n, B, C]
     return logits.reshape(len(feats), -1)
 
 

@@ -197,10 +197,12 @@ def _dora(m, prefix: str, slots: forms.Slots, x: torch.Tensor, *, lora_A, lora_B
     base + m / ||W + s B A||_c * s * B A x`` with the norm detached (DoRA, Sec. 4.3)."""
     n = x.shape[0] // slots.rows
     magnitude = slots.take(prefix + ".weight", n)  # [n, 1, out]
-    a = slots.take(lora_A.__dict__["_grouping_prefix"] + ".weight", n)  # [n, in, r]
-    b = slots.take(lora_B.__dict__["_grouping_prefix"] + ".weight", n)  # [n, r, out]
+    a = slots.take(lora_A.__dict__["_grouping_prefix"] + ".weight", n)
+    b = slots.take(lora_B.__dict__["_grouping_prefix"] + ".weight", n)
     if magnitude is None or a is None or b is None:
         raise NotImplementedError("grouped DoRA trains its magnitude, A and B")
+    a = forms.in_out(a, lora_A.out_features)  # [n, in, r]
+    b = forms.in_out(b, lora_B.out_features)  # [n, r, out]
     weight = base_layer.weight.to(x.dtype)  # [out, in]
     lora_t = torch.bmm(a, b).to(x.dtype)  # (B A)^T per slot: [n, in, out]
     norm = torch.linalg.norm(weight.t() + scaling * lora_t.detach(), dim=1).to(weight.dtype)

@@ -19,8 +19,9 @@ How a module gets its grouped form:
 * A module that reads its own parameters in its own code (the Accumulator's client token and
   layer embeddings) reads them through :func:`per_row`, which gives each row its slot's tensor.
 * ``layouts``: how a stacked tensor is stored while it trains (a linear weight ``[K, out, in]``
-  as ``[K, in, out]``, so the batched product needs no transpose per call); :func:`to_layout`
-  and :func:`from_layout` convert.
+  as ``[K, in, out]``, so the batched product needs no transpose per call; one with fewer than
+  :data:`NARROW_COLUMNS` outputs as it is, see :func:`slot_matmul`); :func:`to_layout` and
+  :func:`from_layout` convert.
 * ``covers``: children whose tensors the form applies itself (an attention layer's projection
   weights); ``guard(module)``: a reason the form cannot serve this instance, or None.
 
@@ -210,7 +211,7 @@ def from_layout(model: nn.Module, name: str, stored: torch.Tensor, shape: torch.
                 ) -> torch.Tensor:
     """The inverse of :func:`to_layout`: ``[K, *shape]`` (``shape``: the parameter's)."""
     lay = _layout(model, name)
-    out = lay[1](stored) if lay and lay[1] is not None else stored
+    out = lay[1](stored, shape) if lay and lay[1] is not None else stored
     return out.reshape(stored.shape[0], *shape)
 
 
@@ -237,42 +238,52 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _t12(t: torch.Tensor) -> torch.Tensor:
-    return t.transpose(1, 2)
-
-
-#: A weight ``[K, out, in]`` stored ``[K, in, out]``; a bias ``[K, out]`` stored ``[K, 1, out]``.
-WEIGHT_T = (_t12, _t12)
-ROW_VECTOR = (lambda t: t.reshape(t.shape[0], 1, -1), None)
-
-
-#: On the CPU, a per-slot product with fewer output columns than this runs transposed
-#: (:func:`slot_matmul`). MKL's GEMM is slow with a narrow right-hand side: a 10-class head on
-#: 1,280 features, 10 slots of 32 rows, took 2.2 ms a step forward and backward against 0.8 ms
-#: transposed; at 16 columns and above the plain product was as fast or faster
-#: (``benchmarks/investigations/narrow_products.py``).
+#: A per-slot product with fewer output columns than this is computed with the narrow side as
+#: the product's rows (:func:`slot_matmul`), and its weight is stored as it is (``[K, out,
+#: in]``, :data:`LINEAR_WEIGHT`). MKL's GEMM is slow with a narrow right-hand side: a 10-class
+#: head on 1,280 features, 10 slots of 32 rows, took 1.6 ms a step forward and backward against
+#: 0.8 ms transposed; at 16 columns and above the plain product was as fast or faster
+#: (``benchmarks/investigations/narrow_products.py``, record ``narrow-products``).
 NARROW_COLUMNS = 16
 
 
 def slot_matmul(x3: torch.Tensor, weight: torch.Tensor,
                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x3 [n, B, in] @ weight [n, in, out] (+ bias, broadcast to [n, B, out])``. On the CPU,
-    with fewer than :data:`NARROW_COLUMNS` outputs, as the transpose of ``weight^T @ x3^T``:
-    the same sums, with the narrow side as the product's rows, in its forward and in its
-    backward (the weight's gradient ``g^T @ x3`` likewise). The result may be a transposed
-    view."""
-    if x3.device.type == "cpu" and weight.shape[-1] < NARROW_COLUMNS:
+    """``x3 [n, B, in]`` times ``weight [n, out, in]`` transposed, plus ``bias`` (broadcast to
+    ``[n, B, out]``): each slot's rows through its own weight. On the CPU with fewer than
+    :data:`NARROW_COLUMNS` outputs, as the transpose of ``weight @ x3^T``: the same sums, with
+    the narrow side as the product's rows, forward and backward (the weight's gradient, ``g^T
+    @ x3``, likewise). The result may be a transposed view."""
+    if x3.device.type == "cpu" and weight.shape[1] < NARROW_COLUMNS:
         if bias is None:
-            return torch.bmm(weight.mT, x3.mT).mT
-        return torch.baddbmm(bias.mT, weight.mT, x3.mT).mT
-    return torch.bmm(x3, weight) if bias is None else torch.baddbmm(bias, x3, weight)
+            return torch.bmm(weight, x3.mT).mT
+        return torch.baddbmm(bias.mT, weight, x3.mT).mT
+    return torch.bmm(x3, weight.mT) if bias is None else torch.baddbmm(bias, x3, weight.mT)
+
+
+def _narrow(out_features: int) -> bool:
+    return out_features < NARROW_COLUMNS
+
+
+#: A linear weight ``[K, out, in]`` stored ``[K, in, out]`` (its batched product reads it with
+#: no copy), or as it is where it has fewer than :data:`NARROW_COLUMNS` outputs (the product
+#: runs transposed there); a bias ``[K, out]`` stored ``[K, 1, out]``.
+LINEAR_WEIGHT = (lambda t: t if _narrow(t.shape[1]) else t.transpose(1, 2),
+                 lambda t, shape: t if _narrow(shape[0]) else t.transpose(1, 2))
+ROW_VECTOR = (lambda t: t.reshape(t.shape[0], 1, -1), None)
+
+
+def in_out(stored: torch.Tensor, out_features: int) -> torch.Tensor:
+    """A linear weight stored in :data:`LINEAR_WEIGHT`'s layout as ``[n, in, out]`` (a view)."""
+    return stored.mT if _narrow(out_features) else stored
 
 
 def linear(x: torch.Tensor, n: int, weight: Optional[torch.Tensor],
            bias: Optional[torch.Tensor], frozen_weight: torch.Tensor,
            frozen_bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``x [n*B, ..., in]``: each slot's rows through its own ``weight`` (stored ``[n, in,
-    out]``, or None: the frozen one) and ``bias`` (``[n, 1, out]``, or None: the frozen one)."""
+    """``x [n*B, ..., in]``: each slot's rows through its own ``weight`` (stored in
+    :data:`LINEAR_WEIGHT`'s layout, or None: the frozen one) and ``bias`` (``[n, 1, out]``, or
+    None: the frozen one)."""
     if weight is None:  # a frozen weight, a bias per slot (BitFit)
         y = F.linear(x, frozen_weight)
         out = y.view(n, -1, y.shape[-1]) + bias
@@ -280,7 +291,7 @@ def linear(x: torch.Tensor, n: int, weight: Optional[torch.Tensor],
     x3 = x.reshape(n, -1, x.shape[-1])
     if bias is None:
         bias = None if frozen_bias is None else frozen_bias.view(1, 1, -1)
-    y = slot_matmul(x3, weight, bias)
+    y = slot_matmul(x3, weight if _narrow(frozen_weight.shape[0]) else weight.mT, bias)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -403,16 +414,16 @@ def _encoder_layer_guard(m: nn.TransformerEncoderLayer) -> Optional[str]:
     return None
 
 
-register_form(nn.Linear, _linear, layouts={"weight": WEIGHT_T, "bias": ROW_VECTOR})
+register_form(nn.Linear, _linear, layouts={"weight": LINEAR_WEIGHT, "bias": ROW_VECTOR})
 register_form(nn.LayerNorm, _layer_norm, layouts={"weight": ROW_VECTOR, "bias": ROW_VECTOR})
 register_form(nn.Conv2d, _conv, layouts={"bias": (_conv_bias_layout, None)})
 register_form(nn.BatchNorm2d, _batch_norm, layouts={"weight": (_conv_bias_layout, None),
                                                     "bias": (_conv_bias_layout, None)})
 register_form(nn.TransformerEncoderLayer, _encoder_layer, covers=("self_attn",),
-              layouts={"self_attn.in_proj_weight": WEIGHT_T,
+              layouts={"self_attn.in_proj_weight": LINEAR_WEIGHT,
                        "self_attn.in_proj_bias": ROW_VECTOR},
               guard=_encoder_layer_guard)
 
 
-__all__ = ["Slots", "active", "form_of", "from_layout", "install", "linear", "offset",
+__all__ = ["Slots", "active", "form_of", "from_layout", "in_out", "install", "linear", "offset",
            "per_row", "register_form", "slots_active", "to_layout", "unsupported"]

@@ -79,8 +79,9 @@ def _plan_slots(jobs: list[ClientJob], scheds: list[Schedule], rows: int,
         sources.append(ks)
         for k in ks:
             b = len(sch[k].batches[t]) if t < len(sch[k].batches) else 0
-            weights.append(np.r_[np.full(b, 1.0 / max(b, 1), np.float32),
-                                 np.zeros(rows - b, np.float32)])
+            weight = np.zeros(rows, np.float32)  # its real rows' mean, its padding 0
+            weight[:b] = 1.0 / max(b, 1)
+            weights.append(weight)
             sizes.append(b)
     return _Plan(order=order, scheds=sch, going=going, width=width, perms=perms, exits=exits,
                  rows=batch_rows, sources=sources,
@@ -194,11 +195,13 @@ def train_forms(model: nn.Module, source: DataSource, jobs: list[ClientJob],
     perms_host = [p for p in plan.perms if p is not None]
     keys_host = np.array([dropout.step_key(slot_jobs[k].seed, t) if has_dropout else 0
                           for t in range(steps) for k in plan.sources[t]], dtype=np.int64)
-    weights, sizes, perm_flat, slot_index, keys = _upload(
-        [torch.from_numpy(plan.weights), torch.from_numpy(plan.sizes),
-         torch.from_numpy(np.concatenate(perms_host) if perms_host
-                          else np.zeros(0, np.int64)),
-         torch.arange(len(jobs), dtype=torch.int64), torch.from_numpy(keys_host)], dev)
+    small = [torch.from_numpy(plan.weights), torch.from_numpy(plan.sizes),
+             torch.from_numpy(np.concatenate(perms_host) if perms_host
+                              else np.zeros(0, np.int64)),
+             torch.arange(len(jobs), dtype=torch.int64), torch.from_numpy(keys_host)]
+    # on the CPU they are where the step reads them (no transfer to gather them for)
+    weights, sizes, perm_flat, slot_index, keys = small if dev.type == "cpu" \
+        else _upload(small, dev)
     loss_sum = torch.zeros(len(jobs), dtype=torch.float64, device=dev)
     seed_torch(derive_seed(jobs[0].seed, len(jobs), OTHER_STREAM), dev)  # any other draw
     model.train()
