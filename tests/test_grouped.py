@@ -398,16 +398,19 @@ def test_plain_sgd_updates_in_one_call_and_leaves_unreached_slices_as_they_were(
 
 
 @pytest.mark.parametrize("bias", ["slot", "shared", None])
-@pytest.mark.parametrize("out", [1, 10, forms.NARROW_COLUMNS, 40])
-def test_a_per_slot_product_narrow_or_wide_computes_the_plain_one(out, bias):
-    """``slot_matmul`` (transposed on the CPU below ``NARROW_COLUMNS`` outputs) gives the
-    plain batched product, its bias broadcast, and the same gradients."""
+@pytest.mark.parametrize("out,d_in", [(1, 64), (10, 96), (10, 24), (forms.NARROW_COLUMNS, 64),
+                                      (40, 24)])
+def test_a_per_slot_product_narrow_or_wide_computes_the_plain_one(out, d_in, bias):
+    """``slot_matmul`` (transposed on the CPU where the weight is narrow) gives the plain
+    batched product, its bias broadcast, and the same gradients."""
     torch.manual_seed(0)
-    x3 = torch.randn(3, 7, 24)
-    w = torch.randn(3, out, 24, requires_grad=True)
+    x3 = torch.randn(3, 7, d_in)
+    w = torch.randn(3, out, d_in, requires_grad=True)
     b = {"slot": torch.randn(3, 1, out), "shared": torch.randn(1, 1, out), None: None}[bias]
     b = None if b is None else b.requires_grad_()
     y = forms.slot_matmul(x3, w, b)
+    if out > 1:  # the narrow form is the transpose of a product with the outputs as its rows
+        assert y.mT.is_contiguous() == forms.narrow(out, d_in)
     plain = torch.bmm(x3, w.mT) + (0 if b is None else b)
     torch.testing.assert_close(y, plain, rtol=1e-5, atol=1e-5)
     g = torch.randn_like(plain)
@@ -417,11 +420,11 @@ def test_a_per_slot_product_narrow_or_wide_computes_the_plain_one(out, bias):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("d_in,d_out", [(24, 10), (8, 40), (12, 12), (20, 20)])
+@pytest.mark.parametrize("d_in,d_out", [(96, 10), (24, 10), (8, 40), (12, 12), (80, 80)])
 def test_a_linear_layers_stored_layout_round_trips_and_computes_each_slot(d_in, d_out):
-    """A linear weight stored in its layout (as it is below ``NARROW_COLUMNS`` outputs, else
-    transposed; a narrow input with wide outputs is not mistaken for narrow) comes back as it
-    was, and its grouped form gives each slot what the layer alone gives."""
+    """A linear weight stored in its layout (as it is where narrow, else transposed; few inputs
+    with many outputs are not mistaken for narrow) comes back as it was, and its grouped form
+    gives each slot what the layer alone gives."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(d_in, d_out))
     forms.install(model)

@@ -24,9 +24,11 @@ import torch
 COLUMNS = ["slots x rows", "in", "out", "plain (us)", "transposed (us)", "transposed / plain",
            "fedadapt takes"]
 #: (slots, rows a slot, in, out): W3's head (10 clients, batch 32, EfficientNet-Lite0's 1,280
-#: features, 10 classes), around it in ``out``, and a DeiT-S-wide head.
+#: features, 10 classes), around it in ``out``, a DeiT-S-wide head, and narrow heads on few
+#: inputs (W1's small CNN: 32 features, 5 clients side by side).
 SHAPES = [(10, 32, 1280, o) for o in (1, 4, 8, 10, 12, 15, 16, 24, 32, 62)] + [
-    (10, 64, 1280, 10), (32, 32, 384, 10), (10, 32, 384, 100)]
+    (10, 64, 1280, 10), (32, 32, 384, 10), (10, 32, 384, 100), (5, 32, 32, 10),
+    (10, 32, 64, 10), (10, 32, 128, 10)]
 
 
 def step(x3: torch.Tensor, w: torch.Tensor, b: torch.Tensor, transposed: bool) -> None:
@@ -40,7 +42,7 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=200, help="forward-backward calls a repeat")
     p.add_argument("--record", default=None, help="keep the table as benchmarks/records/NAME.json")
     a = p.parse_args()
-    from fedadapt.grouping.forms import NARROW_COLUMNS
+    from fedadapt.grouping.forms import NARROW_COLUMNS, NARROW_MIN_IN, narrow
 
     rows = []
     for i, (n, rows_a_slot, d_in, d_out) in enumerate(SHAPES):
@@ -61,7 +63,7 @@ def main() -> None:
         plain, trans = statistics.median(took[False]), statistics.median(took[True])
         rows.append([f"{n} x {rows_a_slot}", str(d_in), str(d_out), f"{plain:.0f}",
                      f"{trans:.0f}", f"{trans / plain:.2f}",
-                     "transposed" if d_out < NARROW_COLUMNS else "plain"])
+                     "transposed" if narrow(d_out, d_in) else "plain"])
         print(f"[narrow-products] {i + 1}/{len(SHAPES)}: {' | '.join(rows[-1])}", file=sys.stderr,
               flush=True)
     print("\n| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS))
@@ -78,7 +80,8 @@ def main() -> None:
             footer=f"One forward and backward of `baddbmm` (weight and bias gradients), fp32, "
                    f"medians of {a.repeats} interleaved repeats of {a.calls} calls, torch "
                    f"threads: {torch.get_num_threads()}. fedadapt takes the transposed form on "
-                   f"the CPU below {NARROW_COLUMNS} output columns."),
+                   f"the CPU below {NARROW_COLUMNS} output columns with {NARROW_MIN_IN} inputs "
+                   f"or more."),
             "narrow_products")
 
 

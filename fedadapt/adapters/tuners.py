@@ -201,8 +201,8 @@ def _dora(m, prefix: str, slots: forms.Slots, x: torch.Tensor, *, lora_A, lora_B
     b = slots.take(lora_B.__dict__["_grouping_prefix"] + ".weight", n)
     if magnitude is None or a is None or b is None:
         raise NotImplementedError("grouped DoRA trains its magnitude, A and B")
-    a = forms.in_out(a, lora_A.out_features)  # [n, in, r]
-    b = forms.in_out(b, lora_B.out_features)  # [n, r, out]
+    a = forms.in_out(a, lora_A)  # [n, in, r]
+    b = forms.in_out(b, lora_B)  # [n, r, out]
     weight = base_layer.weight.to(x.dtype)  # [out, in]
     lora_t = torch.bmm(a, b).to(x.dtype)  # (B A)^T per slot: [n, in, out]
     norm = torch.linalg.norm(weight.t() + scaling * lora_t.detach(), dim=1).to(weight.dtype)

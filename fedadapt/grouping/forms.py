@@ -20,8 +20,8 @@ How a module gets its grouped form:
   layer embeddings) reads them through :func:`per_row`, which gives each row its slot's tensor.
 * ``layouts``: how a stacked tensor is stored while it trains (a linear weight ``[K, out, in]``
   as ``[K, in, out]``, so the batched product needs no transpose per call; one with fewer than
-  :data:`NARROW_COLUMNS` outputs as it is, see :func:`slot_matmul`); :func:`to_layout` and
-  :func:`from_layout` convert.
+  :data:`NARROW_COLUMNS` outputs and enough inputs as it is, see :func:`slot_matmul`);
+  :func:`to_layout` and :func:`from_layout` convert.
 * ``covers``: children whose tensors the form applies itself (an attention layer's projection
   weights); ``guard(module)``: a reason the form cannot serve this instance, or None.
 
@@ -238,44 +238,49 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-#: A per-slot product with fewer output columns than this is computed with the narrow side as
-#: the product's rows (:func:`slot_matmul`), and its weight is stored as it is (``[K, out,
-#: in]``, :data:`LINEAR_WEIGHT`). MKL's GEMM is slow with a narrow right-hand side: a 10-class
-#: head on 1,280 features, 10 slots of 32 rows, took 1.6 ms a step forward and backward against
-#: 0.8 ms transposed; at 16 columns and above the plain product was as fast or faster
-#: (``benchmarks/investigations/narrow_products.py``, record ``narrow-products``).
+#: A per-slot product with fewer output columns than this, and at least :data:`NARROW_MIN_IN`
+#: inputs, is computed with the narrow side as the product's rows (:func:`slot_matmul`), and
+#: its weight is stored as it is (``[K, out, in]``, :data:`LINEAR_WEIGHT`). MKL's GEMM is slow
+#: with a narrow right-hand side: a 10-class head on 1,280 features, 10 slots of 32 rows, took
+#: 1.6 ms a step forward and backward against 0.8 ms transposed; at 16 columns and above the
+#: plain product was as fast or faster, and so it was with 32 inputs (a small CNN's head: 1.36x
+#: transposed, 0.83x at 64) (``benchmarks/investigations/narrow_products.py``, record
+#: ``narrow-products``).
 NARROW_COLUMNS = 16
+NARROW_MIN_IN = 64
 
 
 def slot_matmul(x3: torch.Tensor, weight: torch.Tensor,
                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x3 [n, B, in]`` times ``weight [n, out, in]`` transposed, plus ``bias`` (broadcast to
-    ``[n, B, out]``): each slot's rows through its own weight. On the CPU with fewer than
-    :data:`NARROW_COLUMNS` outputs, as the transpose of ``weight @ x3^T``: the same sums, with
-    the narrow side as the product's rows, forward and backward (the weight's gradient, ``g^T
-    @ x3``, likewise). The result may be a transposed view."""
-    if x3.device.type == "cpu" and weight.shape[1] < NARROW_COLUMNS:
+    ``[n, B, out]``): each slot's rows through its own weight. On the CPU, for a narrow weight
+    (:func:`narrow`), as the transpose of ``weight @ x3^T``: the same sums, with the narrow side
+    as the product's rows, forward and backward (the weight's gradient, ``g^T @ x3``,
+    likewise). The result may be a transposed view."""
+    if x3.device.type == "cpu" and narrow(weight.shape[1], weight.shape[2]):
         if bias is None:
             return torch.bmm(weight, x3.mT).mT
         return torch.baddbmm(bias.mT, weight, x3.mT).mT
     return torch.bmm(x3, weight.mT) if bias is None else torch.baddbmm(bias, x3, weight.mT)
 
 
-def _narrow(out_features: int) -> bool:
-    return out_features < NARROW_COLUMNS
+def narrow(out_features: int, in_features: int) -> bool:
+    """Whether a linear weight of this shape is narrow (:data:`NARROW_COLUMNS`)."""
+    return out_features < NARROW_COLUMNS and in_features >= NARROW_MIN_IN
 
 
 #: A linear weight ``[K, out, in]`` stored ``[K, in, out]`` (its batched product reads it with
-#: no copy), or as it is where it has fewer than :data:`NARROW_COLUMNS` outputs (the product
-#: runs transposed there); a bias ``[K, out]`` stored ``[K, 1, out]``.
-LINEAR_WEIGHT = (lambda t: t if _narrow(t.shape[1]) else t.transpose(1, 2),
-                 lambda t, shape: t if _narrow(shape[0]) else t.transpose(1, 2))
+#: no copy), or as it is where it is :func:`narrow` (the product runs transposed there); a bias
+#: ``[K, out]`` stored ``[K, 1, out]``.
+LINEAR_WEIGHT = (lambda t: t if narrow(t.shape[1], t.shape[2]) else t.transpose(1, 2),
+                 lambda t, shape: t if narrow(shape[0], shape[1]) else t.transpose(1, 2))
 ROW_VECTOR = (lambda t: t.reshape(t.shape[0], 1, -1), None)
 
 
-def in_out(stored: torch.Tensor, out_features: int) -> torch.Tensor:
-    """A linear weight stored in :data:`LINEAR_WEIGHT`'s layout as ``[n, in, out]`` (a view)."""
-    return stored.mT if _narrow(out_features) else stored
+def in_out(stored: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """``layer``'s weight stored in :data:`LINEAR_WEIGHT`'s layout as ``[n, in, out]`` (a
+    view)."""
+    return stored.mT if narrow(layer.out_features, layer.in_features) else stored
 
 
 def linear(x: torch.Tensor, n: int, weight: Optional[torch.Tensor],
@@ -291,7 +296,7 @@ def linear(x: torch.Tensor, n: int, weight: Optional[torch.Tensor],
     x3 = x.reshape(n, -1, x.shape[-1])
     if bias is None:
         bias = None if frozen_bias is None else frozen_bias.view(1, 1, -1)
-    y = slot_matmul(x3, weight if _narrow(frozen_weight.shape[0]) else weight.mT, bias)
+    y = slot_matmul(x3, weight if narrow(*frozen_weight.shape) else weight.mT, bias)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -425,5 +430,5 @@ register_form(nn.TransformerEncoderLayer, _encoder_layer, covers=("self_attn",),
               guard=_encoder_layer_guard)
 
 
-__all__ = ["Slots", "active", "form_of", "from_layout", "in_out", "install", "linear", "offset",
-           "per_row", "register_form", "slots_active", "to_layout", "unsupported"]
+__all__ = ["Slots", "active", "form_of", "from_layout", "in_out", "install", "linear", "narrow",
+           "offset", "per_row", "register_form", "slots_active", "to_layout", "unsupported"]
