@@ -242,10 +242,10 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 #: inputs, is computed with the narrow side as the product's rows (:func:`slot_matmul`), and
 #: its weight is stored as it is (``[K, out, in]``, :data:`LINEAR_WEIGHT`). MKL's GEMM is slow
 #: with a narrow right-hand side: a 10-class head on 1,280 features, 10 slots of 32 rows, took
-#: 1.6 ms a step forward and backward against 0.8 ms transposed; at 16 columns and above the
-#: plain product was as fast or faster, and so it was with 32 inputs (a small CNN's head: 1.36x
-#: transposed, 0.83x at 64) (``benchmarks/investigations/narrow_products.py``, record
-#: ``narrow-products``).
+#: 1.6 ms a step forward and backward against 0.7 ms transposed; at 16 columns and above the
+#: plain product was as fast or faster, and so it was with 32 inputs (a small CNN's head: 1.11x
+#: transposed, 0.99x at 64, 0.95x at 128; in one thread 1.36x, 0.83x and 0.89x)
+#: (``benchmarks/investigations/narrow_products.py``, record ``narrow-products``).
 NARROW_COLUMNS = 16
 NARROW_MIN_IN = 64
 
