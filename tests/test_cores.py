@@ -176,6 +176,19 @@ def test_a_round_far_slower_than_the_first_ones_under_load_is_said_once(monkeypa
     assert said[5] is None  # once
 
 
+def test_the_watch_reads_the_machine_only_for_a_slow_round_or_once_in_a_while(monkeypatch):
+    """Fast rounds read no counters within WATCH_REFRESH_S of the last read; a slow round reads
+    them, and its load is measured from the last read."""
+    watch, loads = _watch(monkeypatch, 2, [0.0, 1.0, 1.0, 1.0])  # the start, then each read
+    monkeypatch.setattr(cores, "WATCH_REFRESH_S", 1e9)
+    said = [watch.round(r, s, False) for r, s in enumerate([1.0, 1.1, 1.0, 1.2], 1)]
+    assert said == [None] * 4 and loads == [1.0, 1.0, 1.0]  # no read since the start
+    assert watch.round(5, 9.0, False).startswith("round 5 took 9.00 s")
+    assert loads == [1.0, 1.0]  # one read, for the slow round
+    monkeypatch.setattr(cores, "WATCH_REFRESH_S", 0.0)  # a read after every round
+    assert watch.round(6, 1.0, False) is None and loads == [1.0]
+
+
 def test_no_word_without_others_load_and_rounds_are_compared_with_their_kind(monkeypatch):
     watch, _ = _watch(monkeypatch, 2, [0.0] * 8)
     # evaluated rounds (True) take longer by nature: compared with evaluated ones only
