@@ -121,23 +121,19 @@ def main() -> None:
     else:
         got = measure([b for b in args.backends.split(",") if b], args.repeats, args.rounds)
     rows = table(got)
-    print("\n| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS))
-    for t in rows:
-        print("| " + " | ".join(cells(t)) + " |")
     if args.out is not None:
         from fedadapt.results.store import write_json
 
         write_json(args.out, {"command": command, "rows": rows, "runs": got})
-    if args.record:
-        from fedadapt.results import records
+    from fedadapt.results import records
 
-        records.keep(records.measured(
-            args.record, COLUMNS, [cells(t) for t in rows], command=command,
-            source="benchmarks/investigations/busy_core_check.py", extra={"runs": got},
-            footer="*x alone*: the median against the same sizing's run alone on the idle "
-                   "machine; *row s*: the run's own wall clock (the table's `wall s`); "
-                   "*process s*: the whole `fedadapt` process, start-up included."),
-            "busy_core_check")
+    records.show(
+        args.record, COLUMNS, [cells(t) for t in rows], command=command,
+        source="benchmarks/investigations/busy_core_check.py", writer="busy_core_check",
+        extra={"runs": got},
+        footer="*x alone*: the median against the same sizing's run alone on the idle "
+               "machine; *row s*: the run's own wall clock (the table's `wall s`); "
+               "*process s*: the whole `fedadapt` process, start-up included.")
 
 
 def measure(backends: list[str], repeats: int, rounds: int) -> dict:

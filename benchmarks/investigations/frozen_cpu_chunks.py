@@ -79,24 +79,18 @@ def main() -> None:
             ms = statistics.median(took[i])
             rows.append([str(size), case, str(per), "channels-last" if last else "NCHW",
                          f"{ms:.2f}", f"{ms / base:.2f}", f"{diff[i]:.1e}"])
-    print("\n| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS))
-    for r in rows:
-        print("| " + " | ".join(r) + " |")
-    if a.record:
-        from fedadapt.results import records
+    from fedadapt.results import records
 
-        records.keep(records.measured(
-            a.record, COLUMNS, rows,
-            command="python benchmarks/investigations/frozen_cpu_chunks.py " + " ".join(
-                sys.argv[1:]),
-            source="benchmarks/investigations/frozen_cpu_chunks.py",
-            footer=f"Medians of {a.repeats} interleaved repeats, torch threads: "
-                   f"{torch.get_num_threads()}. *fedadapt*: `frozen_features`, the backbone's "
-                   f"declared chunk ({bb.cpu_chunk_pixels:,} pixels) in channels-last layout, "
-                   f"through its `frozen_cpu()` form (batch norms folded into the "
-                   f"convolutions, symmetric paddings the convolutions' own)."),
-            "frozen_cpu_chunks")
-
+    records.show(
+        a.record, COLUMNS, rows,
+        command="python benchmarks/investigations/frozen_cpu_chunks.py " + " ".join(
+            sys.argv[1:]),
+        source="benchmarks/investigations/frozen_cpu_chunks.py", writer="frozen_cpu_chunks",
+        footer=f"Medians of {a.repeats} interleaved repeats, torch threads: "
+               f"{torch.get_num_threads()}. *fedadapt*: `frozen_features`, the backbone's "
+               f"declared chunk ({bb.cpu_chunk_pixels:,} pixels) in channels-last layout, "
+               f"through its `frozen_cpu()` form (batch norms folded into the "
+               f"convolutions, symmetric paddings the convolutions' own).")
 
 if __name__ == "__main__":
     main()

@@ -66,24 +66,17 @@ def main() -> None:
                      "transposed" if narrow(d_out, d_in) else "plain"])
         print(f"[narrow-products] {i + 1}/{len(SHAPES)}: {' | '.join(rows[-1])}", file=sys.stderr,
               flush=True)
-    print("\n| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS))
-    for r in rows:
-        print("| " + " | ".join(r) + " |")
-    if a.record:
-        from fedadapt.results import records
+    from fedadapt.results import records
 
-        records.keep(records.measured(
-            a.record, COLUMNS, rows,
-            command="python benchmarks/investigations/narrow_products.py " + " ".join(
-                sys.argv[1:]),
-            source="benchmarks/investigations/narrow_products.py",
-            footer=f"One forward and backward of `baddbmm` (weight and bias gradients), fp32, "
-                   f"medians of {a.repeats} interleaved repeats of {a.calls} calls, torch "
-                   f"threads: {torch.get_num_threads()}. fedadapt takes the transposed form on "
-                   f"the CPU below {NARROW_COLUMNS} output columns with {NARROW_MIN_IN} inputs "
-                   f"or more."),
-            "narrow_products")
-
+    records.show(
+        a.record, COLUMNS, rows,
+        command="python benchmarks/investigations/narrow_products.py " + " ".join(sys.argv[1:]),
+        source="benchmarks/investigations/narrow_products.py", writer="narrow_products",
+        footer=f"One forward and backward of `baddbmm` (weight and bias gradients), fp32, "
+               f"medians of {a.repeats} interleaved repeats of {a.calls} calls, torch "
+               f"threads: {torch.get_num_threads()}. fedadapt takes the transposed form on "
+               f"the CPU below {NARROW_COLUMNS} output columns with {NARROW_MIN_IN} inputs "
+               f"or more.")
 
 if __name__ == "__main__":
     main()

@@ -230,18 +230,12 @@ def finish(results: dict, out: Path, record: str | None = None, command: str | N
     atomic_write(out.with_suffix(".json"), lambda fh: json.dump(results, fh, indent=1))
     plot(results, out.with_suffix(".png"))
     print(f"[token_replace] wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
-    rows = rows_of(results)
-    if record is None:
-        print(records.render(records.Record(name="token-replace", columns=COLUMNS, rows=rows,
-                                            command="", source="", machine="", date="")))
-        return
     commits = sorted({res.get("git_commit") or "unknown" for res in results.values()})
     backbones = sorted({res.get("backbone") or backbone_of(res["overrides"]) or "unknown"
                         for res in results.values()})
-    records.keep(records.measured(record, COLUMNS, rows, command,
-                                  "benchmarks/investigations/token_replace.py",
-                                  commit=", ".join(commits), backbone=" | ".join(backbones)),
-                 "token_replace.py")
+    records.show(record, COLUMNS, rows_of(results), command,
+                 "benchmarks/investigations/token_replace.py", "token_replace.py",
+                 commit=", ".join(commits), backbone=" | ".join(backbones))
 
 
 if __name__ == "__main__":

@@ -141,6 +141,17 @@ def measured(name: str, columns: list[str], rows: list[list[str]], command: str,
                      "commit": git_commit(), **more})
 
 
+def show(name: str | None, columns: list[str], rows: list[list[str]], command: str,
+         source: str, writer: str, **more) -> None:
+    """A measurement's table: kept as the record ``name`` (:func:`keep` prints it), or, with no
+    name, only printed (``more`` as for :func:`measured`)."""
+    record = measured(name or writer, columns, rows, command, source, **more)
+    if name:
+        keep(record, writer)
+    else:
+        print(render(record))
+
+
 def load(path: str | Path) -> Record:
     path = Path(path)
     try:
